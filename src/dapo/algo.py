@@ -1,0 +1,188 @@
+"""The algorithm: advantages, losses, reward shaping and filtering. Pure tensor functions, no I/O.
+
+Batch conventions used everywhere in the project:
+  P prompts, G samples each (``group_size``), N = P * G rows in prompt-major order, so rows
+  i*G .. i*G+G-1 share prompt i and a group is ``x.view(P, G)``. T is the response-token axis;
+  ``response_mask`` (N, T) is 1 where a token is trained on (0 on padding, and on whole rows
+  removed by overlong filtering).
+
+Every function here can be checked by hand against the DAPO paper (arXiv 2503.14476):
+  eq. 10/11   policy_loss          clip range [1 - eps_low, 1 + eps_high]   (Clip-Higher, sec. 3.1)
+  eq. 11      informative_groups   keep 0 < #correct < G                    (Dynamic Sampling, sec. 3.2)
+  eq. 12      policy_loss          token-level mean over the whole batch    (sec. 3.3)
+  eq. 13      overlong_penalty     soft overlong punishment                 (sec. 3.4)
+  eq. 9       group_advantages     (R - mean) / std within a group
+The GRPO and Dr. GRPO baselines are arguments of the same functions, not separate code paths.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_KINDS = ("k1", "k2", "k3")
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, *, scale_by_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """Group-normalised outcome advantage, one value per response: (N,) -> (N,).
+
+    GRPO/DAPO: (r - mean_G) / (std_G + eps) with the unbiased std, as the reference does.
+    Dr. GRPO (``scale_by_std=False``): r - mean_G, which removes the question-difficulty bias.
+    A group of one has no baseline: its advantage is 0.
+    """
+    if rewards.dim() != 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"rewards must be (P*G,) with G={group_size}, got {tuple(rewards.shape)}")
+    grouped = rewards.float().view(-1, group_size)  # (P, G)
+    if group_size == 1:
+        return torch.zeros_like(rewards, dtype=torch.float32)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)  # (P, G)
+    if scale_by_std:
+        centered = centered / (grouped.std(dim=1, unbiased=True, keepdim=True) + eps)
+    return centered.view(-1)  # (N,)
+
+
+def informative_groups(values: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(N,) -> (P,) bool: True where a group's values are not all equal.
+
+    With accuracies this is the dynamic-sampling condition 0 < #correct < G (eq. 11): a group
+    whose G answers are all right or all wrong has zero advantage and so no gradient.
+    """
+    grouped = values.view(-1, group_size)  # (P, G)
+    return (grouped != grouped[:, :1]).any(dim=1)  # (P,)
+
+
+def overlong_penalty(
+    lengths: torch.Tensor,
+    *,
+    max_response_tokens: int,
+    overlong_buffer_tokens: int,
+    penalty_factor: float = 1.0,
+) -> torch.Tensor:
+    """Soft overlong punishment (eq. 13): (N,) lengths -> (N,) reward added to the correctness reward.
+
+    0 while |y| <= L_max - L_cache, then linear down to -penalty_factor at |y| = L_max, and
+    -penalty_factor beyond it. (L_max here is the generation limit, L_cache the buffer.)
+    """
+    if not 0 < overlong_buffer_tokens <= max_response_tokens:
+        raise ValueError("need 0 < overlong_buffer_tokens <= max_response_tokens")
+    expected = max_response_tokens - overlong_buffer_tokens
+    exceed = lengths.float() - expected  # (N,)
+    penalty = -exceed / overlong_buffer_tokens * penalty_factor
+    return penalty.clamp(min=-penalty_factor, max=0.0)
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi: (N, T) -> (N, T).
+
+    k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) + log r - 1 (non-negative, low variance;
+    GRPO's choice), with log r = logp - ref_logp. DAPO uses no KL term at all.
+    """
+    log_ratio = logp - ref_logp
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio.square()
+    if kind == "k3":
+        # clamp as the reference does: a stray -inf/+inf log-prob must not blow the loss up
+        neg = (-log_ratio).clamp(-20.0, 20.0)
+        return (neg.exp() - neg - 1.0).clamp(-10.0, 10.0)
+    raise ValueError(f"kl kind must be one of {KL_KINDS}, got {kind!r}")
+
+
+def aggregate(
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg: str = "token-mean",
+    *,
+    num_tokens: torch.Tensor | float | None = None,
+    num_seqs: torch.Tensor | float | None = None,
+    norm_length: float | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token (N, T) quantity to a scalar the way the loss does.
+
+    token-mean               sum(v * mask) / num_tokens            (DAPO eq. 12)
+    seq-mean-token-mean      sum_i mean_t(v_i) / num_seqs          (GRPO eq. 9, sample-level)
+    seq-mean-token-sum-norm  sum(v * mask) / (num_seqs * norm_length)   (Dr. GRPO: constant length)
+
+    ``num_tokens`` / ``num_seqs`` default to this batch's own counts. Passing the counts of the
+    whole optimizer step (summed over micro-batches and ranks) makes micro-batch losses add up
+    exactly to the step's loss, so accumulation and data parallelism never change the objective.
+    """
+    mask = response_mask.to(values.dtype)
+    if loss_agg == "token-mean":
+        denom = mask.sum() if num_tokens is None else num_tokens
+        return (values * mask).sum() / torch.as_tensor(denom, dtype=values.dtype).clamp(min=1.0)
+    if num_seqs is None:
+        # sequences fully masked out (overlong filtering) are not counted as samples
+        num_seqs = (mask.sum(dim=-1) > 0).sum()
+    seqs = torch.as_tensor(num_seqs, dtype=values.dtype).clamp(min=1.0)
+    if loss_agg == "seq-mean-token-mean":
+        per_seq = (values * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)  # (N,)
+        return per_seq.sum() / seqs
+    if loss_agg == "seq-mean-token-sum-norm":
+        length = float(mask.shape[-1] if norm_length is None else norm_length)
+        return (values * mask).sum() / (seqs * length)
+    raise ValueError(f"loss_agg must be one of {LOSS_AGG_MODES}, got {loss_agg!r}")
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    loss_agg: str = "token-mean",
+    num_tokens: torch.Tensor | float | None = None,
+    num_seqs: torch.Tensor | float | None = None,
+    norm_length: float | None = None,
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate with the decoupled clip range [1 - eps_low, 1 + eps_high] (eq. 10).
+
+    logp, old_logp, response_mask: (N, T); adv: (N,) or (N, T). Returns the loss to minimise
+    (the negated objective) and a dict of detached scalar tensors:
+      clipfrac_high  share of tokens whose ratio was clipped at 1 + eps_high (only where adv > 0)
+      clipfrac_low   share clipped at 1 - eps_low (only where adv < 0)
+      approx_kl      mean of old_logp - logp, the k1 estimate of KL(old || new)
+      up_clipped_prob_max / _mean  probability pi(o_t) of tokens clipped at the top (DAPO fig. 3a)
+      token_prob_mean               mean pi(o_t) over valid tokens
+    ``dual_clip`` (> 1) additionally bounds the loss of negative-advantage tokens at -adv * c,
+    as the reference recipe does with c = 10; None disables it.
+    """
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(-1)  # (N, 1), broadcast over tokens
+    mask = response_mask.to(logp.dtype)
+    log_ratio = (logp - old_logp).clamp(-20.0, 20.0)  # (N, T); exp of a huge value is inf
+    ratio = log_ratio.exp()
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    per_token = torch.maximum(unclipped, clipped)  # pessimistic bound: the min of the objectives
+    if dual_clip is not None:
+        bounded = torch.minimum(per_token, -adv * dual_clip)
+        per_token = torch.where(adv < 0, bounded, per_token)
+    loss = aggregate(
+        per_token, response_mask, loss_agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length
+    )
+
+    with torch.no_grad():
+        valid = mask > 0
+        n_valid = mask.sum().clamp(min=1.0)
+        clipped_high = valid & (adv > 0) & (ratio > 1.0 + eps_high)
+        clipped_low = valid & (adv < 0) & (ratio < 1.0 - eps_low)
+        prob = logp.detach().exp()
+        up_probs = torch.where(clipped_high, prob, torch.zeros_like(prob))
+        n_up = clipped_high.sum()
+        stats = {
+            "clipfrac_high": clipped_high.sum() / n_valid,
+            "clipfrac_low": clipped_low.sum() / n_valid,
+            "approx_kl": ((old_logp - logp.detach()) * mask).sum() / n_valid,
+            "up_clipped_prob_max": up_probs.max(),  # 0 when nothing was clipped
+            "up_clipped_prob_mean": up_probs.sum() / n_up.clamp(min=1),
+            "token_prob_mean": (prob * mask).sum() / n_valid,
+            "num_up_clipped": n_up.to(prob.dtype),
+        }
+    return loss, stats

@@ -1,0 +1,112 @@
+"""Typed records that move rollouts through the step, instead of string-keyed dicts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    """N = P * G sampled responses in prompt-major order, plus what the step computes for them.
+
+    Token ids are kept as per-row lists so batches from different generation rounds concatenate
+    without re-padding; tensors are padded per micro-batch, to that micro-batch's longest row.
+    """
+
+    group_size: int
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]  # includes the EOS token when the response stopped by itself
+    truncated: torch.Tensor  # (N,) bool: hit max_response_tokens without stopping
+    texts: list[str]  # decoded responses, for grading and for reading
+    example_uids: list[str]
+    ground_truths: list[str]
+    acc: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # (N,) float 0/1: raw correctness
+    reward: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # (N,) shaped reward
+    overlong: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # (N,) the soft overlong part of it
+    preds: list[str] = field(default_factory=list)
+    trainable: torch.Tensor | None = None  # (N,) bool: False rows are masked out (overlong filtering)
+    adv: torch.Tensor | None = None  # (N,)
+    old_logp: torch.Tensor | None = None  # (N, T) under the policy before this step's updates
+    ref_logp: torch.Tensor | None = None  # (N, T) under the initial policy (KL baselines only)
+    entropy: torch.Tensor | None = None  # (N, T)
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self) // self.group_size
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        return torch.tensor([len(r) for r in self.response_ids], dtype=torch.long)  # (N,)
+
+    @property
+    def max_response_len(self) -> int:
+        return max((len(r) for r in self.response_ids), default=0)
+
+    def response_mask(self, rows: torch.Tensor | None = None, width: int | None = None) -> torch.Tensor:
+        """(n, width) float mask: 1 on response tokens that are trained on."""
+        lengths = self.response_lengths if rows is None else self.response_lengths[rows]
+        width = int(lengths.max()) if width is None else width
+        mask = (torch.arange(width)[None, :] < lengths[:, None]).float()  # (n, width)
+        if self.trainable is not None:
+            keep = self.trainable if rows is None else self.trainable[rows]
+            mask = mask * keep[:, None].float()
+        return mask
+
+    def select_rows(self, rows: list[int]) -> "RolloutBatch":
+        index = torch.tensor(rows, dtype=torch.long)
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "group_size":
+                out[f.name] = value
+            elif isinstance(value, list):
+                out[f.name] = [value[i] for i in rows] if value else []
+            elif isinstance(value, torch.Tensor):
+                out[f.name] = value[index] if value.numel() else value
+            else:
+                out[f.name] = None
+        return RolloutBatch(**out)
+
+    def select_groups(self, groups: list[int]) -> "RolloutBatch":
+        g = self.group_size
+        return self.select_rows([i * g + j for i in groups for j in range(g)])
+
+    @staticmethod
+    def concat(batches: list["RolloutBatch"]) -> "RolloutBatch":
+        batches = [b for b in batches if len(b)]
+        if not batches:
+            raise ValueError("nothing to concatenate")
+        out = {}
+        for f in fields(RolloutBatch):
+            values = [getattr(b, f.name) for b in batches]
+            if f.name == "group_size":
+                out[f.name] = values[0]
+            elif isinstance(values[0], list):
+                out[f.name] = [x for v in values for x in v]
+            elif isinstance(values[0], torch.Tensor) and f.name not in ("old_logp", "ref_logp", "entropy"):
+                out[f.name] = torch.cat(values)
+            else:
+                out[f.name] = None  # per-token tensors are recomputed for the combined batch
+        return RolloutBatch(**out)
+
+    def state(self) -> dict:
+        """Plain types and tensors only, for torch.save(weights_only=True) in checkpoints."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("old_logp", "ref_logp", "entropy")}
+
+    @staticmethod
+    def from_state(state: dict) -> "RolloutBatch":
+        return RolloutBatch(**state)
+
+
+def pad_rows(rows: list[list[int]], pad_id: int, width: int | None = None) -> torch.Tensor:
+    """Right-pad lists of ids into an (n, width) long tensor."""
+    width = max((len(r) for r in rows), default=0) if width is None else width
+    out = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r[:width], dtype=torch.long)
+    return out

@@ -1,0 +1,146 @@
+"""Command line: ``dapo train``, ``dapo eval``, ``dapo demo``.
+
+    dapo train configs/demo.yaml algo.eps_high=0.28 train.total_steps=10
+    dapo eval --model runs/demo/checkpoints/step_000060/model --benchmarks arith aime2024 --n 8
+    dapo demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from dapo.config import ConfigError, load_config
+
+PRESET_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+def _preset(path: str) -> Path:
+    p = Path(path)
+    if not p.exists() and (PRESET_DIR / p.name).exists():
+        return PRESET_DIR / p.name
+    return p
+
+
+def cmd_train(args) -> int:
+    from dapo.train import train
+
+    cfg = load_config(_preset(args.config), args.overrides)
+    train(cfg)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from dapo.plots import plot_training
+    from dapo.train import read_metrics, train
+
+    cfg = load_config(_preset("configs/demo.yaml"), args.overrides)
+    t0 = time.perf_counter()
+    last = train(cfg)
+    rows = read_metrics(cfg.run_dir)
+    png = plot_training(rows, cfg.run_dir / "plots" / "training.png", title="DAPO on the built-in arithmetic task")
+    key = next((k for k in last if k.startswith("eval/") and "/avg@" in k), None)
+    before = next((r[key] for r in rows if r["step"] == 0 and key in r), None) if key else None
+    print(f"run directory: {cfg.run_dir}  (metrics.jsonl, tensorboard/, samples/, checkpoints/)")
+    print(f"plot: {png}")
+    print(f"wall time: {time.perf_counter() - t0:.0f} s")
+    if key is None or before is None:
+        print("held-out accuracy: not measured (eval disabled or the run was already complete)")
+        return 0
+    print(f"held-out accuracy: before {100 * before:.1f}% -> after {100 * last[key]:.1f}%")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from rich.progress import Progress
+
+    from dapo.checkpoint import latest_checkpoint
+    from dapo.evaluate import BENCHMARKS, evaluate, load_benchmark, write_report
+    from dapo.policy import load_model_and_tokenizer, pick_device
+    from dapo.rewards import RewardPool
+    from dapo.rollout.hf import HFRolloutEngine
+    from dapo.train import make_encoder
+
+    model_dir = Path(args.model) if args.model else None
+    if args.run:
+        ckpt = latest_checkpoint(Path(args.run))
+        if ckpt is None:
+            raise SystemExit(f"error: --run {args.run} has no checkpoint (looked in {args.run}/checkpoints)")
+        model_dir = ckpt / "model"
+    if model_dir is None:
+        raise SystemExit("error: give --model DIR (a Hugging Face model directory) or --run RUN_DIR")
+    model, tokenizer = load_model_and_tokenizer(model_dir, args.dtype, pick_device(args.device))
+    engine = HFRolloutEngine(model, tokenizer)
+    encode = make_encoder(tokenizer, args.max_prompt_tokens)
+    results = []
+    with RewardPool(num_workers=args.workers, timeout_s=args.timeout_s) as pool, Progress() as progress:
+        for name in args.benchmarks:
+            bench, examples = load_benchmark(name, template=args.template, num_problems=args.num_problems)
+            n = args.n or bench.n
+            task = progress.add_task(f"{bench.name}: samples", total=n * len(examples))
+            res = evaluate(
+                engine, encode, examples, pool, name=bench.name, n=n,
+                temperature=bench.temperature if args.temperature is None else args.temperature,
+                top_p=bench.top_p if args.top_p is None else args.top_p,
+                max_new_tokens=args.max_tokens or bench.max_response_tokens, seed=args.seed, grader=args.grader,
+                progress=lambda k, t=task: progress.advance(t, k),
+            )
+            results.append(res)
+    out_dir = Path(args.out) if args.out else model_dir.parent / "eval"
+    table = write_report(results, out_dir)
+    print(table.read_text())
+    print(f"written: {out_dir}/eval.json, eval.md, <benchmark>.problems.jsonl  (known benchmarks: {', '.join(BENCHMARKS)})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dapo", description="DAPO reinforcement learning for language models")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train (or resume) a run from a YAML preset plus dotted overrides")
+    p.add_argument("config", help="YAML preset, e.g. configs/demo.yaml")
+    p.add_argument("overrides", nargs="*", help="key=value, e.g. algo.eps_high=0.28")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("demo", help="train a tiny model on the built-in task on CPU; print before/after accuracy")
+    p.add_argument("overrides", nargs="*", help="key=value overrides of configs/demo.yaml")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("eval", help="avg@n, pass@k, maj@n on benchmarks for a model directory or a run")
+    p.add_argument("--model", help="Hugging Face model directory")
+    p.add_argument("--run", help="run directory: evaluates its latest checkpoint")
+    p.add_argument("--benchmarks", nargs="+", default=["aime2024"], help="names (aime2024, math500, arith, ...) or files")
+    p.add_argument("--n", type=int, default=0, help="samples per problem (default: the benchmark's)")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--max-tokens", type=int, default=0, help="generation limit (default: the benchmark's)")
+    p.add_argument("--num-problems", type=int, default=0, help="evaluate only the first K problems")
+    p.add_argument("--template", default="dapo", choices=["dapo", "raw"])
+    p.add_argument("--grader", default="auto", choices=["auto", "dapo", "math", "gsm8k", "arith"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--timeout-s", type=float, default=5.0)
+    p.add_argument("--max-prompt-tokens", type=int, default=2048)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--out", help="output directory (default: next to the model)")
+    p.set_defaults(func=cmd_eval)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except Exception as err:
+        # bad input (config, data, paths) is reported in one line; anything else keeps its traceback
+        if isinstance(err, (ConfigError, FileNotFoundError)) or type(err).__name__ in ("DataError", "GenerationCapError"):
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

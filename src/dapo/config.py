@@ -1,0 +1,315 @@
+"""One typed config tree. Every default lives here, with a comment; YAML presets hold overrides only.
+
+    cfg = load_config("configs/demo.yaml", ["algo.eps_high=0.28", "rollout.backend=hf"])
+
+Unknown keys, wrong types and inconsistent values fail at start with a ConfigError naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message names the key and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "assets/arith-base"  # local Hugging Face causal-LM directory (nothing is downloaded)
+    dtype: str = "float32"  # parameter dtype for training: float32 | bfloat16 | float16
+    gradient_checkpointing: bool = False  # recompute activations in backward to save memory
+    device: str = "auto"  # auto (cuda if available) | cpu | cuda
+
+
+@dataclass
+class DataConfig:
+    task: str = "arith"  # built-in task used when train_files is empty: arith
+    task_difficulty: str = "demo"  # built-in task difficulty: demo | hard
+    task_train_size: int = 20000  # problems generated for the built-in task's train split
+    train_files: list[str] = field(default_factory=list)  # .jsonl/.parquet in DAPO-Math-17K or {problem, answer} layout
+    template: str = "dapo"  # prompt template for dataset files: dapo (the paper's) | raw
+    max_prompt_tokens: int = 2048  # longer prompts are cut from the left, as the reference does
+    seed: int = 0  # prompt order
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = "hf"  # hf (transformers generate, CPU or GPU) | vllm
+    group_size: int = 8  # G: responses sampled per prompt
+    max_response_tokens: int = 48  # L_max: generation limit per response
+    temperature: float = 1.0  # sampling temperature; log-probs are computed at the same temperature
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    seed: int = 0  # base seed; each generation round derives its own
+    gpu_memory_utilization: float = 0.6  # vllm: share of GPU memory for weights + KV cache
+
+
+@dataclass
+class RewardConfig:
+    grader: str = "auto"  # auto (by data_source) | dapo | math | gsm8k | arith
+    num_workers: int = 2  # grading worker processes
+    timeout_s: float = 5.0  # per-response time limit; a time-out scores as incorrect
+
+
+@dataclass
+class AlgoConfig:
+    eps_low: float = 0.2  # lower clip: ratio >= 1 - eps_low (DAPO sec. 3.1)
+    eps_high: float = 0.28  # upper clip: ratio <= 1 + eps_high (Clip-Higher)
+    dual_clip: float | None = 10.0  # bound on the loss of negative-advantage tokens (reference recipe); null disables
+    loss_agg: str = "token-mean"  # token-mean (DAPO) | seq-mean-token-mean (GRPO) | seq-mean-token-sum-norm (Dr. GRPO)
+    scale_adv_by_std: bool = True  # False gives Dr. GRPO's advantage (no division by the group std)
+    kl_coef: float = 0.0  # KL-loss weight to the initial policy; 0 means no reference model (DAPO)
+    kl_kind: str = "k3"  # KL estimator: k1 | k2 | k3
+    correct_reward: float = 1.0  # rule reward for an equivalent answer (eq. 7)
+    wrong_reward: float = -1.0  # rule reward otherwise
+    soft_overlong_punishment: bool = True  # add eq. 13's length penalty to the reward
+    overlong_buffer_tokens: int = 8  # L_cache: the penalty ramps over the last this-many tokens
+    overlong_penalty_factor: float = 1.0  # the penalty at L_max
+    overlong_filtering: bool = False  # mask truncated responses out of the loss (sec. 3.4)
+    dynamic_sampling: bool = True  # drop groups whose accuracies are all equal and sample again (sec. 3.2)
+    filter_metric: str = "acc"  # what must vary within a group: acc (raw correctness) | reward (shaped)
+    max_gen_rounds: int = 10  # cap on generation rounds per training step; 0 means no cap
+    on_max_gen_rounds: str = "train"  # when the cap is hit: train (on what was kept, with a warning) | fail
+    oversample: float = 1.0  # prompts generated per round = missing prompts * this (>= 1)
+    adaptive_oversample: bool = False  # also divide by the measured keep rate, so most steps need one round
+    buffer_max_groups: int = 0  # surplus groups kept for the next step; 0 = prompts_per_step
+
+
+@dataclass
+class TrainConfig:
+    total_steps: int = 60  # training steps (one rollout batch and its optimizer updates each)
+    prompts_per_step: int = 32  # P: prompts in a training batch (the paper: 512)
+    mini_batch_prompts: int = 8  # prompts per optimizer update; P / this = updates per step (the paper: 32 -> 16)
+    micro_batch_size: int = 64  # responses per forward/backward pass; gradients are accumulated
+    ppo_epochs: int = 1  # passes over the rollout batch
+    lr: float = 1e-6  # AdamW learning rate after warmup (constant)
+    warmup_steps: int = 20  # linear warmup, in training steps
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    grad_clip: float = 1.0  # max gradient norm; a step with a non-finite norm is skipped
+    seed: int = 0  # model init / dropout / everything not seeded elsewhere
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 0  # evaluate every N training steps; 0 only at the end
+    before_train: bool = True  # evaluate the initial model
+    benchmarks: list[str] = field(default_factory=lambda: ["arith"])  # built-in task name, benchmark name or file
+    num_problems: int = 0  # 0 = all problems of each benchmark
+    n: int = 4  # samples per problem (avg@n)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_response_tokens: int = 0  # 0 = the rollout's limit
+    seed: int = 1234
+
+
+@dataclass
+class RunConfig:
+    name: str = "demo"
+    dir: str = "runs"  # the run lives in <dir>/<name>
+    save_every: int = 20  # checkpoint every N steps (and at the end); 0 only at the end
+    keep_checkpoints: int = 2  # newest checkpoints kept
+    resume: bool = True  # continue from the run directory's latest checkpoint
+    samples_per_step: int = 4  # decoded responses written to samples/ each step
+    tensorboard: bool = True
+    progress: bool = True  # console progress bar
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir) / self.run.name
+
+
+# ---------------------------------------------------------------------------------------------
+# building, merging and checking
+
+
+def _resolve_type(tp):
+    """(base type, allows None) for the annotations used above."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _resolve_type(args[0])[0], True
+    return tp, False
+
+
+def _coerce(key: str, value, tp):
+    base, optional = _resolve_type(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{key}: null is not allowed; give a {getattr(base, '__name__', base)}")
+    origin = typing.get_origin(base)
+    if origin is list:
+        (item_tp,) = typing.get_args(base)
+        if isinstance(value, str):  # CLI: a=b,c or a=[b,c]
+            value = yaml.safe_load(value) if value.startswith("[") else [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if base is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if base is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if base is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return str(value)
+    raise ConfigError(f"{key}: unsupported type {base}")
+
+
+def _merge(obj, overrides: dict, prefix: str = ""):
+    hints = typing.get_type_hints(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    for key, value in overrides.items():
+        full = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f"{full}: unknown key; valid keys here: {', '.join(sorted(names))}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{full}: expected a section (mapping), got {value!r}")
+            _merge(current, value, prefix=f"{full}.")
+        else:
+            setattr(obj, key, _coerce(full, value, hints[key]))
+
+
+def _dotted_to_nested(items: list[str]) -> dict:
+    nested: dict = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. algo.eps_high=0.28")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw != "" else ""
+        node = nested
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part} is not a section")
+        node[parts[-1]] = raw if isinstance(value, (dict,)) else value
+    return nested
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file {path} does not exist; presets live in configs/")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+        _merge(cfg, data)
+    if overrides:
+        _merge(cfg, _dotted_to_nested(overrides))
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(data: dict) -> Config:
+    cfg = Config()
+    _merge(cfg, data)
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def _check(cond: bool, msg: str):
+    if not cond:
+        raise ConfigError(msg)
+
+
+def validate(cfg: Config) -> None:
+    a, r, t, e = cfg.algo, cfg.rollout, cfg.train, cfg.eval
+    _check(0.0 < a.eps_low < 1.0, f"algo.eps_low={a.eps_low}: must be in (0, 1); the paper uses 0.2")
+    _check(0.0 < a.eps_high <= 10.0, f"algo.eps_high={a.eps_high}: must be in (0, 10]; the paper uses 0.28")
+    _check(a.dual_clip is None or a.dual_clip > 1.0, f"algo.dual_clip={a.dual_clip}: must be > 1 or null")
+    _check(a.loss_agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+           f"algo.loss_agg={a.loss_agg!r}: choose token-mean, seq-mean-token-mean or seq-mean-token-sum-norm")
+    _check(a.kl_kind in ("k1", "k2", "k3"), f"algo.kl_kind={a.kl_kind!r}: choose k1, k2 or k3")
+    _check(a.kl_coef >= 0.0, f"algo.kl_coef={a.kl_coef}: must be >= 0")
+    _check(a.filter_metric in ("acc", "reward"), f"algo.filter_metric={a.filter_metric!r}: choose acc or reward")
+    _check(a.on_max_gen_rounds in ("train", "fail"), f"algo.on_max_gen_rounds={a.on_max_gen_rounds!r}: choose train or fail")
+    _check(a.max_gen_rounds >= 0, f"algo.max_gen_rounds={a.max_gen_rounds}: must be >= 0 (0 = no cap)")
+    _check(a.oversample >= 1.0, f"algo.oversample={a.oversample}: must be >= 1")
+    _check(a.correct_reward > a.wrong_reward, "algo.correct_reward must be greater than algo.wrong_reward")
+    if a.soft_overlong_punishment:
+        _check(0 < a.overlong_buffer_tokens <= r.max_response_tokens,
+               f"algo.overlong_buffer_tokens={a.overlong_buffer_tokens}: must be in (0, rollout.max_response_tokens="
+               f"{r.max_response_tokens}]; the buffer cannot be longer than the maximum length")
+        _check(a.overlong_penalty_factor >= 0, "algo.overlong_penalty_factor must be >= 0")
+    _check(r.backend in ("hf", "vllm"), f"rollout.backend={r.backend!r}: choose hf or vllm")
+    _check(r.group_size >= 2, f"rollout.group_size={r.group_size}: must be >= 2 for group-relative advantages")
+    _check(r.max_response_tokens > 0, "rollout.max_response_tokens must be > 0")
+    _check(r.temperature > 0, f"rollout.temperature={r.temperature}: must be > 0 (log-probs divide by it)")
+    _check(0 < r.top_p <= 1.0, f"rollout.top_p={r.top_p}: must be in (0, 1]")
+    _check(r.top_k >= 0, "rollout.top_k must be >= 0 (0 disables it)")
+    _check(t.prompts_per_step > 0 and t.mini_batch_prompts > 0, "train.prompts_per_step and train.mini_batch_prompts must be > 0")
+    _check(t.prompts_per_step % t.mini_batch_prompts == 0,
+           f"train.prompts_per_step={t.prompts_per_step} is not divisible by train.mini_batch_prompts="
+           f"{t.mini_batch_prompts}; pick a divisor so every optimizer update sees the same number of prompts")
+    _check(t.micro_batch_size > 0, "train.micro_batch_size must be > 0")
+    _check(t.total_steps >= 0 and t.warmup_steps >= 0 and t.ppo_epochs >= 1, "train.total_steps/warmup_steps >= 0, ppo_epochs >= 1")
+    _check(t.lr > 0, f"train.lr={t.lr}: must be > 0")
+    _check(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), f"train.betas={t.betas}: two numbers in [0, 1)")
+    _check(t.grad_clip > 0, "train.grad_clip must be > 0")
+    _check(cfg.model.dtype in ("float32", "bfloat16", "float16"), f"model.dtype={cfg.model.dtype!r}: float32, bfloat16 or float16")
+    _check(cfg.model.device in ("auto", "cpu", "cuda"), f"model.device={cfg.model.device!r}: auto, cpu or cuda")
+    _check(cfg.data.template in ("dapo", "raw"), f"data.template={cfg.data.template!r}: choose dapo or raw")
+    _check(cfg.reward.grader in ("auto", "dapo", "math", "gsm8k", "arith"),
+           f"reward.grader={cfg.reward.grader!r}: choose auto, dapo, math, gsm8k or arith")
+    _check(cfg.reward.num_workers >= 1 and cfg.reward.timeout_s > 0, "reward.num_workers >= 1 and reward.timeout_s > 0")
+    _check(e.n >= 1 and e.every_steps >= 0 and e.num_problems >= 0, "eval.n >= 1, eval.every_steps >= 0, eval.num_problems >= 0")
+    _check(0 < e.top_p <= 1.0 and e.temperature >= 0, "eval.top_p in (0, 1] and eval.temperature >= 0 (0 = greedy)")
+    _check(cfg.run.save_every >= 0 and cfg.run.keep_checkpoints >= 1, "run.save_every >= 0 and run.keep_checkpoints >= 1")
+    _check(bool(cfg.run.name) and "/" not in cfg.run.name, f"run.name={cfg.run.name!r}: a non-empty name without '/'")

@@ -1,0 +1,192 @@
+"""Evaluation as papers report it: avg@n, unbiased pass@k, maj@n, a bootstrap interval.
+
+n samples per problem are drawn explicitly (never by repeating rows). The AIME default follows
+the DAPO paper: n=32, temperature 1.0, top-p 0.7.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from dapo.rollout.base import SamplingParams
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+INVALID_PREDS = {"[INVALID]", "[TIMEOUT]", "[CRASH]", ""}
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    path: str | None  # relative to the repo's data/; None for the built-in task
+    n: int = 32
+    temperature: float = 1.0
+    top_p: float = 0.7
+    max_response_tokens: int = 20480
+
+
+BENCHMARKS = {
+    "aime2024": Benchmark("aime2024", "aime2024/aime-2024.dapo.parquet"),
+    "aime2025": Benchmark("aime2025", "aime2025/test.jsonl"),
+    "amc2023": Benchmark("amc2023", "amc2023/test.jsonl"),
+    "math500": Benchmark("math500", "math500/test.jsonl", n=4),
+    "gsm8k": Benchmark("gsm8k", "gsm8k/test.jsonl", n=1, max_response_tokens=2048),
+    "arith": Benchmark("arith", None, n=4, top_p=1.0, max_response_tokens=48),
+    "arith-hard": Benchmark("arith-hard", None, n=4, top_p=1.0, max_response_tokens=96),
+}
+
+
+def load_benchmark(name_or_path: str, *, template: str = "dapo", num_problems: int = 0):
+    """(Benchmark, examples) for a registered name, the built-in task, or a .jsonl/.parquet file."""
+    from dapo.data import load_examples
+
+    if name_or_path in ("arith", "arith-hard"):
+        from dapo.tasks import arith
+
+        bench = BENCHMARKS[name_or_path]
+        examples = arith.make_examples("test", num_problems or 200, difficulty="hard" if "hard" in name_or_path else "demo")
+        return bench, examples
+    if name_or_path in BENCHMARKS:
+        bench = BENCHMARKS[name_or_path]
+        path = REPO_ROOT / "data" / bench.path
+        source = name_or_path
+    else:
+        path = Path(name_or_path)
+        if not path.exists():
+            raise FileNotFoundError(
+                f"benchmark {name_or_path!r} is neither a known name ({', '.join(BENCHMARKS)}) nor an existing file"
+            )
+        bench = Benchmark(path.stem, str(path))
+        source = path.stem
+    examples = load_examples(path, template=template, data_source=source)
+    if num_problems:
+        examples = examples[:num_problems]
+    return bench, examples
+
+
+# ---- the statistics --------------------------------------------------------------------------
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k)."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def majority_accuracy(preds: list[str], accs: list[bool]) -> float:
+    """Accuracy of the majority answer; a tie scores the expected accuracy of a random pick
+    among the tied answers (so ties are neither rewarded nor punished by the order of samples).
+    Invalid predictions do not vote unless nothing else is there."""
+    votes = Counter(p for p in preds if p not in INVALID_PREDS)
+    if not votes:
+        return 0.0
+    top = max(votes.values())
+    tied = [p for p, c in votes.items() if c == top]
+    correct = {p for p, a in zip(preds, accs) if a}
+    return sum(p in correct for p in tied) / len(tied)
+
+
+def bootstrap_ci(values: list[float], *, seed: int = 0, iters: int = 1000, level: float = 0.95) -> tuple[float, float]:
+    """Percentile interval of the mean, resampling problems with replacement."""
+    if not values:
+        return (0.0, 0.0)
+    rng = random.Random(seed)
+    n = len(values)
+    means = sorted(sum(values[rng.randrange(n)] for _ in range(n)) / n for _ in range(iters))
+    lo = means[int((1 - level) / 2 * iters)]
+    hi = means[min(iters - 1, int((1 + level) / 2 * iters))]
+    return (lo, hi)
+
+
+@dataclass
+class EvalResult:
+    name: str
+    n: int
+    num_problems: int
+    avg: float  # avg@n: mean accuracy over all samples
+    ci: tuple[float, float]
+    pass_at: dict[int, float]
+    maj: float
+    mean_length: float
+    truncated_frac: float
+    per_problem: list[dict] = field(default_factory=list)
+
+    def metrics(self, prefix: str = "eval") -> dict[str, float]:
+        out = {f"{prefix}/{self.name}/avg@{self.n}": self.avg, f"{prefix}/{self.name}/maj@{self.n}": self.maj,
+               f"{prefix}/{self.name}/response_length_mean": self.mean_length,
+               f"{prefix}/{self.name}/truncated_frac": self.truncated_frac}
+        for k, v in self.pass_at.items():
+            out[f"{prefix}/{self.name}/pass@{k}"] = v
+        return out
+
+
+def evaluate(engine, encode, examples, pool, *, name: str, n: int, temperature: float, top_p: float,
+             max_new_tokens: int, seed: int, grader: str = "auto", progress=None) -> EvalResult:
+    """Sample n responses per problem, grade them (raw correctness, no shaping) and summarise."""
+    from dapo.rewards import grader_for
+
+    ks = [k for k in (2 ** i for i in range(20)) if k <= n]
+    accs: list[bool] = []
+    preds: list[str] = []
+    lengths: list[int] = []
+    truncated: list[bool] = []
+    chunk = max(1, 4096 // n)  # problems per generate call, so progress moves and memory stays flat
+    for start in range(0, len(examples), chunk):
+        part = examples[start : start + chunk]
+        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed + start)
+        gen = engine.generate([encode(ex) for ex in part], params)
+        rows = [ex for ex in part for _ in range(n)]
+        graders = [grader_for(ex.data_source) if grader == "auto" else grader for ex in rows]
+        result = pool.score(gen.texts, [ex.ground_truth for ex in rows], graders)
+        accs += [g.acc for g in result.grades]
+        preds += [g.pred for g in result.grades]
+        lengths += [len(r) for r in gen.response_ids]
+        truncated += gen.truncated.tolist()
+        if progress is not None:
+            progress(len(rows))
+    per_problem = []
+    for i, ex in enumerate(examples):
+        a, p = accs[i * n : (i + 1) * n], preds[i * n : (i + 1) * n]
+        votes = Counter(x for x in p if x not in INVALID_PREDS)
+        per_problem.append({
+            "id": ex.uid, "ground_truth": ex.ground_truth, "accuracy": sum(a) / n, "num_correct": sum(a),
+            "majority_answer": votes.most_common(1)[0][0] if votes else None, "maj_correct": majority_accuracy(p, a),
+        })
+    problem_acc = [r["accuracy"] for r in per_problem]
+    return EvalResult(
+        name=name, n=n, num_problems=len(examples),
+        avg=sum(accs) / max(len(accs), 1),
+        ci=bootstrap_ci(problem_acc, seed=seed),
+        pass_at={k: sum(pass_at_k(n, r["num_correct"], k) for r in per_problem) / max(len(per_problem), 1) for k in ks},
+        maj=sum(r["maj_correct"] for r in per_problem) / max(len(per_problem), 1),
+        mean_length=sum(lengths) / max(len(lengths), 1),
+        truncated_frac=sum(truncated) / max(len(truncated), 1),
+        per_problem=per_problem,
+    )
+
+
+def write_report(results: list[EvalResult], out_dir: Path) -> Path:
+    """eval.json, eval.md (a Markdown table) and <benchmark>.problems.jsonl in out_dir."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = {r.name: {k: v for k, v in asdict(r).items() if k != "per_problem"} for r in results}
+    (out_dir / "eval.json").write_text(json.dumps(summary, indent=2))
+    lines = ["| benchmark | problems | n | avg@n | 95% CI | maj@n | pass@k | mean length | truncated |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        passes = ", ".join(f"@{k} {v:.3f}" for k, v in r.pass_at.items())
+        lines.append(f"| {r.name} | {r.num_problems} | {r.n} | {r.avg:.3f} | [{r.ci[0]:.3f}, {r.ci[1]:.3f}] | "
+                     f"{r.maj:.3f} | {passes} | {r.mean_length:.1f} | {r.truncated_frac:.3f} |")
+    (out_dir / "eval.md").write_text("\n".join(lines) + "\n")
+    for r in results:
+        with open(out_dir / f"{r.name}.problems.jsonl", "w") as f:
+            for row in r.per_problem:
+                f.write(json.dumps(row) + "\n")
+    return out_dir / "eval.md"

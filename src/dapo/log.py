@@ -1,0 +1,97 @@
+"""Where metrics go: the console (progress bar + one line per step), metrics.jsonl, TensorBoard,
+and a few decoded samples per step in samples/step_NNNNNN.md."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+def _float(v) -> float:
+    return float(v.item()) if hasattr(v, "item") else float(v)
+
+
+class RunLogger:
+    SUMMARY = (
+        ("rollout/acc_mean", "acc", "{:.3f}"),
+        ("reward/score_mean", "reward", "{:+.3f}"),
+        ("rollout/response_length_mean", "len", "{:.1f}"),
+        ("actor/entropy", "ent", "{:.3f}"),
+        ("actor/clipfrac_high", "clip+", "{:.3f}"),
+        ("sampling/gen_rounds", "rounds", "{:.0f}"),
+        ("perf/time_step_s", "s", "{:.1f}"),
+    )
+
+    def __init__(self, run_dir: Path, *, total_steps: int, start_step: int = 0, tensorboard: bool = True,
+                 progress: bool = True, console: Console | None = None):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "samples").mkdir(exist_ok=True)
+        self.console = console or Console(highlight=False)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self._truncate_after(start_step)
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step + 1)
+            except ImportError:
+                self.console.print("[yellow]tensorboard is not installed; metrics go to metrics.jsonl only[/]")
+        self.progress = None
+        if progress and self.console.is_terminal:
+            self.progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                TimeRemainingColumn(), console=self.console, transient=True,
+            )
+            self.progress.start()
+            self.task = self.progress.add_task("train", total=total_steps, completed=start_step)
+
+    def _truncate_after(self, step: int) -> None:
+        """On resume, drop lines logged after the checkpoint we continue from."""
+        if not self.metrics_path.exists():
+            return
+        keep = [line for line in self.metrics_path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+        self.metrics_path.write_text("".join(line + "\n" for line in keep))
+
+    def log(self, step: int, metrics: dict) -> dict:
+        row = {"step": step, **{k: _float(v) for k, v in sorted(metrics.items())}}
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in row.items():
+                if k != "step" and math.isfinite(v):
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+        return row
+
+    def step_line(self, step: int, total: int, row: dict) -> None:
+        parts = [f"step {step}/{total}"]
+        for key, label, fmt in self.SUMMARY:
+            if key in row:
+                parts.append(f"{label} {fmt.format(row[key])}")
+        self.console.print(" | ".join(parts))
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step)
+
+    def info(self, text: str) -> None:
+        self.console.print(text)
+
+    def write_samples(self, step: int, records: list[dict]) -> None:
+        lines = [f"# step {step}\n"]
+        for i, r in enumerate(records):
+            lines.append(f"## sample {i}  (reward {r['reward']:+.3f}, acc {r['acc']:.0f}, pred {r['pred']!r}, "
+                         f"ground truth {r['ground_truth']!r}, {r['length']} tokens{', truncated' if r['truncated'] else ''})\n")
+            lines.append("```text\n" + r["prompt"] + "\n```\n")
+            lines.append("```text\n" + r["response"] + "\n```\n")
+        (self.run_dir / "samples" / f"step_{step:06d}.md").write_text("\n".join(lines))
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        if self.tb is not None:
+            self.tb.close()

@@ -1,0 +1,229 @@
+"""The policy: a Hugging Face causal LM, its optimizer, log-probs and the clipped-surrogate update.
+
+Nothing here decides anything about the algorithm: the loss comes from ``dapo.algo``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from dapo import algo
+from dapo.batch import RolloutBatch, pad_rows
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("model.device=cuda but no CUDA device is visible; use model.device=cpu")
+    return torch.device(name)
+
+
+def load_model_and_tokenizer(path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu"):
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"model.path={str(path)!r} is not a Hugging Face model directory (no config.json); "
+            "give a local directory (nothing is downloaded)"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    return model.to(device), tokenizer
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # (B, L) prompt + response, right-padded
+    attention_mask: torch.Tensor  # (B, L)
+    response_start: torch.Tensor  # (B,) index of the first response token
+    width: int  # T: the longest response in this micro-batch
+
+
+def make_micro_batch(batch: RolloutBatch, rows: list[int], pad_id: int, device) -> MicroBatch:
+    seqs = [batch.prompt_ids[i] + batch.response_ids[i] for i in rows]
+    input_ids = pad_rows(seqs, pad_id)  # (B, L)
+    lengths = torch.tensor([len(s) for s in seqs])
+    attention_mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long()
+    start = torch.tensor([len(batch.prompt_ids[i]) for i in rows])
+    width = max(len(batch.response_ids[i]) for i in rows)
+    return MicroBatch(input_ids.to(device), attention_mask.to(device), start.to(device), width)
+
+
+def token_logprobs(
+    model, mb: MicroBatch, *, temperature: float, with_entropy: bool = False, chunk_tokens: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of each response token, at the sampling temperature: (B, T) and entropy (B, T).
+
+    Only response positions go through the LM head, chunk by chunk along T, so float32 logits
+    for the whole (B, L, V) block never exist at once.
+    """
+    decoder = model.get_decoder()
+    hidden = decoder(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state  # (B, L, H)
+    B, L, H = hidden.shape
+    offsets = torch.arange(mb.width, device=hidden.device)
+    pos = (mb.response_start[:, None] - 1 + offsets[None, :]).clamp(max=L - 2)  # (B, T): predicts pos + 1
+    targets = mb.input_ids.gather(1, pos + 1)  # (B, T)
+    h = hidden.gather(1, pos[..., None].expand(B, mb.width, H))  # (B, T, H)
+    head = model.get_output_embeddings()
+    step = max(1, chunk_tokens // max(B, 1))
+    logps, entropies = [], []
+    for t0 in range(0, mb.width, step):
+        logits = head(h[:, t0 : t0 + step]).float() / temperature  # (B, t, V)
+        log_z = torch.logsumexp(logits, dim=-1)  # (B, t)
+        logps.append(logits.gather(-1, targets[:, t0 : t0 + step, None]).squeeze(-1) - log_z)
+        if with_entropy:
+            with torch.no_grad():
+                probs = torch.softmax(logits, dim=-1)
+                entropies.append(log_z - (probs * logits).sum(-1))
+    logp = torch.cat(logps, dim=1)  # (B, T)
+    entropy = torch.cat(entropies, dim=1) if with_entropy else None
+    return logp, entropy
+
+
+class Policy:
+    def __init__(self, cfg, device: torch.device):
+        self.cfg = cfg
+        self.device = device
+        self.model, self.tokenizer = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, device)
+        if cfg.model.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.model.config.use_cache = False  # training forward passes never need the KV cache
+        self.pad_id = self.tokenizer.pad_token_id
+        t = cfg.train
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
+        )
+        warmup = t.warmup_steps
+        # the schedule advances once per training step (not per optimizer update), like the paper's
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+        )
+        self.ref_model = None
+        if cfg.algo.kl_coef > 0:
+            self.ref_model, _ = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, device)
+            self.ref_model.requires_grad_(False).eval()
+        self.skipped_updates = 0
+
+    # ---- log-probs ------------------------------------------------------------------------
+    def _micro_batches(self, rows: list[int], size: int) -> list[list[int]]:
+        return [rows[i : i + size] for i in range(0, len(rows), size)]
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: RolloutBatch, *, model=None, with_entropy: bool = False):
+        """(N, T) log-probs of the sampled tokens (and entropy) under ``model`` (default: the policy)."""
+        model = self.model if model is None else model
+        was_training = model.training
+        model.eval()
+        T = batch.max_response_len
+        logp = torch.zeros(len(batch), T)
+        entropy = torch.zeros(len(batch), T) if with_entropy else None
+        for rows in self._micro_batches(list(range(len(batch))), self.cfg.train.micro_batch_size):
+            mb = make_micro_batch(batch, rows, self.pad_id, self.device)
+            lp, ent = token_logprobs(model, mb, temperature=self.cfg.rollout.temperature, with_entropy=with_entropy)
+            logp[rows, : mb.width] = lp.float().cpu()
+            if with_entropy:
+                entropy[rows, : mb.width] = ent.float().cpu()
+        model.train(was_training)
+        return logp, entropy
+
+    # ---- the update -----------------------------------------------------------------------
+    def update(self, batch: RolloutBatch) -> dict[str, torch.Tensor]:
+        """Several optimizer updates over one rollout batch (mini-batches of whole groups).
+
+        Each mini-batch's loss is normalised by the valid tokens (or samples) of the whole
+        mini-batch, so splitting it into micro-batches leaves the gradient unchanged.
+        """
+        cfg, a = self.cfg.train, self.cfg.algo
+        self.model.train()
+        g = batch.group_size
+        groups = list(range(batch.num_groups))
+        per_update = max(1, cfg.mini_batch_prompts)
+        totals: dict[str, list[torch.Tensor]] = {}
+        for _epoch in range(cfg.ppo_epochs):
+            for start in range(0, len(groups), per_update):
+                rows = [i * g + j for i in groups[start : start + per_update] for j in range(g)]
+                stats = self._mini_batch_update(batch, rows, a)
+                for k, v in stats.items():
+                    totals.setdefault(k, []).append(v)
+        self.scheduler.step()
+        out = {k: (torch.stack(v).max() if k.endswith("_max") else torch.stack(v).mean()) for k, v in totals.items()}
+        out["lr"] = torch.tensor(self.optimizer.param_groups[0]["lr"])
+        out["skipped_updates"] = torch.tensor(float(self.skipped_updates))
+        return out
+
+    def _mini_batch_update(self, batch: RolloutBatch, rows: list[int], a) -> dict[str, torch.Tensor]:
+        mask_all = batch.response_mask(torch.tensor(rows))  # (n, T_mb)
+        num_tokens = mask_all.sum().to(self.device)
+        num_seqs = (mask_all.sum(-1) > 0).sum().to(self.device)
+        sums: dict[str, torch.Tensor] = {}
+        up_max = torch.zeros(())
+        for micro in self._micro_batches(rows, self.cfg.train.micro_batch_size):
+            mb = make_micro_batch(batch, micro, self.pad_id, self.device)
+            idx = torch.tensor(micro)
+            mask_cpu = batch.response_mask(idx, width=mb.width)  # (B, T)
+            if mask_cpu.sum() == 0:  # every row filtered out (overlong filtering)
+                continue
+            mask = mask_cpu.to(self.device)
+            logp, _ = token_logprobs(self.model, mb, temperature=self.cfg.rollout.temperature)
+            old_logp = batch.old_logp[idx, : mb.width].to(self.device)
+            adv = batch.adv[idx].to(self.device)
+            loss, stats = algo.policy_loss(
+                logp, old_logp, adv, mask,
+                eps_low=a.eps_low, eps_high=a.eps_high, loss_agg=a.loss_agg,
+                num_tokens=num_tokens, num_seqs=num_seqs,
+                norm_length=self.cfg.rollout.max_response_tokens, dual_clip=a.dual_clip,
+            )
+            pg_loss = loss.detach()
+            if self.ref_model is not None and a.kl_coef > 0:
+                ref_logp = batch.ref_logp[idx, : mb.width].to(self.device)
+                kl = algo.kl_penalty(logp, ref_logp, a.kl_kind)  # (B, T)
+                kl_loss = algo.aggregate(kl, mask, a.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
+                                         norm_length=self.cfg.rollout.max_response_tokens)
+                loss = loss + a.kl_coef * kl_loss
+                sums["kl_loss"] = sums.get("kl_loss", 0) + kl_loss.detach().cpu()
+            loss.backward()
+            weight = mask_cpu.sum() / mask_all.sum().clamp(min=1)  # this micro-batch's share of tokens
+            sums["pg_loss"] = sums.get("pg_loss", 0) + pg_loss.cpu()
+            for k in ("clipfrac_high", "clipfrac_low", "approx_kl", "token_prob_mean"):
+                sums[k] = sums.get(k, 0) + stats[k].cpu() * weight
+            up_max = torch.maximum(up_max, stats["up_clipped_prob_max"].cpu())
+            sums["_up_sum"] = sums.get("_up_sum", 0) + (stats["up_clipped_prob_mean"] * stats["num_up_clipped"]).cpu()
+            sums["_up_n"] = sums.get("_up_n", 0) + stats["num_up_clipped"].cpu()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            self.skipped_updates += 1  # one bad batch must not poison the weights
+        self.optimizer.zero_grad(set_to_none=True)
+        out = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in sums.items() if not k.startswith("_")}
+        up_n = sums.get("_up_n", torch.zeros(()))
+        out["up_clipped_prob_mean"] = torch.as_tensor(sums.get("_up_sum", 0.0)) / torch.as_tensor(up_n).clamp(min=1)
+        out["up_clipped_prob_max"] = up_max
+        out["grad_norm"] = grad_norm.detach().float().cpu()
+        return out
+
+    # ---- state -----------------------------------------------------------------------------
+    def named_weights(self):
+        return self.model.named_parameters()
+
+    def trainer_state(self) -> dict:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "skipped_updates": self.skipped_updates,
+        }
+
+    def load_trainer_state(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.skipped_updates = int(state["skipped_updates"])

@@ -1,0 +1,54 @@
+"""The rollout-engine interface. Backends: ``hf`` (transformers generate) and ``vllm``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Protocol
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1  # samples per prompt
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    max_new_tokens: int = 64
+    seed: int = 0
+
+
+@dataclass
+class Generation:
+    """len(prompts) * n rows in prompt-major order: rows i*n .. i*n+n-1 answer prompt i."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]  # ends with the EOS token when the sample stopped by itself
+    truncated: torch.Tensor  # (rows,) bool: stopped by the max_new_tokens limit
+    texts: list[str]  # responses decoded without special tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r) for r in self.response_ids)
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generation:
+        """Sample params.n responses for every prompt; reproducible for a given params.seed."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load the trainer's new weights (a no-op for an engine that shares the trainer's model)."""
+
+    def sleep(self) -> None:
+        """Free generation memory while the trainer runs (no-op where unsupported)."""
+
+    def wake(self) -> None:
+        """Undo sleep() before generating."""
+
+
+def split_response(tokens: list[int], eos_ids: set[int], max_new_tokens: int) -> tuple[list[int], bool]:
+    """Cut generated ids after the first EOS; (ids incl. EOS, truncated?)."""
+    for i, tok in enumerate(tokens):
+        if tok in eos_ids:
+            return tokens[: i + 1], False
+    return tokens[:max_new_tokens], len(tokens) >= max_new_tokens

@@ -1,0 +1,95 @@
+"""Rollout with transformers ``generate`` and its KV cache; runs on CPU and on a GPU.
+
+By default it shares the policy's model object, so a weight update costs nothing. Prompts are
+sorted by length and generated in chunks of ``max_batch_size`` rows, so short and long prompts
+are not padded to each other more than needed; each chunk stops when all of its rows finished.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from dapo.rollout.base import Generation, SamplingParams, split_response
+
+
+class HFRolloutEngine:
+    def __init__(self, model, tokenizer, *, max_batch_size: int = 512):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        eos = eos if eos is not None else tokenizer.eos_token_id
+        self.eos_ids = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generation:
+        rows = [p for p in prompt_ids for _ in range(params.n)]  # prompt-major
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+        responses: list[list[int] | None] = [None] * len(rows)
+        truncated = torch.zeros(len(rows), dtype=torch.bool)
+        was_training = self.model.training
+        self.model.eval()
+        device = self.device
+        fork_devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=fork_devices):
+            torch.manual_seed(params.seed)
+            for start in range(0, len(order), self.max_batch_size):
+                chunk = order[start : start + self.max_batch_size]
+                input_ids, attention_mask = self._left_pad([rows[i] for i in chunk], device)
+                out = self.model.generate(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    max_new_tokens=params.max_new_tokens,
+                    pad_token_id=self.pad_id,
+                    eos_token_id=sorted(self.eos_ids),
+                    **self._sampling_kwargs(params),
+                )
+                new_tokens = out[:, input_ids.shape[1] :].tolist()
+                for row, tokens in zip(chunk, new_tokens):
+                    responses[row], truncated[row] = split_response(tokens, self.eos_ids, params.max_new_tokens)
+        self.model.train(was_training)
+        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+        return Generation(prompt_ids=rows, response_ids=responses, truncated=truncated, texts=texts)
+
+    def _left_pad(self, rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+            mask[i, width - len(r) :] = 1
+        return ids.to(device), mask.to(device)
+
+    @staticmethod
+    def _sampling_kwargs(params: SamplingParams) -> dict:
+        if params.temperature <= 0:
+            return {"do_sample": False}
+        return {
+            "do_sample": True,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else None,
+        }
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                target = params.get(name)
+                if target is None:
+                    raise KeyError(f"rollout model has no parameter {name!r}")
+                if target.data_ptr() != tensor.data_ptr():  # shared weights need no copy
+                    target.copy_(tensor.to(target.device, target.dtype))
+
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass

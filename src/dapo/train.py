@@ -1,0 +1,225 @@
+"""The DAPO training loop, top to bottom. One training step:
+
+  collect_batch        generate G responses per prompt, grade (+1/-1), add the soft overlong
+                       penalty, drop groups whose accuracies are all equal, repeat until P prompts
+  overlong filtering   truncated responses masked out of the loss (optional)
+  group_advantages     (R - mean_G) / (std_G + eps), one value per response
+  old log-probs        under the policy that sampled, recomputed before the update
+  policy.update        P / mini_batch_prompts optimizer updates, token-mean clipped surrogate
+  update_weights       the new weights to the rollout engine
+  metrics, evaluation, checkpoint
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dapo import algo, checkpoint
+from dapo.batch import RolloutBatch
+from dapo.config import Config, dump_yaml
+from dapo.dynamic_sampling import CollectStats, Scorer, collect_batch
+from dapo.log import RunLogger
+from dapo.policy import Policy, pick_device
+from dapo.rollout import SamplingParams, make_rollout
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # training steps done
+    gen_rounds: int = 0  # generation rounds done (several per step with dynamic sampling)
+    keep_rate: float = 1.0  # running estimate of the share of groups dynamic sampling keeps
+    buffer: list[RolloutBatch] = field(default_factory=list)  # surplus kept groups, used first next step
+
+
+def load_train_examples(cfg: Config):
+    from dapo.data import load_examples
+
+    if cfg.data.train_files:
+        examples = []
+        for path in cfg.data.train_files:
+            examples += load_examples(path, template=cfg.data.template)
+        return examples
+    if cfg.data.task != "arith":
+        raise ValueError(f"data.task={cfg.data.task!r}: the built-in task is arith; or give data.train_files")
+    from dapo.tasks import arith
+
+    return arith.make_examples("train", cfg.data.task_train_size, seed=cfg.data.seed, difficulty=cfg.data.task_difficulty)
+
+
+def make_encoder(tokenizer, max_prompt_tokens: int):
+    from dapo.data import render_prompt
+
+    cache: dict[str, list[int]] = {}
+
+    def encode(example) -> list[int]:
+        text = render_prompt(example, tokenizer)
+        if text not in cache:
+            ids = tokenizer(text, add_special_tokens=not getattr(tokenizer, "chat_template", None))["input_ids"]
+            cache[text] = ids[-max_prompt_tokens:]  # cut from the left: the question's end matters most
+        return cache[text]
+
+    return encode
+
+
+def step_metrics(batch: RolloutBatch, cstats: CollectStats, update: dict, times: dict, buffer_size: int) -> dict:
+    lengths = batch.response_lengths.float()  # (N,)
+    mask = batch.response_mask()
+    samples_trained = len(batch)
+    m = {
+        "reward/score_mean": batch.reward.mean(),
+        "reward/acc_mean": batch.acc.mean(),
+        "reward/overlong_penalty_mean": batch.overlong.mean(),
+        "reward/timeouts": cstats.timeouts,
+        "rollout/acc_mean": cstats.acc_sum / max(cstats.samples_generated, 1),
+        "rollout/response_length_mean": lengths.mean(),
+        "rollout/response_length_max": lengths.max(),
+        "rollout/truncated_frac": batch.truncated.float().mean(),
+        "actor/entropy": (batch.entropy[:, : mask.shape[1]] * mask).sum() / mask.sum().clamp(min=1),
+        "actor/adv_abs_mean": batch.adv.abs().mean(),
+        "sampling/gen_rounds": cstats.rounds,
+        "sampling/prompts_generated": cstats.prompts_generated,
+        "sampling/prompts_kept": cstats.groups_kept,
+        "sampling/prompts_dropped": cstats.groups_dropped,
+        "sampling/prompts_from_buffer": cstats.groups_from_buffer,
+        "sampling/all_correct_frac": cstats.groups_all_correct / max(cstats.prompts_generated, 1),
+        "sampling/all_wrong_frac": cstats.groups_all_wrong / max(cstats.prompts_generated, 1),
+        "sampling/samples_per_trained_sample": cstats.samples_generated / max(samples_trained, 1),
+        "sampling/tokens_per_trained_token": cstats.tokens_generated / max(float(mask.sum()), 1.0),
+        "sampling/dropped_gen_time_frac": cstats.seconds_dropped / max(cstats.seconds_generate, 1e-9),
+        "sampling/buffer_groups": buffer_size,
+        "sampling/cap_hit": float(cstats.cap_hit),
+        "perf/time_generate_s": cstats.seconds_generate,
+        "perf/time_reward_s": cstats.seconds_reward,
+        "perf/gen_tokens_per_s": cstats.tokens_generated / max(cstats.seconds_generate, 1e-9),
+        "perf/train_tokens_per_s": float(mask.sum()) / max(times["update"], 1e-9),
+    }
+    m.update({f"perf/time_{k}_s": v for k, v in times.items()})
+    m.update({f"actor/{k}": v for k, v in update.items()})
+    return m
+
+
+def train(cfg: Config, *, console=None) -> dict:
+    """Run (or resume) training; returns the last logged row with eval/* before and after."""
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    random.seed(cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)
+    device = pick_device(cfg.model.device)
+    policy = Policy(cfg, device)
+    engine = make_rollout(cfg.rollout, policy.model, policy.tokenizer)
+    encode = make_encoder(policy.tokenizer, cfg.data.max_prompt_tokens)
+    from dapo.data import PromptSampler
+    from dapo.evaluate import evaluate, load_benchmark
+    from dapo.rewards import RewardPool
+
+    sampler = PromptSampler(load_train_examples(cfg), seed=cfg.data.seed)
+    eval_sets = [load_benchmark(b, template=cfg.data.template, num_problems=cfg.eval.num_problems) for b in cfg.eval.benchmarks]
+    state = TrainState()
+    resume_from = checkpoint.latest_checkpoint(run_dir) if cfg.run.resume else None
+    if resume_from is not None:
+        saved = checkpoint.load_trainer_state(resume_from)
+        checkpoint.load_model_weights(policy.model, resume_from)
+        policy.load_trainer_state(saved["policy"])
+        sampler.load_state_dict(saved["sampler"])
+        state = TrainState(step=saved["step"], gen_rounds=saved["gen_rounds"], keep_rate=saved["keep_rate"],
+                           buffer=[RolloutBatch.from_state(s) for s in saved["buffer"]])
+        checkpoint.set_rng_state(saved["rng"])
+    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    logger = RunLogger(run_dir, total_steps=cfg.train.total_steps, start_step=state.step,
+                       tensorboard=cfg.run.tensorboard, progress=cfg.run.progress, console=console)
+    if resume_from is not None:
+        logger.info(f"resumed from {resume_from} (step {state.step})")
+
+    r, a = cfg.rollout, cfg.algo
+    sampling = SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=r.max_response_tokens)
+    with RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) as pool:
+        scorer = Scorer(pool, grader=cfg.reward.grader, algo_cfg=a, max_response_tokens=r.max_response_tokens)
+
+        def run_eval() -> dict:
+            e, out = cfg.eval, {}
+            for bench, examples in eval_sets:
+                res = evaluate(engine, encode, examples, pool, name=bench.name, n=e.n, temperature=e.temperature,
+                               top_p=e.top_p, max_new_tokens=e.max_response_tokens or r.max_response_tokens,
+                               seed=e.seed, grader=cfg.reward.grader)
+                out.update(res.metrics())
+            return out
+
+        def save(step: int) -> None:
+            trainer_state = {"policy": policy.trainer_state(), "sampler": sampler.state_dict(),
+                             "buffer": [b.state() for b in state.buffer], "gen_rounds": state.gen_rounds,
+                             "keep_rate": state.keep_rate}
+            checkpoint.save_checkpoint(run_dir, step, model=policy.model, tokenizer=policy.tokenizer,
+                                       trainer_state=trainer_state, config_yaml=dump_yaml(cfg),
+                                       keep=cfg.run.keep_checkpoints)
+
+        last: dict = {}
+        if state.step == 0 and cfg.eval.before_train:
+            last = logger.log(0, run_eval())
+            logger.info("before training: " + ", ".join(f"{k} {v:.3f}" for k, v in last.items() if "avg@" in k))
+
+        for step in range(state.step + 1, cfg.train.total_steps + 1):
+            t_step = time.perf_counter()
+            batch, cstats = collect_batch(
+                engine=engine, sampler=sampler, scorer=scorer, encode=encode, buffer=state.buffer,
+                num_prompts=cfg.train.prompts_per_step, sampling=sampling, algo_cfg=a,
+                round_seed=lambda k, base=state.gen_rounds: r.seed * 1_000_003 + base + k,
+                keep_rate_estimate=state.keep_rate if a.adaptive_oversample else 1.0,
+                max_buffer_groups=a.buffer_max_groups,
+            )
+            state.gen_rounds += cstats.rounds
+            if cstats.keep_rates:
+                state.keep_rate = 0.7 * state.keep_rate + 0.3 * (sum(cstats.keep_rates) / len(cstats.keep_rates))
+            if batch is None:
+                logger.info(f"step {step}: no informative group was generated; nothing to train on")
+                continue
+            if a.overlong_filtering:
+                batch.trainable = ~batch.truncated  # sec. 3.4: truncated answers carry no learning signal
+            batch.adv = algo.group_advantages(batch.reward, r.group_size, scale_by_std=a.scale_adv_by_std)  # (N,)
+            t0 = time.perf_counter()
+            batch.old_logp, batch.entropy = policy.compute_logprobs(batch, with_entropy=True)  # (N, T)
+            if policy.ref_model is not None:
+                batch.ref_logp, _ = policy.compute_logprobs(batch, model=policy.ref_model)  # (N, T)
+            t1 = time.perf_counter()
+            update = policy.update(batch)
+            t2 = time.perf_counter()
+            engine.update_weights(policy.named_weights())
+            t3 = time.perf_counter()
+            times = {"old_logprob": t1 - t0, "update": t2 - t1, "weight_sync": t3 - t2}
+            metrics = step_metrics(batch, cstats, update, times, len(state.buffer))
+            if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step != cfg.train.total_steps:
+                metrics.update(run_eval())
+            if step == cfg.train.total_steps:
+                metrics.update(run_eval())
+            t4 = time.perf_counter()
+            state.step = step
+            if (cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.train.total_steps:
+                save(step)
+            metrics["perf/time_checkpoint_s"] = time.perf_counter() - t4
+            metrics["perf/time_step_s"] = time.perf_counter() - t_step
+            last = logger.log(step, metrics)
+            logger.step_line(step, cfg.train.total_steps, last)
+            logger.write_samples(step, sample_records(batch, policy.tokenizer, cfg.run.samples_per_step))
+    logger.close()
+    return last
+
+
+def sample_records(batch: RolloutBatch, tokenizer, k: int) -> list[dict]:
+    rows = list(range(0, len(batch), max(1, len(batch) // max(k, 1))))[:k]
+    return [{
+        "prompt": tokenizer.decode(batch.prompt_ids[i], skip_special_tokens=True), "response": batch.texts[i],
+        "reward": float(batch.reward[i]), "acc": float(batch.acc[i]), "pred": batch.preds[i] if batch.preds else "",
+        "ground_truth": batch.ground_truths[i], "length": len(batch.response_ids[i]), "truncated": bool(batch.truncated[i]),
+    } for i in rows]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    import json
+
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
