@@ -233,16 +233,28 @@ def _dotted_to_nested(items: list[str]) -> dict:
     return nested
 
 
+def _read_preset(path: Path, seen: tuple = ()) -> list[dict]:
+    """The preset and the presets it names with ``base:`` (relative to it), base first."""
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist; presets live in configs/")
+    if path.resolve() in seen:
+        raise ConfigError(f"{path}: 'base' presets form a cycle")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from err
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    base = data.pop("base", None)
+    chain = _read_preset(path.parent / base, seen + (path.resolve(),)) if base else []
+    return chain + [data]
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     cfg = Config()
     if path is not None:
-        path = Path(path)
-        if not path.exists():
-            raise ConfigError(f"config file {path} does not exist; presets live in configs/")
-        data = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected a mapping of sections at the top level")
-        _merge(cfg, data)
+        for data in _read_preset(Path(path)):
+            _merge(cfg, data)
     if overrides:
         _merge(cfg, _dotted_to_nested(overrides))
     validate(cfg)

@@ -1,0 +1,186 @@
+"""The algorithm functions against hand-computed numbers and the paper's invariants."""
+
+import math
+
+import pytest
+import torch
+
+from dapo import algo
+
+
+def test_group_advantages_hand_computed():
+    rewards = torch.tensor([1.0, 1.0, -1.0, -1.0, 1.0, -1.0, -1.0, -1.0])
+    adv = algo.group_advantages(rewards, group_size=4)
+    # group 1: mean 0, unbiased std sqrt(4/3); group 2: mean -0.5, unbiased std 1
+    s = math.sqrt(4 / 3)
+    expected = torch.tensor([1 / s, 1 / s, -1 / s, -1 / s, 1.5, -0.5, -0.5, -0.5])
+    assert torch.allclose(adv, expected, atol=1e-5)
+    assert torch.allclose(adv.view(2, 4).sum(dim=1), torch.zeros(2), atol=1e-5)
+
+
+def test_dr_grpo_advantage_is_centered_reward():
+    rewards = torch.tensor([1.0, -1.0, -1.0, -1.0])
+    adv = algo.group_advantages(rewards, 4, scale_by_std=False)
+    assert torch.allclose(adv, torch.tensor([1.5, -0.5, -0.5, -0.5]))
+
+
+def test_constant_group_has_zero_advantage_and_is_filtered():
+    rewards = torch.tensor([1.0, 1.0, 1.0, -1.0, 1.0, -1.0, -1.0, -1.0, -1.0])
+    adv = algo.group_advantages(rewards, 3)
+    assert torch.equal(adv[:3], torch.zeros(3))  # all correct
+    assert torch.equal(adv[6:], torch.zeros(3))  # all wrong
+    keep = algo.informative_groups(rewards, 3)
+    assert keep.tolist() == [False, True, False]
+
+
+def test_informative_groups_on_accuracy():
+    acc = torch.tensor([1, 1, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 1])
+    assert algo.informative_groups(acc, 4).tolist() == [True, False, False, True]
+
+
+def test_group_advantages_rejects_ragged_batch():
+    with pytest.raises(ValueError, match="G=4"):
+        algo.group_advantages(torch.ones(6), 4)
+
+
+def test_overlong_penalty_eq13():
+    lengths = torch.tensor([10, 16, 17, 18, 20, 25])
+    pen = algo.overlong_penalty(lengths, max_response_tokens=20, overlong_buffer_tokens=4)
+    assert torch.allclose(pen, torch.tensor([0.0, 0.0, -0.25, -0.5, -1.0, -1.0]))
+    half = algo.overlong_penalty(lengths, max_response_tokens=20, overlong_buffer_tokens=4, penalty_factor=0.5)
+    assert torch.allclose(half, pen * 0.5)
+    # the paper's numbers: 16384 expected + 4096 buffer
+    paper = algo.overlong_penalty(torch.tensor([16384, 18432, 20480]), max_response_tokens=20480, overlong_buffer_tokens=4096)
+    assert torch.allclose(paper, torch.tensor([0.0, -0.5, -1.0]))
+    with pytest.raises(ValueError):
+        algo.overlong_penalty(lengths, max_response_tokens=4, overlong_buffer_tokens=8)
+
+
+def _ratio_logps(ratios):
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.5]]))
+    logp = old + torch.log(torch.tensor([ratios]))
+    return logp.requires_grad_(True), old
+
+
+def test_policy_loss_clip_higher_hand_computed():
+    mask = torch.ones(1, 3)
+    logp, old = _ratio_logps([1.5, 0.5, 1.0])
+    loss, stats = algo.policy_loss(logp, old, torch.tensor([1.0]), mask, eps_low=0.2, eps_high=0.28)
+    # adv > 0: per-token max(-r, -clip(r, .8, 1.28)) = [-1.28, -0.5, -1.0]
+    assert loss.item() == pytest.approx((-1.28 - 0.5 - 1.0) / 3, abs=1e-6)
+    assert stats["clipfrac_high"].item() == pytest.approx(1 / 3)
+    assert stats["clipfrac_low"].item() == 0.0
+    loss.backward()
+    # the clipped token gets no gradient; the others get -r/3
+    assert torch.allclose(logp.grad, torch.tensor([[0.0, -0.5 / 3, -1.0 / 3]]), atol=1e-6)
+    # the up-clipped token's probability under the new policy: 0.5 * 1.5
+    assert stats["up_clipped_prob_max"].item() == pytest.approx(0.75, abs=1e-6)
+
+
+def test_eps_high_binds_only_where_advantage_positive():
+    mask = torch.ones(1, 3)
+    logp, old = _ratio_logps([1.5, 0.5, 1.0])
+    loss, stats = algo.policy_loss(logp, old, torch.tensor([-1.0]), mask, eps_low=0.2, eps_high=0.28)
+    # adv < 0: max(r, clip(r)) = [1.5 (not clipped at the top), 0.8 (clipped at the bottom), 1.0]
+    assert loss.item() == pytest.approx((1.5 + 0.8 + 1.0) / 3, abs=1e-6)
+    assert stats["clipfrac_high"].item() == 0.0
+    assert stats["clipfrac_low"].item() == pytest.approx(1 / 3)
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[1.5 / 3, 0.0, 1.0 / 3]]), atol=1e-6)
+
+
+def test_symmetric_clip_is_grpo():
+    mask = torch.ones(1, 3)
+    logp, old = _ratio_logps([1.5, 0.5, 1.0])
+    loss, _ = algo.policy_loss(logp, old, torch.tensor([1.0]), mask, eps_low=0.2, eps_high=0.2)
+    assert loss.item() == pytest.approx((-1.2 - 0.5 - 1.0) / 3, abs=1e-6)
+
+
+def test_dual_clip_bounds_negative_advantage_loss():
+    mask = torch.ones(1, 1)
+    old = torch.log(torch.tensor([[0.01]]))
+    logp = torch.log(torch.tensor([[0.5]]))  # ratio 50
+    loss, _ = algo.policy_loss(logp, old, torch.tensor([-2.0]), mask, dual_clip=10.0)
+    assert loss.item() == pytest.approx(20.0)  # -adv * c
+    loss_free, _ = algo.policy_loss(logp, old, torch.tensor([-2.0]), mask, dual_clip=None)
+    assert loss_free.item() == pytest.approx(100.0, rel=1e-5)
+
+
+def test_token_mean_vs_sample_mean_vs_dr_grpo():
+    # two responses, lengths 1 and 3, per-token loss values v (ratio 1 so loss = -adv)
+    logp = torch.zeros(2, 3)
+    mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    adv = torch.tensor([2.0, -1.0])
+    tok, _ = algo.policy_loss(logp, logp, adv, mask, loss_agg="token-mean")
+    seq, _ = algo.policy_loss(logp, logp, adv, mask, loss_agg="seq-mean-token-mean")
+    drg, _ = algo.policy_loss(logp, logp, adv, mask, loss_agg="seq-mean-token-sum-norm", norm_length=4)
+    # per-token losses: [-2] and [1, 1, 1]
+    assert tok.item() == pytest.approx((-2 + 3) / 4)  # every token weighs the same (DAPO eq. 12)
+    assert seq.item() == pytest.approx((-2 + 1) / 2)  # every sample weighs the same (GRPO)
+    assert drg.item() == pytest.approx((-2 + 3) / (2 * 4))  # constant normaliser (Dr. GRPO)
+
+
+def test_fully_masked_rows_do_not_count_as_samples():
+    logp = torch.zeros(2, 2)
+    mask = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
+    loss, _ = algo.policy_loss(logp, logp, torch.tensor([1.0, 5.0]), mask, loss_agg="seq-mean-token-mean")
+    assert loss.item() == pytest.approx(-1.0)
+
+
+@pytest.mark.parametrize("loss_agg", algo.LOSS_AGG_MODES)
+def test_micro_batch_split_leaves_loss_and_gradient_unchanged(loss_agg):
+    torch.manual_seed(0)
+    N, T = 8, 7
+    old = -torch.rand(N, T) * 2
+    logp = (old + 0.3 * torch.randn(N, T)).requires_grad_(True)
+    lengths = torch.randint(1, T + 1, (N,))
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).float()
+    adv = torch.randn(N)
+    kw = dict(eps_low=0.2, eps_high=0.28, loss_agg=loss_agg, norm_length=T)
+    full, _ = algo.policy_loss(logp, old, adv, mask, **kw)
+    full.backward()
+    grad_full = logp.grad.clone()
+    logp.grad = None
+    num_tokens, num_seqs = mask.sum(), (mask.sum(-1) > 0).sum()
+    total = 0.0
+    for rows in (slice(0, 3), slice(3, 4), slice(4, 8)):
+        part, _ = algo.policy_loss(logp[rows], old[rows], adv[rows], mask[rows], num_tokens=num_tokens, num_seqs=num_seqs, **kw)
+        part.backward()
+        total += part.item()
+    assert total == pytest.approx(full.item(), abs=1e-6)
+    assert torch.allclose(logp.grad, grad_full, atol=1e-7)
+
+
+def test_without_num_tokens_micro_batches_would_differ():
+    # the trap the global divisor avoids: averaging per-micro-batch token means
+    logp = torch.zeros(2, 3)
+    mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    adv = torch.tensor([2.0, -1.0])
+    a, _ = algo.policy_loss(logp[:1], logp[:1], adv[:1], mask[:1])
+    b, _ = algo.policy_loss(logp[1:], logp[1:], adv[1:], mask[1:])
+    assert (a.item() + b.item()) / 2 != pytest.approx(0.25)
+
+
+def test_approx_kl_and_token_prob():
+    old = torch.log(torch.tensor([[0.5, 0.25]]))
+    logp = torch.log(torch.tensor([[0.25, 0.25]]))
+    _, stats = algo.policy_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 2))
+    assert stats["approx_kl"].item() == pytest.approx(math.log(2) / 2, abs=1e-6)
+    assert stats["token_prob_mean"].item() == pytest.approx(0.25)
+
+
+def test_kl_estimators_hand_computed():
+    logp = torch.log(torch.tensor([0.5]))
+    ref = torch.log(torch.tensor([0.25]))
+    ln2 = math.log(2)
+    assert algo.kl_penalty(logp, ref, "k1").item() == pytest.approx(ln2)
+    assert algo.kl_penalty(logp, ref, "k2").item() == pytest.approx(0.5 * ln2**2)
+    assert algo.kl_penalty(logp, ref, "k3").item() == pytest.approx(0.5 + ln2 - 1)
+    assert algo.kl_penalty(ref, ref, "k3").item() == 0.0
+    with pytest.raises(ValueError, match="k1, k2, k3|k1', 'k2', 'k3"):
+        algo.kl_penalty(logp, ref, "k4")
+
+
+def test_unknown_loss_agg_is_rejected():
+    with pytest.raises(ValueError, match="loss_agg"):
+        algo.policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1), loss_agg="mean")
