@@ -1,0 +1,55 @@
+"""Config errors fail at start and name the key."""
+
+import pytest
+
+from dapo.config import ConfigError, load_config
+
+
+def test_presets_load():
+    cfg = load_config("configs/dapo_qwen2.5_32b.yaml")
+    assert (cfg.algo.eps_low, cfg.algo.eps_high) == (0.2, 0.28)
+    assert cfg.train.prompts_per_step // cfg.train.mini_batch_prompts == 16  # 16 updates per rollout step
+    assert cfg.rollout.group_size == 16 and cfg.rollout.max_response_tokens == 20480
+    assert cfg.algo.overlong_buffer_tokens == 4096 and cfg.algo.kl_coef == 0.0
+    assert (cfg.eval.n, cfg.eval.top_p, cfg.train.lr, cfg.train.warmup_steps) == (32, 0.7, 1e-6, 20)
+    grpo = load_config("configs/grpo_baseline.yaml")  # inherits the paper preset through `base:`
+    assert grpo.algo.eps_high == 0.2 and grpo.algo.loss_agg == "seq-mean-token-mean" and grpo.algo.kl_coef > 0
+    assert not grpo.algo.dynamic_sampling and not grpo.algo.soft_overlong_punishment
+    assert grpo.train.prompts_per_step == 512
+
+
+def test_dotted_overrides_and_types():
+    cfg = load_config("configs/demo.yaml", ["algo.eps_high=0.3", "train.total_steps=3", "algo.dual_clip=null",
+                                            "eval.benchmarks=[arith,aime2024]", "algo.dynamic_sampling=false"])
+    assert cfg.algo.eps_high == 0.3 and cfg.train.total_steps == 3 and cfg.algo.dual_clip is None
+    assert cfg.eval.benchmarks == ["arith", "aime2024"] and cfg.algo.dynamic_sampling is False
+
+
+@pytest.mark.parametrize("override, key", [
+    ("algo.eps_hgh=0.3", "algo.eps_hgh"),                  # unknown key
+    ("trainer.lr=1", "trainer"),                           # unknown section
+    ("train.total_steps=ten", "train.total_steps"),        # wrong type
+    ("algo.dynamic_sampling=maybe", "algo.dynamic_sampling"),
+    ("algo.eps_low=1.5", "algo.eps_low"),                  # out of range
+    ("algo.overlong_buffer_tokens=100", "algo.overlong_buffer_tokens"),  # buffer longer than max length
+    ("train.mini_batch_prompts=5", "train.prompts_per_step"),            # does not divide
+    ("algo.loss_agg=mean", "algo.loss_agg"),
+    ("rollout.backend=sglang", "rollout.backend"),
+    ("rollout.group_size=1", "rollout.group_size"),
+])
+def test_bad_values_name_the_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/demo.yaml", [override])
+    assert key in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("algo: [1, 2]\n")
+    with pytest.raises(ConfigError, match="algo"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(None, ["algo.eps_high"])
