@@ -1,0 +1,28 @@
+"""Shared fixtures: a tiny random Qwen2 model and tokenizer built locally (no downloads)."""
+
+import pytest
+
+from dapo.config import load_config
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from dapo import tiny
+
+    path = tmp_path_factory.mktemp("tiny-model")
+    tokenizer = tiny.build_tokenizer()
+    model = tiny.build_model(tokenizer, hidden_size=32, num_layers=2, num_heads=2, seed=0)
+    tiny.save(model, tokenizer, path)
+    return path
+
+
+def small_config(run_dir, model_dir, *extra):
+    """A training config that runs a step in about a second on 2 CPU cores."""
+    return load_config("configs/demo.yaml", [
+        f"model.path={model_dir}", f"run.dir={run_dir}", "run.name=t", "run.progress=false",
+        "run.tensorboard=false", "train.total_steps=2", "train.prompts_per_step=4", "train.mini_batch_prompts=2",
+        "train.micro_batch_size=8", "rollout.group_size=4", "rollout.max_response_tokens=16",
+        "algo.overlong_buffer_tokens=4", "algo.dynamic_sampling=false", "eval.num_problems=4", "eval.n=2",
+        "eval.every_steps=0", "eval.before_train=false", "reward.num_workers=1", "train.lr=1e-3", "train.warmup_steps=0",
+        *extra,
+    ])
