@@ -1,0 +1,70 @@
+"""Evaluation statistics against hand-computed values, and `dapo eval` end to end."""
+
+import json
+import math
+
+import pytest
+
+from dapo.evaluate import bootstrap_ci, majority_accuracy, pass_at_k
+
+
+def test_pass_at_k_unbiased_estimator():
+    # n=4 samples, c=1 correct: pass@1 = 1/4, pass@2 = 1 - C(3,2)/C(4,2) = 1 - 3/6
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)
+    assert pass_at_k(4, 1, 4) == 1.0
+    assert pass_at_k(4, 0, 4) == 0.0
+    # n=32, c=8, k=4: 1 - C(24,4)/C(32,4)
+    assert pass_at_k(32, 8, 4) == pytest.approx(1 - math.comb(24, 4) / math.comb(32, 4))
+    assert pass_at_k(5, 4, 2) == 1.0  # fewer than k wrong samples: always passes
+    with pytest.raises(ValueError):
+        pass_at_k(2, 1, 4)
+
+
+def test_majority_vote_with_ties():
+    assert majority_accuracy(["5", "5", "7"], [True, True, False]) == 1.0
+    assert majority_accuracy(["5", "7", "7"], [True, False, False]) == 0.0
+    # a tie between a right and a wrong answer scores the chance of picking the right one
+    assert majority_accuracy(["5", "7"], [True, False]) == 0.5
+    assert majority_accuracy(["5", "7", "9", "9", "5", "7"], [True, False, False, False, True, False]) == pytest.approx(1 / 3)
+    # invalid predictions do not vote
+    assert majority_accuracy(["[INVALID]", "[INVALID]", "5"], [False, False, True]) == 1.0
+    assert majority_accuracy(["[INVALID]"], [False]) == 0.0
+
+
+def test_bootstrap_interval_is_deterministic_under_a_seed():
+    values = [((i * 37) % 101) / 100 for i in range(40)]
+    a = bootstrap_ci(values, seed=3)
+    assert a == bootstrap_ci(values, seed=3)
+    assert a != bootstrap_ci(values, seed=4)
+    lo, hi = a
+    assert lo <= sum(values) / len(values) <= hi and 0.0 <= lo < hi <= 1.0
+    assert bootstrap_ci([0.5] * 10, seed=0) == (0.5, 0.5)
+
+
+def test_dapo_eval_end_to_end(tiny_model_dir, tmp_path):
+    from dapo.cli import main
+
+    bench = tmp_path / "mini.jsonl"
+    rows = [{"problem": "2+3=", "answer": "5"}, {"problem": "4*2=", "answer": "8"}, {"problem": "9-1=", "answer": "8"}]
+    bench.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    code = main(["eval", "--model", str(tiny_model_dir), "--benchmarks", str(bench), "--n", "4", "--template", "raw",
+                 "--grader", "arith", "--max-tokens", "8", "--workers", "1", "--out", str(out), "--device", "cpu"])
+    assert code == 0
+    summary = json.loads((out / "eval.json").read_text())["mini"]
+    assert summary["n"] == 4 and summary["num_problems"] == 3
+    assert set(summary["pass_at"]) == {"1", "2", "4"}
+    assert summary["pass_at"]["1"] == pytest.approx(summary["avg"])
+    assert 0 <= summary["truncated_frac"] <= 1 and summary["mean_length"] <= 8
+    problems = [json.loads(line) for line in (out / "mini.problems.jsonl").read_text().splitlines()]
+    assert [p["ground_truth"] for p in problems] == ["5", "8", "8"]
+    assert "| mini | 3 | 4 |" in (out / "eval.md").read_text()
+
+
+def test_dapo_eval_rejects_missing_model(tmp_path, capsys):
+    from dapo.cli import main
+
+    assert main(["eval", "--model", str(tmp_path / "nothing"), "--benchmarks", "arith"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "config.json" in err and err.count("\n") == 1
