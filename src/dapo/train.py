@@ -97,6 +97,8 @@ def step_metrics(batch: RolloutBatch, cstats: CollectStats, update: dict, times:
         "perf/time_reward_s": cstats.seconds_reward,
         "perf/gen_tokens_per_s": cstats.tokens_generated / max(cstats.seconds_generate, 1e-9),
         "perf/train_tokens_per_s": float(mask.sum()) / max(times["update"], 1e-9),
+        "perf/old_logprob_tokens_per_s": float(lengths.sum()) / max(times["old_logprob"], 1e-9),
+        "perf/reward_samples_per_s": cstats.samples_generated / max(cstats.seconds_reward, 1e-9),
     }
     m.update({f"perf/time_{k}_s": v for k, v in times.items()})
     m.update({f"actor/{k}": v for k, v in update.items()})
@@ -192,6 +194,7 @@ def train(cfg: Config, *, console=None) -> dict:
             t3 = time.perf_counter()
             times = {"old_logprob": t1 - t0, "update": t2 - t1, "weight_sync": t3 - t2}
             metrics = step_metrics(batch, cstats, update, times, len(state.buffer))
+            metrics["sampling/gen_rounds_total"] = state.gen_rounds
             if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step != cfg.train.total_steps:
                 metrics.update(run_eval())
             if step == cfg.train.total_steps:
