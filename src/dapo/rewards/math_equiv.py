@@ -1,0 +1,212 @@
+"""Mathematical equivalence of LaTeX answers through math-verify.
+
+The prediction is the content of the last `\\boxed{}` in the response tail, else the last
+`Answer:` line; math-verify parses both sides into sympy and compares them (fractions vs decimals,
+tuples, intervals, sets, percentages, units in `\\text{}`, thousands separators).
+
+Time: math-verify bounds its own work with SIGALRM, which only works in a process's main thread.
+Elsewhere its timeouts are switched off and the caller must bound the time (RewardPool kills a
+worker that runs past its limit). A cheap screen also refuses the inputs that make sympy compute
+astronomically large integers (power towers, huge factorials), since no signal can interrupt
+a big-integer multiplication running in C.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from fractions import Fraction
+from functools import lru_cache
+
+from dapo.rewards.extract import last_answer_line, last_boxed
+from dapo.rewards.minerva import normalize_final_answer, normalized_truth, same_answer
+
+# A boxed answer plus the sentence around it fits easily; long reasoning before it is irrelevant.
+TAIL_CHARS = 1000
+INVALID = "[INVALID]"
+
+# Seconds math-verify may spend per parse / per comparison when it can use its alarm. Below the
+# pool's default 5 s so that a slow-but-harmless answer scores -1 instead of costing a worker.
+_INTERNAL_TIMEOUT_S = 2
+
+# Answers that make sympy build integers with billions of digits: power towers, `**` chains,
+# factorials of 4+ digit numbers or of expressions, repeated `!`, binomials and exponents of huge
+# numbers. Checked only on the extracted answer (at most TAIL_CHARS long).
+_COSTLY = re.compile(
+    r"\^\s*(?:\d+(?:\.\d+)?|e|\\pi)\s*\^"  # 2^3^4, e^e^e (right-associative towers, no braces)
+    r"|\((?=[^()]*\^)[^()]*\)\s*\^[\s{(]*\d{4,}"  # (10^{100000})^{100000}
+    r"|\*\*[^*]*\*\*"  # 9**9**9
+    r"|(?<!\d)\d{4,}\s*!"  # 1000000!
+    r"|\((?=[^()]*(?:\^|\d{4}))[^()]*\)\s*!"  # (10^{10})!
+    r"|\{(?=[^{}]*(?:\^|\d{4}))[^{}]*\}\s*!"  # {10^{10}}!
+    r"|!\s*!"  # 10!!!!
+    r"|\\(?:factorial|Gamma|[dt]?binom|choose)\b[^0-9^]{0,8}(?:\d{5,}|\d*\s*\^)"  # \binom{10^9}{..}
+    r"|(?:\^|\*\*)[\s{(]*\d{7,}",  # 10^{1000000000}
+    re.ASCII,
+)
+# Every pattern above has one way to split any input (no two adjacent runs that can match the
+# same characters), so a failed search over TAIL_CHARS characters stays linear.
+
+
+def _is_constant(text: str, i: int, step: int) -> bool:
+    """Whether text[i] is the last (step -1) or first (step +1) character of `e` or `\\pi`."""
+    if step < 0:
+        while i >= 0 and text[i].isspace():
+            i -= 1
+        if text.endswith("\\pi", 0, i + 1):
+            return True
+        return i >= 0 and text[i] == "e" and (i == 0 or not (text[i - 1].isalpha() or text[i - 1] == "\\"))
+    if text.startswith("\\pi", i):
+        return True
+    return text.startswith("e", i) and (i + 1 == len(text) or not text[i + 1].isalpha())
+
+
+def _has_power_tower(text: str) -> bool:
+    """Whether a numeric power sits inside a braced exponent: 10^{10^{10}}, 10^{{10}^{10}}, e^{e^{e}}.
+
+    Symbolic towers (e^{-x^2}, 2^{2^n}) are cheap for sympy and pass. Linear scan.
+    """
+    exponent_depth = 0  # how many of the open brace groups are exponents
+    stack: list[bool] = []
+    after_caret = False
+    prev = ""  # previous non-space character
+    n = len(text)
+    for i, c in enumerate(text):
+        if c == "{":
+            stack.append(after_caret)
+            exponent_depth += after_caret
+        elif c == "}":
+            if stack:
+                exponent_depth -= stack.pop()
+        elif c == "^" and exponent_depth and (prev.isdigit() or prev in "})" or _is_constant(text, i - 1, -1)):
+            j = i + 1
+            while j < n and (text[j].isspace() or text[j] in "{("):
+                j += 1
+            if j < n and (text[j].isdigit() or _is_constant(text, j, +1)):
+                return True
+        if not c.isspace():
+            after_caret = c == "^"
+            prev = c
+    return False
+
+
+def _costly(text: str) -> bool:
+    return bool(_COSTLY.search(text)) or _has_power_tower(text)
+
+
+_MATH_VERIFY = None  # (module, extraction configs) once loaded
+
+
+def _math_verify():
+    # Imported on first use: math-verify pulls in sympy and antlr (~0.5 s), which processes that
+    # only run the other graders should not pay for.
+    global _MATH_VERIFY
+    if _MATH_VERIFY is None:
+        import math_verify
+        from math_verify import ExprExtractionConfig, LatexExtractionConfig
+
+        _MATH_VERIFY = (math_verify, (LatexExtractionConfig(), ExprExtractionConfig()))
+    return _MATH_VERIFY
+
+
+def _timeout_s() -> int | None:
+    # signal.alarm raises ValueError outside the main thread; None switches math-verify's off.
+    return _INTERNAL_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+
+
+def _parse(text: str) -> list:
+    mv, config = _math_verify()
+    return mv.parse(text, extraction_config=config, parsing_timeout=_timeout_s())
+
+
+@lru_cache(maxsize=4096)
+def _parsed_truth(ground_truth: str) -> tuple:
+    # Reference answers are LaTeX without delimiters ("\left( 3, \frac{\pi}{2} \right)").
+    return tuple(_parse(f"${ground_truth}$") or _parse(ground_truth))
+
+
+def _parsed_prediction(pred: str) -> list:
+    # `$` and `\$` inside a boxed answer or an Answer line are decoration, not math; so is the
+    # full stop that ends a sentence ("Answer: $\dfrac{3}{4}$.").
+    bare = pred.replace("\\$", "").replace("$", "").strip().rstrip(".").strip()
+    return _parse(f"${bare}$") or _parse(pred)
+
+
+# No adjacent optional-whitespace runs: each `\s*` sits between literals or digits, so a failed
+# match on 1000 characters of spaces cannot backtrack polynomially.
+_SIMPLE_NUMBER = re.compile(
+    r"(?P<sign>[+-]?)(?:"
+    r"(?P<int>[0-9]{1,100})(?P<dec>\.[0-9]{1,100})?"
+    r"|\\[dt]?frac\{\s*(?P<fn>[+-]?[0-9]{1,100})\s*\}\{\s*(?P<fd>[+-]?[0-9]{1,100})\s*\}"
+    r"|(?P<sn>[0-9]{1,100})\s*/\s*(?P<sd>[0-9]{1,100})"
+    r")",
+    re.ASCII,
+)
+
+
+def _simple_number(text: str) -> tuple[Fraction, bool] | None:
+    """(value, exact) for "25", "-0.5", "\\frac{14}{3}", "$7/2$."; exact is False for decimals."""
+    text = text.strip().removesuffix(".").strip()
+    if len(text) > 2 and text[0] == "$" and text[-1] == "$":
+        text = text[1:-1].strip()
+    m = _SIMPLE_NUMBER.fullmatch(text)
+    if m is None:
+        return None
+    sign = -1 if m["sign"] == "-" else 1
+    if m["int"] is not None:
+        value, exact = Fraction(m["int"] + (m["dec"] or "")), m["dec"] is None
+    else:
+        num, den = (int(m["fn"]), int(m["fd"])) if m["fn"] is not None else (int(m["sn"]), int(m["sd"]))
+        if den == 0:
+            return None
+        value, exact = Fraction(num, den), True
+    return sign * value, exact
+
+
+@lru_cache(maxsize=16384)
+def equivalent(pred: str, ground_truth: str) -> bool:
+    """Whether the extracted prediction equals the ground truth mathematically.
+
+    Cached: the G responses of one prompt often agree on the same few answers.
+    """
+    # Two plain numbers (integers, decimals, fractions: most competition answers) are compared
+    # exactly, skipping ~10-20 ms of LaTeX parsing. Unequal values involving a decimal go on to
+    # math-verify, which accepts a rounded decimal (0.333333 for 1/3).
+    a, b = _simple_number(pred), _simple_number(ground_truth)
+    if a is not None and b is not None:
+        if a[0] == b[0]:
+            return True
+        if a[1] and b[1]:
+            return False
+    # Equal under the DAPO/Minerva normalisation: correct by the reference's own standard, and
+    # the commonest case (the same spelling as the reference) skips sympy entirely. Not when a
+    # comma is involved: that normalisation reads "1, 2" (two solutions) as 12.
+    if "," not in pred and "," not in ground_truth:
+        if same_answer(normalize_final_answer(pred), normalized_truth(ground_truth)):
+            return True
+    if _costly(pred) and not _costly(ground_truth):
+        return False
+    truth = _parsed_truth(ground_truth)
+    guess = _parsed_prediction(pred)
+    if not truth or not guess:
+        return False
+    mv, _ = _math_verify()
+    return bool(mv.verify(list(truth), guess, timeout_seconds=_timeout_s()))
+
+
+def extract_prediction(response: str) -> str | None:
+    """Last boxed answer in the response tail, else the last Answer: line, else None."""
+    tail = response[-TAIL_CHARS:]
+    boxed = last_boxed(tail)
+    if boxed is not None and boxed.strip():
+        return boxed.strip()
+    line = last_answer_line(tail)
+    return line.strip() if line is not None else None
+
+
+def grade_math(response: str, ground_truth: str) -> tuple[float, bool, str]:
+    pred = extract_prediction(response)
+    if pred is None:
+        return -1.0, False, INVALID
+    acc = equivalent(pred, ground_truth)
+    return (1.0 if acc else -1.0), acc, pred

@@ -1,0 +1,507 @@
+"""RewardPool: grade untrusted responses in worker processes, with a time limit on every call.
+
+How it works
+- Workers are started once (forkserver context where available, else spawn; never fork, the
+  trainer has torch threads) and reused across `score` calls.
+- `score` cuts the batch into chunks and hands one chunk at a time to each idle worker. A worker
+  streams its results back every few milliseconds, and before each item it writes
+  (item index, start time) into a small shared array. The parent, waiting on the pipes, reads
+  that array: an item running longer than `timeout_s` gets its worker killed (SIGKILL), the item
+  scores -1 as "[TIMEOUT]", a fresh worker takes the slot and the rest of the chunk is sent again.
+  A worker that dies (segfault, os._exit, MemoryError) is handled the same way with "[CRASH]".
+- No signals are used in the calling process; workers may use math-verify's own SIGALRM in their
+  main thread as a first, softer limit.
+- Responses are cut to the tail each grader reads before they cross the pipe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import math
+import multiprocessing as mp
+import os
+import sys
+import threading
+import time
+import types
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing.connection import wait as wait_for
+from typing import Callable, Sequence
+
+from dapo.rewards.graders import RAW_GRADERS, TAIL_CHARS, Grade, check_inputs
+
+TIMEOUT_PRED = "[TIMEOUT]"
+CRASH_PRED = "[CRASH]"
+
+# A worker sends what it has graded at least this often, so results stream back while it works.
+_FLUSH_S = 0.01
+# Chunks: small enough to balance load over workers, large enough that pipe round trips
+# (~100 us) are small next to the grading work they carry.
+_MAX_CHUNK = 256
+_CHUNKS_PER_WORKER = 4
+# A worker must import and warm up in this time (math-verify + sympy take ~1-2 s under spawn).
+_STARTUP_TIMEOUT_S = 60.0
+# Consecutive workers that die before becoming ready before the pool gives up.
+_MAX_STARTUP_FAILURES = 3
+# An item whose worker died this many times without the death being pinned on it is a crash.
+_MAX_ATTEMPTS = 3
+
+
+@dataclass
+class PoolResult:
+    grades: list[Grade]
+    num_timeouts: int
+    num_crashes: int
+    seconds: float
+
+
+# ----------------------------------------------------------------------------------------------
+# Graders that exist only to prove the pool's guarantees in tests (never routed to by dataset).
+
+
+def _test_sleep(response: str, ground_truth: str) -> tuple[float, bool, str]:
+    time.sleep(float(ground_truth or 10))
+    return 1.0, True, "slept"
+
+
+def _test_crash(response: str, ground_truth: str) -> tuple[float, bool, str]:
+    os._exit(1)
+
+
+def _test_segfault(response: str, ground_truth: str) -> tuple[float, bool, str]:
+    ctypes.string_at(0)  # reads address 0: SIGSEGV
+    raise AssertionError("unreachable")
+
+
+def _test_memory(response: str, ground_truth: str) -> tuple[float, bool, str]:
+    blob = bytearray(1 << 40)  # 1 TiB: MemoryError under the worker's address-space limit
+    return 1.0, True, str(len(blob))
+
+
+def _test_raise(response: str, ground_truth: str) -> tuple[float, bool, str]:
+    raise RuntimeError("grader bug")
+
+
+_TEST_GRADERS: dict[str, Callable[[str, str], tuple[float, bool, str]]] = {
+    "_test_sleep": _test_sleep,
+    "_test_crash": _test_crash,
+    "_test_segfault": _test_segfault,
+    "_test_memory": _test_memory,
+    "_test_raise": _test_raise,
+}
+_ALL_GRADERS = {**RAW_GRADERS, **_TEST_GRADERS}
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker side.
+
+
+def _die_with_parent() -> None:
+    # Linux: SIGKILL this worker when the process that started it exits, even if it is stuck in a
+    # grading call and never reads the closed pipe.
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+        except (OSError, AttributeError):
+            pass
+
+
+def _limit_memory(extra_mb: int | None) -> None:
+    """Cap the worker's address space at its size now plus `extra_mb`.
+
+    Relative, not absolute, so the cap still works if the fork server happens to have loaded
+    something large. An answer that makes sympy allocate without bound then fails fast with
+    MemoryError (scored as a crash) instead of pushing the machine into swap.
+    """
+    if not extra_mb:
+        return
+    try:
+        import resource
+
+        current = 0
+        if sys.platform.startswith("linux"):
+            with open("/proc/self/statm") as f:
+                current = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        limit = current + (extra_mb << 20)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    except (ImportError, ValueError, OSError):
+        pass  # no address-space limit on this platform: the time limit still holds
+
+
+def _worker_main(conn, progress, memory_limit_mb: int | None) -> None:
+    """Grade chunks until the pipe closes. progress = [index in progress, its start time]."""
+    _die_with_parent()
+    _limit_memory(memory_limit_mb)
+    # math-verify logs every timeout with the offending text; workers stay quiet.
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    # Warm up (sympy, antlr and regex caches) so the first real item is not charged for it.
+    RAW_GRADERS["math"]("The answer is \\boxed{\\frac{1}{2}}", "0.5")
+    RAW_GRADERS["dapo"]("Answer: 1", "1")
+    conn.send(("ready", os.getpid()))
+    clock = time.monotonic
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, OSError):
+            return
+        if task is None:
+            return
+        indices, responses, truths, graders = task
+        out: list[tuple] = []
+        last_flush = clock()
+        for i, response, truth, name in zip(indices, responses, truths, graders):
+            progress[1] = clock()  # start time first, index second: the parent reads index twice
+            progress[0] = i
+            try:
+                score, acc, pred = _ALL_GRADERS[name](response, truth)
+                out.append((i, score, acc, pred, False))
+            except MemoryError:
+                # The heap may be in a bad state: report the item, then let a fresh worker take over.
+                out.append((i, -1.0, False, CRASH_PRED, True))
+                conn.send(out)
+                os._exit(3)
+            except Exception:  # a grader bug on this input: counted as a crash, worker stays
+                out.append((i, -1.0, False, CRASH_PRED, True))
+            now = clock()
+            if now - last_flush >= _FLUSH_S:
+                conn.send(out)
+                out = []
+                last_flush = now
+        if out:
+            conn.send(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parent side.
+
+
+def _context():
+    methods = mp.get_all_start_methods()
+    if "forkserver" in methods:
+        ctx = mp.get_context("forkserver")
+        # Preloaded once in the fork server, so a replacement worker starts in milliseconds
+        # instead of re-importing sympy (ignored if the fork server is already running).
+        ctx.set_forkserver_preload(["dapo.rewards.pool", "math_verify"])
+        return ctx
+    return mp.get_context("spawn")
+
+
+@contextlib.contextmanager
+def _main_module_hidden():
+    """Start children without re-running the caller's `__main__` in them.
+
+    spawn and forkserver children normally re-import the parent's main script (so that objects
+    defined there unpickle). Workers need nothing from it, and a trainer script's top-level
+    imports (torch) would make every worker start slowly; scripts without an
+    `if __name__ == "__main__":` guard would even recurse. The start method reads
+    `sys.modules["__main__"]` synchronously inside `Process.start()`, so a bare stand-in for that
+    call is enough.
+    """
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
+
+
+class _Worker:
+    """One worker process and the parent's view of it."""
+
+    def __init__(self, ctx, memory_limit_mb: int | None):
+        self.progress = ctx.RawArray(ctypes.c_double, 2)
+        parent_conn, child_conn = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(
+            target=_worker_main,
+            args=(child_conn, self.progress, memory_limit_mb),
+            daemon=True,
+            name="dapo-reward-worker",
+        )
+        with _main_module_hidden():
+            self.process.start()
+        child_conn.close()
+        self.conn = parent_conn
+        self.started = time.monotonic()
+        self.ready = False
+        self.remaining: deque[int] = deque()  # indices sent and not yet answered, in order
+
+    def in_progress(self) -> tuple[int, float] | None:
+        """(index, start time) of the item being graded; None while the worker moves between items."""
+        first = self.progress[0]
+        start = self.progress[1]
+        if self.progress[0] != first:
+            return None
+        return int(first), start
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=5)
+        self.conn.close()
+
+
+def _stop_all(workers: list[_Worker]) -> None:
+    for worker in workers:
+        try:
+            worker.stop()
+        except Exception:  # interpreter shutdown: best effort, the daemon flag covers the rest
+            pass
+    workers.clear()
+
+
+class RewardPool:
+    """Grade responses in `num_workers` processes; every grading call is limited to `timeout_s`.
+
+    Use as a context manager or call `close()`; workers are also stopped on garbage collection
+    and at interpreter exit. Not for concurrent use from several threads (calls are serialised).
+    """
+
+    def __init__(self, num_workers: int = 2, timeout_s: float = 5.0, *, memory_limit_mb: int | None = 2048):
+        """num_workers processes; timeout_s per grading call; memory_limit_mb: address space a
+        worker may add after start-up (None: unlimited)."""
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.num_workers = num_workers
+        self.timeout_s = float(timeout_s)
+        self.memory_limit_mb = memory_limit_mb
+        self._ctx = _context()
+        self._lock = threading.Lock()
+        self._workers: list[_Worker] = [_Worker(self._ctx, memory_limit_mb) for _ in range(num_workers)]
+        self._startup_failures = 0
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _stop_all, self._workers)
+
+    # -- public ---------------------------------------------------------------------------------
+
+    def score(
+        self, responses: Sequence[str], ground_truths: Sequence[str], graders: Sequence[str] | str
+    ) -> PoolResult:
+        """Grade responses[i] against ground_truths[i] with graders[i]; results in input order."""
+        t0 = time.perf_counter()
+        n = len(responses)
+        if len(ground_truths) != n:
+            raise ValueError(f"{n} responses but {len(ground_truths)} ground truths")
+        if isinstance(graders, str):
+            graders = [graders] * n
+        elif len(graders) != n:
+            raise ValueError(f"{n} responses but {len(graders)} grader names")
+        payload = self._payload(responses, ground_truths, graders)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("RewardPool is closed")
+            run = _Run(self, payload)
+            run.execute()
+        return PoolResult(run.grades(), run.num_timeouts, run.num_crashes, time.perf_counter() - t0)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._finalizer()
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- internals ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _payload(responses, ground_truths, graders) -> list[tuple[str, str, str]]:
+        checked: set[tuple[str, str]] = set()
+        payload = []
+        for i, (response, truth, name) in enumerate(zip(responses, ground_truths, graders)):
+            if (truth, name) not in checked:  # each distinct (truth, grader) once: groups share truths
+                try:
+                    if name in _TEST_GRADERS:
+                        if not isinstance(truth, str):
+                            raise TypeError(f"ground_truth must be str, got {type(truth).__name__}")
+                    else:
+                        check_inputs("", truth, name)
+                except (TypeError, ValueError) as err:
+                    raise type(err)(f"item {i}: {err}") from None
+                checked.add((truth, name))
+            if not isinstance(response, str):
+                raise TypeError(f"item {i}: response must be str, got {type(response).__name__}")
+            tail = TAIL_CHARS.get(name)
+            payload.append((response[-tail:] if tail else response, truth, name))
+        return payload
+
+    def _replace(self, slot: int) -> None:
+        self._workers[slot].stop()
+        self._workers[slot] = _Worker(self._ctx, self.memory_limit_mb)
+
+
+class _Run:
+    """The state of one `score` call: pending chunks, results, counters."""
+
+    def __init__(self, pool: RewardPool, payload: list[tuple[str, str, str]]):
+        self.pool = pool
+        self.payload = payload
+        n = len(payload)
+        size = max(1, min(_MAX_CHUNK, math.ceil(n / (pool.num_workers * _CHUNKS_PER_WORKER))))
+        self.pending: deque[list[int]] = deque(list(range(s, min(n, s + size))) for s in range(0, n, size))
+        self.results: list[tuple | None] = [None] * n
+        self.left = n
+        self.attempts: dict[int, int] = {}
+        self.num_timeouts = 0
+        self.num_crashes = 0
+
+    def grades(self) -> list[Grade]:
+        return [Grade(r[0], r[1], r[2]) for r in self.results]  # type: ignore[index]
+
+    def execute(self) -> None:
+        workers = self.pool._workers
+        for slot, w in enumerate(workers):
+            if w.remaining:  # still busy for a call that was interrupted: its results are stale
+                w.remaining.clear()
+                self.pool._replace(slot)
+        while self.left:
+            self._dispatch()
+            waitables = {}
+            for slot, w in enumerate(workers):
+                waitables[w.conn] = slot
+                waitables[w.process.sentinel] = slot
+            for obj in wait_for(list(waitables), timeout=self._wait_s()):
+                slot = waitables[obj]
+                if obj is workers[slot].conn or obj == workers[slot].process.sentinel:  # not replaced yet
+                    self._receive(slot)
+            self._enforce_limits()
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        for slot, w in enumerate(self.pool._workers):
+            if not self.pending:
+                return
+            if not w.ready or w.remaining:
+                continue
+            chunk = self.pending.popleft()
+            w.remaining = deque(chunk)
+            # Start the clock now, with index -1 ("not started") until the worker writes its own.
+            w.progress[1] = time.monotonic()
+            w.progress[0] = -1
+            items = [self.payload[i] for i in chunk]
+            try:
+                w.conn.send((chunk, [it[0] for it in items], [it[1] for it in items], [it[2] for it in items]))
+            except (BrokenPipeError, OSError):
+                self._on_death(slot)
+
+    def _wait_s(self) -> float:
+        now = time.monotonic()
+        deadline = now + 1.0  # wake up at least once a second regardless
+        for w in self.pool._workers:
+            if not w.ready:
+                deadline = min(deadline, w.started + _STARTUP_TIMEOUT_S)
+            elif w.remaining:
+                current = w.in_progress()
+                if current is not None:
+                    deadline = min(deadline, current[1] + self.pool.timeout_s)
+        return max(0.0, deadline - now) + 0.001
+
+    def _receive(self, slot: int) -> None:
+        w = self.pool._workers[slot]
+        closed = False
+        try:
+            while w.conn.poll():
+                self._on_message(w, w.conn.recv())
+        except (EOFError, OSError):
+            closed = True
+        if closed or not w.process.is_alive():
+            self._on_death(slot)
+
+    def _on_message(self, w: _Worker, message) -> None:
+        if isinstance(message, tuple) and message and message[0] == "ready":
+            w.ready = True
+            self.pool._startup_failures = 0
+            return
+        for i, score, acc, pred, crashed in message:
+            if not w.remaining or w.remaining[0] != i:
+                continue  # a result for an item already settled (cannot happen with in-order workers)
+            w.remaining.popleft()
+            self._settle(i, (score, acc, pred))
+            if crashed:
+                self.num_crashes += 1
+
+    def _settle(self, i: int, result: tuple) -> None:
+        if self.results[i] is None:
+            self.results[i] = result
+            self.left -= 1
+
+    def _drain(self, w: _Worker) -> None:
+        # Results the worker sent before it died or was killed are still in the pipe.
+        try:
+            while w.conn.poll():
+                self._on_message(w, w.conn.recv())
+        except Exception:  # EOF, or a message cut short by the kill
+            pass
+
+    def _enforce_limits(self) -> None:
+        now = time.monotonic()
+        for slot, w in enumerate(self.pool._workers):
+            if not w.ready:
+                if now - w.started > _STARTUP_TIMEOUT_S:
+                    self._startup_failed(slot, "did not start in time")
+                continue
+            if not w.remaining:
+                continue
+            current = w.in_progress()
+            if current is None or now - current[1] <= self.pool.timeout_s:
+                continue
+            w.process.kill()
+            w.process.join(timeout=5)
+            self._drain(w)
+            if self._charge(w, TIMEOUT_PRED):
+                self.num_timeouts += 1
+            self._requeue_and_replace(slot)
+
+    def _on_death(self, slot: int) -> None:
+        w = self.pool._workers[slot]
+        w.process.join(timeout=5)
+        self._drain(w)
+        if not w.ready:
+            self._startup_failed(slot, f"exited with code {w.process.exitcode} during startup")
+            return
+        if self._charge(w, CRASH_PRED):
+            self.num_crashes += 1
+        self._requeue_and_replace(slot)
+
+    def _charge(self, w: _Worker, pred: str) -> bool:
+        """Settle the item a dead worker was grading as `pred`; False if none can be blamed."""
+        if not w.remaining:
+            return False
+        index = int(w.progress[0])  # the worker is dead: this value no longer moves
+        if index not in w.remaining:
+            # Stopped between items or before its first: blame the next item only if that keeps
+            # happening, so a worker killed for unrelated reasons costs no item its grade.
+            index = w.remaining[0]
+            self.attempts[index] = self.attempts.get(index, 0) + 1
+            if self.attempts[index] < _MAX_ATTEMPTS:
+                return False
+        w.remaining.remove(index)
+        self._settle(index, (-1.0, False, pred))
+        return True
+
+    def _requeue_and_replace(self, slot: int) -> None:
+        w = self.pool._workers[slot]
+        if w.remaining:
+            self.pending.appendleft(list(w.remaining))
+            w.remaining.clear()
+        self.pool._replace(slot)
+
+    def _startup_failed(self, slot: int, why: str) -> None:
+        self.pool._startup_failures += 1
+        if self.pool._startup_failures >= _MAX_STARTUP_FAILURES:
+            raise RuntimeError(f"reward worker {why}; {_MAX_STARTUP_FAILURES} workers in a row failed to start")
+        self.pool._replace(slot)
+
+
+__all__ = ["PoolResult", "RewardPool", "TIMEOUT_PRED", "CRASH_PRED"]

@@ -1,0 +1,221 @@
+"""RewardPool: per-call time limits in worker processes, crash recovery, ordering, lifecycle."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from dapo.rewards import Grade, RewardPool, grade
+
+
+def _pids(pool: RewardPool) -> list[int]:
+    return [w.process.pid for w in pool._workers]
+
+
+def _gone(pid: int, within_s: float = 5.0) -> bool:
+    """Whether process `pid` has exited (and been reaped) within `within_s`."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RewardPool(num_workers=2, timeout_s=1.0) as p:
+        yield p
+
+
+MIXED = [
+    ("Answer: 25", "25", "dapo"),
+    ("Answer: 26", "25", "dapo"),
+    ("\\boxed{\\frac{1}{2}}", "0.5", "math"),
+    ("\\boxed{\\frac{1}{3}}", "0.5", "math"),
+    ("Answer: $1,000", "#### 1000", "gsm8k"),
+    ("9 * 2 = 17", "18", "gsm8k"),
+    ("Answer: -7", "-7", "arith"),
+    ("Answer: 7.0", "7", "arith"),
+]
+
+
+def test_results_match_in_process_and_keep_order(pool):
+    # 600 items: many chunks over both workers; results must line up with their inputs.
+    items = [MIXED[i % len(MIXED)] for i in range(600)]
+    items = [(f"step {i}\n{r}", t, g) for i, (r, t, g) in enumerate(items)]
+    result = pool.score(*map(list, zip(*items)))
+    assert result.grades == [grade(r, t, g) for r, t, g in items]
+    assert [g.acc for g in result.grades[:8]] == [True, False] * 4
+    assert result.num_timeouts == result.num_crashes == 0
+
+
+def test_timeout_scores_wrong_replaces_worker_and_grades_the_rest(pool):
+    before = set(_pids(pool))
+    responses = [f"Answer: {i}" for i in range(40)]
+    truths = [str(i) for i in range(40)]
+    graders = ["dapo"] * 40
+    graders[5], truths[5] = "_test_sleep", "30"  # sleeps 30 s; the limit is 1 s
+    t0 = time.monotonic()
+    result = pool.score(responses, truths, graders)
+    elapsed = time.monotonic() - t0
+    assert result.grades[5] == Grade(-1.0, False, "[TIMEOUT]")
+    assert result.num_timeouts == 1 and result.num_crashes == 0
+    assert all(g.acc for i, g in enumerate(result.grades) if i != 5)
+    assert elapsed < 5.0  # one 1 s limit plus a worker restart, not the 30 s sleep
+    after = set(_pids(pool))
+    assert len(before - after) == 1  # exactly one worker was replaced
+    assert all(_gone(pid) for pid in before - after)
+
+
+def test_back_to_back_timeouts_in_one_chunk(pool):
+    # 40 items go out in chunks of 5: items 6 and 7 share a chunk, so the second timeout happens
+    # in the re-sent remainder of the first one's chunk.
+    n = 40
+    graders, truths = ["arith"] * n, [str(i) for i in range(n)]
+    for i in (6, 7, 30):
+        graders[i], truths[i] = "_test_sleep", "30"
+    result = pool.score([f"Answer: {i}" for i in range(n)], truths, graders)
+    assert [i for i, g in enumerate(result.grades) if g.pred == "[TIMEOUT]"] == [6, 7, 30]
+    assert all(g.acc for i, g in enumerate(result.grades) if i not in (6, 7, 30))
+    assert result.num_timeouts == 3
+    assert result.seconds < 10.0
+
+
+@pytest.mark.parametrize("crasher", ["_test_crash", "_test_segfault", "_test_memory"])
+def test_worker_death_scores_crash_and_worker_is_replaced(pool, crasher):
+    before = set(_pids(pool))
+    graders = ["dapo"] * 30
+    graders[12] = crasher
+    result = pool.score([f"Answer: {i}" for i in range(30)], [str(i) for i in range(30)], graders)
+    assert result.grades[12] == Grade(-1.0, False, "[CRASH]")
+    assert result.num_crashes == 1 and result.num_timeouts == 0
+    assert all(g.acc for i, g in enumerate(result.grades) if i != 12)
+    assert len(before - set(_pids(pool))) == 1
+
+
+def test_grader_exception_is_a_crash_but_keeps_the_worker(pool):
+    before = set(_pids(pool))
+    result = pool.score(["Answer: 1", "x", "Answer: 2"], ["1", "1", "2"], ["dapo", "_test_raise", "dapo"])
+    assert [g.pred for g in result.grades] == ["1", "[CRASH]", "2"]
+    assert result.num_crashes == 1
+    assert set(_pids(pool)) == before
+
+
+def test_pool_still_healthy_after_failures_and_reuses_workers(pool):
+    pids = _pids(pool)
+    for _ in range(3):
+        result = pool.score(["Answer: 3"] * 50, ["3"] * 50, "dapo")
+        assert all(g.acc for g in result.grades) and result.num_timeouts == result.num_crashes == 0
+    assert _pids(pool) == pids  # started once, reused across calls
+
+
+def test_call_interrupted_midway_leaves_no_stale_results(pool, monkeypatch):
+    # Ctrl-C (or any exception) while workers are busy: their late results belong to the
+    # interrupted call and must not leak into the next one.
+    from dapo.rewards import pool as pool_module
+
+    def interrupted(self, slot):
+        raise KeyboardInterrupt
+
+    pool.score(["Answer: 1"], ["1"], "dapo")  # workers up, so the interrupted call dispatches
+    with monkeypatch.context() as patch:
+        patch.setattr(pool_module._Run, "_receive", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            pool.score(["x"] * 8, ["0.3"] * 8, "_test_sleep")  # each item reports "slept"
+    result = pool.score([f"Answer: {i}" for i in range(8)], [str(i) for i in range(8)], "dapo")
+    assert [g.pred for g in result.grades] == [str(i) for i in range(8)]
+
+
+def test_no_signal_handlers_in_the_caller(pool):
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGALRM, signal.SIGCHLD, signal.SIGTERM)}
+    pool.score(["\\boxed{1}"] * 20, ["1"] * 20, "math")
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
+
+
+def test_input_validation(pool):
+    with pytest.raises(ValueError, match="2 responses but 1 ground truths"):
+        pool.score(["a", "b"], ["1"], "dapo")
+    with pytest.raises(ValueError, match="2 responses but 3 grader names"):
+        pool.score(["a", "b"], ["1", "2"], ["dapo"] * 3)
+    with pytest.raises(ValueError, match="item 1: unknown grader 'nope'"):
+        pool.score(["a", "b"], ["1", "2"], ["dapo", "nope"])
+    with pytest.raises(ValueError, match="item 2: gsm8k ground truth"):
+        pool.score(["a"] * 3, ["1", "2", "many"], "gsm8k")
+    with pytest.raises(TypeError, match="item 0: response must be str"):
+        pool.score([b"Answer: 1"], ["1"], "dapo")
+    assert pool.score([], [], "dapo").grades == []
+
+
+def test_long_responses_are_cut_before_grading(pool):
+    # 200k characters of reasoning: only the tail crosses the pipe, and the answer is still found.
+    long = "reasoning " * 20_000
+    result = pool.score([long + "\nAnswer: 9", long + "\\boxed{9}"], ["9", "9"], ["dapo", "math"])
+    assert [g.acc for g in result.grades] == [True, True]
+
+
+def test_throughput_is_not_pathological(pool):
+    # Not a benchmark (see benchmarks/grading_throughput.py): catches a per-item round trip.
+    n = 5000
+    result = pool.score([f"Reasoning...\nAnswer: {i % 97}" for i in range(n)], ["5"] * n, "dapo")
+    assert result.seconds < 5.0, f"{n / result.seconds:.0f} responses/s"
+
+
+def test_repeated_create_and_close():
+    for _ in range(4):
+        pool = RewardPool(num_workers=2, timeout_s=2.0)
+        pids = _pids(pool)
+        assert pool.score(["Answer: 4"], ["4"], "dapo").grades[0].acc
+        pool.close()
+        assert all(_gone(pid) for pid in pids)
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.score(["Answer: 4"], ["4"], "dapo")
+    pool.close()  # closing twice is harmless
+
+
+def test_garbage_collection_stops_workers():
+    pool = RewardPool(num_workers=1, timeout_s=2.0)
+    pids = _pids(pool)
+    del pool
+    gc.collect()
+    assert all(_gone(pid) for pid in pids)
+
+
+def test_script_without_main_guard_and_no_orphans_at_exit(tmp_path):
+    # No `if __name__ == "__main__":` guard, a top-level side effect, and no close(): workers
+    # must not re-run the script (the side effect happens once), and atexit must stop them.
+    runs = tmp_path / "runs.txt"
+    script = tmp_path / "leaky.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            with open({str(runs)!r}, "a") as f:
+                f.write("ran\\n")
+            from dapo.rewards import RewardPool
+            pool = RewardPool(num_workers=2, timeout_s=5.0)
+            assert pool.score(["Answer: 1"], ["1"], "dapo").grades[0].acc
+            print(*(w.process.pid for w in pool._workers))
+            """
+        )
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert runs.read_text() == "ran\n"
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 2 and all(_gone(pid) for pid in pids)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="num_workers"):
+        RewardPool(num_workers=0)
+    with pytest.raises(ValueError, match="timeout_s"):
+        RewardPool(timeout_s=0)
