@@ -1,0 +1,470 @@
+"""Prompt data: loading math data sets into ``Example``s, the DAPO prompt template, a resumable sampler.
+
+Three row layouts are read from ``.jsonl`` and ``.parquet`` files:
+
+* DAPO layout: ``prompt`` (a chat list ``[{role, content}]`` or a string),
+  ``reward_model.ground_truth``, optional ``data_source`` and ``extra_info.index``;
+* plain: ``problem`` and ``answer`` (optional ``id``);
+* GSM8K: ``question`` and ``answer``, whose ground truth is the number after ``####``.
+
+The layout is decided once per file from its first row; every row is then checked against it,
+and a bad row raises ``DataError`` naming the file, the 1-based row number and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+DAPO_PROMPT_PREFIX = (
+    "Solve the following math problem step by step. The last line of your response should be of "
+    "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
+)
+DAPO_PROMPT_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
+
+TEMPLATES = ("dapo", "raw")
+# File names that say which split a file is, not which data set; the folder names the data set.
+_GENERIC_STEMS = {"train", "test", "val", "valid", "validation", "dev", "eval", "data"}
+
+
+class DataError(ValueError):
+    """A data file that cannot be turned into examples; the message names the file, row and field."""
+
+
+class Message(dict):
+    """One chat turn ``{"role", "content"}``: a real ``dict`` (chat templates and JSON accept it)
+    that cannot be changed and can be hashed, so an ``Example`` holding messages stays hashable."""
+
+    def __init__(self, role: str, content: str):
+        super().__init__(role=role, content=content)
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash((self["role"], self["content"]))
+
+    def _immutable(self, *args, **kwargs):
+        raise TypeError("Message is immutable; build a new Message instead")
+
+    __setitem__ = __delitem__ = __ior__ = _immutable  # type: ignore[assignment]
+    clear = pop = popitem = setdefault = update = _immutable  # type: ignore[assignment]
+
+    def __reduce__(self):
+        return (Message, (self["role"], self["content"]))
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+@dataclass(frozen=True)
+class Example:
+    uid: str
+    prompt: str | tuple  # final prompt text, or a tuple of ``Message``s
+    ground_truth: str
+    data_source: str
+
+    def messages(self) -> list[dict]:
+        """The prompt as chat messages (a plain string prompt becomes one user turn)."""
+        if isinstance(self.prompt, str):
+            return [{"role": "user", "content": self.prompt}]
+        return [dict(m) for m in self.prompt]
+
+    def text(self) -> str:
+        """The prompt's text without any chat template."""
+        return _plain_text(self.prompt)
+
+
+def apply_template(problem: str, template: str) -> str:
+    """Wrap ``problem`` in the named template. ``"dapo"`` leaves already-wrapped text alone."""
+    if template == "raw":
+        return problem
+    if template == "dapo":
+        if DAPO_PROMPT_PREFIX.strip() in problem:
+            return problem
+        return DAPO_PROMPT_PREFIX + problem + DAPO_PROMPT_SUFFIX
+    raise ValueError(f"unknown prompt template {template!r}; choose one of {list(TEMPLATES)}")
+
+
+def render_prompt(example: Example, tokenizer) -> str:
+    """The exact text to feed the model: the tokenizer's chat template when it has one
+    (with the generation prompt appended), else the plain prompt text."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            example.messages(), add_generation_prompt=True, tokenize=False
+        )
+    return example.text()
+
+
+def _plain_text(prompt: str | tuple) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    user = [m["content"] for m in prompt if m["role"] == "user"]
+    return "\n\n".join(user if user else [m["content"] for m in prompt])
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_examples(
+    path: str | os.PathLike,
+    *,
+    template: str = "dapo",
+    data_source: str | None = None,
+    dedup: bool = True,
+    limit: int | None = None,
+) -> list[Example]:
+    """Read a ``.jsonl`` or ``.parquet`` file of math problems into ``Example``s.
+
+    ``template`` is applied to each problem's (user) text; ``data_source`` overrides the rows'
+    own (default: the row's ``data_source`` field, else the folder name for files named like
+    ``test.jsonl``, else the file's stem). With ``dedup``, rows whose final prompt equals an
+    earlier row's are dropped. ``limit`` keeps the first ``limit`` examples after de-duplication.
+    """
+    if template not in TEMPLATES:
+        raise ValueError(f"unknown prompt template {template!r}; choose one of {list(TEMPLATES)}")
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise ValueError(f"limit must be a positive integer or None, got {limit!r}")
+    path = Path(path)
+    name = str(path)
+    if not path.is_file():
+        raise DataError(f"{name}: no such file; check the path (data files live under data/)")
+    default_source = data_source or _default_source(path)
+
+    layout = None
+    seen: set = set()
+    out: list[Example] = []
+    for row_no, row in _iter_rows(path):
+        where = f"{name}: row {row_no}"
+        if not isinstance(row, dict):
+            raise DataError(
+                f"{where}: expected a JSON object with the problem's fields, got {type(row).__name__}"
+            )
+        if layout is None:
+            layout = _detect_layout(row, where)
+        ex = _parse_row(layout, row, row_no, where, template, default_source, data_source)
+        if dedup:
+            key = ex.prompt
+            if key in seen:
+                continue
+            seen.add(key)
+        out.append(ex)
+        if limit is not None and len(out) >= limit:
+            break
+    if not out:
+        raise DataError(f"{name}: no examples in the file; it needs at least one row")
+    return out
+
+
+def _default_source(path: Path) -> str:
+    stem = path.name.split(".")[0]
+    if stem.lower() in _GENERIC_STEMS and path.parent.name:
+        return path.parent.resolve().name
+    return stem
+
+
+def _iter_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        yield from _iter_jsonl(path)
+    elif suffix == ".parquet":
+        yield from _iter_parquet(path)
+    else:
+        raise DataError(
+            f"{path}: unsupported file type {suffix or '(none)'!r}; use a .jsonl or .parquet file"
+        )
+
+
+def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+    try:
+        fh = open(path, encoding="utf-8")
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read ({e.strerror}); check the path and permissions") from e
+    with fh:
+        try:
+            for row_no, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(
+                        f"{path}: row {row_no}: not valid JSON ({e.msg} at column {e.colno}); "
+                        "each line must be one JSON object"
+                    ) from None
+                yield row_no, row
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not UTF-8 text ({e.reason}); save the file as UTF-8") from None
+
+
+def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises several unrelated types for a bad file
+        raise DataError(f"{path}: not a readable parquet file ({e}); re-export it") from None
+    row_no = 0
+    for batch in pf.iter_batches(batch_size=4096):
+        for row in batch.to_pylist():
+            row_no += 1
+            yield row_no, row
+
+
+def _detect_layout(row: dict, where: str) -> str:
+    if "prompt" in row or "reward_model" in row:
+        return "dapo"
+    if "problem" in row:
+        return "plain"
+    if "question" in row:
+        return "gsm8k"
+    raise DataError(
+        f"{where}: cannot tell the layout from fields {sorted(row)}; a row needs 'prompt' and "
+        "'reward_model.ground_truth' (DAPO), 'problem' and 'answer', or 'question' and "
+        "'answer' (GSM8K)"
+    )
+
+
+_LAYOUT_HINT = {
+    "dapo": "each row needs 'prompt' (string or [{role, content}]) and 'reward_model.ground_truth'",
+    "plain": "each row needs 'problem' and 'answer'",
+    "gsm8k": "each row needs 'question' and an 'answer' ending in '#### <number>'",
+}
+
+
+def _field(row: dict, dotted: str, where: str, layout: str) -> Any:
+    cur: Any = row
+    for part in dotted.split("."):
+        if not isinstance(cur, dict) or part not in cur or cur[part] is None:
+            raise DataError(f"{where}: field '{dotted}' is missing; {_LAYOUT_HINT[layout]}")
+        cur = cur[part]
+    return cur
+
+
+def _answer_text(value: Any, field: str, where: str, layout: str) -> str:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float) and math.isfinite(value):
+        # JSON writers turn 27 into 27.0; the answer a model writes is "27".
+        return str(int(value)) if value.is_integer() else repr(value)
+    if isinstance(value, str):
+        if not value.strip():
+            raise DataError(f"{where}: field '{field}' is empty; {_LAYOUT_HINT[layout]}")
+        return value.strip()
+    raise DataError(
+        f"{where}: field '{field}' must be a string or a number, got {type(value).__name__}; "
+        f"{_LAYOUT_HINT[layout]}"
+    )
+
+
+def _text(value: Any, field: str, where: str, layout: str) -> str:
+    if not isinstance(value, str):
+        raise DataError(
+            f"{where}: field '{field}' must be a string, got {type(value).__name__}; "
+            f"{_LAYOUT_HINT[layout]}"
+        )
+    if not value.strip():
+        raise DataError(f"{where}: field '{field}' is empty; {_LAYOUT_HINT[layout]}")
+    return value
+
+
+def _chat(value: Any, where: str, template: str) -> tuple:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise DataError(
+            f"{where}: field 'prompt' must be a string or a non-empty list of "
+            f"{{role, content}} messages, got {type(value).__name__}; {_LAYOUT_HINT['dapo']}"
+        )
+    messages = []
+    for i, m in enumerate(value):
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+        ):
+            raise DataError(
+                f"{where}: field 'prompt[{i}]' must be a {{role, content}} message with string "
+                f"values; {_LAYOUT_HINT['dapo']}"
+            )
+        messages.append((m["role"], m["content"]))
+    users = [i for i, (role, _) in enumerate(messages) if role == "user"]
+    if not users:
+        raise DataError(f"{where}: field 'prompt' has no 'user' message; {_LAYOUT_HINT['dapo']}")
+    # The problem is the (last) user turn; system turns and earlier history pass through.
+    last = users[-1]
+    role, content = messages[last]
+    if not content.strip():
+        raise DataError(f"{where}: field 'prompt[{last}].content' is empty; {_LAYOUT_HINT['dapo']}")
+    messages[last] = (role, apply_template(content, template))
+    return tuple(Message(r, c) for r, c in messages)
+
+
+def _parse_row(
+    layout: str,
+    row: dict,
+    row_no: int,
+    where: str,
+    template: str,
+    default_source: str,
+    source_override: str | None,
+) -> Example:
+    uid = str(row_no - 1)
+    row_source = None
+    if layout == "dapo":
+        raw_prompt = _field(row, "prompt", where, layout)
+        if isinstance(raw_prompt, str):
+            prompt: str | tuple = apply_template(_text(raw_prompt, "prompt", where, layout), template)
+        else:
+            prompt = _chat(raw_prompt, where, template)
+        truth = _answer_text(
+            _field(row, "reward_model.ground_truth", where, layout),
+            "reward_model.ground_truth",
+            where,
+            layout,
+        )
+        extra = row.get("extra_info")
+        if isinstance(extra, dict) and extra.get("index") is not None:
+            uid = str(extra["index"])
+        row_source = row.get("data_source")
+        if row_source is not None and not isinstance(row_source, str):
+            raise DataError(
+                f"{where}: field 'data_source' must be a string, got {type(row_source).__name__}; "
+                "drop it or give the data set's name"
+            )
+    elif layout == "plain":
+        problem = _text(_field(row, "problem", where, layout), "problem", where, layout)
+        prompt = apply_template(problem, template)
+        truth = _answer_text(_field(row, "answer", where, layout), "answer", where, layout)
+        if row.get("id") is not None:
+            uid = str(row["id"])
+    else:  # gsm8k
+        question = _text(_field(row, "question", where, layout), "question", where, layout)
+        prompt = apply_template(question, template)
+        answer = _text(_field(row, "answer", where, layout), "answer", where, layout)
+        if "####" not in answer:
+            raise DataError(
+                f"{where}: field 'answer' has no '#### <number>' final line; {_LAYOUT_HINT[layout]}"
+            )
+        truth = answer.rsplit("####", 1)[1].strip().replace(",", "")
+        if not truth:
+            raise DataError(
+                f"{where}: field 'answer' has nothing after '####'; {_LAYOUT_HINT[layout]}"
+            )
+    source = source_override or row_source or default_source
+    return Example(uid=uid, prompt=prompt, ground_truth=truth, data_source=source)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling
+
+
+class PromptSampler:
+    """Endless, seeded stream of examples: each epoch is a fresh permutation of all examples.
+
+    The order of epoch ``e`` depends only on ``(seed, e)``, so the state is just three integers
+    and a resumed run continues with exactly the examples the interrupted one would have drawn.
+    """
+
+    def __init__(self, examples: Sequence[Example], *, seed: int, shuffle: bool = True):
+        if len(examples) == 0:
+            raise ValueError("PromptSampler needs at least one example; the data set is empty")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        self._examples = list(examples)
+        self._seed = seed
+        self._shuffle = shuffle
+        self._epoch = 0
+        self._pos = 0
+        self._order = self._permutation(0)
+
+    def __len__(self) -> int:
+        return len(self._examples)
+
+    @property
+    def epoch(self) -> int:
+        """Number of completed passes over the examples (0 during the first pass)."""
+        return self._epoch
+
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(len(self._examples)))
+        if self._shuffle:
+            random.Random(f"dapo-sampler:{self._seed}:{epoch}").shuffle(order)
+        return order
+
+    def next(self, n: int) -> list[Example]:
+        """The next ``n`` examples, continuing into the next epoch (reshuffled) when one ends."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"n must be a non-negative integer, got {n!r}")
+        out: list[Example] = []
+        while len(out) < n:
+            if self._pos == len(self._order):
+                self._epoch += 1
+                self._pos = 0
+                self._order = self._permutation(self._epoch)
+            take = min(n - len(out), len(self._order) - self._pos)
+            out.extend(self._examples[i] for i in self._order[self._pos : self._pos + take])
+            self._pos += take
+        return out
+
+    def __iter__(self) -> Iterator[Example]:
+        while True:
+            yield self.next(1)[0]
+
+    def state_dict(self) -> dict:
+        return {
+            "seed": self._seed,
+            "shuffle": self._shuffle,
+            "epoch": self._epoch,
+            "position": self._pos,
+            "num_examples": len(self._examples),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        missing = {"seed", "shuffle", "epoch", "position", "num_examples"} - set(state)
+        if missing:
+            raise ValueError(
+                f"sampler state is missing {sorted(missing)}; pass the dict from state_dict()"
+            )
+        if state["num_examples"] != len(self._examples):
+            raise ValueError(
+                f"sampler state was saved for {state['num_examples']} examples but this data set has "
+                f"{len(self._examples)}; resume with the same data files and options"
+            )
+        if not 0 <= int(state["position"]) <= len(self._examples):
+            raise ValueError(f"sampler state has position {state['position']} outside the data set")
+        self._seed = int(state["seed"])
+        self._shuffle = bool(state["shuffle"])
+        self._epoch = int(state["epoch"])
+        self._pos = int(state["position"])
+        self._order = self._permutation(self._epoch)
+
+
+def dedup_examples(examples: Iterable[Example]) -> list[Example]:
+    """Drop examples whose prompt equals an earlier one's, keeping the first."""
+    seen: set = set()
+    out = []
+    for ex in examples:
+        if ex.prompt not in seen:
+            seen.add(ex.prompt)
+            out.append(ex)
+    return out
+
+
+__all__ = [
+    "DAPO_PROMPT_PREFIX",
+    "DAPO_PROMPT_SUFFIX",
+    "TEMPLATES",
+    "DataError",
+    "Example",
+    "Message",
+    "PromptSampler",
+    "apply_template",
+    "dedup_examples",
+    "load_examples",
+    "render_prompt",
+]

@@ -1,0 +1,315 @@
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dapo.data import (
+    DAPO_PROMPT_PREFIX,
+    DAPO_PROMPT_SUFFIX,
+    DataError,
+    Example,
+    Message,
+    PromptSampler,
+    apply_template,
+    load_examples,
+    render_prompt,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+AIME_DAPO = REPO / "data" / "aime2024" / "aime-2024.dapo.parquet"
+DAPO_17K = REPO / "data" / "dapo_math_17k" / "dapo_math_17k.parquet"
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def dapo_row(problem, truth, index, templated=False):
+    content = apply_template(problem, "dapo") if templated else problem
+    return {
+        "data_source": "math_dapo",
+        "prompt": [{"role": "user", "content": content}],
+        "ability": "MATH",
+        "reward_model": {"ground_truth": truth, "style": "rule"},
+        "extra_info": {"index": index, "raw_problem": problem},
+    }
+
+
+# --- template -------------------------------------------------------------------------------
+
+
+def test_template_text_is_the_dapo_one():
+    wrapped = apply_template("What is 2+2?", "dapo")
+    assert wrapped == (
+        "Solve the following math problem step by step. The last line of your response should be "
+        "of the form Answer: $Answer (without quotes) where $Answer is the answer to the problem."
+        "\n\nWhat is 2+2?\n\nRemember to put your answer on its own line after \"Answer:\"."
+    )
+    assert wrapped.startswith(DAPO_PROMPT_PREFIX) and wrapped.endswith(DAPO_PROMPT_SUFFIX)
+
+
+def test_template_applied_once_and_raw_unchanged():
+    once = apply_template("Find x.", "dapo")
+    assert apply_template(once, "dapo") == once
+    assert apply_template("Find x.", "raw") == "Find x."
+    with pytest.raises(ValueError, match=r"unknown prompt template 'chatml'.*dapo.*raw"):
+        apply_template("Find x.", "chatml")
+
+
+# --- layouts ---------------------------------------------------------------------------------
+
+
+def test_dapo_layout_parquet_chat_prompt_templates_only_when_missing(tmp_path):
+    rows = [
+        dapo_row("Bare problem one.", "12", 7),
+        dapo_row("Already wrapped.", "5", 8, templated=True),
+    ]
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    ex = load_examples(path)
+    assert [e.uid for e in ex] == ["7", "8"]
+    assert [e.ground_truth for e in ex] == ["12", "5"]
+    assert {e.data_source for e in ex} == {"math_dapo"}
+    for e, problem in zip(ex, ["Bare problem one.", "Already wrapped."]):
+        assert isinstance(e.prompt, tuple) and len(e.prompt) == 1
+        assert e.prompt[0] == {"role": "user", "content": apply_template(problem, "dapo")}
+        assert e.text().count("Solve the following math problem") == 1
+    hash(ex[0])  # messages are frozen, so examples work as dict keys and set members
+
+
+def test_dapo_layout_string_prompt_jsonl_and_raw_template(tmp_path):
+    path = write_jsonl(
+        tmp_path / "x.jsonl",
+        [{"prompt": "Compute 3*3.", "reward_model": {"ground_truth": 9}, "data_source": "toy"}],
+    )
+    (e,) = load_examples(path, template="raw")
+    assert e == Example(uid="0", prompt="Compute 3*3.", ground_truth="9", data_source="toy")
+    (e,) = load_examples(path, data_source="override")
+    assert e.data_source == "override" and e.prompt == apply_template("Compute 3*3.", "dapo")
+
+
+def test_plain_layout_ids_numbers_and_default_source(tmp_path):
+    folder = tmp_path / "amc2023"
+    folder.mkdir()
+    path = write_jsonl(
+        folder / "test.jsonl",
+        [
+            {"id": 41, "problem": "P one", "answer": 27.0},
+            {"id": 42, "problem": "P two", "answer": "025"},
+            {"problem": "P three", "answer": 0.5},
+        ],
+    )
+    ex = load_examples(path, template="raw")
+    assert [(e.uid, e.prompt, e.ground_truth) for e in ex] == [
+        ("41", "P one", "27"),
+        ("42", "P two", "025"),
+        ("2", "P three", "0.5"),
+    ]
+    assert {e.data_source for e in ex} == {"amc2023"}
+
+
+def test_gsm8k_layout_takes_number_after_hashes(tmp_path):
+    path = write_jsonl(
+        tmp_path / "gsm.jsonl",
+        [
+            {"question": "Q1", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"},
+            {"question": "Q2", "answer": "big\n#### 1,234"},
+        ],
+    )
+    ex = load_examples(path)
+    assert [e.ground_truth for e in ex] == ["7", "1234"]
+    assert ex[0].prompt == apply_template("Q1", "dapo")
+    assert ex[0].data_source == "gsm"
+
+
+def test_dedup_limit_and_no_dedup(tmp_path):
+    rows = [dapo_row(f"Problem {i % 3}", str(i % 3), i % 3) for i in range(12)]
+    path = tmp_path / "rep.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    ex = load_examples(path)
+    assert [e.uid for e in ex] == ["0", "1", "2"]
+    assert len(load_examples(path, dedup=False)) == 12
+    assert [e.uid for e in load_examples(path, limit=2)] == ["0", "1"]
+    with pytest.raises(ValueError, match="limit"):
+        load_examples(path, limit=0)
+
+
+def test_dedup_compares_final_prompt_text(tmp_path):
+    # The same problem bare and pre-wrapped becomes the same final prompt: one example.
+    path = write_jsonl(
+        tmp_path / "d.jsonl",
+        [{"problem": "Same.", "answer": "1"}, {"problem": apply_template("Same.", "dapo"), "answer": "1"}],
+    )
+    assert len(load_examples(path)) == 1
+    assert len(load_examples(path, template="raw")) == 2
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+def test_missing_field_names_file_row_field_and_fix(tmp_path):
+    rows = [dapo_row("ok", "1", 0), {"prompt": [{"role": "user", "content": "q"}], "reward_model": {}}]
+    path = write_jsonl(tmp_path / "x.jsonl", rows)
+    with pytest.raises(DataError) as info:
+        load_examples(path)
+    msg = str(info.value)
+    assert msg.startswith(f"{path}: row 2: field 'reward_model.ground_truth' is missing; ")
+    assert "each row needs" in msg and "\n" not in msg
+
+
+def test_bad_json_line_names_row(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"problem": "a", "answer": "1"}\n\n{"problem": "b", "answer": \n')
+    with pytest.raises(DataError, match=rf"^{path}: row 3: not valid JSON .*each line must be one JSON object$"):
+        load_examples(path)
+
+
+@pytest.mark.parametrize(
+    "row, field",
+    [
+        ({"problem": 12, "answer": "1"}, "problem"),
+        ({"problem": "p", "answer": ["1"]}, "answer"),
+        ({"problem": "p", "answer": True}, "answer"),
+        ({"question": "q", "answer": "no hashes here"}, "answer"),
+    ],
+)
+def test_wrong_types_name_the_field(tmp_path, row, field):
+    first = {"problem": "p0", "answer": "0"} if "problem" in row else {"question": "q0", "answer": "#### 0"}
+    path = write_jsonl(tmp_path / "t.jsonl", [first, row])
+    with pytest.raises(DataError, match=rf"^{path}: row 2: field '{field}' "):
+        load_examples(path)
+
+
+def test_chat_prompt_of_wrong_shape(tmp_path):
+    path = write_jsonl(
+        tmp_path / "c.jsonl",
+        [{"prompt": [{"role": "user"}], "reward_model": {"ground_truth": "1"}}],
+    )
+    with pytest.raises(DataError, match=r"row 1: field 'prompt\[0\]' must be a \{role, content\} message"):
+        load_examples(path)
+    path = write_jsonl(tmp_path / "n.jsonl", [{"prompt": 5, "reward_model": {"ground_truth": "1"}}])
+    with pytest.raises(DataError, match=r"row 1: field 'prompt' must be a string or a non-empty list"):
+        load_examples(path)
+
+
+def test_unknown_layout_extension_empty_and_missing_file(tmp_path):
+    path = write_jsonl(tmp_path / "u.jsonl", [{"text": "hello"}])
+    with pytest.raises(DataError, match=r"row 1: cannot tell the layout from fields \['text'\]"):
+        load_examples(path)
+    csv = tmp_path / "a.csv"
+    csv.write_text("problem,answer\n")
+    with pytest.raises(DataError, match=r"unsupported file type '.csv'; use a .jsonl or .parquet file"):
+        load_examples(csv)
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(DataError, match="no examples"):
+        load_examples(empty)
+    with pytest.raises(DataError, match="no such file"):
+        load_examples(tmp_path / "missing.jsonl")
+
+
+# --- render_prompt ---------------------------------------------------------------------------
+
+
+class _ChatTok:
+    chat_template = "x"
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        assert add_generation_prompt is True and tokenize is False
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+class _PlainTok:
+    chat_template = None
+
+
+def test_render_prompt_with_and_without_chat_template():
+    chat = Example("0", (Message("system", "Be brief."), Message("user", "Q?")), "1", "s")
+    plain = Example("1", "7+3=", "10", "arith")
+    assert render_prompt(chat, _ChatTok()) == "<system>Be brief.<user>Q?<assistant>"
+    assert render_prompt(plain, _ChatTok()) == "<user>7+3=<assistant>"
+    assert render_prompt(plain, _PlainTok()) == "7+3="
+    assert render_prompt(chat, _PlainTok()) == "Q?"
+
+
+def test_message_is_frozen():
+    m = Message("user", "hi")
+    with pytest.raises(TypeError):
+        m["content"] = "changed"
+    assert m == {"role": "user", "content": "hi"} and json.loads(json.dumps(m)) == m
+
+
+# --- sampler ---------------------------------------------------------------------------------
+
+
+def _examples(n):
+    return [Example(str(i), f"p{i}", str(i), "t") for i in range(n)]
+
+
+def test_sampler_is_deterministic_and_seed_dependent():
+    ex = _examples(50)
+    a = [e.uid for e in PromptSampler(ex, seed=3).next(40)]
+    b = [e.uid for e in PromptSampler(ex, seed=3).next(40)]
+    c = [e.uid for e in PromptSampler(ex, seed=4).next(40)]
+    assert a == b and a != c
+    assert a != [str(i) for i in range(40)]  # shuffled
+    assert [e.uid for e in PromptSampler(ex, seed=3, shuffle=False).next(5)] == ["0", "1", "2", "3", "4"]
+
+
+def test_sampler_crosses_epochs_covering_each_once_per_epoch():
+    ex = _examples(7)
+    s = PromptSampler(ex, seed=0)
+    first = s.next(5)
+    assert s.epoch == 0
+    second = s.next(5)  # 2 from epoch 0, 3 from epoch 1
+    assert s.epoch == 1
+    epoch0 = [e.uid for e in first + second[:2]]
+    assert sorted(epoch0, key=int) == [str(i) for i in range(7)]
+    rest = second[2:] + s.next(4)
+    assert sorted((e.uid for e in rest), key=int) == [str(i) for i in range(7)]
+    assert s.epoch == 1
+    big = PromptSampler(ex, seed=1).next(23)  # more than three epochs in one call
+    assert len(big) == 23 and sorted(e.uid for e in big[:21]).count("0") == 3
+
+
+def test_sampler_state_round_trip_continues_identically():
+    ex = _examples(13)
+    s = PromptSampler(ex, seed=9)
+    s.next(17)
+    state = json.loads(json.dumps(s.state_dict()))
+    expected = [e.uid for e in s.next(30)]
+    resumed = PromptSampler(ex, seed=123)
+    resumed.load_state_dict(state)
+    assert resumed.epoch == 1
+    assert [e.uid for e in resumed.next(30)] == expected
+    with pytest.raises(ValueError, match="saved for 13 examples but this data set has 12"):
+        PromptSampler(_examples(12), seed=9).load_state_dict(state)
+
+
+def test_sampler_rejects_empty():
+    with pytest.raises(ValueError, match="at least one example"):
+        PromptSampler([], seed=0)
+
+
+# --- real files (skipped until data/ holds them) --------------------------------------------
+
+
+@pytest.mark.skipif(not AIME_DAPO.exists(), reason="data/aime2024/aime-2024.dapo.parquet not present")
+def test_real_aime_dapo_file_dedups_to_30_already_templated():
+    ex = load_examples(AIME_DAPO)
+    assert len(ex) == 30
+    assert sorted(int(e.uid) for e in ex) == list(range(30))
+    assert all(e.text().count("Solve the following math problem") == 1 for e in ex)
+    assert all(e.ground_truth.isdigit() for e in ex)
+
+
+@pytest.mark.skipif(not DAPO_17K.exists(), reason="data/dapo_math_17k/dapo_math_17k.parquet not present")
+def test_real_dapo_17k_gets_template_and_dedups():
+    ex = load_examples(DAPO_17K)
+    assert len(ex) == 17290
+    assert all(e.text().startswith(DAPO_PROMPT_PREFIX) for e in ex[:100])
+    assert {e.data_source for e in ex} == {"DAPO-17k"}
+    assert all(e.ground_truth.lstrip("-").isdigit() for e in ex)
