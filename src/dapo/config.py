@@ -32,7 +32,7 @@ class ModelConfig:
 class DataConfig:
     task: str = "arith"  # built-in task used when train_files is empty: arith
     task_difficulty: str = "demo"  # built-in task difficulty: demo | hard
-    task_train_size: int = 20000  # problems generated for the built-in task's train split
+    task_train_size: int = 3000  # problems drawn for the built-in task's train split (demo has ~3.6k distinct)
     train_files: list[str] = field(default_factory=list)  # .jsonl/.parquet in DAPO-Math-17K or {problem, answer} layout
     template: str = "dapo"  # prompt template for dataset files: dapo (the paper's) | raw
     max_prompt_tokens: int = 2048  # longer prompts are cut from the left, as the reference does
