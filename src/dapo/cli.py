@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-file load/save bars would drown the per-step lines
     try:
         return args.func(args)
     except Exception as err:

@@ -74,7 +74,7 @@ class RunLogger:
         for key, label, fmt in self.SUMMARY:
             if key in row:
                 parts.append(f"{label} {fmt.format(row[key])}")
-        self.console.print(" | ".join(parts))
+        self.console.print(" | ".join(parts), soft_wrap=True)
         if self.progress is not None:
             self.progress.update(self.task, completed=step)
 

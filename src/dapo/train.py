@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import random
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from rich.markup import escape
 
 from dapo import algo, checkpoint
 from dapo.batch import RolloutBatch
@@ -54,14 +56,14 @@ def load_train_examples(cfg: Config):
 def make_encoder(tokenizer, max_prompt_tokens: int):
     from dapo.data import render_prompt
 
-    cache: dict[str, list[int]] = {}
+    cache: dict = {}
 
     def encode(example) -> list[int]:
-        text = render_prompt(example, tokenizer)
-        if text not in cache:
+        if example not in cache:  # examples are frozen and hashable; templates render once each
+            text = render_prompt(example, tokenizer)
             ids = tokenizer(text, add_special_tokens=not getattr(tokenizer, "chat_template", None))["input_ids"]
-            cache[text] = ids[-max_prompt_tokens:]  # cut from the left: the question's end matters most
-        return cache[text]
+            cache[example] = ids[-max_prompt_tokens:]  # cut from the left: the question's end matters most
+        return cache[example]
 
     return encode
 
@@ -167,13 +169,17 @@ def train(cfg: Config, *, console=None) -> dict:
 
         for step in range(state.step + 1, cfg.train.total_steps + 1):
             t_step = time.perf_counter()
-            batch, cstats = collect_batch(
-                engine=engine, sampler=sampler, scorer=scorer, encode=encode, buffer=state.buffer,
-                num_prompts=cfg.train.prompts_per_step, sampling=sampling, algo_cfg=a,
-                round_seed=lambda k, base=state.gen_rounds: r.seed * 1_000_003 + base + k,
-                keep_rate_estimate=state.keep_rate if a.adaptive_oversample else 1.0,
-                max_buffer_groups=a.buffer_max_groups,
-            )
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", RuntimeWarning)
+                batch, cstats = collect_batch(
+                    engine=engine, sampler=sampler, scorer=scorer, encode=encode, buffer=state.buffer,
+                    num_prompts=cfg.train.prompts_per_step, sampling=sampling, algo_cfg=a,
+                    round_seed=lambda k, base=state.gen_rounds: r.seed * 1_000_003 + base + k,
+                    keep_rate_estimate=state.keep_rate if a.adaptive_oversample else 1.0,
+                    max_buffer_groups=a.buffer_max_groups,
+                )
+            for w in caught:
+                logger.info(f"[yellow]warning (step {step}): {escape(str(w.message))}[/]")
             state.gen_rounds += cstats.rounds
             if cstats.keep_rates:
                 state.keep_rate = 0.7 * state.keep_rate + 0.3 * (sum(cstats.keep_rates) / len(cstats.keep_rates))
