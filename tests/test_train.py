@@ -148,3 +148,26 @@ def test_sigkill_then_restart_continues_from_last_checkpoint(tiny_model_dir, tmp
     assert ref.keys() == got.keys()
     assert all(torch.equal(ref[k], got[k]) for k in ref)
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
+
+
+def test_demo_command_prints_before_and_after(tmp_path, capsys):
+    from dapo.cli import main
+
+    args = ["demo", f"run.dir={tmp_path}", "train.total_steps=2", "eval.num_problems=8", "eval.n=2",
+            "run.progress=false", "run.tensorboard=false", "reward.num_workers=1"]
+    assert main(args) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].startswith("held-out accuracy: before ") and "% -> after " in out[-1]
+    assert (tmp_path / "demo" / "plots" / "training.png").stat().st_size > 10_000
+    # run again: the finished run is reported again from its metrics, not retrained
+    assert main(args) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == out[-1]
+
+
+def test_paper_preset_without_vllm_fails_in_one_line(tmp_path, tiny_model_dir, capsys):
+    from dapo.cli import main
+
+    code = main(["train", "configs/dapo_qwen2.5_32b.yaml", f"model.path={tiny_model_dir}", f"run.dir={tmp_path}",
+                 "model.dtype=float32", "model.device=cpu", "data.train_files=[data/aime2024/test.jsonl]"])
+    err = capsys.readouterr().err
+    assert code == 2 and "rollout.backend=vllm" in err and err.count("\n") == 1

@@ -38,18 +38,18 @@ def cmd_demo(args) -> int:
 
     cfg = load_config(_preset("configs/demo.yaml"), args.overrides)
     t0 = time.perf_counter()
-    last = train(cfg)
+    train(cfg)
     rows = read_metrics(cfg.run_dir)
     png = plot_training(rows, cfg.run_dir / "plots" / "training.png", title="DAPO on the built-in arithmetic task")
-    key = next((k for k in last if k.startswith("eval/") and "/avg@" in k), None)
-    before = next((r[key] for r in rows if r["step"] == 0 and key in r), None) if key else None
+    evals = [r for r in rows if any(k.startswith("eval/") and "/avg@" in k for k in r)]
     print(f"run directory: {cfg.run_dir}  (metrics.jsonl, tensorboard/, samples/, checkpoints/)")
     print(f"plot: {png}")
-    print(f"wall time: {time.perf_counter() - t0:.0f} s")
-    if key is None or before is None:
-        print("held-out accuracy: not measured (eval disabled or the run was already complete)")
+    print(f"wall time: {time.perf_counter() - t0:.0f} s  (delete {cfg.run_dir} to train from scratch again)")
+    if len(evals) < 2 or evals[0]["step"] != 0:
+        print("held-out accuracy: not measured (set eval.before_train=true)")
         return 0
-    print(f"held-out accuracy: before {100 * before:.1f}% -> after {100 * last[key]:.1f}%")
+    key = next(k for k in evals[0] if k.startswith("eval/") and "/avg@" in k)
+    print(f"held-out accuracy: before {100 * evals[0][key]:.1f}% -> after {100 * evals[-1][key]:.1f}%")
     return 0
 
 

@@ -15,8 +15,10 @@ def make_rollout(cfg, model, tokenizer) -> RolloutEngine:
         try:
             from dapo.rollout.vllm import VLLMRolloutEngine  # noqa: F401
         except ImportError as err:
-            raise RuntimeError(
-                "rollout.backend=vllm needs the vLLM backend and package; use rollout.backend=hf on this install"
+            from dapo.config import ConfigError
+
+            raise ConfigError(
+                "rollout.backend=vllm: the vLLM backend is not available in this install; use rollout.backend=hf"
             ) from err
         return VLLMRolloutEngine(cfg, model, tokenizer)
     raise ValueError(f"rollout.backend={cfg.backend!r}: choose hf or vllm")
