@@ -66,3 +66,23 @@ def test_update_weights_changes_generations(tiny_model_dir):
     for (name, p), (_, q) in zip(trainer_model.named_parameters(), engine.model.named_parameters()):
         assert torch.equal(p, q), name
     assert engine.generate(prompts, params).response_ids != before
+
+
+def test_samples_come_from_the_full_distribution(tiny_model_dir):
+    """top_k=0 and top_p=1 mean plain sampling: neither the checkpoint's generation_config.json
+    (instruct models ship top_k, top_p, repetition_penalty there) nor library defaults may leak in."""
+    engine, tok = engine_for(tiny_model_dir)
+    engine.model.generation_config.top_k = 3
+    engine.model.generation_config.top_p = 0.5
+    engine.model.generation_config.repetition_penalty = 3.0
+    prompt = tok("1+1=")["input_ids"]
+    gen = engine.generate([prompt], SamplingParams(n=3000, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1, seed=0))
+    first = torch.tensor([r[0] for r in gen.response_ids])
+    with torch.no_grad():
+        probs = torch.softmax(engine.model(torch.tensor([prompt])).logits[0, -1].float(), -1)  # (V,)
+    # a random model spreads its mass over the whole 258-token vocabulary
+    assert len(set(first.tolist())) > 150
+    empirical = torch.bincount(first, minlength=probs.numel()).float() / len(first)
+    assert (empirical - probs).abs().sum() < 0.35  # total variation of 3000 samples over ~258 outcomes
+    limited = engine.generate([prompt], SamplingParams(n=500, top_k=5, max_new_tokens=1, seed=0))
+    assert len({r[0] for r in limited.response_ids}) <= 5

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+from transformers import GenerationConfig
 
 from dapo.rollout.base import Generation, SamplingParams, split_response
 
@@ -44,12 +45,7 @@ class HFRolloutEngine:
                 chunk = order[start : start + self.max_batch_size]
                 input_ids, attention_mask = self._left_pad([rows[i] for i in chunk], device)
                 out = self.model.generate(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    max_new_tokens=params.max_new_tokens,
-                    pad_token_id=self.pad_id,
-                    eos_token_id=sorted(self.eos_ids),
-                    **self._sampling_kwargs(params),
+                    input_ids=input_ids, attention_mask=attention_mask, generation_config=self._generation_config(params)
                 )
                 new_tokens = out[:, input_ids.shape[1] :].tolist()
                 for row, tokens in zip(chunk, new_tokens):
@@ -67,16 +63,18 @@ class HFRolloutEngine:
             mask[i, width - len(r) :] = 1
         return ids.to(device), mask.to(device)
 
-    @staticmethod
-    def _sampling_kwargs(params: SamplingParams) -> dict:
-        if params.temperature <= 0:
-            return {"do_sample": False}
-        return {
-            "do_sample": True,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k if params.top_k > 0 else None,
-        }
+    def _generation_config(self, params: SamplingParams) -> GenerationConfig:
+        """Every sampling knob set explicitly: unset fields would fall back to the checkpoint's
+        generation_config.json or to library defaults (top_k=50), and the samples would no longer
+        come from the policy whose log-probs the loss uses."""
+        greedy = params.temperature <= 0
+        return GenerationConfig(
+            max_new_tokens=params.max_new_tokens, min_new_tokens=0, do_sample=not greedy,
+            temperature=None if greedy else params.temperature, top_p=None if greedy else params.top_p,
+            top_k=None if greedy else params.top_k,  # 0 disables top-k
+            repetition_penalty=1.0, num_beams=1, num_return_sequences=1, use_cache=True,
+            pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids),
+        )
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.model.named_parameters())
