@@ -171,3 +171,16 @@ def test_paper_preset_without_vllm_fails_in_one_line(tmp_path, tiny_model_dir, c
                  "model.dtype=float32", "model.device=cpu", "data.train_files=[data/aime2024/test.jsonl]"])
     err = capsys.readouterr().err
     assert code == 2 and "rollout.backend=vllm" in err and err.count("\n") == 1
+
+
+def test_dapo_math_dataset_path(tiny_model_dir, tmp_path):
+    """DAPO-Math-17K layout -> DAPO template -> `dapo` grader, and AIME 2024 evaluation, end to end."""
+    cfg = small_config(tmp_path, tiny_model_dir, "data.train_files=[data/dapo_math_17k/dapo_math_17k.parquet]",
+                       "data.template=dapo", "reward.grader=auto", "eval.benchmarks=[aime2024]", "eval.num_problems=2",
+                       "train.total_steps=1", "data.max_prompt_tokens=400")
+    last = train(cfg)
+    assert last["reward/acc_mean"] == 0.0 and last["reward/score_mean"] < -1.0  # wrong, and truncated: -1 - penalty
+    assert "eval/aime2024/avg@2" in last
+    samples = (cfg.run_dir / "samples" / "step_000001.md").read_text()
+    assert "Solve the following math problem step by step." in samples
+    assert 'Remember to put your answer on its own line after "Answer:".' in samples

@@ -111,7 +111,7 @@ class Policy:
         self.ref_model = None
         if cfg.algo.kl_coef > 0:
             self.ref_model, _ = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, device)
-            self.ref_model.requires_grad_(False).eval()
+            self.ref_model.requires_grad_(False).train(False)
         self.skipped_updates = 0
 
     # ---- log-probs ------------------------------------------------------------------------
@@ -123,7 +123,7 @@ class Policy:
         """(N, T) log-probs of the sampled tokens (and entropy) under ``model`` (default: the policy)."""
         model = self.model if model is None else model
         was_training = model.training
-        model.eval()
+        model.train(False)
         T = batch.max_response_len
         logp = torch.zeros(len(batch), T)
         entropy = torch.zeros(len(batch), T) if with_entropy else None

@@ -189,6 +189,7 @@ def train(cfg: Config, *, console=None) -> dict:
             if a.overlong_filtering:
                 batch.trainable = ~batch.truncated  # sec. 3.4: truncated answers carry no learning signal
             batch.adv = algo.group_advantages(batch.reward, r.group_size, scale_by_std=a.scale_adv_by_std)  # (N,)
+            engine.sleep()  # a colocated engine frees its memory for the trainer; no-op for hf
             t0 = time.perf_counter()
             batch.old_logp, batch.entropy = policy.compute_logprobs(batch, with_entropy=True)  # (N, T)
             if policy.ref_model is not None:
@@ -196,6 +197,7 @@ def train(cfg: Config, *, console=None) -> dict:
             t1 = time.perf_counter()
             update = policy.update(batch)
             t2 = time.perf_counter()
+            engine.wake()
             engine.update_weights(policy.named_weights())
             t3 = time.perf_counter()
             times = {"old_logprob": t1 - t0, "update": t2 - t1, "weight_sync": t3 - t2}

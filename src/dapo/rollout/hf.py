@@ -36,7 +36,7 @@ class HFRolloutEngine:
         responses: list[list[int] | None] = [None] * len(rows)
         truncated = torch.zeros(len(rows), dtype=torch.bool)
         was_training = self.model.training
-        self.model.eval()
+        self.model.train(False)
         device = self.device
         fork_devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=fork_devices):
