@@ -203,10 +203,9 @@ def train(cfg: Config, *, console=None) -> dict:
             times = {"old_logprob": t1 - t0, "update": t2 - t1, "weight_sync": t3 - t2}
             metrics = step_metrics(batch, cstats, update, times, len(state.buffer))
             metrics["sampling/gen_rounds_total"] = state.gen_rounds
-            if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step != cfg.train.total_steps:
+            if step == cfg.train.total_steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0):
                 metrics.update(run_eval())
-            if step == cfg.train.total_steps:
-                metrics.update(run_eval())
+                metrics["perf/time_eval_s"] = time.perf_counter() - t3
             t4 = time.perf_counter()
             state.step = step
             if (cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.train.total_steps:
