@@ -13,7 +13,7 @@ import torch
 from conftest import small_config
 from dapo import algo
 from dapo.batch import RolloutBatch
-from dapo.policy import MicroBatch, Policy, make_micro_batch, token_logprobs
+from dapo.policy import Policy, make_micro_batch, token_logprobs
 from dapo.rollout import SamplingParams
 from dapo.rollout.hf import HFRolloutEngine
 from dapo.train import read_metrics, train

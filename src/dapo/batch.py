@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 
 import torch
 
@@ -39,8 +40,9 @@ class RolloutBatch:
     def num_groups(self) -> int:
         return len(self) // self.group_size
 
-    @property
+    @cached_property
     def response_lengths(self) -> torch.Tensor:
+        # computed once: every micro-batch of the update slices it (token ids never change after sampling)
         return torch.tensor([len(r) for r in self.response_ids], dtype=torch.long)  # (N,)
 
     @property

@@ -151,6 +151,21 @@ def _resolve_type(tp):
     return tp, False
 
 
+def _number(value) -> int | float | None:
+    """A YAML/CLI value read as a number; booleans are not numbers here."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return value
+    if isinstance(value, str):
+        for parse in (int, float):
+            try:
+                return parse(value)
+            except ValueError:
+                pass
+    return None
+
+
 def _coerce(key: str, value, tp):
     base, optional = _resolve_type(tp)
     if value is None:
@@ -171,28 +186,11 @@ def _coerce(key: str, value, tp):
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
         raise ConfigError(f"{key}: expected true or false, got {value!r}")
-    if base is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
-    if base is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if base in (int, float):
+        number = _number(value)
+        if number is not None and (base is float or float(number).is_integer()):
+            return base(number)
+        raise ConfigError(f"{key}: expected {'an integer' if base is int else 'a number'}, got {value!r}")
     if base is str:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{key}: expected a string, got {value!r}")

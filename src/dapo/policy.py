@@ -5,7 +5,6 @@ Nothing here decides anything about the algorithm: the loss comes from ``dapo.al
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
