@@ -111,11 +111,14 @@ def test_micro_batch_plan_respects_the_budget_and_balances():
 
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
 def test_update_is_invariant_to_micro_batching(tiny_model_dir, tmp_path, loss_agg):
-    """One pass over the whole mini-batch, token budgets that split it, one row per pass, packed rows."""
+    """One pass over the whole mini-batch, token budgets that split it, one row per pass, packed rows,
+    and activation checkpointing."""
     results = []
-    for budget, packed in ((100_000, "false"), (60, "false"), (1, "false"), (60, "true")):
+    for budget, packed, recompute in ((100_000, "false", "false"), (60, "false", "false"), (1, "false", "false"),
+                                      (60, "true", "false"), (60, "false", "true")):
         cfg = small_config(tmp_path, tiny_model_dir, f"train.max_tokens_per_micro_batch={budget}",
-                           f"train.pack_sequences={packed}", "train.mini_batch_prompts=3",
+                           f"train.pack_sequences={packed}", f"model.gradient_checkpointing={recompute}",
+                           "train.mini_batch_prompts=3",
                            "train.prompts_per_step=3", f"algo.loss_agg={loss_agg}")
         torch.manual_seed(0)
         policy = Policy(cfg, torch.device("cpu"))
