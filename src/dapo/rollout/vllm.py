@@ -27,6 +27,10 @@ from typing import Iterable, Iterator
 
 import numpy as np
 import torch
+from vllm import LLM
+from vllm import SamplingParams as VLLMSamplingParams
+from vllm.inputs import TokensPrompt
+from vllm.platforms import current_platform
 
 from dapo.rollout.base import Generation, SamplingParams, split_response
 
@@ -103,9 +107,6 @@ class VLLMRolloutEngine:
         if not self.owner:
             return
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: weights by reference
-        from vllm import LLM
-        from vllm.platforms import current_platform
-
         self.sleep_level = SLEEP_LEVEL if current_platform.is_sleep_mode_available() else 0
         kv_cache_gib = cfg.kv_cache_gib or (0.0 if current_platform.is_cuda_alike() else 1.0)
         with preserved_rng():
@@ -136,9 +137,6 @@ class VLLMRolloutEngine:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generation:
-        from vllm import SamplingParams as VLLMSamplingParams
-        from vllm.inputs import TokensPrompt
-
         self._require_owner()
         if self.weights_discarded:
             raise RuntimeError("the engine slept with its weights discarded; call update_weights() before generate()")
