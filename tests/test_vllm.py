@@ -175,7 +175,6 @@ def compare_with_trainer(held: dict, trainer: dict) -> set:
             continue
         parts = next(([name.replace(k, p) for p in v] for k, v in fused.items() if k in name), [name])
         expected = torch.cat([trainer[p].detach().cpu() for p in parts])
-        assert tensor[: expected.shape[0]].to(expected.dtype).sum().item() == expected.sum().item(), name  # checksum
         assert torch.equal(tensor[: expected.shape[0]].to(expected.dtype), expected), name
         checked.add(name)
     return checked
@@ -189,10 +188,11 @@ def test_update_weights_gathers_dtensors(setup):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (1,))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the device type of vLLM's process group
+    mesh = init_device_mesh(device, (1,))
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=5)
     before = engine.generate(prompts, params)
-    engine.update_weights((n, distribute_tensor(p.detach(), mesh, [Shard(0)])) for n, p in policy.named_weights())
+    engine.update_weights((n, distribute_tensor(p.detach().to(device), mesh, [Shard(0)])) for n, p in policy.named_weights())
     assert engine.generate(prompts, params).response_ids == before.response_ids
 
 

@@ -11,7 +11,8 @@ workers are other processes and each tensor travels to them through ``collective
 Colocated with training, ``sleep()`` frees the weights and the KV cache while the trainer runs
 (vLLM sleep mode, level 2: the next ``update_weights`` rewrites every weight anyway) and
 ``wake()`` re-allocates them. Sleep mode exists only on CUDA/ROCm/XPU; vLLM refuses it on CPU,
-so there ``sleep``/``wake`` do nothing.
+so there ``sleep``/``wake`` do nothing. (In this process vLLM's CPU worker also turns
+``torch.set_num_threads`` into a no-op: set the thread count before building the engine.)
 
 Each sampled token comes with the log-prob vLLM sampled it from (``logprobs_mode=processed_logprobs``:
 after temperature, top-k and top-p), so the loop can measure how far the trainer's recomputed
@@ -83,7 +84,8 @@ class WeightSync:
             # which the layerwise reload never refreshes (no tensor is loaded under lm_head's name).
             head = getattr(model, "lm_head", None)
             weight = getattr(head, "weight", None)
-            if weight is not None and any(m is not head and getattr(m, "weight", None) is weight for m in model.modules()):
+            tied = weight is not None and any(m is not head and getattr(m, "weight", None) is weight for m in model.modules())
+            if tied and current_platform.is_cpu():
                 head.quant_method.process_weights_after_loading(head)
 
 
@@ -104,10 +106,12 @@ class VLLMRolloutEngine:
         self.owner = (not dist.is_initialized() or dist.get_rank() == 0) if owner is None else owner
         self.llm = None
         self.asleep = self.kv_asleep = self.weights_discarded = False
+        self.sleep_level = 0
         if not self.owner:
             return
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: weights by reference
-        self.sleep_level = SLEEP_LEVEL if current_platform.is_sleep_mode_available() else 0
+        if current_platform.is_sleep_mode_available():
+            self.sleep_level = SLEEP_LEVEL
         kv_cache_gib = cfg.kv_cache_gib or (0.0 if current_platform.is_cuda_alike() else 1.0)
         with preserved_rng():
             self.llm = LLM(
