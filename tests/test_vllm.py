@@ -196,25 +196,43 @@ def test_update_weights_gathers_dtensors(setup):
     assert engine.generate(prompts, params).response_ids == before.response_ids
 
 
-@needs_vllm
-def test_sleep_and_wake_keep_the_samples(setup):
-    """The loop's order: sleep while the trainer runs, wake, push weights, generate. On CPU vLLM has
-    no sleep mode (it refuses enable_sleep_mode), so both calls do nothing there."""
-    cfg, policy, engine, prompts = setup
-    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=9)
-    before = engine.generate(prompts, params)
-    free_before = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
+def sleep_wake_push_generate(engine, policy, prompts, params) -> list[list[int]]:
+    """The loop's order: sleep while the trainer runs, wake, push the weights, generate."""
     engine.sleep()
-    if torch.cuda.is_available():
-        assert engine.sleep_level == 2
-        assert torch.cuda.mem_get_info()[0] > free_before  # weights and KV cache were given back
-        with pytest.raises(RuntimeError, match="update_weights"):
-            engine.generate(prompts, params)  # level 2 discarded the weights
-    else:
-        assert engine.sleep_level == 0
     engine.wake()
     engine.update_weights(policy.named_weights())
-    assert engine.generate(prompts, params).response_ids == before.response_ids
+    return engine.generate(prompts, params).response_ids
+
+
+@needs_vllm
+@pytest.mark.skipif(torch.cuda.is_available(), reason="vLLM has sleep mode on CUDA: the gpu test covers it")
+def test_sleep_and_wake_do_nothing_on_cpu(setup):
+    """vLLM refuses enable_sleep_mode on CPU, so the engine never asks for it and sleep/wake are no-ops."""
+    cfg, policy, engine, prompts = setup
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=9)
+    before = engine.generate(prompts, params).response_ids
+    assert engine.sleep_level == 0
+    engine.sleep()
+    assert not engine.asleep and engine.generate(prompts, params).response_ids == before
+    assert sleep_wake_push_generate(engine, policy, prompts, params) == before
+
+
+@needs_vllm
+@pytest.mark.gpu
+@needs_cuda
+def test_sleep_frees_gpu_memory_and_wake_restores_the_samples(setup):
+    cfg, policy, engine, prompts = setup
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=9)
+    before = engine.generate(prompts, params).response_ids
+    free_awake = torch.cuda.mem_get_info()[0]
+    engine.sleep()
+    assert engine.sleep_level == 2 and torch.cuda.mem_get_info()[0] > free_awake  # weights and KV cache given back
+    with pytest.raises(RuntimeError, match="update_weights"):
+        engine.generate(prompts, params)  # level 2 discarded the weights
+    engine.wake()
+    engine.update_weights(policy.named_weights())
+    assert engine.generate(prompts, params).response_ids == before
+    assert sleep_wake_push_generate(engine, policy, prompts, params) == before
 
 
 @needs_vllm
