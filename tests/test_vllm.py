@@ -62,6 +62,29 @@ def test_hf_runs_never_import_vllm():
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
 
 
+def test_rollout_logp_travel_with_their_rows_and_give_the_metric():
+    """Carried per row through select/concat/checkpoint state; the metric by hand: |diff| on response tokens only."""
+    def batch(resp, lps, old):
+        n = len(resp)
+        return RolloutBatch(group_size=2, prompt_ids=[[5]] * n, response_ids=resp, truncated=torch.zeros(n, dtype=torch.bool),
+                            texts=[""] * n, example_uids=["u"] * n, ground_truths=["0"] * n, acc=torch.zeros(n),
+                            reward=torch.tensor([1.0, -1.0] * (n // 2)), overlong=torch.zeros(n), rollout_logp=lps,
+                            old_logp=torch.tensor(old), entropy=torch.zeros(n, len(old[0])), adv=torch.ones(n))
+
+    b = batch([[1, 2, 3], [4]], [[-0.5, -1.0, -2.0], [-0.25]], [[-0.5, -1.5, -2.0], [-0.0, 9.0, 9.0]])
+    assert b.select_rows([1]).rollout_logp == [[-0.25]]
+    assert RolloutBatch.concat([b, b]).rollout_logp == b.rollout_logp * 2
+    assert RolloutBatch.concat([b, batch([[1], [2]], [], [[0.0], [0.0]])]).rollout_logp == []  # hf rows: no metric
+    assert RolloutBatch.from_state(b.state()).rollout_logp == b.rollout_logp
+    from dapo.dynamic_sampling import CollectStats
+    from dapo.train import step_metrics
+
+    m = step_metrics(b, CollectStats(), {}, {"update": 1.0, "old_logprob": 1.0}, 0)
+    # |diffs| 0, 0.5, 0 on row 0 and 0.25 on row 1; the padding (old_logp 9.0) is not a response token
+    assert m["rollout/logprob_abs_diff_mean"].item() == pytest.approx(0.75 / 4)
+    assert m["rollout/logprob_abs_diff_max"].item() == pytest.approx(0.5)
+
+
 @needs_vllm
 def test_generation_contract(setup):
     _, policy, engine, prompts = setup
