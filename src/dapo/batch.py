@@ -27,6 +27,7 @@ class RolloutBatch:
     reward: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # (N,) shaped reward
     overlong: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # (N,) the soft overlong part of it
     preds: list[str] = field(default_factory=list)
+    rollout_logp: list[list[float]] = field(default_factory=list)  # per token, as the rollout engine sampled it (vllm); empty if not reported
     trainable: torch.Tensor | None = None  # (N,) bool: False rows are masked out (overlong filtering)
     adv: torch.Tensor | None = None  # (N,)
     old_logp: torch.Tensor | None = None  # (N, T) under the policy before this step's updates
@@ -88,6 +89,8 @@ class RolloutBatch:
             values = [getattr(b, f.name) for b in batches]
             if f.name == "group_size":
                 out[f.name] = values[0]
+            elif f.name == "rollout_logp" and not all(values):
+                out[f.name] = []  # rows without them would misalign the rest
             elif isinstance(values[0], list):
                 out[f.name] = [x for v in values for x in v]
             elif isinstance(values[0], torch.Tensor) and f.name not in ("old_logp", "ref_logp", "entropy"):

@@ -49,6 +49,8 @@ class RolloutConfig:
     top_k: int = 0  # 0 disables top-k
     seed: int = 0  # base seed; each generation round derives its own
     gpu_memory_utilization: float = 0.6  # vllm: share of GPU memory for weights + KV cache
+    tensor_parallel_size: int = 1  # vllm: GPUs one engine's weights are split over
+    kv_cache_gib: float = 0.0  # vllm: KV-cache size in GiB; 0 = what gpu_memory_utilization leaves on a GPU, 1 GiB on CPU
 
 
 @dataclass
@@ -306,6 +308,9 @@ def validate(cfg: Config) -> None:
     _check(r.temperature > 0, f"rollout.temperature={r.temperature}: must be > 0 (log-probs divide by it)")
     _check(0 < r.top_p <= 1.0, f"rollout.top_p={r.top_p}: must be in (0, 1]")
     _check(r.top_k >= 0, "rollout.top_k must be >= 0 (0 disables it)")
+    _check(0 < r.gpu_memory_utilization <= 1.0, f"rollout.gpu_memory_utilization={r.gpu_memory_utilization}: must be in (0, 1]")
+    _check(r.tensor_parallel_size >= 1, f"rollout.tensor_parallel_size={r.tensor_parallel_size}: must be >= 1")
+    _check(r.kv_cache_gib >= 0, f"rollout.kv_cache_gib={r.kv_cache_gib}: must be >= 0 (0 = sized by vLLM)")
     _check(t.prompts_per_step > 0 and t.mini_batch_prompts > 0, "train.prompts_per_step and train.mini_batch_prompts must be > 0")
     _check(t.prompts_per_step % t.mini_batch_prompts == 0,
            f"train.prompts_per_step={t.prompts_per_step} is not divisible by train.mini_batch_prompts="

@@ -102,6 +102,11 @@ def step_metrics(batch: RolloutBatch, cstats: CollectStats, update: dict, times:
         "perf/old_logprob_tokens_per_s": float(lengths.sum()) / max(times["old_logprob"], 1e-9),
         "perf/reward_samples_per_s": cstats.samples_generated / max(cstats.seconds_reward, 1e-9),
     }
+    if batch.rollout_logp:  # the engine's log-probs of its own samples vs the trainer's: numerics (and buffer staleness)
+        T = batch.old_logp.shape[1]
+        rollout_logp = torch.tensor([lp + [0.0] * (T - len(lp)) for lp in batch.rollout_logp])  # (N, T)
+        diff = (rollout_logp - batch.old_logp).abs()[torch.arange(T)[None, :] < batch.response_lengths[:, None]]
+        m["rollout/logprob_abs_diff_mean"], m["rollout/logprob_abs_diff_max"] = diff.mean(), diff.max()
     m.update({f"perf/time_{k}_s": v for k, v in times.items()})
     m.update({f"actor/{k}": v for k, v in update.items()})
     return m
@@ -133,6 +138,7 @@ def train(cfg: Config, *, console=None) -> dict:
         state = TrainState(step=saved["step"], gen_rounds=saved["gen_rounds"], keep_rate=saved["keep_rate"],
                            buffer=[RolloutBatch.from_state(s) for s in saved["buffer"]])
         checkpoint.set_rng_state(saved["rng"])
+        engine.update_weights(policy.named_weights())  # an engine holding its own copy starts from the checkpoint too
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))
     logger = RunLogger(run_dir, total_steps=cfg.train.total_steps, start_step=state.step,
                        tensorboard=cfg.run.tensorboard, progress=cfg.run.progress, console=console)

