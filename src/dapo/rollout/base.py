@@ -52,3 +52,21 @@ def split_response(tokens: list[int], eos_ids: set[int], max_new_tokens: int) ->
         if tok in eos_ids:
             return tokens[: i + 1], False
     return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
+
+
+class NoRollout:
+    """The engine of a training rank that does not generate (under FSDP only rank 0 does): it takes
+    part in gathering the full weights, which is collective, and drops them."""
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generation:
+        raise RuntimeError("this rank does not generate; rank 0 samples and broadcasts the batch")
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for _ in named_tensors:
+            pass
+
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
