@@ -60,13 +60,13 @@ def test_balanced_partition_by_tokens():
 
 
 # ---- 2 ranks vs 1 --------------------------------------------------------------------------------
-def equivalence_worker(model_dir: str, batch_file: str, out_file: str, run_dir: str) -> None:
+def equivalence_worker(model_dir: str, batch_file: str, out_file: str, run_dir: str, *overrides: str) -> None:
     """Run under torchrun: log-probs and one SGD update (lr 1, so the change is minus the gradient)
     on the batch the test sampled; then push the weights to rank 0's engine and save shards."""
     from dapo.train import make_engine
 
     d = parallel.init("cpu")
-    cfg = small_config(run_dir, model_dir, *EQUIV_OVERRIDES)
+    cfg = small_config(run_dir, model_dir, *EQUIV_OVERRIDES, *overrides)
     policy = Policy(cfg, torch.device("cpu"), d)
     policy.optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)
     engine = make_engine(cfg, policy, d)
@@ -85,7 +85,8 @@ def equivalence_worker(model_dir: str, batch_file: str, out_file: str, run_dir: 
             "old_logp": old_logp, "entropy": entropy, "stats": {k: float(v) for k, v in stats.items()},
             "delta": {k: after[k] - before[k] for k in after}, "after": after,
             "engine_sums": {k: checksum(engine_weights[k]) for k in after},
-            "trainer_sums": {k: checksum(v) for k, v in after.items()},
+            # the engine runs in model.dtype: the trainer's float32 masters rounded to it
+            "trainer_sums": {k: checksum(v.to(engine_weights[k].dtype)) for k, v in after.items()},
         }, out_file)
     parallel.shutdown(d)
 
@@ -129,6 +130,23 @@ def test_two_ranks_give_the_loss_and_gradients_of_one(two_rank_update):
     assert (two["entropy"] - single["entropy"]).abs().max().item() < 1e-4
     for k in ("clipfrac_high", "clipfrac_low", "approx_kl", "token_prob_mean"):
         assert two["stats"][k] == pytest.approx(single["stats"][k], abs=1e-6), k
+
+
+@pytest.mark.slow
+def test_bfloat16_compute_keeps_float32_master_weights(two_rank_update, tiny_model_dir):
+    """FSDP's mixed precision on 2 ranks (bf16 forward/backward, fp32 reduce and masters) against
+    the fp32 single process: the same update up to bfloat16 rounding."""
+    single, _, tmp, _ = two_rank_update
+    torchrun(__file__, "equivalence", tiny_model_dir, tmp / "batch.pt", tmp / "bf16.pt", tmp / "bf16", "model.dtype=bfloat16")
+    bf16 = torch.load(tmp / "bf16.pt", weights_only=False)
+    assert all(v.dtype == torch.float32 for v in bf16["after"].values())  # the master copy
+    scale = max(v.abs().max().item() for v in single["delta"].values())
+    grad_diff = max((bf16["delta"][k] - single["delta"][k]).abs().max().item() for k in single["delta"])
+    print(f"\nbf16 compute, 2 ranks vs fp32, 1 rank: max |d grad| {grad_diff:.2e} of max |grad| {scale:.3f}; "
+          f"loss {bf16['stats']['pg_loss']:.6f} vs {single['stats']['pg_loss']:.6f}")
+    assert 0 < grad_diff < 0.02 * scale  # bf16 keeps ~3 significant digits; fp32 compute would give ~1e-8
+    assert bf16["stats"]["pg_loss"] == pytest.approx(single["stats"]["pg_loss"], abs=1e-4)
+    assert bf16["engine_sums"] == bf16["trainer_sums"]
 
 
 def test_rollout_engine_gets_the_trainers_weights(two_rank_update):
@@ -180,6 +198,19 @@ def test_torchrun_training_resumes_exactly_from_shards(tiny_model_dir, tmp_path)
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
     assert any(not torch.equal(wa[k], w0[k]) for k in wa)  # training moved the weights
+
+
+# ---- GPUs (skipped without two CUDA devices; CI has none) -----------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (nccl)")
+def test_two_gpus_nccl_bf16_cpu_offload_checkpointing(tiny_model_dir, tmp_path):
+    torchrun("-m", "dapo.cli", "train", "configs/demo.yaml", f"model.path={tiny_model_dir}", f"run.dir={tmp_path}",
+             *SMALL_OVERRIDES, "model.device=cuda", "model.dtype=bfloat16", "model.gradient_checkpointing=true",
+             "train.cpu_offload=true")
+    ckpt = checkpoint.latest_checkpoint(tmp_path / "t")
+    assert ckpt is not None and checkpoint.is_sharded(ckpt)
+    rows = [line for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert len(rows) == 2 and all('"actor/grad_norm": NaN' not in r for r in rows)
 
 
 # ---- Ray ------------------------------------------------------------------------------------------

@@ -79,6 +79,11 @@ def wrap(module: nn.Module, layers: list[nn.Module], d: Dist, *, compute_dtype: 
     mesh = init_device_mesh(d.device.type, (d.world_size,))
     kwargs = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)}
     if cpu_offload:
+        if d.device.type != "cuda":
+            from dapo.config import ConfigError
+
+            raise ConfigError("train.cpu_offload=true: offloading moves shards between GPU and CPU memory; "
+                              "it needs CUDA devices (set train.cpu_offload=false on CPU)")
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for layer in layers:
         fully_shard(layer, **kwargs)
