@@ -54,7 +54,7 @@ def init(device_name: str = "auto", env: dict | None = None) -> Dist:
         device = torch.device("cpu")
     if not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size,
-                                timeout=timedelta(minutes=60))  # rank 0 generates while the others wait
+                                timeout=timedelta(hours=3))  # others wait while rank 0 generates and evaluates
     return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
