@@ -23,6 +23,7 @@ from conftest import SMALL_OVERRIDES, small_config  # noqa: E402
 
 from dapo import checkpoint, parallel  # noqa: E402
 from dapo.policy import Policy  # noqa: E402
+from dapo.rollout import SamplingParams  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 EQUIV_OVERRIDES = ["train.prompts_per_step=3", "train.mini_batch_prompts=3", "train.micro_batch_size=2",
@@ -79,14 +80,19 @@ def equivalence_worker(model_dir: str, batch_file: str, out_file: str, run_dir: 
     checkpoint.save_checkpoint(Path(run_dir), 1, model=policy.model, tokenizer=policy.tokenizer,
                                trainer_state={"policy": policy.trainer_state()}, config_yaml="", keep=1,
                                shards=policy.sharded_state(), dist=d)
+    engine_weights = dict(engine.engine.model.named_parameters())  # this rank's full copy
+    engine_sums = parallel.all_gather_object({k: checksum(engine_weights[k]) for k in after}, d)
+    # each rank samples a share of the prompts; every rank gets all of them, in prompt order
+    prompts = [policy.tokenizer(t)["input_ids"] for t in ("1+2=", "3*4-5=", "6+7*2=")]
+    gen = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=6, seed=3))
+    gens = parallel.all_gather_object((gen.prompt_ids, gen.response_ids, gen.truncated.tolist()), d)
     if d.is_main:
-        engine_weights = dict(engine.model.named_parameters())
         torch.save({
             "old_logp": old_logp, "entropy": entropy, "stats": {k: float(v) for k, v in stats.items()},
-            "delta": {k: after[k] - before[k] for k in after}, "after": after,
-            "engine_sums": {k: checksum(engine_weights[k]) for k in after},
+            "delta": {k: after[k] - before[k] for k in after}, "after": after, "engine_sums": engine_sums,
             # the engine runs in model.dtype: the trainer's float32 masters rounded to it
             "trainer_sums": {k: checksum(v.to(engine_weights[k].dtype)) for k, v in after.items()},
+            "prompts": prompts, "gens": gens,
         }, out_file)
     parallel.shutdown(d)
 
@@ -146,13 +152,21 @@ def test_bfloat16_compute_keeps_float32_master_weights(two_rank_update, tiny_mod
           f"loss {bf16['stats']['pg_loss']:.6f} vs {single['stats']['pg_loss']:.6f}")
     assert 0 < grad_diff < 0.02 * scale  # bf16 keeps ~3 significant digits; fp32 compute would give ~1e-8
     assert bf16["stats"]["pg_loss"] == pytest.approx(single["stats"]["pg_loss"], abs=1e-4)
-    assert bf16["engine_sums"] == bf16["trainer_sums"]
+    assert bf16["engine_sums"] == [bf16["trainer_sums"]] * 2
 
 
-def test_rollout_engine_gets_the_trainers_weights(two_rank_update):
+def test_every_ranks_rollout_engine_gets_the_trainers_weights(two_rank_update):
     _, two, _, _ = two_rank_update
-    assert two["engine_sums"] == two["trainer_sums"]
+    assert two["engine_sums"] == [two["trainer_sums"]] * 2  # rank 0's copy and rank 1's
     assert any(v.abs().max() > 0 for v in two["delta"].values())  # and they are the updated ones
+
+
+def test_ranks_sample_shares_of_the_prompts_and_all_get_every_sample(two_rank_update):
+    _, two, _, _ = two_rank_update
+    (prompt_ids, response_ids, truncated), other = two["gens"]
+    assert other == (prompt_ids, response_ids, truncated)  # the same Generation on both ranks
+    assert prompt_ids == [p for p in two["prompts"] for _ in range(2)]  # prompt-major, in order
+    assert len(response_ids) == 6 and all(0 < len(r) <= 6 for r in response_ids)
 
 
 def test_sharded_checkpoint_exports_to_a_model_directory(two_rank_update, tmp_path):

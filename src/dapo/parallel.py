@@ -5,8 +5,10 @@ One process per device. ``init`` reads the launcher's environment (torchrun, or 
 nothing is initialised and every helper here is the identity, so the single-process path is the
 plain PyTorch one.
 
-Under FSDP every rank holds the whole rollout batch (rank 0 samples it and broadcasts it) and
-trains on a share of each mini-batch's rows balanced by token count. The loss of every rank is
+Under FSDP every rank samples a share of the prompts with its own full copy of the weights, the
+generations are gathered so that every rank holds the whole rollout batch (rank 0 grades it and
+broadcasts the grades), and each rank trains on a share of each mini-batch's rows balanced by
+token count. The loss of every rank is
 divided by the valid tokens of the whole mini-batch (one all-reduce), so gradients are *summed*
 over ranks, never averaged: the objective is the same for any number of ranks.
 """
@@ -136,6 +138,30 @@ def broadcast_object(obj, d: Dist, src: int = 0):
     box = [obj if d.rank == src else None]
     dist.broadcast_object_list(box, src=src, device=d.device if d.device.type == "cuda" else None)
     return box[0]
+
+
+def all_gather_object(obj, d: Dist) -> list:
+    """Every rank's ``obj``, in rank order, on every rank (pickled)."""
+    if not d.sharded:
+        return [obj]
+    out = [None] * d.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+class OnMain:
+    """Method calls on ``obj`` run on rank 0 only and every rank gets rank 0's result: for work done
+    once whose result must be identical everywhere (grading, where a time limit may strike)."""
+
+    def __init__(self, obj, d: Dist):
+        self._obj, self._d = obj, d
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            result = getattr(self._obj, name)(*args, **kwargs) if self._d.is_main else None
+            return broadcast_object(result, self._d)
+
+        return call
 
 
 def barrier(d: Dist) -> None:

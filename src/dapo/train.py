@@ -10,8 +10,8 @@
   metrics, evaluation, checkpoint
 
 Launched by torchrun or `dapo launch-ray` (WORLD_SIZE > 1) the same loop runs on every rank with
-FSDP: rank 0 samples, grades and evaluates and broadcasts the batch; every rank computes
-log-probs and gradients for its share of the rows (see parallel.py).
+FSDP: each rank samples a share of the prompts, rank 0 grades them for everyone, every rank then
+holds the same batch and computes log-probs and gradients for its share of the rows (parallel.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dapo.config import Config, dump_yaml
 from dapo.dynamic_sampling import CollectStats, Scorer, collect_batch
 from dapo.log import NullLogger, RunLogger
 from dapo.policy import Policy, load_model_and_tokenizer, pick_device
-from dapo.rollout import NoRollout, SamplingParams, make_rollout
+from dapo.rollout import SamplingParams, ShardedRollout, make_rollout
 
 
 @dataclass
@@ -74,15 +74,13 @@ def make_encoder(tokenizer, max_prompt_tokens: int):
 
 
 def make_engine(cfg: Config, policy: Policy, d: parallel.Dist):
-    """The rollout engine. Alone it shares the policy's model. Under FSDP rank 0 holds a full copy
-    (rows finish generating at different lengths, so sharded forwards would wait on each other) and
-    the other ranks only take part in gathering the weights it is sent."""
+    """The rollout engine. Alone it shares the policy's model. Under FSDP every rank holds a full
+    copy in model.dtype (rows finish at different lengths, so generating with the sharded model
+    would make the ranks wait on each other) and samples its share of the prompts."""
     if not d.sharded:
         return make_rollout(cfg.rollout, policy.model, policy.tokenizer)
-    if not d.is_main:
-        return NoRollout()
     model, _ = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, d.device)
-    return make_rollout(cfg.rollout, model, policy.tokenizer)
+    return ShardedRollout(make_rollout(cfg.rollout, model, policy.tokenizer), d)
 
 
 def step_metrics(batch: RolloutBatch, cstats: CollectStats, update: dict, times: dict, buffer_size: int) -> dict:
@@ -166,15 +164,14 @@ def train(cfg: Config, *, console=None) -> dict:
     r, a = cfg.rollout, cfg.algo
     sampling = SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=r.max_response_tokens)
-    # only rank 0 grades: the others never see a response before it is broadcast with its reward
     grading = RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) if d.is_main else None
     with grading if grading is not None else contextlib.nullcontext() as pool:
+        if d.sharded:  # rank 0 grades every rank's samples, once, and all get the same grades
+            pool = parallel.OnMain(pool, d)
         scorer = Scorer(pool, grader=cfg.reward.grader, algo_cfg=a, max_response_tokens=r.max_response_tokens)
 
         def run_eval() -> dict:
             e, out = cfg.eval, {}
-            if not d.is_main:
-                return out
             for bench, examples in eval_sets:
                 res = evaluate(engine, encode, examples, pool, name=bench.name, n=e.n, temperature=e.temperature,
                                top_p=e.top_p, max_new_tokens=e.max_response_tokens or r.max_response_tokens,
@@ -205,8 +202,7 @@ def train(cfg: Config, *, console=None) -> dict:
                     round_seed=lambda k, base=state.gen_rounds: r.seed * 1_000_003 + base + k,
                     keep_rate_estimate=state.keep_rate if a.adaptive_oversample else 1.0,
                     max_buffer_groups=a.buffer_max_groups,
-                ) if d.is_main else (None, None)
-            batch, cstats = parallel.broadcast_object((batch, cstats), d)  # every rank trains on rank 0's batch
+                )
             for w in caught:
                 logger.info(f"[yellow]warning (step {step}): {escape(str(w.message))}[/]")
             state.gen_rounds += cstats.rounds

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Protocol
 
 import torch
@@ -54,19 +54,32 @@ def split_response(tokens: list[int], eos_ids: set[int], max_new_tokens: int) ->
     return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
 
 
-class NoRollout:
-    """The engine of a training rank that does not generate (under FSDP only rank 0 does): it takes
-    part in gathering the full weights, which is collective, and drops them."""
+class ShardedRollout:
+    """Data-parallel sampling under FSDP: each rank's engine (a full copy of the weights) samples a
+    contiguous share of the prompts and every rank gets the whole Generation, in prompt order.
+    ``generate`` is collective: every rank calls it with the same prompts."""
+
+    def __init__(self, engine: RolloutEngine, d):
+        self.engine, self.d = engine, d
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generation:
-        raise RuntimeError("this rank does not generate; rank 0 samples and broadcasts the batch")
+        from dapo import parallel
+
+        w, r = self.d.world_size, self.d.rank
+        lo, hi = len(prompt_ids) * r // w, len(prompt_ids) * (r + 1) // w
+        mine = Generation([], [], torch.zeros(0, dtype=torch.bool), [])
+        if hi > lo:  # each rank its own seed: shares must not repeat each other's samples
+            mine = self.engine.generate(prompt_ids[lo:hi], replace(params, seed=params.seed * w + r))
+        parts = parallel.all_gather_object(mine, self.d)
+        return Generation(prompt_ids=[x for g in parts for x in g.prompt_ids],
+                          response_ids=[x for g in parts for x in g.response_ids],
+                          truncated=torch.cat([g.truncated for g in parts]), texts=[x for g in parts for x in g.texts])
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        for _ in named_tensors:
-            pass
+        self.engine.update_weights(named_tensors)
 
     def sleep(self) -> None:
-        pass
+        self.engine.sleep()
 
     def wake(self) -> None:
-        pass
+        self.engine.wake()
