@@ -6,8 +6,9 @@ running the same ``train()`` as one rank of an FSDP job.
 The driver connects to a running Ray cluster (``ray start`` on every node), reserves one bundle
 per rank in a placement group ({"GPU": 1, "CPU": k}, packed node by node), starts one actor per
 bundle and tells each its RANK, WORLD_SIZE, LOCAL_RANK and the address of rank 0, which then
-becomes the torch.distributed rendezvous (nccl on GPUs, gloo on CPU). Rank 0 also generates,
-grades and evaluates (see train.py); Ray only places and starts the processes.
+becomes the torch.distributed rendezvous (nccl on GPUs, gloo on CPU). Every rank samples a share
+of the prompts with its own engine on its own GPU and rank 0 grades (see train.py); Ray only
+places and starts the processes.
 """
 
 from __future__ import annotations
