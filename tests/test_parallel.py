@@ -190,14 +190,17 @@ def test_sharded_checkpoint_exports_to_a_model_directory(two_rank_update, tmp_pa
 
 # ---- the training loop under torchrun ------------------------------------------------------------
 def test_torchrun_training_resumes_exactly_from_shards(tiny_model_dir, tmp_path):
-    """3 steps in one go vs 2 steps + a resume from step 2's shards: identical weights."""
+    """3 steps in one go vs 2 steps + a resume from step 2's shards: identical weights. With a
+    sharded reference model (KL loss), gradient checkpointing and overlong filtering on."""
     args = ["-m", "dapo.cli", "train", "configs/demo.yaml", f"model.path={tiny_model_dir}", *SMALL_OVERRIDES,
-            "train.total_steps=3", "run.save_every=1", "run.keep_checkpoints=3"]
+            "train.total_steps=3", "run.save_every=1", "run.keep_checkpoints=3", "algo.kl_coef=0.01",
+            "model.gradient_checkpointing=true", "algo.overlong_filtering=true"]
     torchrun(*args, f"run.dir={tmp_path / 'full'}")
     full = tmp_path / "full" / "t"
     assert [p.name for p in checkpoint.list_checkpoints(full)] == ["step_000001", "step_000002", "step_000003"]
     metrics = [line for line in (full / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert len(metrics) == 3  # rank 0 alone writes the run's files
+    assert all('"actor/kl_loss"' in m for m in metrics)
     resumed = tmp_path / "resumed" / "t"
     shutil.copytree(full / "checkpoints" / "step_000002", resumed / "checkpoints" / "step_000002")
     out = torchrun(*args, f"run.dir={tmp_path / 'resumed'}")

@@ -56,7 +56,7 @@ def init(device_name: str = "auto", env: dict | None = None) -> Dist:
         device = torch.device("cpu")
     if not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size,
-                                timeout=timedelta(hours=3))  # others wait while rank 0 generates and evaluates
+                                timeout=timedelta(hours=1))  # ranks wait for the slowest generation and for grading
     return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
