@@ -112,3 +112,38 @@ def pad_rows(rows: list[list[int]], pad_id: int, width: int | None = None) -> to
     for i, r in enumerate(rows):
         out[i, : len(r)] = torch.tensor(r[:width], dtype=torch.long)
     return out
+
+
+def plan_micro_batches(lengths: list[int], max_tokens: int, *, packed: bool = False, max_rows: int = 0) -> list[list[int]]:
+    """Split rows into micro-batches whose cost stays within ``max_tokens``, with costs balanced.
+
+    The cost of a micro-batch is what the forward pass computes: rows x its longest row when rows
+    are padded, the sum of lengths when they are packed. Rows are sorted by length so each padded
+    micro-batch is cut to its own longest row and padding stays small. The number of micro-batches
+    is the fewest the budget allows; the cut points then minimise the largest cost, so no
+    micro-batch is left nearly empty. A row longer than the budget goes alone.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    if not order:
+        return []
+
+    def cut(cap: int) -> list[list[int]]:
+        chunks, cur, cost = [], [], 0
+        for i in order:  # descending: the first row of a chunk is its longest
+            new_cost = cost + lengths[i] if packed else (len(cur) + 1) * lengths[cur[0] if cur else i]
+            if cur and (new_cost > cap or (max_rows and len(cur) >= max_rows)):
+                chunks.append(cur)
+                cur, new_cost = [], lengths[i]
+            cur.append(i)
+            cost = new_cost
+        return chunks + [cur]
+
+    fewest = len(cut(max_tokens))
+    lo, hi = max(lengths), max(max_tokens, max(lengths))
+    while lo < hi:  # the smallest cap that still needs no more micro-batches
+        mid = (lo + hi) // 2
+        if len(cut(mid)) <= fewest:
+            hi = mid
+        else:
+            lo = mid + 1
+    return cut(lo)

@@ -87,7 +87,9 @@ class TrainConfig:
     total_steps: int = 60  # training steps (one rollout batch and its optimizer updates each)
     prompts_per_step: int = 32  # P: prompts in a training batch (the paper: 512)
     mini_batch_prompts: int = 8  # prompts per optimizer update; P / this = updates per step (the paper: 32 -> 16)
-    micro_batch_size: int = 64  # responses per forward/backward pass; gradients are accumulated
+    max_tokens_per_micro_batch: int = 8192  # token budget of one forward/backward pass (padded rows x longest, or packed)
+    micro_batch_size: int = 0  # optional cap on responses per forward/backward pass; 0 = the token budget alone
+    pack_sequences: str = "auto"  # auto (pack when the model uses flash-attention varlen kernels) | true | false
     ppo_epochs: int = 1  # passes over the rollout batch
     lr: float = 1e-6  # AdamW learning rate after warmup (constant)
     warmup_steps: int = 20  # linear warmup, in training steps
@@ -309,7 +311,10 @@ def validate(cfg: Config) -> None:
     _check(t.prompts_per_step % t.mini_batch_prompts == 0,
            f"train.prompts_per_step={t.prompts_per_step} is not divisible by train.mini_batch_prompts="
            f"{t.mini_batch_prompts}; pick a divisor so every optimizer update sees the same number of prompts")
-    _check(t.micro_batch_size > 0, "train.micro_batch_size must be > 0")
+    _check(t.max_tokens_per_micro_batch > 0, "train.max_tokens_per_micro_batch must be > 0 (tokens per forward pass)")
+    _check(t.micro_batch_size >= 0, "train.micro_batch_size must be >= 0 (0 = no cap on rows)")
+    t.pack_sequences = str(t.pack_sequences).lower()  # YAML reads a bare true/false as a boolean
+    _check(t.pack_sequences in ("auto", "true", "false"), f"train.pack_sequences={t.pack_sequences!r}: choose auto, true or false")
     _check(t.total_steps >= 0 and t.warmup_steps >= 0 and t.ppo_epochs >= 1, "train.total_steps/warmup_steps >= 0, ppo_epochs >= 1")
     _check(t.lr > 0, f"train.lr={t.lr}: must be > 0")
     _check(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), f"train.betas={t.betas}: two numbers in [0, 1)")

@@ -13,7 +13,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dapo import algo, parallel
-from dapo.batch import RolloutBatch, pad_rows
+from dapo.batch import RolloutBatch, pad_rows, plan_micro_batches
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -42,20 +42,58 @@ def load_model_and_tokenizer(path: str | Path, dtype: str = "float32", device: s
 
 @dataclass
 class MicroBatch:
-    input_ids: torch.Tensor  # (B, L) prompt + response, right-padded
-    attention_mask: torch.Tensor  # (B, L)
-    response_start: torch.Tensor  # (B,) index of the first response token
+    """One forward pass: rows right-padded to the longest (R = B), or packed into one row (R = 1).
+
+    Only response positions reach the LM head: ``token_index`` picks, for each response token, the
+    flat position in (R * L) whose hidden state predicts it, and ``out_index`` where it goes in (B, T).
+    """
+
+    input_ids: torch.Tensor  # (R, L)
+    attention_mask: torch.Tensor | None  # (R, L) when padded; None when packed
+    position_ids: torch.Tensor | None  # (R, L) restarting at 0 for each packed sequence; None when padded
+    token_index: torch.Tensor  # (n,) flat index into R * L of the position that predicts each response token
+    targets: torch.Tensor  # (n,) the response tokens
+    out_index: torch.Tensor  # (n,) flat index into B * T
+    num_rows: int  # B
     width: int  # T: the longest response in this micro-batch
 
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the forward pass computes, padding included."""
+        return self.input_ids.numel()
 
-def make_micro_batch(batch: RolloutBatch, rows: list[int], pad_id: int, device) -> MicroBatch:
+
+def make_micro_batch(batch: RolloutBatch, rows: list[int], pad_id: int, device, *, packed: bool = False) -> MicroBatch:
     seqs = [batch.prompt_ids[i] + batch.response_ids[i] for i in rows]
-    input_ids = pad_rows(seqs, pad_id)  # (B, L)
-    lengths = torch.tensor([len(s) for s in seqs])
-    attention_mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long()
-    start = torch.tensor([len(batch.prompt_ids[i]) for i in rows])
     width = max(len(batch.response_ids[i]) for i in rows)
-    return MicroBatch(input_ids.to(device), attention_mask.to(device), start.to(device), width)
+    token_index, targets, out_index = [], [], []
+    offset = 0
+    row_len = max(len(s) for s in seqs)
+    for b, i in enumerate(rows):
+        p, r = len(batch.prompt_ids[i]), len(batch.response_ids[i])
+        base = offset if packed else b * row_len
+        token_index += range(base + p - 1, base + p + r - 1)  # position p + t - 1 predicts response token t
+        out_index += range(b * width, b * width + r)
+        targets += batch.response_ids[i]
+        offset += len(seqs[b])
+    if packed:
+        input_ids = torch.tensor([[t for s in seqs for t in s]], dtype=torch.long)  # (1, sum of lengths)
+        position_ids = torch.cat([torch.arange(len(s)) for s in seqs])[None, :]
+        attention_mask = None
+    else:
+        input_ids = pad_rows(seqs, pad_id)  # (B, L)
+        lengths = torch.tensor([len(s) for s in seqs])
+        attention_mask = (torch.arange(row_len)[None, :] < lengths[:, None]).long().to(device)
+        position_ids = None
+    as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    return MicroBatch(input_ids.to(device), attention_mask, None if position_ids is None else position_ids.to(device),
+                      as_long(token_index), as_long(targets), as_long(out_index), len(rows), width)
+
+
+def _head_logp(head, h: torch.Tensor, targets: torch.Tensor, temperature: float):
+    logits = head(h).float() / temperature  # (n, V): float32 for this chunk only
+    log_z = torch.logsumexp(logits, dim=-1)
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - log_z, logits, log_z
 
 
 class ResponseLogProbs(nn.Module):
@@ -70,41 +108,50 @@ class ResponseLogProbs(nn.Module):
         self.decoder = lm.get_decoder()
         self.head = lm.get_output_embeddings()
 
-    def forward(self, input_ids, attention_mask, response_start, width: int, *, temperature: float,
-                with_entropy: bool = False, chunk_tokens: int = 1024):
-        hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, L, H)
-        B, L, H = hidden.shape
-        offsets = torch.arange(width, device=hidden.device)
-        pos = (response_start[:, None] - 1 + offsets[None, :]).clamp(max=L - 2)  # (B, T): predicts pos + 1
-        targets = input_ids.gather(1, pos + 1)  # (B, T)
-        h = hidden.gather(1, pos[..., None].expand(B, width, H))  # (B, T, H)
-        step = max(1, chunk_tokens // max(B, 1))
+    def forward(self, mb: MicroBatch, *, temperature: float, with_entropy: bool = False, chunk_tokens: int = 1024):
+        hidden = self.decoder(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                              position_ids=mb.position_ids).last_hidden_state  # (R, L, H)
+        h = hidden.reshape(-1, hidden.shape[-1])[mb.token_index]  # (n, H)
         logps, entropies = [], []
-        for t0 in range(0, width, step):
-            logits = self.head(h[:, t0 : t0 + step]).float() / temperature  # (B, t, V)
-            log_z = torch.logsumexp(logits, dim=-1)  # (B, t)
-            logps.append(logits.gather(-1, targets[:, t0 : t0 + step, None]).squeeze(-1) - log_z)
+        for t0 in range(0, h.shape[0], chunk_tokens):
+            h_c, y_c = h[t0 : t0 + chunk_tokens], mb.targets[t0 : t0 + chunk_tokens]
+            if torch.is_grad_enabled():
+                logp = torch.utils.checkpoint.checkpoint(
+                    lambda x, y: _head_logp(self.head, x, y, temperature)[0], h_c, y_c, use_reentrant=False)
+                logps.append(logp)
+                continue
+            logp, logits, log_z = _head_logp(self.head, h_c, y_c, temperature)
+            logps.append(logp)
             if with_entropy:
-                with torch.no_grad():
-                    probs = torch.softmax(logits, dim=-1)
-                    entropies.append(log_z - (probs * logits).sum(-1))
-        logp = torch.cat(logps, dim=1)  # (B, T)
-        entropy = torch.cat(entropies, dim=1) if with_entropy else None
+                entropies.append(log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1))
+        flat = torch.cat(logps)  # (n,)
+        logp = flat.new_zeros(mb.num_rows * mb.width).index_put((mb.out_index,), flat).view(mb.num_rows, mb.width)
+        entropy = None
+        if with_entropy:
+            if torch.is_grad_enabled():
+                raise ValueError("entropy is computed without gradients; call under torch.no_grad()")
+            ent = torch.cat(entropies)
+            entropy = ent.new_zeros(mb.num_rows * mb.width).index_put((mb.out_index,), ent).view(mb.num_rows, mb.width)
         return logp, entropy
 
 
 def token_logprobs(
     model, mb: MicroBatch, *, temperature: float, with_entropy: bool = False, chunk_tokens: int = 1024
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of each response token, at the sampling temperature: (B, T) and entropy (B, T).
+    """Log-prob of each response token, at the sampling temperature: (B, T), and entropy (B, T).
 
-    Only response positions go through the LM head, chunk by chunk along T, so float32 logits
-    for the whole (B, L, V) block never exist at once. ``model`` is a causal LM or its
-    ``ResponseLogProbs`` (the sharded one under FSDP).
+    Only response positions go through the LM head, ``chunk_tokens`` at a time. With gradients on,
+    each chunk is checkpointed: backward recomputes its logits instead of keeping them, so float32
+    logits for more than one chunk never exist at once, in forward or backward. ``model`` is a
+    causal LM or its ``ResponseLogProbs`` (the sharded one under FSDP).
     """
     scorer = model if isinstance(model, ResponseLogProbs) else ResponseLogProbs(model)
-    return scorer(mb.input_ids, mb.attention_mask, mb.response_start, mb.width, temperature=temperature,
-                  with_entropy=with_entropy, chunk_tokens=chunk_tokens)
+    return scorer(mb, temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens)
+
+
+def uses_varlen_attention(model) -> bool:
+    """Whether packed sequences avoid padding compute: flash-attention kernels take them without a mask."""
+    return str(getattr(model.config, "_attn_implementation", "")).startswith("flash_attention")
 
 
 class Policy:
@@ -149,9 +196,23 @@ class Policy:
         costs = [len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in rows]
         return parallel.rank_share(rows, costs, self.dist)
 
+    # ---- micro-batches --------------------------------------------------------------------
+    @property
+    def packed(self) -> bool:
+        mode = self.cfg.train.pack_sequences
+        return mode == "true" or (mode == "auto" and uses_varlen_attention(self.model))
+
+    def micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[list[int]]:
+        """``rows`` split by the token budget; returns lists of batch row indices."""
+        lengths = [len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in rows]
+        t = self.cfg.train
+        plan = plan_micro_batches(lengths, t.max_tokens_per_micro_batch, packed=self.packed, max_rows=t.micro_batch_size)
+        return [[rows[j] for j in chunk] for chunk in plan]
+
+    def _make_micro_batch(self, batch: RolloutBatch, rows: list[int]) -> MicroBatch:
+        return make_micro_batch(batch, rows, self.pad_id, self.device, packed=self.packed)
+
     # ---- log-probs ------------------------------------------------------------------------
-    def _micro_batches(self, rows: list[int], size: int) -> list[list[int]]:
-        return [rows[i : i + size] for i in range(0, len(rows), size)]
 
     @torch.no_grad()
     def compute_logprobs(self, batch: RolloutBatch, *, model=None, with_entropy: bool = False):
@@ -167,8 +228,8 @@ class Policy:
         if self.dist.sharded:  # the rows this rank trains on; the others' come with the all-reduce below
             per_update = self.cfg.train.mini_batch_prompts * batch.group_size
             rows = [i for s in range(0, len(batch), per_update) for i in self._rank_rows(batch, rows[s : s + per_update])]
-        for micro in parallel.same_count(self._micro_batches(rows, self.cfg.train.micro_batch_size), self.dist):
-            mb = make_micro_batch(batch, micro or [0], self.pad_id, self.device)  # None: a collective-only pass
+        for micro in parallel.same_count(self.micro_batches(batch, rows), self.dist):
+            mb = self._make_micro_batch(batch, micro or [0])  # None: a pass only to join the collectives
             lp, ent = token_logprobs(scorer, mb, temperature=self.cfg.rollout.temperature, with_entropy=with_entropy)
             if micro is None:
                 continue
@@ -216,8 +277,8 @@ class Policy:
         num_seqs = parallel.all_reduce((mask_all.sum(-1) > 0).sum(), self.dist).to(self.device)
         sums: dict[str, torch.Tensor] = {}
         up_max = torch.zeros(())
-        for micro in parallel.same_count(self._micro_batches(rows, self.cfg.train.micro_batch_size), self.dist):
-            mb = make_micro_batch(batch, micro or [0], self.pad_id, self.device)  # None: a collective-only pass
+        for micro in parallel.same_count(self.micro_batches(batch, rows), self.dist):
+            mb = self._make_micro_batch(batch, micro or [0])  # None: a pass only to join the collectives
             idx = torch.tensor(micro or [0])
             mask_cpu = batch.response_mask(idx, width=mb.width) * (micro is not None)  # (B, T)
             if mask_cpu.sum() == 0 and not self.dist.sharded:  # every row filtered out (overlong filtering)
