@@ -48,6 +48,8 @@ def init(device_name: str = "auto", env: dict | None = None) -> Dist:
     if world_size <= 1:
         return Dist(device=torch.device("cuda" if use_cuda else "cpu"))
     rank, local_rank = int(env["RANK"]), int(env.get("LOCAL_RANK", "0"))
+    if use_cuda and not torch.cuda.is_available():
+        raise RuntimeError("model.device=cuda but no CUDA device is visible; use model.device=cpu (gloo)")
     if use_cuda:
         # torchrun shows a process every GPU of its node; a Ray worker sees only its own (index 0)
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
