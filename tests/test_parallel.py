@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import SMALL_OVERRIDES, small_config  # noqa: E402
 
-from dapo import checkpoint, parallel  # noqa: E402
+from dapo import checkpoint, cli, parallel  # noqa: E402
 from dapo.policy import Policy  # noqa: E402
 from dapo.rollout import SamplingParams  # noqa: E402
 
@@ -61,17 +61,33 @@ def test_balanced_partition_by_tokens():
 
 
 # ---- 2 ranks vs 1 --------------------------------------------------------------------------------
-def equivalence_worker(model_dir: str, batch_file: str, out_file: str, run_dir: str, *overrides: str) -> None:
-    """Run under torchrun: log-probs and one SGD update (lr 1, so the change is minus the gradient)
-    on the batch the test sampled; then push the weights to rank 0's engine and save shards."""
+# bf16: FSDP's mixed precision with fp32 masters; uneven: rank 0 runs one row per micro-batch, so
+# rank 1 has fewer micro-batches and must run empty passes to join rank 0's collectives
+VARIANTS = {"fp32": ([], False), "bf16": (["model.dtype=bfloat16"], False), "uneven": ([], True)}
+
+
+def equivalence_worker(model_dir: str, batch_file: str, out_dir: str) -> None:
+    """Run under torchrun: per variant, log-probs and one SGD update (lr 1, so the change is minus
+    the gradient) on the batch the test sampled; then push the weights to every rank's engine,
+    save shards, and sample with the sharded engine."""
+    d = parallel.init("cpu")
+    for name, (overrides, uneven) in VARIANTS.items():
+        one_update(d, model_dir, batch_file, Path(out_dir) / f"{name}.pt", Path(out_dir) / name, overrides, uneven)
+    parallel.shutdown(d)
+
+
+def one_update(d, model_dir, batch_file, out_file, run_dir, overrides, uneven) -> None:
     from dapo.train import make_engine
 
-    d = parallel.init("cpu")
     cfg = small_config(run_dir, model_dir, *EQUIV_OVERRIDES, *overrides)
     policy = Policy(cfg, torch.device("cpu"), d)
     policy.optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)
+    if uneven and d.rank == 0:
+        policy.micro_batches = lambda batch, rows: [[r] for r in rows]
     engine = make_engine(cfg, policy, d)
     batch = torch.load(batch_file, weights_only=False)
+    share = policy._rank_rows(batch, list(range(len(batch))))  # the batch is one mini-batch here
+    counts = parallel.all_gather_object(len(policy.micro_batches(batch, share)), d)  # micro-batches per rank
     old_logp, entropy = policy.compute_logprobs(batch, with_entropy=True)
     before = {k: v.clone() for k, v in policy.named_weights()}
     stats = policy.update(batch)
@@ -92,9 +108,8 @@ def equivalence_worker(model_dir: str, batch_file: str, out_file: str, run_dir: 
             "delta": {k: after[k] - before[k] for k in after}, "after": after, "engine_sums": engine_sums,
             # the engine runs in model.dtype: the trainer's float32 masters rounded to it
             "trainer_sums": {k: checksum(v.to(engine_weights[k].dtype)) for k, v in after.items()},
-            "prompts": prompts, "gens": gens,
+            "prompts": prompts, "gens": gens, "counts": counts,
         }, out_file)
-    parallel.shutdown(d)
 
 
 @pytest.fixture(scope="module")
@@ -113,13 +128,14 @@ def two_rank_update(tiny_model_dir, tmp_path_factory):
     single = {"old_logp": batch.old_logp, "entropy": batch.entropy, "stats": stats,
               "delta": {k: v - before[k] for k, v in policy.named_weights()}}
     t0 = time.perf_counter()
-    torchrun(__file__, "equivalence", tiny_model_dir, tmp / "batch.pt", tmp / "two.pt", tmp / "two")
-    two = torch.load(tmp / "two.pt", weights_only=False)
-    return single, two, tmp, time.perf_counter() - t0
+    torchrun(__file__, "equivalence", tiny_model_dir, tmp / "batch.pt", tmp)
+    runs = {name: torch.load(tmp / f"{name}.pt", weights_only=False) for name in VARIANTS}
+    return single, runs, tmp, time.perf_counter() - t0
 
 
 def test_two_ranks_give_the_loss_and_gradients_of_one(two_rank_update):
-    single, two, _, seconds = two_rank_update
+    single, runs, _, seconds = two_rank_update
+    two = runs["fp32"]
     logp_diff = (two["old_logp"] - single["old_logp"]).abs().max().item()
     grad_diff = max((two["delta"][k] - single["delta"][k]).abs().max().item() for k in single["delta"])
     grad_scale = max(v.abs().max().item() for v in single["delta"].values())
@@ -138,13 +154,11 @@ def test_two_ranks_give_the_loss_and_gradients_of_one(two_rank_update):
         assert two["stats"][k] == pytest.approx(single["stats"][k], abs=1e-6), k
 
 
-@pytest.mark.slow
 def test_bfloat16_compute_keeps_float32_master_weights(two_rank_update, tiny_model_dir):
     """FSDP's mixed precision on 2 ranks (bf16 forward/backward, fp32 reduce and masters) against
     the fp32 single process: the same update up to bfloat16 rounding."""
-    single, _, tmp, _ = two_rank_update
-    torchrun(__file__, "equivalence", tiny_model_dir, tmp / "batch.pt", tmp / "bf16.pt", tmp / "bf16", "model.dtype=bfloat16")
-    bf16 = torch.load(tmp / "bf16.pt", weights_only=False)
+    single, runs, _, _ = two_rank_update
+    bf16 = runs["bf16"]
     assert all(v.dtype == torch.float32 for v in bf16["after"].values())  # the master copy
     scale = max(v.abs().max().item() for v in single["delta"].values())
     grad_diff = max((bf16["delta"][k] - single["delta"][k]).abs().max().item() for k in single["delta"])
@@ -155,14 +169,27 @@ def test_bfloat16_compute_keeps_float32_master_weights(two_rank_update, tiny_mod
     assert bf16["engine_sums"] == [bf16["trainer_sums"]] * 2
 
 
+def test_ranks_with_fewer_micro_batches_join_with_empty_passes(two_rank_update):
+    single, runs, _, _ = two_rank_update
+    uneven = runs["uneven"]
+    assert uneven["counts"][0] > uneven["counts"][1]  # rank 1 ran empty passes to match rank 0
+    grad_diff = max((uneven["delta"][k] - single["delta"][k]).abs().max().item() for k in single["delta"])
+    print(f"\nmicro-batches per rank {uneven['counts']}: max |d grad| vs 1 rank {grad_diff:.2e}")
+    assert grad_diff < 1e-6
+    assert uneven["stats"]["pg_loss"] == pytest.approx(single["stats"]["pg_loss"], abs=1e-6)
+    assert (uneven["old_logp"] - single["old_logp"]).abs().max().item() < 1e-5
+
+
 def test_every_ranks_rollout_engine_gets_the_trainers_weights(two_rank_update):
-    _, two, _, _ = two_rank_update
+    _, runs, _, _ = two_rank_update
+    two = runs["fp32"]
     assert two["engine_sums"] == [two["trainer_sums"]] * 2  # rank 0's copy and rank 1's
     assert any(v.abs().max() > 0 for v in two["delta"].values())  # and they are the updated ones
 
 
 def test_ranks_sample_shares_of_the_prompts_and_all_get_every_sample(two_rank_update):
-    _, two, _, _ = two_rank_update
+    _, runs, _, _ = two_rank_update
+    two = runs["fp32"]
     (prompt_ids, response_ids, truncated), other = two["gens"]
     assert other == (prompt_ids, response_ids, truncated)  # the same Generation on both ranks
     assert prompt_ids == [p for p in two["prompts"] for _ in range(2)]  # prompt-major, in order
@@ -172,15 +199,14 @@ def test_ranks_sample_shares_of_the_prompts_and_all_get_every_sample(two_rank_up
 def test_sharded_checkpoint_exports_to_a_model_directory(two_rank_update, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    _, two, tmp, _ = two_rank_update
-    ckpt = checkpoint.latest_checkpoint(tmp / "two")
+    _, runs, tmp, _ = two_rank_update
+    two = runs["fp32"]
+    ckpt = checkpoint.latest_checkpoint(tmp / "fp32")
     assert ckpt is not None and checkpoint.is_sharded(ckpt) and not (ckpt / "model").exists()
     assert sorted(p.name for p in (ckpt / "shards").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     with pytest.raises(RuntimeError, match="dapo export"):
         checkpoint.load_model_weights(None, ckpt)
-    out = subprocess.run([sys.executable, "-m", "dapo.cli", "export", str(ckpt), str(tmp_path / "hf")],
-                         env=env_for_children(), capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert cli.main(["export", str(ckpt), str(tmp_path / "hf")]) == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     exported = dict(model.named_parameters())
     for k, v in two["after"].items():
