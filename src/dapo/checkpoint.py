@@ -147,6 +147,16 @@ def load_trainer_state(path: Path) -> dict:
         ) from err
 
 
+def load_policy_weights(policy, path: Path) -> None:
+    """A checkpoint's weights into ``policy``: the HF model alone, or under FSDP this rank's shards of
+    the model and the optimizer."""
+    shards = policy.sharded_state()
+    if shards is None:
+        load_model_weights(policy.model, path)
+    else:
+        policy.load_sharded_state(load_shards(path, shards))
+
+
 def load_model_weights(model, path: Path) -> None:
     """Copy the HF-format weights saved in ``path/model`` into an already built model."""
     from transformers import AutoModelForCausalLM

@@ -83,6 +83,19 @@ def make_engine(cfg: Config, policy: Policy, d: parallel.Dist):
     return ShardedRollout(make_rollout(cfg.rollout, model, policy.tokenizer), d)
 
 
+@contextlib.contextmanager
+def grading_pool(cfg: Config, d: parallel.Dist):
+    """The grading workers. Under FSDP only rank 0 has them: it grades every rank's samples, once,
+    and every rank receives the same grades."""
+    from dapo.rewards import RewardPool
+
+    if not d.is_main:
+        yield parallel.OnMain(None, d)
+        return
+    with RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) as pool:
+        yield parallel.OnMain(pool, d) if d.sharded else pool
+
+
 def step_metrics(batch: RolloutBatch, cstats: CollectStats, update: dict, times: dict, buffer_size: int) -> dict:
     lengths = batch.response_lengths.float()  # (N,)
     mask = batch.response_mask()
@@ -134,7 +147,6 @@ def train(cfg: Config, *, console=None) -> dict:
     encode = make_encoder(policy.tokenizer, cfg.data.max_prompt_tokens)
     from dapo.data import PromptSampler
     from dapo.evaluate import evaluate, load_benchmark
-    from dapo.rewards import RewardPool
 
     sampler = PromptSampler(load_train_examples(cfg), seed=cfg.data.seed)
     eval_sets = [load_benchmark(b, template=cfg.data.template, num_problems=cfg.eval.num_problems) for b in cfg.eval.benchmarks]
@@ -142,11 +154,7 @@ def train(cfg: Config, *, console=None) -> dict:
     resume_from = checkpoint.latest_checkpoint(run_dir) if cfg.run.resume else None
     if resume_from is not None:
         saved = checkpoint.load_trainer_state(resume_from)
-        shards = policy.sharded_state()
-        if shards is None:
-            checkpoint.load_model_weights(policy.model, resume_from)
-        else:
-            policy.load_sharded_state(checkpoint.load_shards(resume_from, shards))
+        checkpoint.load_policy_weights(policy, resume_from)
         engine.update_weights(policy.named_weights())  # an engine with its own copy starts from the checkpoint
         policy.load_trainer_state(saved["policy"])
         sampler.load_state_dict(saved["sampler"])
@@ -164,10 +172,7 @@ def train(cfg: Config, *, console=None) -> dict:
     r, a = cfg.rollout, cfg.algo
     sampling = SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=r.max_response_tokens)
-    grading = RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) if d.is_main else None
-    with grading if grading is not None else contextlib.nullcontext() as pool:
-        if d.sharded:  # rank 0 grades every rank's samples, once, and all get the same grades
-            pool = parallel.OnMain(pool, d)
+    with grading_pool(cfg, d) as pool:
         scorer = Scorer(pool, grader=cfg.reward.grader, algo_cfg=a, max_response_tokens=r.max_response_tokens)
 
         def run_eval() -> dict:
