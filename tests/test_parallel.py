@@ -215,6 +215,7 @@ def test_sharded_checkpoint_exports_to_a_model_directory(two_rank_update, tmp_pa
 
 
 # ---- the training loop under torchrun ------------------------------------------------------------
+@pytest.mark.slow
 def test_torchrun_training_resumes_exactly_from_shards(tiny_model_dir, tmp_path):
     """3 steps in one go vs 2 steps + a resume from step 2's shards: identical weights. With a
     sharded reference model (KL loss), gradient checkpointing and overlong filtering on."""
@@ -257,6 +258,7 @@ def test_two_gpus_nccl_bf16_cpu_offload_checkpointing(tiny_model_dir, tmp_path):
 
 
 # ---- Ray ------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_ray_two_cpu_workers_train_two_steps_and_checkpoint(tiny_model_dir, tmp_path):
     pytest.importorskip("ray")
     home = tmp_path / "home"
