@@ -23,7 +23,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     path: str = "assets/arith-base"  # local Hugging Face causal-LM directory (nothing is downloaded)
-    dtype: str = "float32"  # parameter dtype for training: float32 | bfloat16 | float16
+    dtype: str = "float32"  # training dtype: float32 | bfloat16 | float16; under FSDP the compute dtype (float32 master weights)
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
     device: str = "auto"  # auto (cuda if available) | cpu | cuda
 
@@ -99,6 +99,7 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0  # max gradient norm; a step with a non-finite norm is skipped
     seed: int = 0  # model init / dropout / everything not seeded elsewhere
+    cpu_offload: bool = False  # FSDP (several ranks) only: keep parameter shards, gradients and AdamW state in CPU memory
 
 
 @dataclass

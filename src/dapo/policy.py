@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dapo import algo
+from dapo import algo, parallel
 from dapo.batch import RolloutBatch, pad_rows, plan_micro_batches
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -95,6 +96,45 @@ def _head_logp(head, h: torch.Tensor, targets: torch.Tensor, temperature: float)
     return logits.gather(-1, targets[:, None]).squeeze(-1) - log_z, logits, log_z
 
 
+class ResponseLogProbs(nn.Module):
+    """The log-prob pass over response tokens as one module (the decoder and the LM head of ``lm``).
+
+    Under FSDP this module is the root of the sharding, so the decoder and the head run inside one
+    forward and their parameters are gathered and their gradients reduced like any other layer's.
+    """
+
+    def __init__(self, lm):
+        super().__init__()
+        self.decoder = lm.get_decoder()
+        self.head = lm.get_output_embeddings()
+
+    def forward(self, mb: MicroBatch, *, temperature: float, with_entropy: bool = False, chunk_tokens: int = 1024):
+        hidden = self.decoder(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                              position_ids=mb.position_ids).last_hidden_state  # (R, L, H)
+        h = hidden.reshape(-1, hidden.shape[-1])[mb.token_index]  # (n, H)
+        logps, entropies = [], []
+        for t0 in range(0, h.shape[0], chunk_tokens):
+            h_c, y_c = h[t0 : t0 + chunk_tokens], mb.targets[t0 : t0 + chunk_tokens]
+            if torch.is_grad_enabled():
+                logp = torch.utils.checkpoint.checkpoint(
+                    lambda x, y: _head_logp(self.head, x, y, temperature)[0], h_c, y_c, use_reentrant=False)
+                logps.append(logp)
+                continue
+            logp, logits, log_z = _head_logp(self.head, h_c, y_c, temperature)
+            logps.append(logp)
+            if with_entropy:
+                entropies.append(log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1))
+        flat = torch.cat(logps)  # (n,)
+        logp = flat.new_zeros(mb.num_rows * mb.width).index_put((mb.out_index,), flat).view(mb.num_rows, mb.width)
+        entropy = None
+        if with_entropy:
+            if torch.is_grad_enabled():
+                raise ValueError("entropy is computed without gradients; call under torch.no_grad()")
+            ent = torch.cat(entropies)
+            entropy = ent.new_zeros(mb.num_rows * mb.width).index_put((mb.out_index,), ent).view(mb.num_rows, mb.width)
+        return logp, entropy
+
+
 def token_logprobs(
     model, mb: MicroBatch, *, temperature: float, with_entropy: bool = False, chunk_tokens: int = 1024
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -102,34 +142,11 @@ def token_logprobs(
 
     Only response positions go through the LM head, ``chunk_tokens`` at a time. With gradients on,
     each chunk is checkpointed: backward recomputes its logits instead of keeping them, so float32
-    logits for more than one chunk never exist at once, in forward or backward.
+    logits for more than one chunk never exist at once, in forward or backward. ``model`` is a
+    causal LM or its ``ResponseLogProbs`` (the sharded one under FSDP).
     """
-    decoder = model.get_decoder()
-    hidden = decoder(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                     position_ids=mb.position_ids).last_hidden_state  # (R, L, H)
-    h = hidden.reshape(-1, hidden.shape[-1])[mb.token_index]  # (n, H)
-    head = model.get_output_embeddings()
-    logps, entropies = [], []
-    for t0 in range(0, h.shape[0], chunk_tokens):
-        h_c, y_c = h[t0 : t0 + chunk_tokens], mb.targets[t0 : t0 + chunk_tokens]
-        if torch.is_grad_enabled():
-            logp = torch.utils.checkpoint.checkpoint(
-                lambda x, y: _head_logp(head, x, y, temperature)[0], h_c, y_c, use_reentrant=False)
-            logps.append(logp)
-            continue
-        logp, logits, log_z = _head_logp(head, h_c, y_c, temperature)
-        logps.append(logp)
-        if with_entropy:
-            entropies.append(log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1))
-    flat = torch.cat(logps)  # (n,)
-    logp = flat.new_zeros(mb.num_rows * mb.width).index_put((mb.out_index,), flat).view(mb.num_rows, mb.width)
-    entropy = None
-    if with_entropy:
-        if torch.is_grad_enabled():
-            raise ValueError("entropy is computed without gradients; call under torch.no_grad()")
-        ent = torch.cat(entropies)
-        entropy = ent.new_zeros(mb.num_rows * mb.width).index_put((mb.out_index,), ent).view(mb.num_rows, mb.width)
-    return logp, entropy
+    scorer = model if isinstance(model, ResponseLogProbs) else ResponseLogProbs(model)
+    return scorer(mb, temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens)
 
 
 def uses_varlen_attention(model) -> bool:
@@ -138,13 +155,17 @@ def uses_varlen_attention(model) -> bool:
 
 
 class Policy:
-    def __init__(self, cfg, device: torch.device):
+    def __init__(self, cfg, device: torch.device, dist: parallel.Dist | None = None):
         self.cfg = cfg
         self.device = device
-        self.model, self.tokenizer = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, device)
+        self.dist = dist or parallel.Dist(device=device)
+        # under FSDP each rank loads on CPU and keeps only its shard on the device (see _log_probs_of)
+        load_on = "cpu" if self.dist.sharded else device
+        self.model, self.tokenizer = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, load_on)
         if cfg.model.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.model.config.use_cache = False  # training forward passes never need the KV cache
+        self.scorer = self._log_probs_of(self.model)
         self.pad_id = self.tokenizer.pad_token_id
         t = cfg.train
         self.optimizer = torch.optim.AdamW(
@@ -158,9 +179,22 @@ class Policy:
         )
         self.ref_model = None
         if cfg.algo.kl_coef > 0:
-            self.ref_model, _ = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, device)
+            self.ref_model, _ = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, load_on)
             self.ref_model.requires_grad_(False).train(False)
+            self.ref_scorer = self._log_probs_of(self.ref_model)
         self.skipped_updates = 0
+
+    def _log_probs_of(self, model) -> ResponseLogProbs:
+        """The model's log-prob pass; under FSDP sharded across ranks (one unit per decoder layer),
+        float32 master weights, forward and backward in model.dtype."""
+        scorer = ResponseLogProbs(model)
+        return parallel.wrap(scorer, list(scorer.decoder.layers), self.dist, compute_dtype=DTYPES[self.cfg.model.dtype],
+                             cpu_offload=self.cfg.train.cpu_offload)
+
+    def _rank_rows(self, batch: RolloutBatch, rows: list[int]) -> list[int]:
+        """This rank's share of a mini-batch's rows, balanced by sequence tokens (all of them when alone)."""
+        costs = [len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in rows]
+        return parallel.rank_share(rows, costs, self.dist)
 
     # ---- micro-batches --------------------------------------------------------------------
     @property
@@ -184,18 +218,28 @@ class Policy:
     def compute_logprobs(self, batch: RolloutBatch, *, model=None, with_entropy: bool = False):
         """(N, T) log-probs of the sampled tokens (and entropy) under ``model`` (default: the policy)."""
         model = self.model if model is None else model
+        scorer = self.scorer if model is self.model else self.ref_scorer if model is self.ref_model else model
         was_training = model.training
         model.train(False)
         T = batch.max_response_len
         logp = torch.zeros(len(batch), T)
         entropy = torch.zeros(len(batch), T) if with_entropy else None
-        for rows in self.micro_batches(batch, list(range(len(batch)))):
-            mb = self._make_micro_batch(batch, rows)
-            lp, ent = token_logprobs(model, mb, temperature=self.cfg.rollout.temperature, with_entropy=with_entropy)
-            logp[rows, : mb.width] = lp.float().cpu()
+        rows = list(range(len(batch)))
+        if self.dist.sharded:  # the rows this rank trains on; the others' come with the all-reduce below
+            per_update = self.cfg.train.mini_batch_prompts * batch.group_size
+            rows = [i for s in range(0, len(batch), per_update) for i in self._rank_rows(batch, rows[s : s + per_update])]
+        for micro in parallel.same_count(self.micro_batches(batch, rows), self.dist):
+            mb = self._make_micro_batch(batch, micro or [0])  # None: a pass only to join the collectives
+            lp, ent = token_logprobs(scorer, mb, temperature=self.cfg.rollout.temperature, with_entropy=with_entropy)
+            if micro is None:
+                continue
+            logp[micro, : mb.width] = lp.float().cpu()
             if with_entropy:
-                entropy[rows, : mb.width] = ent.float().cpu()
+                entropy[micro, : mb.width] = ent.float().cpu()
         model.train(was_training)
+        if self.dist.sharded:  # every row was filled by exactly one rank
+            logp = parallel.all_reduce(logp, self.dist)
+            entropy = parallel.all_reduce(entropy, self.dist) if with_entropy else None
         return logp, entropy
 
     # ---- the update -----------------------------------------------------------------------
@@ -224,19 +268,23 @@ class Policy:
         return out
 
     def _mini_batch_update(self, batch: RolloutBatch, rows: list[int], a) -> dict[str, torch.Tensor]:
-        mask_all = batch.response_mask(torch.tensor(rows))  # (n, T_mb)
-        num_tokens = mask_all.sum().to(self.device)
-        num_seqs = (mask_all.sum(-1) > 0).sum().to(self.device)
+        rows = self._rank_rows(batch, rows)
+        width = max((len(batch.response_ids[i]) for i in rows), default=0)
+        mask_all = batch.response_mask(torch.tensor(rows, dtype=torch.long), width=width)  # (n, T_mb)
+        # the divisor counts the whole mini-batch on every rank (DAPO eq. 12 over the step, not the shard)
+        num_tokens_cpu = parallel.all_reduce(mask_all.sum(), self.dist)
+        num_tokens = num_tokens_cpu.to(self.device)
+        num_seqs = parallel.all_reduce((mask_all.sum(-1) > 0).sum(), self.dist).to(self.device)
         sums: dict[str, torch.Tensor] = {}
         up_max = torch.zeros(())
-        for micro in self.micro_batches(batch, rows):
-            mb = self._make_micro_batch(batch, micro)
-            idx = torch.tensor(micro)
-            mask_cpu = batch.response_mask(idx, width=mb.width)  # (B, T)
-            if mask_cpu.sum() == 0:  # every row filtered out (overlong filtering)
+        for micro in parallel.same_count(self.micro_batches(batch, rows), self.dist):
+            mb = self._make_micro_batch(batch, micro or [0])  # None: a pass only to join the collectives
+            idx = torch.tensor(micro or [0])
+            mask_cpu = batch.response_mask(idx, width=mb.width) * (micro is not None)  # (B, T)
+            if mask_cpu.sum() == 0 and not self.dist.sharded:  # every row filtered out (overlong filtering)
                 continue
             mask = mask_cpu.to(self.device)
-            logp, _ = token_logprobs(self.model, mb, temperature=self.cfg.rollout.temperature)
+            logp, _ = token_logprobs(self.scorer, mb, temperature=self.cfg.rollout.temperature)
             old_logp = batch.old_logp[idx, : mb.width].to(self.device)
             adv = batch.adv[idx].to(self.device)
             loss, stats = algo.policy_loss(
@@ -254,14 +302,17 @@ class Policy:
                 loss = loss + a.kl_coef * kl_loss
                 sums["kl_loss"] = sums.get("kl_loss", 0) + kl_loss.detach().cpu()
             loss.backward()
-            weight = mask_cpu.sum() / mask_all.sum().clamp(min=1)  # this micro-batch's share of tokens
+            weight = mask_cpu.sum() / num_tokens_cpu.clamp(min=1)  # this micro-batch's share of tokens
             sums["pg_loss"] = sums.get("pg_loss", 0) + pg_loss.cpu()
             for k in ("clipfrac_high", "clipfrac_low", "approx_kl", "token_prob_mean"):
                 sums[k] = sums.get(k, 0) + stats[k].cpu() * weight
             up_max = torch.maximum(up_max, stats["up_clipped_prob_max"].cpu())
             sums["_up_sum"] = sums.get("_up_sum", 0) + (stats["up_clipped_prob_mean"] * stats["num_up_clipped"]).cpu()
             sums["_up_n"] = sums.get("_up_n", 0) + stats["num_up_clipped"].cpu()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
+        if self.dist.sharded:  # per-rank sums of the statistics -> the mini-batch's
+            sums = parallel.all_reduce_dict(sums, self.dist)
+            up_max = parallel.all_reduce(up_max, self.dist, op="max")
+        grad_norm = parallel.clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip)
         if torch.isfinite(grad_norm):
             self.optimizer.step()
         else:
@@ -276,16 +327,24 @@ class Policy:
 
     # ---- state -----------------------------------------------------------------------------
     def named_weights(self):
-        return self.model.named_parameters()
+        """(name, full tensor) per parameter; under FSDP each is gathered in turn, on every rank."""
+        return parallel.full_tensors(self.model.named_parameters(), self.dist)
 
     def trainer_state(self) -> dict:
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "skipped_updates": self.skipped_updates,
-        }
+        state = {"scheduler": self.scheduler.state_dict(), "skipped_updates": self.skipped_updates}
+        if not self.dist.sharded:  # under FSDP the optimizer is saved in shards, with the model
+            state["optimizer"] = self.optimizer.state_dict()
+        return state
+
+    def sharded_state(self) -> dict | None:
+        """Model and optimizer shards for torch.distributed.checkpoint; None in a single process."""
+        return parallel.sharded_state(self.model, self.optimizer) if self.dist.sharded else None
+
+    def load_sharded_state(self, state: dict) -> None:
+        parallel.load_sharded_state(self.model, self.optimizer, state)
 
     def load_trainer_state(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.skipped_updates = int(state["skipped_updates"])

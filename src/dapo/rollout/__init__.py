@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dapo.rollout.base import Generation, RolloutEngine, SamplingParams
+from dapo.rollout.base import Generation, RolloutEngine, SamplingParams, ShardedRollout
 
 
 def make_rollout(cfg, model, tokenizer) -> RolloutEngine:
@@ -25,4 +25,4 @@ def make_rollout(cfg, model, tokenizer) -> RolloutEngine:
     raise ValueError(f"rollout.backend={cfg.backend!r}: choose hf or vllm")
 
 
-__all__ = ["Generation", "RolloutEngine", "SamplingParams", "make_rollout"]
+__all__ = ["Generation", "RolloutEngine", "SamplingParams", "ShardedRollout", "make_rollout"]
