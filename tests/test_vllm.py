@@ -7,6 +7,7 @@ model, and a trained model stops by itself often enough to see both ends of a re
 """
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from conftest import small_config
 from dapo import algo
 from dapo.batch import RolloutBatch
 from dapo.policy import Policy, load_model_and_tokenizer
-from dapo.rollout import SamplingParams, make_rollout
+from dapo.rollout import Generation, SamplingParams, make_rollout
 from dapo.train import read_metrics, train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -144,6 +145,43 @@ def test_logprobs_agree_with_the_trainer(setup):
     diff = logp_abs_diff(policy, gen, 8)
     print(f"vLLM vs trainer log-prob |diff| over {diff.numel()} tokens: mean {diff.mean():.2e}, max {diff.max():.2e}")
     assert diff.mean() < LOGP_TOL_MEAN and diff.max() < LOGP_TOL_MAX
+
+
+@needs_vllm
+def test_tensor_parallel_engine_over_two_ranks(setup, tmp_path):
+    """Two gloo ranks under torchrun share one engine (rollout.tensor_parallel_size=2, vLLM's
+    external_launcher): both return the same samples, the samples a one-process engine draws with
+    the same seed; after a weight push, each loading every full tensor into its own half, the
+    engine's log-probs match the trainer's for the new weights. Runs before the tests below change
+    the module's engine."""
+    from vllm_tp_worker import PARAMS, perturbed
+
+    cfg, policy, engine, prompts = setup
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(REPO / "tests" / "vllm_tp_worker.py"), str(MODEL), str(tmp_path)]
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert "Traceback" not in out.stderr  # also none at exit, when the engines and the process group go
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1]
+    before, after = ranks[0]["before"], ranks[0]["after"]
+
+    alone = engine.generate(prompts, PARAMS)  # one engine group: ShardedRollout keeps the seed as it is
+    assert before["response_ids"] == alone.response_ids
+    lp_tp, lp_alone = torch.tensor(sum(before["logprobs"], [])), torch.tensor(sum(alone.logprobs, []))
+    assert (lp_tp - lp_alone).abs().max() < LOGP_TOL_MAX
+
+    pushed = Policy(cfg, torch.device("cpu"))
+    perturbed(pushed.model)
+    gen = Generation(prompt_ids=[p for p in prompts for _ in range(PARAMS.n)], response_ids=after["response_ids"],
+                     truncated=torch.zeros(len(after["response_ids"]), dtype=torch.bool), texts=[""] * len(after["response_ids"]),
+                     logprobs=after["logprobs"])
+    diff, stale = logp_abs_diff(pushed, gen, PARAMS.n), logp_abs_diff(policy, gen, PARAMS.n)
+    print(f"TP=2 engine vs trainer log-prob |diff| after the push: mean {diff.mean():.2e}, max {diff.max():.2e} "
+          f"(vs the weights before it: mean {stale.mean():.2e})")
+    assert diff.mean() < LOGP_TOL_MEAN and diff.max() < LOGP_TOL_MAX
+    assert stale.mean() > 100 * LOGP_TOL_MEAN  # the push moved the log-probs: the check above can fail
 
 
 @needs_vllm

@@ -16,6 +16,7 @@ over ranks, never averaged: the objective is the same for any number of ranks.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -63,7 +64,12 @@ def init(device_name: str = "auto", env: dict | None = None) -> Dist:
 
 
 def shutdown(d: Dist) -> None:
-    if d.sharded and dist.is_initialized():
+    if not (d.sharded and dist.is_initialized()):
+        return
+    vllm_groups = sys.modules.get("vllm.distributed.parallel_state")
+    if vllm_groups is not None:  # in-process vLLM engines made subgroups of this world; they go first
+        vllm_groups.cleanup_dist_env_and_memory()  # (and it destroys the world group too)
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 

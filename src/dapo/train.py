@@ -28,10 +28,10 @@ from rich.markup import escape
 
 from dapo import algo, checkpoint, parallel
 from dapo.batch import RolloutBatch
-from dapo.config import Config, dump_yaml
+from dapo.config import Config, ConfigError, dump_yaml
 from dapo.dynamic_sampling import CollectStats, Scorer, collect_batch
 from dapo.log import NullLogger, RunLogger
-from dapo.policy import Policy, load_model_and_tokenizer, pick_device
+from dapo.policy import DTYPES, Policy, load_model_and_tokenizer, pick_device
 from dapo.rollout import SamplingParams, ShardedRollout, make_rollout
 
 
@@ -76,11 +76,31 @@ def make_encoder(tokenizer, max_prompt_tokens: int):
 def make_engine(cfg: Config, policy: Policy, d: parallel.Dist):
     """The rollout engine. Alone it shares the policy's model. Under FSDP every rank holds a full
     copy in model.dtype (rows finish at different lengths, so generating with the sharded model
-    would make the ranks wait on each other) and samples its share of the prompts."""
+    would make the ranks wait on each other) and samples its share of the prompts; with vLLM and
+    rollout.tensor_parallel_size = k, each group of k ranks holds one copy, split over them."""
     if not d.sharded:
         return make_rollout(cfg.rollout, policy.model, policy.tokenizer)
-    model, _ = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, d.device)
-    return ShardedRollout(make_rollout(cfg.rollout, model, policy.tokenizer), d)
+    k = cfg.rollout.tensor_parallel_size if cfg.rollout.backend == "vllm" else 1
+    if d.world_size % k:
+        raise ConfigError(f"rollout.tensor_parallel_size={k} does not divide the {d.world_size} trainer ranks; "
+                          "pick a divisor (one vLLM engine per group of that many ranks)")
+    if cfg.rollout.backend == "vllm":
+        model = weightless_model(cfg.model.path, cfg.model.dtype)
+    else:
+        model, _ = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, d.device)
+    return ShardedRollout(make_rollout(cfg.rollout, model, policy.tokenizer), d, tensor_parallel_size=k)
+
+
+def weightless_model(path, dtype: str):
+    """The model on the meta device: vLLM reads the checkpoint itself and needs only its directory,
+    dtype and generation config (a full copy here would cost every GPU the whole model)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=DTYPES[dtype])
+    if (Path(path) / "generation_config.json").exists():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return model
 
 
 @contextlib.contextmanager

@@ -56,22 +56,26 @@ def split_response(tokens: list[int], eos_ids: set[int], max_new_tokens: int) ->
 
 
 class ShardedRollout:
-    """Data-parallel sampling under FSDP: each rank's engine (a full copy of the weights) samples a
-    contiguous share of the prompts and every rank gets the whole Generation, in prompt order.
-    ``generate`` is collective: every rank calls it with the same prompts."""
+    """Data-parallel sampling under FSDP: each engine samples a contiguous share of the prompts and
+    every rank gets the whole Generation, in prompt order. ``generate`` is collective: every rank
+    calls it with the same prompts.
 
-    def __init__(self, engine: RolloutEngine, d):
-        self.engine, self.d = engine, d
+    ``tensor_parallel_size = k``: one engine spans k consecutive ranks (vLLM tensor parallelism), so
+    there are world_size / k shares; the ranks of one engine pass it the same prompts and seed and
+    get the same samples, of which the gather keeps the engine's first rank's copy."""
+
+    def __init__(self, engine: RolloutEngine, d, tensor_parallel_size: int = 1):
+        self.engine, self.d, self.k = engine, d, tensor_parallel_size
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generation:
         from dapo import parallel
 
-        w, r = self.d.world_size, self.d.rank
+        w, r = self.d.world_size // self.k, self.d.rank // self.k  # engines; this rank's engine
         lo, hi = len(prompt_ids) * r // w, len(prompt_ids) * (r + 1) // w
         mine = Generation([], [], torch.zeros(0, dtype=torch.bool), [])
-        if hi > lo:  # each rank its own seed: shares must not repeat each other's samples
+        if hi > lo:  # each engine its own seed: shares must not repeat each other's samples
             mine = self.engine.generate(prompt_ids[lo:hi], replace(params, seed=params.seed * w + r))
-        parts = parallel.all_gather_object(mine, self.d)
+        parts = parallel.all_gather_object(mine if self.d.rank % self.k == 0 else None, self.d)[:: self.k]
         with_logprobs = all(g.logprobs is not None or not g.response_ids for g in parts)
         return Generation(prompt_ids=[x for g in parts for x in g.prompt_ids],
                           response_ids=[x for g in parts for x in g.response_ids],

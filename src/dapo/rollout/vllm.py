@@ -5,8 +5,15 @@ a function call, not a copy through another process. ``update_weights`` streams 
 ``(name, tensor)`` pairs, one at a time, into vLLM's in-place reload (``initialize_layerwise_reload``,
 the model's own ``load_weights``, ``finalize_layerwise_reload``): vLLM fuses q/k/v and gate/up
 itself and re-packs each layer as soon as all of its tensors arrived, so no second full copy of
-the weights is ever built. With tensor parallelism (``rollout.tensor_parallel_size > 1``) the
-workers are other processes and each tensor travels to them through ``collective_rpc``.
+the weights is ever built. With tensor parallelism (``rollout.tensor_parallel_size > 1``) in a
+single process, the workers are other processes and each tensor travels to them through ``collective_rpc``.
+
+Under FSDP (torchrun or Ray, torch.distributed initialised) with ``tensor_parallel_size = k > 1``,
+every rank builds the same engine with vLLM's ``external_launcher`` backend: ranks r..r+k-1
+(r a multiple of k) form one engine, each holding its 1/k shard of the weights, using the trainer's
+process group. They must be given the same prompts and seeds, and then return the same outputs
+(see ``ShardedRollout``). A weight push needs no messages: every rank already gathers each full
+tensor, and loads it into its own shard.
 
 Colocated with training, ``sleep()`` frees the weights and the KV cache while the trainer runs
 (vLLM sleep mode, level 2: the next ``update_weights`` rewrites every weight anyway) and
@@ -93,8 +100,8 @@ class VLLMRolloutEngine:
     def __init__(self, cfg, model, tokenizer, *, owner: bool | None = None):
         """cfg: RolloutConfig; model: the trainer's HF model (its directory and dtype are used).
 
-        ``owner``: whether this process holds the engine; by default rank 0 when torch.distributed
-        is initialized. Other ranks only take part in the collective gathers of ``update_weights``.
+        ``owner``: whether this process holds an engine (by default yes; under FSDP every rank
+        samples its share). Others only take part in the collective gathers of ``update_weights``.
         """
         import torch.distributed as dist
 
@@ -103,7 +110,9 @@ class VLLMRolloutEngine:
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.eos_ids = set(eos) if isinstance(eos, (list, tuple)) else {eos}
-        self.owner = (not dist.is_initialized() or dist.get_rank() == 0) if owner is None else owner
+        self.owner = True if owner is None else owner
+        # one engine over each group of tensor_parallel_size consecutive ranks of the trainer's world
+        self.external_launcher = dist.is_initialized() and dist.get_world_size() > 1 and cfg.tensor_parallel_size > 1
         self.llm = None
         self.asleep = self.kv_asleep = self.weights_discarded = False
         self.sleep_level = 0
@@ -121,6 +130,7 @@ class VLLMRolloutEngine:
                 generation_config="vllm",  # the checkpoint's sampling defaults must not leak into RL samples
                 logprobs_mode="processed_logprobs",  # log-probs of the distribution actually sampled from
                 tensor_parallel_size=cfg.tensor_parallel_size,
+                distributed_executor_backend="external_launcher" if self.external_launcher else None,
                 gpu_memory_utilization=cfg.gpu_memory_utilization,
                 kv_cache_memory_bytes=int(kv_cache_gib * 2**30) or None,
                 enable_sleep_mode=self.sleep_level > 0,
@@ -131,7 +141,7 @@ class VLLMRolloutEngine:
 
     def _require_owner(self) -> None:
         if self.llm is None:
-            raise RuntimeError("this process does not hold the vLLM engine (only rank 0 does); generate there")
+            raise RuntimeError("this process does not hold a vLLM engine (built with owner=False)")
 
     def _ensure_awake(self) -> None:
         self.wake()
@@ -180,7 +190,8 @@ class VLLMRolloutEngine:
         self.wake()
         rpc = self.llm.collective_rpc
         rpc("dapo_begin_weight_update")
-        if self.tensor_parallel_size == 1:  # the worker is in this process: hand it the generator itself
+        if self.tensor_parallel_size == 1 or self.external_launcher:  # the worker is in this process: hand it
+            # the generator itself (under external_launcher each rank loads every full tensor into its own shard)
             rpc("dapo_load_weights", args=(stream,))
         else:  # workers in other processes: one (CPU) tensor per message
             for name, tensor in stream:
