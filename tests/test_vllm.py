@@ -149,12 +149,12 @@ def test_logprobs_agree_with_the_trainer(setup):
 
 @needs_vllm
 def test_tensor_parallel_engine_over_two_ranks(setup, tmp_path):
-    """Two gloo ranks under torchrun share one engine (rollout.tensor_parallel_size=2, vLLM's
+    """Two FSDP ranks under torchrun share one engine (rollout.tensor_parallel_size=2, vLLM's
     external_launcher): both return the same samples, the samples a one-process engine draws with
-    the same seed; after a weight push, each loading every full tensor into its own half, the
-    engine's log-probs match the trainer's for the new weights. Runs before the tests below change
-    the module's engine."""
-    from vllm_tp_worker import PARAMS, perturbed
+    the same seed; after a weight push from the sharded trainer, each rank loading every full
+    tensor into its own half, the engine's log-probs match the trainer's for the new weights.
+    Runs before the tests below change the module's engine."""
+    from vllm_tp_worker import PARAMS, perturb
 
     cfg, policy, engine, prompts = setup
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
@@ -162,7 +162,7 @@ def test_tensor_parallel_engine_over_two_ranks(setup, tmp_path):
            str(REPO / "tests" / "vllm_tp_worker.py"), str(MODEL), str(tmp_path)]
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    assert "Traceback" not in out.stderr  # also none at exit, when the engines and the process group go
+    assert "Invalid process group" not in out.stderr  # vLLM's groups go before the world they live in
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0] == ranks[1]
     before, after = ranks[0]["before"], ranks[0]["after"]
@@ -173,7 +173,7 @@ def test_tensor_parallel_engine_over_two_ranks(setup, tmp_path):
     assert (lp_tp - lp_alone).abs().max() < LOGP_TOL_MAX
 
     pushed = Policy(cfg, torch.device("cpu"))
-    perturbed(pushed.model)
+    perturb(pushed.model)
     gen = Generation(prompt_ids=[p for p in prompts for _ in range(PARAMS.n)], response_ids=after["response_ids"],
                      truncated=torch.zeros(len(after["response_ids"]), dtype=torch.bool), texts=[""] * len(after["response_ids"]),
                      logprobs=after["logprobs"])
