@@ -60,6 +60,47 @@ def test_balanced_partition_by_tokens():
     assert float(parallel.all_reduce(torch.tensor(3.0), alone)) == 3.0
 
 
+def test_tensor_parallel_size_must_divide_the_ranks(tmp_path, tiny_model_dir):
+    from dapo.config import ConfigError
+    from dapo.train import make_engine
+
+    cfg = small_config(tmp_path, tiny_model_dir, "rollout.backend=vllm", "rollout.tensor_parallel_size=2")
+    with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size=2 does not divide the 3 trainer ranks"):
+        make_engine(cfg, None, parallel.Dist(rank=0, world_size=3))  # checked before vLLM or any model loads
+
+
+def test_sharded_rollout_gives_each_tensor_parallel_group_one_share(monkeypatch):
+    """4 ranks, engines of 2: ranks 0-1 pass prompts 0-1 with seed 2*3+0, ranks 2-3 prompts 2-3 with
+    seed 2*3+1; only an engine's first rank sends its samples, so the gather has one copy per engine."""
+    from dapo.rollout import Generation, ShardedRollout
+
+    calls, sent = [], []
+
+    class Echo:  # one response per prompt: [prompt token, seed]
+        def generate(self, prompt_ids, params):
+            calls.append((prompt_ids, params.seed))
+            return Generation(prompt_ids=prompt_ids, response_ids=[p + [params.seed] for p in prompt_ids],
+                              truncated=torch.zeros(len(prompt_ids), dtype=torch.bool), texts=[""] * len(prompt_ids))
+
+    class Sent(Exception):
+        pass
+
+    def record(obj, d):
+        sent.append(obj)
+        raise Sent
+
+    prompts = [[0], [1], [2], [3]]
+    monkeypatch.setattr(parallel, "all_gather_object", record)
+    for rank in range(4):
+        with pytest.raises(Sent):
+            ShardedRollout(Echo(), parallel.Dist(rank=rank, world_size=4), 2).generate(prompts, SamplingParams(seed=3))
+    assert calls == [([[0], [1]], 6), ([[0], [1]], 6), ([[2], [3]], 7), ([[2], [3]], 7)]
+    assert [g.response_ids if g else None for g in sent] == [[[0, 6], [1, 6]], None, [[2, 7], [3, 7]], None]
+    monkeypatch.setattr(parallel, "all_gather_object", lambda obj, d: sent)
+    gen = ShardedRollout(Echo(), parallel.Dist(rank=3, world_size=4), 2).generate(prompts, SamplingParams(seed=3))
+    assert gen.response_ids == [[0, 6], [1, 6], [2, 7], [3, 7]] and gen.prompt_ids == prompts
+
+
 # ---- 2 ranks vs 1 --------------------------------------------------------------------------------
 # bf16: FSDP's mixed precision with fp32 masters; uneven: rank 0 runs one row per micro-batch, so
 # rank 1 has fewer micro-batches and must run empty passes to join rank 0's collectives
