@@ -122,6 +122,9 @@ class VLLMRolloutEngine:
         if current_platform.is_sleep_mode_available():
             self.sleep_level = SLEEP_LEVEL
         kv_cache_gib = cfg.kv_cache_gib or (0.0 if current_platform.is_cuda_alike() else 1.0)
+        if self.external_launcher and torch.cuda.is_available():
+            # vLLM's worker takes cuda:LOCAL_RANK; under Ray a rank sees only its own GPU, as index 0
+            os.environ["LOCAL_RANK"] = str(torch.cuda.current_device())
         with preserved_rng():
             self.llm = LLM(
                 model=str(model.name_or_path),
@@ -190,8 +193,8 @@ class VLLMRolloutEngine:
         self.wake()
         rpc = self.llm.collective_rpc
         rpc("dapo_begin_weight_update")
-        if self.tensor_parallel_size == 1 or self.external_launcher:  # the worker is in this process: hand it
-            # the generator itself (under external_launcher each rank loads every full tensor into its own shard)
+        # the worker is in this process (under external_launcher: this rank's shard): hand it the generator
+        if self.tensor_parallel_size == 1 or self.external_launcher:
             rpc("dapo_load_weights", args=(stream,))
         else:  # workers in other processes: one (CPU) tensor per message
             for name, tensor in stream:
