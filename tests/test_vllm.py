@@ -160,7 +160,7 @@ def test_tensor_parallel_engine_over_two_ranks(setup, tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(REPO / "tests" / "vllm_tp_worker.py"), str(MODEL), str(tmp_path)]
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     assert "Invalid process group" not in out.stderr  # vLLM's groups go before the world they live in
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -169,7 +169,8 @@ def test_tensor_parallel_engine_over_two_ranks(setup, tmp_path):
 
     alone = engine.generate(prompts, PARAMS)  # one engine group: ShardedRollout keeps the seed as it is
     assert before["response_ids"] == alone.response_ids
-    lp_tp, lp_alone = torch.tensor(sum(before["logprobs"], [])), torch.tensor(sum(alone.logprobs, []))
+    lp_tp = torch.tensor([x for row in before["logprobs"] for x in row])
+    lp_alone = torch.tensor([x for row in alone.logprobs for x in row])
     assert (lp_tp - lp_alone).abs().max() < LOGP_TOL_MAX
 
     pushed = Policy(cfg, torch.device("cpu"))

@@ -7,9 +7,9 @@ import os
 import sys
 
 import torch
+from conftest import small_config
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from conftest import small_config
 from dapo import parallel
 from dapo.policy import Policy
 from dapo.rollout import SamplingParams
