@@ -119,7 +119,7 @@ def launch(args, model: str, batch: int, length: int) -> dict:
         out = f.name
     cmd = [sys.executable, __file__, "--point", out, "--model", model, "--batch", str(batch), "--length", str(length),
            "--threads", str(args.threads), "--micro-batching", micro_batching(args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     if proc.returncode != 0:
         return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
     result = json.loads(Path(out).read_text())
