@@ -12,6 +12,9 @@ training iterations: torch.mm at the model's own matmul shapes, (tokens per micr
 times each weight matrix (q, k, v, o, gate, up, down, LM head), combined as the FLOP-weighted rate
 those matmuls would run at; torch.mm of a 1024^3 square is printed for scale. A profile of one
 update says where the rest of the time goes. Printed: medians over iterations (the first dropped).
+Times are the process's CPU time (one torch thread by default), so other processes on a shared
+machine barely move the ratio; with --threads > 1 they are summed over threads, which is still
+consistent between the training phase and the matmul reference.
 """
 
 from __future__ import annotations
@@ -45,19 +48,19 @@ def mm_rate(m: int, k: int, n: int, min_seconds: float = 0.05) -> float:
     torch.mm(a, b)
     reps = 1
     while True:  # enough repetitions that one timing lasts min_seconds
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         for _ in range(reps):
             torch.mm(a, b)
-        dt = time.perf_counter() - t0
+        dt = time.process_time() - t0
         if dt >= min_seconds:
             break
         reps *= 2
     times = []
     for _ in range(3):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         for _ in range(reps):
             torch.mm(a, b)
-        times.append((time.perf_counter() - t0) / reps)
+        times.append((time.process_time() - t0) / reps)
     return 2 * m * k * n / statistics.median(times)
 
 
@@ -123,11 +126,11 @@ def main() -> None:
     t_old, t_update, ref = [], [], []
     for it in range(args.updates + 1):
         rate = reference_rate(m, shapes)
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         batch.old_logp, batch.entropy = policy.compute_logprobs(batch, with_entropy=True)
-        t1 = time.perf_counter()
+        t1 = time.process_time()
         policy.update(batch)
-        t2 = time.perf_counter()
+        t2 = time.process_time()
         if it == 0:
             continue  # warm-up: first-call allocations, optimizer state
         t_old.append(t1 - t0)
