@@ -8,7 +8,9 @@ default), built locally with random weights. Each point runs in a fresh process:
 batch are built, the peak RSS is reset (/proc/self/clear_refs), then the loop's training phase
 runs once: old log-probs with entropy, then Policy.update (one optimizer update over the whole
 batch). Printed: peak RSS minus RSS before the phase (on a GPU: peak allocated minus allocated).
-Responses are random tokens of exactly the given length; prompts are arith problems.
+Responses are random tokens of exactly the given length; prompts are arith problems. glibc is told
+to serve blocks over 64 KiB with mmap, so freed tensors leave the RSS at once and the peak follows
+the live tensors rather than the heap's fragmentation.
 
 Micro-batches follow a token budget: train.max_tokens_per_micro_batch=--budget where the config
 has that field; otherwise train.micro_batch_size=--budget // (prompt + --length tokens), the row
@@ -128,7 +130,9 @@ def launch(args, model: str, batch: int, length: int) -> dict:
         out = f.name
     cmd = [sys.executable, __file__, "--point", out, "--model", model, "--batch", str(batch), "--length", str(length),
            "--threads", str(args.threads), "--micro-batching", micro_batching(args)]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+    # large blocks straight from and back to the OS, so RSS follows the live tensors, not the heap's history
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MALLOC_MMAP_THRESHOLD_": "65536"}
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
     result = json.loads(Path(out).read_text())
