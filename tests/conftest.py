@@ -16,13 +16,16 @@ def tiny_model_dir(tmp_path_factory):
     return path
 
 
+# a training config that runs a step in about a second on 2 CPU cores (as dotted overrides of the demo)
+SMALL_OVERRIDES = [
+    "run.name=t", "run.progress=false",
+    "run.tensorboard=false", "train.total_steps=2", "train.prompts_per_step=4", "train.mini_batch_prompts=2",
+    "train.max_tokens_per_micro_batch=256", "rollout.group_size=4", "rollout.max_response_tokens=16",
+    "algo.overlong_buffer_tokens=4", "algo.dynamic_sampling=false", "eval.num_problems=4", "eval.n=2",
+    "eval.every_steps=0", "eval.before_train=false", "reward.num_workers=1", "train.lr=1e-3", "train.warmup_steps=0",
+]
+
+
 def small_config(run_dir, model_dir, *extra):
     """A training config that runs a step in about a second on 2 CPU cores."""
-    return load_config("configs/demo.yaml", [
-        f"model.path={model_dir}", f"run.dir={run_dir}", "run.name=t", "run.progress=false",
-        "run.tensorboard=false", "train.total_steps=2", "train.prompts_per_step=4", "train.mini_batch_prompts=2",
-        "train.micro_batch_size=8", "rollout.group_size=4", "rollout.max_response_tokens=16",
-        "algo.overlong_buffer_tokens=4", "algo.dynamic_sampling=false", "eval.num_problems=4", "eval.n=2",
-        "eval.every_steps=0", "eval.before_train=false", "reward.num_workers=1", "train.lr=1e-3", "train.warmup_steps=0",
-        *extra,
-    ])
+    return load_config("configs/demo.yaml", [f"model.path={model_dir}", f"run.dir={run_dir}", *SMALL_OVERRIDES, *extra])

@@ -36,6 +36,9 @@ def test_dotted_overrides_and_types():
     ("algo.loss_agg=mean", "algo.loss_agg"),
     ("rollout.backend=sglang", "rollout.backend"),
     ("rollout.group_size=1", "rollout.group_size"),
+    ("rollout.tensor_parallel_size=0", "rollout.tensor_parallel_size"),
+    ("rollout.kv_cache_gib=-1", "rollout.kv_cache_gib"),
+    ("rollout.gpu_memory_utilization=1.5", "rollout.gpu_memory_utilization"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError) as err:

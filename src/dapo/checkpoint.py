@@ -4,6 +4,15 @@
         model/              Hugging Face format (config, safetensors, tokenizer): loadable anywhere
         trainer_state.pt    optimizer, scheduler, sampler position, dynamic-sampling buffer, RNG, counters
         config.yaml         the resolved config
+Under FSDP (several ranks) the weights are saved in shards instead, each rank writing its own:
+
+    <run>/checkpoints/step_000020/
+        shards/             torch.distributed.checkpoint: model and AdamW state, one file per rank
+        model_meta/         Hugging Face config and tokenizer; `dapo export` joins them with the shards
+        trainer_state.pt    as above (rank 0's), without the optimizer
+        config.yaml
+Every rank must see the same directory (one filesystem shared by the nodes).
+
 A checkpoint is written under a temporary name and renamed when complete, so a directory named
 step_* is always whole; a crash mid-write leaves only a .tmp_* directory, removed on the next save.
 """
@@ -17,6 +26,8 @@ import shutil
 from pathlib import Path
 
 import torch
+
+from dapo import parallel
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
@@ -56,15 +67,26 @@ def _as_tuple(x):
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
-def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state: dict, config_yaml: str, keep: int) -> Path:
+def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state: dict, config_yaml: str, keep: int,
+                    shards: dict | None = None, dist: parallel.Dist | None = None) -> Path:
+    """Write a checkpoint; with ``shards`` (FSDP) every rank calls this and writes its own part."""
+    d = dist or parallel.Dist()
     root = checkpoint_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    model.save_pretrained(tmp / "model")
-    tokenizer.save_pretrained(tmp / "model")
+    if d.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    if shards is not None:
+        parallel.barrier(d)
+        parallel.save_shards(shards, tmp / "shards")
+        if not d.is_main:
+            parallel.barrier(d)  # rank 0 renames the directory before anyone goes on
+            return final
+    model_dir = tmp / ("model" if shards is None else "model_meta")
+    (model if shards is None else model.config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
     torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / "trainer_state.pt")
     (tmp / "config.yaml").write_text(config_yaml)
     _fsync_tree(tmp)
@@ -75,7 +97,43 @@ def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state
         shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob(".tmp_step_*"):
         shutil.rmtree(stale, ignore_errors=True)
+    if shards is not None:
+        parallel.barrier(d)
     return final
+
+
+def is_sharded(path: Path) -> bool:
+    return (Path(path) / "shards").is_dir()
+
+
+def load_shards(path: Path, shards: dict) -> dict:
+    """Fill ``shards`` (this rank's model and optimizer state, any number of ranks) from a sharded checkpoint."""
+    if not is_sharded(path):
+        raise RuntimeError(f"checkpoint {path} holds a single-process model (model/), not shards; resume it without "
+                           f"torchrun/Ray, or start a new run from it with model.path={Path(path) / 'model'}")
+    parallel.load_shards(shards, Path(path) / "shards")
+    return shards
+
+
+def export_hf(path: Path, out_dir: Path) -> Path:
+    """A checkpoint's weights as one Hugging Face model directory (config, safetensors, tokenizer)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path, out_dir = Path(path), Path(out_dir)
+    if (path / "model" / "config.json").exists():  # single-process checkpoints already hold one
+        shutil.copytree(path / "model", out_dir, dirs_exist_ok=True)
+        return out_dir
+    if not is_sharded(path):
+        raise FileNotFoundError(f"{path} is not a checkpoint directory (no model/ or shards/); give runs/<name>/checkpoints/step_NNNNNN")
+    config = AutoConfig.from_pretrained(path / "model_meta")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = {"model": model.state_dict()}  # the keys the trainer saved its shards under
+    parallel.load_shards(state, path / "shards")
+    dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype or "float32"))
+    model.to(dtype)  # the dtype the model was given in; training kept float32 masters
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(path / "model_meta").save_pretrained(out_dir)
+    return out_dir
 
 
 def load_trainer_state(path: Path) -> dict:
@@ -89,9 +147,23 @@ def load_trainer_state(path: Path) -> dict:
         ) from err
 
 
+def load_policy_weights(policy, path: Path) -> None:
+    """A checkpoint's weights into ``policy``: the HF model alone, or under FSDP this rank's shards of
+    the model and the optimizer."""
+    shards = policy.sharded_state()
+    if shards is None:
+        load_model_weights(policy.model, path)
+    else:
+        policy.load_sharded_state(load_shards(path, shards))
+
+
 def load_model_weights(model, path: Path) -> None:
     """Copy the HF-format weights saved in ``path/model`` into an already built model."""
     from transformers import AutoModelForCausalLM
+
+    if is_sharded(path):
+        raise RuntimeError(f"checkpoint {path} is sharded (written by several ranks); resume it with torchrun or "
+                           f"`dapo launch-ray`, or turn it into a model directory with `dapo export {path} OUT_DIR`")
 
     saved = AutoModelForCausalLM.from_pretrained(Path(path) / "model", dtype=next(model.parameters()).dtype)
     missing, unexpected = model.load_state_dict(saved.state_dict(), strict=False)

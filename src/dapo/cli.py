@@ -1,6 +1,9 @@
-"""Command line: ``dapo train``, ``dapo eval``, ``dapo demo``.
+"""Command line: ``dapo train``, ``dapo eval``, ``dapo demo``, ``dapo export``, ``dapo launch-ray``.
 
     dapo train configs/demo.yaml algo.eps_high=0.28 train.total_steps=10
+    torchrun --nproc_per_node 8 -m dapo.cli train configs/dapo_qwen2.5_7b.yaml     # FSDP on one node
+    dapo launch-ray configs/dapo_qwen2.5_32b.yaml --nodes 16 --gpus-per-node 8     # FSDP across nodes
+    dapo export runs/dapo_qwen2.5_32b/checkpoints/step_000100 /models/dapo-step100
     dapo eval --model runs/demo/checkpoints/step_000060/model --benchmarks arith aime2024 --n 8
     dapo demo
 """
@@ -53,6 +56,27 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from dapo.checkpoint import export_hf
+
+    out = export_hf(Path(args.checkpoint), Path(args.out_dir))
+    print(f"written: {out} (Hugging Face model directory)")
+    return 0
+
+
+def cmd_launch_ray(args) -> int:
+    from dapo.cluster import Placement, launch
+
+    cfg = load_config(_preset(args.config), args.overrides)
+    placement = Placement(nodes=args.nodes, workers_per_node=args.gpus_per_node or args.cpu_workers_per_node,
+                          gpus_per_worker=1.0 if args.gpus_per_node else 0.0, cpus_per_worker=args.cpus_per_worker)
+    if placement.world_size < 1:
+        raise ConfigError("launch-ray: give --gpus-per-node N (GPU workers) or --cpu-workers-per-node N (CPU workers)")
+    ray_init = {"num_cpus": args.num_cpus} if args.address == "local" and args.num_cpus else {}
+    launch(cfg, placement, address=args.address, ray_init=ray_init)
+    return 0
+
+
 def cmd_eval(args) -> int:
     from rich.progress import Progress
 
@@ -69,6 +93,8 @@ def cmd_eval(args) -> int:
         if ckpt is None:
             raise SystemExit(f"error: --run {args.run} has no checkpoint (looked in {args.run}/checkpoints)")
         model_dir = ckpt / "model"
+        if not model_dir.is_dir():
+            raise SystemExit(f"error: {ckpt} is sharded; run `dapo export {ckpt} OUT_DIR` and evaluate --model OUT_DIR")
     if model_dir is None:
         raise SystemExit("error: give --model DIR (a Hugging Face model directory) or --run RUN_DIR")
     model, tokenizer = load_model_and_tokenizer(model_dir, args.dtype, pick_device(args.device))
@@ -107,6 +133,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="train a tiny model on the built-in task on CPU; print before/after accuracy")
     p.add_argument("overrides", nargs="*", help="key=value overrides of configs/demo.yaml")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("export", help="turn a checkpoint (sharded or not) into one Hugging Face model directory")
+    p.add_argument("checkpoint", help="a checkpoint directory, e.g. runs/NAME/checkpoints/step_000100")
+    p.add_argument("out_dir", help="where to write the model (config, safetensors, tokenizer)")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("launch-ray", help="train with one Ray worker per GPU across a Ray cluster (FSDP)")
+    p.add_argument("config", help="YAML preset")
+    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p.add_argument("--address", default="auto", help="Ray cluster address; 'local' starts a private one-machine cluster")
+    p.add_argument("--nodes", type=int, default=1, help="machines to spread the ranks over")
+    p.add_argument("--gpus-per-node", type=int, default=0, help="ranks per machine, one GPU each")
+    p.add_argument("--cpu-workers-per-node", type=int, default=0, help="CPU-only ranks per machine (gloo), without GPUs")
+    p.add_argument("--cpus-per-worker", type=float, default=4.0, help="CPU slots reserved for each rank")
+    p.add_argument("--num-cpus", type=int, default=0, help="with --address local: CPU slots of the private cluster")
+    p.set_defaults(func=cmd_launch_ray)
 
     p = sub.add_parser("eval", help="avg@n, pass@k, maj@n on benchmarks for a model directory or a run")
     p.add_argument("--model", help="Hugging Face model directory")

@@ -23,7 +23,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     path: str = "assets/arith-base"  # local Hugging Face causal-LM directory (nothing is downloaded)
-    dtype: str = "float32"  # parameter dtype for training: float32 | bfloat16 | float16
+    dtype: str = "float32"  # training dtype: float32 | bfloat16 | float16; under FSDP the compute dtype (float32 master weights)
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
     device: str = "auto"  # auto (cuda if available) | cpu | cuda
 
@@ -49,6 +49,8 @@ class RolloutConfig:
     top_k: int = 0  # 0 disables top-k
     seed: int = 0  # base seed; each generation round derives its own
     gpu_memory_utilization: float = 0.6  # vllm: share of GPU memory for weights + KV cache
+    tensor_parallel_size: int = 1  # vllm: GPUs one engine's weights are split over
+    kv_cache_gib: float = 0.0  # vllm: KV-cache size in GiB; 0 = what gpu_memory_utilization leaves on a GPU, 1 GiB on CPU
 
 
 @dataclass
@@ -87,7 +89,9 @@ class TrainConfig:
     total_steps: int = 60  # training steps (one rollout batch and its optimizer updates each)
     prompts_per_step: int = 32  # P: prompts in a training batch (the paper: 512)
     mini_batch_prompts: int = 8  # prompts per optimizer update; P / this = updates per step (the paper: 32 -> 16)
-    micro_batch_size: int = 64  # responses per forward/backward pass; gradients are accumulated
+    max_tokens_per_micro_batch: int = 8192  # token budget of one forward/backward pass (padded rows x longest, or packed)
+    micro_batch_size: int = 0  # optional cap on responses per forward/backward pass; 0 = the token budget alone
+    pack_sequences: str = "auto"  # auto (pack when the model uses flash-attention varlen kernels) | true | false
     ppo_epochs: int = 1  # passes over the rollout batch
     lr: float = 1e-6  # AdamW learning rate after warmup (constant)
     warmup_steps: int = 20  # linear warmup, in training steps
@@ -95,6 +99,7 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0  # max gradient norm; a step with a non-finite norm is skipped
     seed: int = 0  # model init / dropout / everything not seeded elsewhere
+    cpu_offload: bool = False  # FSDP (several ranks) only: keep parameter shards, gradients and AdamW state in CPU memory
 
 
 @dataclass
@@ -304,11 +309,17 @@ def validate(cfg: Config) -> None:
     _check(r.temperature > 0, f"rollout.temperature={r.temperature}: must be > 0 (log-probs divide by it)")
     _check(0 < r.top_p <= 1.0, f"rollout.top_p={r.top_p}: must be in (0, 1]")
     _check(r.top_k >= 0, "rollout.top_k must be >= 0 (0 disables it)")
+    _check(0 < r.gpu_memory_utilization <= 1.0, f"rollout.gpu_memory_utilization={r.gpu_memory_utilization}: must be in (0, 1]")
+    _check(r.tensor_parallel_size >= 1, f"rollout.tensor_parallel_size={r.tensor_parallel_size}: must be >= 1")
+    _check(r.kv_cache_gib >= 0, f"rollout.kv_cache_gib={r.kv_cache_gib}: must be >= 0 (0 = sized by vLLM)")
     _check(t.prompts_per_step > 0 and t.mini_batch_prompts > 0, "train.prompts_per_step and train.mini_batch_prompts must be > 0")
     _check(t.prompts_per_step % t.mini_batch_prompts == 0,
            f"train.prompts_per_step={t.prompts_per_step} is not divisible by train.mini_batch_prompts="
            f"{t.mini_batch_prompts}; pick a divisor so every optimizer update sees the same number of prompts")
-    _check(t.micro_batch_size > 0, "train.micro_batch_size must be > 0")
+    _check(t.max_tokens_per_micro_batch > 0, "train.max_tokens_per_micro_batch must be > 0 (tokens per forward pass)")
+    _check(t.micro_batch_size >= 0, "train.micro_batch_size must be >= 0 (0 = no cap on rows)")
+    t.pack_sequences = str(t.pack_sequences).lower()  # YAML reads a bare true/false as a boolean
+    _check(t.pack_sequences in ("auto", "true", "false"), f"train.pack_sequences={t.pack_sequences!r}: choose auto, true or false")
     _check(t.total_steps >= 0 and t.warmup_steps >= 0 and t.ppo_epochs >= 1, "train.total_steps/warmup_steps >= 0, ppo_epochs >= 1")
     _check(t.lr > 0, f"train.lr={t.lr}: must be > 0")
     _check(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), f"train.betas={t.betas}: two numbers in [0, 1)")

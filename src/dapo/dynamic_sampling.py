@@ -151,6 +151,7 @@ def collect_batch(
             group_size=G, prompt_ids=gen.prompt_ids, response_ids=gen.response_ids, truncated=gen.truncated,
             texts=gen.texts, example_uids=[ex.uid for ex in per_row], ground_truths=[ex.ground_truth for ex in per_row],
             acc=scored.acc, reward=scored.reward, overlong=scored.overlong, preds=scored.preds,
+            rollout_logp=gen.logprobs or [],
         )
         dropped_tokens = int(lengths.view(-1, G)[~keep].sum())
         stats.tokens_in_dropped_groups += dropped_tokens

@@ -95,3 +95,22 @@ class RunLogger:
             self.progress.stop()
         if self.tb is not None:
             self.tb.close()
+
+
+class NullLogger:
+    """The logger of ranks other than 0 under FSDP: rank 0 writes the run's files and console lines."""
+
+    def log(self, step: int, metrics: dict) -> dict:
+        return {"step": step, **{k: _float(v) for k, v in sorted(metrics.items())}}
+
+    def step_line(self, step: int, total: int, row: dict) -> None:
+        pass
+
+    def info(self, text: str) -> None:
+        pass
+
+    def write_samples(self, step: int, records: list[dict]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -8,10 +8,15 @@
   policy.update        P / mini_batch_prompts optimizer updates, token-mean clipped surrogate
   update_weights       the new weights to the rollout engine
   metrics, evaluation, checkpoint
+
+Launched by torchrun or `dapo launch-ray` (WORLD_SIZE > 1) the same loop runs on every rank with
+FSDP: each rank samples a share of the prompts, rank 0 grades them for everyone, every rank then
+holds the same batch and computes log-probs and gradients for its share of the rows (parallel.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 import warnings
@@ -21,13 +26,13 @@ from pathlib import Path
 import torch
 from rich.markup import escape
 
-from dapo import algo, checkpoint
+from dapo import algo, checkpoint, parallel
 from dapo.batch import RolloutBatch
 from dapo.config import Config, dump_yaml
 from dapo.dynamic_sampling import CollectStats, Scorer, collect_batch
-from dapo.log import RunLogger
-from dapo.policy import Policy, pick_device
-from dapo.rollout import SamplingParams, make_rollout
+from dapo.log import NullLogger, RunLogger
+from dapo.policy import Policy, load_model_and_tokenizer, pick_device
+from dapo.rollout import SamplingParams, ShardedRollout, make_rollout
 
 
 @dataclass
@@ -68,6 +73,29 @@ def make_encoder(tokenizer, max_prompt_tokens: int):
     return encode
 
 
+def make_engine(cfg: Config, policy: Policy, d: parallel.Dist):
+    """The rollout engine. Alone it shares the policy's model. Under FSDP every rank holds a full
+    copy in model.dtype (rows finish at different lengths, so generating with the sharded model
+    would make the ranks wait on each other) and samples its share of the prompts."""
+    if not d.sharded:
+        return make_rollout(cfg.rollout, policy.model, policy.tokenizer)
+    model, _ = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, d.device)
+    return ShardedRollout(make_rollout(cfg.rollout, model, policy.tokenizer), d)
+
+
+@contextlib.contextmanager
+def grading_pool(cfg: Config, d: parallel.Dist):
+    """The grading workers. Under FSDP only rank 0 has them: it grades every rank's samples, once,
+    and every rank receives the same grades."""
+    from dapo.rewards import RewardPool
+
+    if not d.is_main:
+        yield parallel.OnMain(None, d)
+        return
+    with RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) as pool:
+        yield parallel.OnMain(pool, d) if d.sharded else pool
+
+
 def step_metrics(batch: RolloutBatch, cstats: CollectStats, update: dict, times: dict, buffer_size: int) -> dict:
     lengths = batch.response_lengths.float()  # (N,)
     mask = batch.response_mask()
@@ -102,6 +130,11 @@ def step_metrics(batch: RolloutBatch, cstats: CollectStats, update: dict, times:
         "perf/old_logprob_tokens_per_s": float(lengths.sum()) / max(times["old_logprob"], 1e-9),
         "perf/reward_samples_per_s": cstats.samples_generated / max(cstats.seconds_reward, 1e-9),
     }
+    if batch.rollout_logp:  # the engine's log-probs of its own samples vs the trainer's: numerics (and buffer staleness)
+        T = batch.old_logp.shape[1]
+        rollout_logp = torch.tensor([lp + [0.0] * (T - len(lp)) for lp in batch.rollout_logp])  # (N, T)
+        diff = (rollout_logp - batch.old_logp).abs()[torch.arange(T)[None, :] < batch.response_lengths[:, None]]
+        m["rollout/logprob_abs_diff_mean"], m["rollout/logprob_abs_diff_max"] = diff.mean(), diff.max()
     m.update({f"perf/time_{k}_s": v for k, v in times.items()})
     m.update({f"actor/{k}": v for k, v in update.items()})
     return m
@@ -113,13 +146,12 @@ def train(cfg: Config, *, console=None) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
-    device = pick_device(cfg.model.device)
-    policy = Policy(cfg, device)
-    engine = make_rollout(cfg.rollout, policy.model, policy.tokenizer)
+    d = parallel.init(cfg.model.device)  # WORLD_SIZE > 1 (torchrun, Ray): FSDP over the ranks
+    policy = Policy(cfg, d.device if d.sharded else pick_device(cfg.model.device), d)
+    engine = make_engine(cfg, policy, d)
     encode = make_encoder(policy.tokenizer, cfg.data.max_prompt_tokens)
     from dapo.data import PromptSampler
     from dapo.evaluate import evaluate, load_benchmark
-    from dapo.rewards import RewardPool
 
     sampler = PromptSampler(load_train_examples(cfg), seed=cfg.data.seed)
     eval_sets = [load_benchmark(b, template=cfg.data.template, num_problems=cfg.eval.num_problems) for b in cfg.eval.benchmarks]
@@ -127,22 +159,25 @@ def train(cfg: Config, *, console=None) -> dict:
     resume_from = checkpoint.latest_checkpoint(run_dir) if cfg.run.resume else None
     if resume_from is not None:
         saved = checkpoint.load_trainer_state(resume_from)
-        checkpoint.load_model_weights(policy.model, resume_from)
+        checkpoint.load_policy_weights(policy, resume_from)
+        engine.update_weights(policy.named_weights())  # an engine with its own copy starts from the checkpoint
         policy.load_trainer_state(saved["policy"])
         sampler.load_state_dict(saved["sampler"])
         state = TrainState(step=saved["step"], gen_rounds=saved["gen_rounds"], keep_rate=saved["keep_rate"],
                            buffer=[RolloutBatch.from_state(s) for s in saved["buffer"]])
         checkpoint.set_rng_state(saved["rng"])
-    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
-    logger = RunLogger(run_dir, total_steps=cfg.train.total_steps, start_step=state.step,
-                       tensorboard=cfg.run.tensorboard, progress=cfg.run.progress, console=console)
+    logger = NullLogger()
+    if d.is_main:
+        (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+        logger = RunLogger(run_dir, total_steps=cfg.train.total_steps, start_step=state.step,
+                           tensorboard=cfg.run.tensorboard, progress=cfg.run.progress, console=console)
     if resume_from is not None:
         logger.info(f"resumed from {resume_from} (step {state.step})")
 
     r, a = cfg.rollout, cfg.algo
     sampling = SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=r.max_response_tokens)
-    with RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) as pool:
+    with grading_pool(cfg, d) as pool:
         scorer = Scorer(pool, grader=cfg.reward.grader, algo_cfg=a, max_response_tokens=r.max_response_tokens)
 
         def run_eval() -> dict:
@@ -160,7 +195,7 @@ def train(cfg: Config, *, console=None) -> dict:
                              "keep_rate": state.keep_rate}
             checkpoint.save_checkpoint(run_dir, step, model=policy.model, tokenizer=policy.tokenizer,
                                        trainer_state=trainer_state, config_yaml=dump_yaml(cfg),
-                                       keep=cfg.run.keep_checkpoints)
+                                       keep=cfg.run.keep_checkpoints, shards=policy.sharded_state(), dist=d)
 
         last: dict = {}
         if state.step == 0 and cfg.eval.before_train:
@@ -216,6 +251,7 @@ def train(cfg: Config, *, console=None) -> dict:
             logger.step_line(step, cfg.train.total_steps, last)
             logger.write_samples(step, sample_records(batch, policy.tokenizer, cfg.run.samples_per_step))
     logger.close()
+    parallel.shutdown(d)
     return last
 
 

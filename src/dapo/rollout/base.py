@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Protocol
 
 import torch
@@ -26,6 +26,7 @@ class Generation:
     response_ids: list[list[int]]  # ends with the EOS token when the sample stopped by itself
     truncated: torch.Tensor  # (rows,) bool: stopped by the max_new_tokens limit
     texts: list[str]  # responses decoded without special tokens
+    logprobs: list[list[float]] | None = None  # per response token: the log-prob it was sampled with (vllm)
 
     @property
     def num_tokens(self) -> int:
@@ -52,3 +53,36 @@ def split_response(tokens: list[int], eos_ids: set[int], max_new_tokens: int) ->
         if tok in eos_ids:
             return tokens[: i + 1], False
     return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
+
+
+class ShardedRollout:
+    """Data-parallel sampling under FSDP: each rank's engine (a full copy of the weights) samples a
+    contiguous share of the prompts and every rank gets the whole Generation, in prompt order.
+    ``generate`` is collective: every rank calls it with the same prompts."""
+
+    def __init__(self, engine: RolloutEngine, d):
+        self.engine, self.d = engine, d
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generation:
+        from dapo import parallel
+
+        w, r = self.d.world_size, self.d.rank
+        lo, hi = len(prompt_ids) * r // w, len(prompt_ids) * (r + 1) // w
+        mine = Generation([], [], torch.zeros(0, dtype=torch.bool), [])
+        if hi > lo:  # each rank its own seed: shares must not repeat each other's samples
+            mine = self.engine.generate(prompt_ids[lo:hi], replace(params, seed=params.seed * w + r))
+        parts = parallel.all_gather_object(mine, self.d)
+        with_logprobs = all(g.logprobs is not None or not g.response_ids for g in parts)
+        return Generation(prompt_ids=[x for g in parts for x in g.prompt_ids],
+                          response_ids=[x for g in parts for x in g.response_ids],
+                          truncated=torch.cat([g.truncated for g in parts]), texts=[x for g in parts for x in g.texts],
+                          logprobs=[x for g in parts for x in (g.logprobs or [])] if with_logprobs else None)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.engine.update_weights(named_tensors)
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake(self) -> None:
+        self.engine.wake()

@@ -1,0 +1,233 @@
+"""Data-parallel training with FSDP2: the only module that touches torch.distributed.
+
+One process per device. ``init`` reads the launcher's environment (torchrun, or the Ray workers in
+``cluster.py``: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); with WORLD_SIZE unset or 1
+nothing is initialised and every helper here is the identity, so the single-process path is the
+plain PyTorch one.
+
+Under FSDP every rank samples a share of the prompts with its own full copy of the weights, the
+generations are gathered so that every rank holds the whole rollout batch (rank 0 grades it and
+broadcasts the grades), and each rank trains on a share of each mini-batch's rows balanced by
+token count. The loss of every rank is
+divided by the valid tokens of the whole mini-batch (one all-reduce), so gradients are *summed*
+over ranks, never averaged: the objective is the same for any number of ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def sharded(self) -> bool:
+        return self.world_size > 1
+
+
+def init(device_name: str = "auto", env: dict | None = None) -> Dist:
+    """Join the process group the launcher set up (nccl on GPUs, gloo on CPU); Dist() when alone."""
+    env = os.environ if env is None else env
+    world_size = int(env.get("WORLD_SIZE", "1"))
+    use_cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
+    if world_size <= 1:
+        return Dist(device=torch.device("cuda" if use_cuda else "cpu"))
+    rank, local_rank = int(env["RANK"]), int(env.get("LOCAL_RANK", "0"))
+    if use_cuda and not torch.cuda.is_available():
+        raise RuntimeError("model.device=cuda but no CUDA device is visible; use model.device=cpu (gloo)")
+    if use_cuda:
+        # torchrun shows a process every GPU of its node; a Ray worker sees only its own (index 0)
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size,
+                                timeout=timedelta(hours=1))  # ranks wait for the slowest generation and for grading
+    return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def shutdown(d: Dist) -> None:
+    if d.sharded and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ---- sharding ------------------------------------------------------------------------------------
+def wrap(module: nn.Module, layers: list[nn.Module], d: Dist, *, compute_dtype: torch.dtype,
+         cpu_offload: bool = False) -> nn.Module:
+    """Shard ``module`` in place with FSDP2: each of ``layers`` is one unit, the rest is the root.
+
+    Parameters stay float32 (the master copy, and so the AdamW state); forward and backward run
+    in ``compute_dtype``; gradients are reduced in float32 and summed across ranks.
+    """
+    if not d.sharded:
+        return module
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(d.device.type, (d.world_size,))
+    kwargs = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)}
+    if cpu_offload:
+        if d.device.type != "cuda":
+            from dapo.config import ConfigError
+
+            raise ConfigError("train.cpu_offload=true: offloading moves shards between GPU and CPU memory; "
+                              "it needs CUDA devices (set train.cpu_offload=false on CPU)")
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for layer in layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(module, **kwargs)
+    module.float()  # after sharding: a rank never holds a full float32 copy
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            # each rank's loss is already divided by the global token count: sum, do not average
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no pre-multiplied sum
+    return module
+
+
+def full_tensors(named_params, d: Dist):
+    """(name, full tensor) one parameter at a time; collective under FSDP, so every rank iterates."""
+    for name, p in named_params:
+        if d.sharded and hasattr(p, "full_tensor"):
+            yield name, p.detach().full_tensor()
+        else:
+            yield name, p.detach()
+
+
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """Total gradient norm over every rank's shard (a plain tensor), gradients clipped in place."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+# ---- collectives ---------------------------------------------------------------------------------
+def all_reduce(t: torch.Tensor, d: Dist, op: str = "sum") -> torch.Tensor:
+    """A reduced copy of ``t`` (same device and dtype) over every rank; ``t`` itself when alone."""
+    if not d.sharded:
+        return t
+    x = t.detach().to(d.device, torch.float64 if t.dtype == torch.float64 else torch.float32).clone()
+    dist.all_reduce(x, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return x.to(t.device, t.dtype)
+
+
+def all_reduce_dict(values: dict, d: Dist) -> dict:
+    """Sum a dict of scalars over ranks in one collective (keys are the same on every rank)."""
+    keys = sorted(values)
+    summed = all_reduce(torch.stack([torch.as_tensor(values[k], dtype=torch.float32) for k in keys]), d)
+    return dict(zip(keys, summed.unbind()))
+
+
+def broadcast_object(obj, d: Dist, src: int = 0):
+    """Rank ``src``'s object on every rank (pickled; for rollout batches and small state)."""
+    if not d.sharded:
+        return obj
+    box = [obj if d.rank == src else None]
+    dist.broadcast_object_list(box, src=src, device=d.device if d.device.type == "cuda" else None)
+    return box[0]
+
+
+def all_gather_object(obj, d: Dist) -> list:
+    """Every rank's ``obj``, in rank order, on every rank (pickled)."""
+    if not d.sharded:
+        return [obj]
+    out = [None] * d.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+class OnMain:
+    """Method calls on ``obj`` run on rank 0 only and every rank gets rank 0's result: for work done
+    once whose result must be identical everywhere (grading, where a time limit may strike)."""
+
+    def __init__(self, obj, d: Dist):
+        self._obj, self._d = obj, d
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            result = getattr(self._obj, name)(*args, **kwargs) if self._d.is_main else None
+            return broadcast_object(result, self._d)
+
+        return call
+
+
+def barrier(d: Dist) -> None:
+    if d.sharded:
+        dist.barrier()
+
+
+# ---- data partition ------------------------------------------------------------------------------
+def balanced_partition(costs: list[int], num_parts: int) -> list[list[int]]:
+    """Split indices into ``num_parts`` lists with near-equal total cost (longest first, to the lightest).
+
+    Deterministic, so every rank computes the same partition without talking to the others; each
+    part keeps its indices in ascending order.
+    """
+    parts: list[list[int]] = [[] for _ in range(num_parts)]
+    loads = [0] * num_parts
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        k = min(range(num_parts), key=lambda k: (loads[k], len(parts[k]), k))
+        parts[k].append(i)
+        loads[k] += costs[i]
+    return [sorted(p) for p in parts]
+
+
+def rank_share(rows: list[int], costs: list[int], d: Dist) -> list[int]:
+    """This rank's rows of a mini-batch, balanced by ``costs`` (tokens per row)."""
+    if not d.sharded:
+        return rows
+    return [rows[i] for i in balanced_partition(costs, d.world_size)[d.rank]]
+
+
+def same_count(items: list, d: Dist) -> list:
+    """``items`` padded with None to the longest list on any rank: sharded forwards and backwards are
+    collectives, so every rank must run as many of them (a None is a pass with nothing to learn)."""
+    if not d.sharded:
+        return items
+    longest = int(all_reduce(torch.tensor(float(len(items))), d, op="max"))
+    return items + [None] * (longest - len(items))
+
+
+# ---- sharded checkpoints -------------------------------------------------------------------------
+def sharded_state(model: nn.Module, optimizer) -> dict:
+    """Model and optimizer state as DTensor shards keyed by parameter name (for torch.distributed.checkpoint)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def load_sharded_state(model: nn.Module, optimizer, state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def save_shards(state: dict, path) -> None:
+    """Collective: each rank writes its shards, rank 0 the index (torch.distributed.checkpoint)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=str(path))
+
+
+def load_shards(state: dict, path) -> None:
+    """Fill ``state`` in place from shards written by any number of ranks (resharded as needed);
+    works in a plain process too (the export)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(state, checkpoint_id=str(path))

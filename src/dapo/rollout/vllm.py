@@ -1,0 +1,204 @@
+"""Rollout with vLLM (``rollout.backend=vllm``): paged KV cache and continuous batching, on a GPU or a CPU.
+
+The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a weight push is
+a function call, not a copy through another process. ``update_weights`` streams the trainer's
+``(name, tensor)`` pairs, one at a time, into vLLM's in-place reload (``initialize_layerwise_reload``,
+the model's own ``load_weights``, ``finalize_layerwise_reload``): vLLM fuses q/k/v and gate/up
+itself and re-packs each layer as soon as all of its tensors arrived, so no second full copy of
+the weights is ever built. With tensor parallelism (``rollout.tensor_parallel_size > 1``) the
+workers are other processes and each tensor travels to them through ``collective_rpc``.
+
+Colocated with training, ``sleep()`` frees the weights and the KV cache while the trainer runs
+(vLLM sleep mode, level 2: the next ``update_weights`` rewrites every weight anyway) and
+``wake()`` re-allocates them. Sleep mode exists only on CUDA/ROCm/XPU; vLLM refuses it on CPU,
+so there ``sleep``/``wake`` do nothing. (In this process vLLM's CPU worker also turns
+``torch.set_num_threads`` into a no-op: set the thread count before building the engine.)
+
+Each sampled token comes with the log-prob vLLM sampled it from (``logprobs_mode=processed_logprobs``:
+after temperature, top-k and top-p), so the loop can measure how far the trainer's recomputed
+``old_logp`` is from the distribution that actually produced the sample.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+from vllm import LLM
+from vllm import SamplingParams as VLLMSamplingParams
+from vllm.inputs import TokensPrompt
+from vllm.platforms import current_platform
+
+from dapo.rollout.base import Generation, SamplingParams, split_response
+
+SLEEP_LEVEL = 2  # discard weights and KV cache: update_weights after wake() refills the weights
+
+
+@contextlib.contextmanager
+def preserved_rng():
+    """vLLM seeds and draws from the global RNGs (python, numpy, torch); the trainer's streams must not notice."""
+    py, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else []):
+        yield
+    random.setstate(py)
+    np.random.set_state(np_state)
+
+
+def full_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield whole tensors one at a time; a DTensor (FSDP2 shard) is gathered with ``full_tensor()``.
+
+    ``full_tensor()`` is a collective: every rank must run this generator to the end, in the same order.
+    """
+    from torch.distributed.tensor import DTensor
+
+    for name, tensor in named_tensors:
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        yield name, tensor.detach()
+
+
+class WeightSync:
+    """Mixed into vLLM's worker class (``worker_extension_cls``): in-place reload split in three calls,
+    so weights can arrive in pieces from another process under tensor parallelism."""
+
+    def dapo_begin_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model_runner.get_model())
+
+    def dapo_load_weights(self, named_tensors) -> None:
+        self.model_runner.get_model().load_weights(named_tensors)
+
+    def dapo_finish_weight_update(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        model = self.model_runner.get_model()
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(model, self.vllm_config.model_config)
+            # A tied LM head shares the embedding's weight but on CPU keeps its own packed copy of it,
+            # which the layerwise reload never refreshes (no tensor is loaded under lm_head's name).
+            head = getattr(model, "lm_head", None)
+            weight = getattr(head, "weight", None)
+            tied = weight is not None and any(m is not head and getattr(m, "weight", None) is weight for m in model.modules())
+            if tied and current_platform.is_cpu():
+                head.quant_method.process_weights_after_loading(head)
+
+
+class VLLMRolloutEngine:
+    def __init__(self, cfg, model, tokenizer, *, owner: bool | None = None):
+        """cfg: RolloutConfig; model: the trainer's HF model (its directory and dtype are used).
+
+        ``owner``: whether this process holds the engine; by default rank 0 when torch.distributed
+        is initialized. Other ranks only take part in the collective gathers of ``update_weights``.
+        """
+        import torch.distributed as dist
+
+        self.tokenizer = tokenizer
+        self.tensor_parallel_size = cfg.tensor_parallel_size
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        eos = eos if eos is not None else tokenizer.eos_token_id
+        self.eos_ids = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+        self.owner = (not dist.is_initialized() or dist.get_rank() == 0) if owner is None else owner
+        self.llm = None
+        self.asleep = self.kv_asleep = self.weights_discarded = False
+        self.sleep_level = 0
+        if not self.owner:
+            return
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: weights by reference
+        if current_platform.is_sleep_mode_available():
+            self.sleep_level = SLEEP_LEVEL
+        kv_cache_gib = cfg.kv_cache_gib or (0.0 if current_platform.is_cuda_alike() else 1.0)
+        with preserved_rng():
+            self.llm = LLM(
+                model=str(model.name_or_path),
+                dtype=str(model.dtype).removeprefix("torch."),
+                skip_tokenizer_init=True,  # prompts arrive as ids; responses are decoded with the trainer's tokenizer
+                generation_config="vllm",  # the checkpoint's sampling defaults must not leak into RL samples
+                logprobs_mode="processed_logprobs",  # log-probs of the distribution actually sampled from
+                tensor_parallel_size=cfg.tensor_parallel_size,
+                gpu_memory_utilization=cfg.gpu_memory_utilization,
+                kv_cache_memory_bytes=int(kv_cache_gib * 2**30) or None,
+                enable_sleep_mode=self.sleep_level > 0,
+                enforce_eager=not current_platform.is_cuda_alike(),
+                worker_extension_cls=f"{__name__}.WeightSync",
+                seed=cfg.seed,
+            )
+
+    def _require_owner(self) -> None:
+        if self.llm is None:
+            raise RuntimeError("this process does not hold the vLLM engine (only rank 0 does); generate there")
+
+    def _ensure_awake(self) -> None:
+        self.wake()
+        if self.kv_asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.kv_asleep = False
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generation:
+        self._require_owner()
+        if self.weights_discarded:
+            raise RuntimeError("the engine slept with its weights discarded; call update_weights() before generate()")
+        self._ensure_awake()
+        rows = [p for p in prompt_ids for _ in range(params.n)]  # prompt-major
+        greedy = params.temperature <= 0
+        # one request per row, each with its own seed: the same seed gives the same samples however
+        # vLLM batches them, and rows of one prompt share its cached prefix
+        requests = [VLLMSamplingParams(
+            n=1, seed=(params.seed * 1_000_003 + i) % 2**63, max_tokens=params.max_new_tokens, min_tokens=0,
+            temperature=0.0 if greedy else params.temperature, top_p=1.0 if greedy else params.top_p,
+            top_k=0 if greedy or params.top_k <= 0 else params.top_k,
+            repetition_penalty=1.0, stop_token_ids=sorted(self.eos_ids), ignore_eos=False,
+            logprobs=0, detokenize=False,
+        ) for i in range(len(rows))]
+        with preserved_rng():
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], requests, use_tqdm=False)
+        responses, logprobs = [], []
+        truncated = torch.zeros(len(rows), dtype=torch.bool)
+        for i, out in enumerate(outputs):
+            sample = out.outputs[0]
+            tokens = list(sample.token_ids)
+            responses_i, truncated[i] = split_response(tokens, self.eos_ids, params.max_new_tokens)
+            responses.append(responses_i)
+            logprobs.append([step[tok].logprob for step, tok in zip(sample.logprobs, responses_i)])
+        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+        return Generation(prompt_ids=rows, response_ids=responses, truncated=truncated, texts=texts, logprobs=logprobs)
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Stream the trainer's weights in, one tensor at a time (every rank must call this)."""
+        stream = full_tensors(named_tensors)
+        if self.llm is None:
+            for _ in stream:  # take part in every gather; the owner loads
+                pass
+            return
+        self.wake()
+        rpc = self.llm.collective_rpc
+        rpc("dapo_begin_weight_update")
+        if self.tensor_parallel_size == 1:  # the worker is in this process: hand it the generator itself
+            rpc("dapo_load_weights", args=(stream,))
+        else:  # workers in other processes: one (CPU) tensor per message
+            for name, tensor in stream:
+                rpc("dapo_load_weights", args=([(name, tensor.cpu())],))
+        rpc("dapo_finish_weight_update")
+        self.weights_discarded = False
+        self._ensure_awake()
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    def sleep(self) -> None:
+        """Free weights and KV cache for the trainer (CUDA only; a no-op where vLLM has no sleep mode)."""
+        if self.llm is not None and self.sleep_level and not self.asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self.asleep, self.weights_discarded = True, self.sleep_level >= 2
+
+    def wake(self) -> None:
+        """Re-allocate the weights; the KV cache follows after update_weights (or before generating),
+        so weights and cache never sit beside the trainer's gathered tensors at once."""
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+            self.asleep, self.kv_asleep = False, True

@@ -1,0 +1,295 @@
+"""FSDP on CPU for real: 2 gloo ranks under torchrun against 1 process, sharded checkpoints and
+their export, exact resume, the weights pushed to rank 0's rollout engine, and a 2-rank run placed
+by Ray on a private local cluster.
+
+The 2-rank parts run this file as a torchrun worker (``python -m torch.distributed.run ... this
+file``), the way a user launches training.
+"""
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import SMALL_OVERRIDES, small_config  # noqa: E402
+
+from dapo import checkpoint, cli, parallel  # noqa: E402
+from dapo.policy import Policy  # noqa: E402
+from dapo.rollout import SamplingParams  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+EQUIV_OVERRIDES = ["train.prompts_per_step=3", "train.mini_batch_prompts=3", "train.micro_batch_size=2",
+                   "train.grad_clip=1e9"]  # one optimizer update; no clipping, so the update is the gradient
+
+
+def checksum(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().float().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+def env_for_children(**extra) -> dict:
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1", **extra}
+    return env
+
+
+def torchrun(*args, timeout=300, cwd=REPO) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *map(str, args)]
+    out = subprocess.run(cmd, cwd=cwd, env=env_for_children(), capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    return out
+
+
+# ---- pure helpers --------------------------------------------------------------------------------
+def test_balanced_partition_by_tokens():
+    costs = [10, 1, 7, 3, 3, 4]
+    parts = parallel.balanced_partition(costs, 2)
+    assert sorted(i for p in parts for i in p) == list(range(6))  # every row exactly once
+    assert sorted(sum(costs[i] for i in p) for p in parts) == [14, 14]  # 10+4 | 7+3+3+1
+    assert parallel.balanced_partition([5], 2) == [[0], []]
+    alone = parallel.Dist()
+    assert parallel.rank_share([4, 5, 6], [1, 1, 1], alone) == [4, 5, 6]
+    assert parallel.same_count([[1], [2]], alone) == [[1], [2]]
+    assert float(parallel.all_reduce(torch.tensor(3.0), alone)) == 3.0
+
+
+# ---- 2 ranks vs 1 --------------------------------------------------------------------------------
+# bf16: FSDP's mixed precision with fp32 masters; uneven: rank 0 runs one row per micro-batch, so
+# rank 1 has fewer micro-batches and must run empty passes to join rank 0's collectives
+VARIANTS = {"fp32": ([], False), "bf16": (["model.dtype=bfloat16"], False), "uneven": ([], True)}
+
+
+def equivalence_worker(model_dir: str, batch_file: str, out_dir: str) -> None:
+    """Run under torchrun: per variant, log-probs and one SGD update (lr 1, so the change is minus
+    the gradient) on the batch the test sampled; then push the weights to every rank's engine,
+    save shards, and sample with the sharded engine."""
+    d = parallel.init("cpu")
+    for name, (overrides, uneven) in VARIANTS.items():
+        one_update(d, model_dir, batch_file, Path(out_dir) / f"{name}.pt", Path(out_dir) / name, overrides, uneven)
+    parallel.shutdown(d)
+
+
+def one_update(d, model_dir, batch_file, out_file, run_dir, overrides, uneven) -> None:
+    from dapo.train import make_engine
+
+    cfg = small_config(run_dir, model_dir, *EQUIV_OVERRIDES, *overrides)
+    policy = Policy(cfg, torch.device("cpu"), d)
+    policy.optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)
+    if uneven and d.rank == 0:
+        policy.micro_batches = lambda batch, rows: [[r] for r in rows]
+    engine = make_engine(cfg, policy, d)
+    batch = torch.load(batch_file, weights_only=False)
+    share = policy._rank_rows(batch, list(range(len(batch))))  # the batch is one mini-batch here
+    counts = parallel.all_gather_object(len(policy.micro_batches(batch, share)), d)  # micro-batches per rank
+    old_logp, entropy = policy.compute_logprobs(batch, with_entropy=True)
+    before = {k: v.clone() for k, v in policy.named_weights()}
+    stats = policy.update(batch)
+    after = {k: v.clone() for k, v in policy.named_weights()}
+    engine.update_weights(policy.named_weights())
+    checkpoint.save_checkpoint(Path(run_dir), 1, model=policy.model, tokenizer=policy.tokenizer,
+                               trainer_state={"policy": policy.trainer_state()}, config_yaml="", keep=1,
+                               shards=policy.sharded_state(), dist=d)
+    engine_weights = dict(engine.engine.model.named_parameters())  # this rank's full copy
+    engine_sums = parallel.all_gather_object({k: checksum(engine_weights[k]) for k in after}, d)
+    # each rank samples a share of the prompts; every rank gets all of them, in prompt order
+    prompts = [policy.tokenizer(t)["input_ids"] for t in ("1+2=", "3*4-5=", "6+7*2=")]
+    gen = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=6, seed=3))
+    gens = parallel.all_gather_object((gen.prompt_ids, gen.response_ids, gen.truncated.tolist()), d)
+    if d.is_main:
+        torch.save({
+            "old_logp": old_logp, "entropy": entropy, "stats": {k: float(v) for k, v in stats.items()},
+            "delta": {k: after[k] - before[k] for k in after}, "after": after, "engine_sums": engine_sums,
+            # the engine runs in model.dtype: the trainer's float32 masters rounded to it
+            "trainer_sums": {k: checksum(v.to(engine_weights[k].dtype)) for k, v in after.items()},
+            "prompts": prompts, "gens": gens, "counts": counts,
+        }, out_file)
+
+
+@pytest.fixture(scope="module")
+def two_rank_update(tiny_model_dir, tmp_path_factory):
+    from test_train import sampled_batch
+
+    tmp = tmp_path_factory.mktemp("equiv")
+    cfg = small_config(tmp / "single", tiny_model_dir, *EQUIV_OVERRIDES)
+    torch.manual_seed(0)
+    policy = Policy(cfg, torch.device("cpu"))
+    policy.optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)
+    batch = sampled_batch(policy)  # 3 prompts x 4 samples, old log-probs from this single process
+    torch.save(batch, tmp / "batch.pt")
+    before = {k: v.clone() for k, v in policy.named_weights()}
+    stats = {k: float(v) for k, v in policy.update(batch).items()}
+    single = {"old_logp": batch.old_logp, "entropy": batch.entropy, "stats": stats,
+              "delta": {k: v - before[k] for k, v in policy.named_weights()}}
+    t0 = time.perf_counter()
+    torchrun(__file__, "equivalence", tiny_model_dir, tmp / "batch.pt", tmp)
+    runs = {name: torch.load(tmp / f"{name}.pt", weights_only=False) for name in VARIANTS}
+    return single, runs, tmp, time.perf_counter() - t0
+
+
+def test_two_ranks_give_the_loss_and_gradients_of_one(two_rank_update):
+    single, runs, _, seconds = two_rank_update
+    two = runs["fp32"]
+    logp_diff = (two["old_logp"] - single["old_logp"]).abs().max().item()
+    grad_diff = max((two["delta"][k] - single["delta"][k]).abs().max().item() for k in single["delta"])
+    grad_scale = max(v.abs().max().item() for v in single["delta"].values())
+    loss_diff = abs(two["stats"]["pg_loss"] - single["stats"]["pg_loss"])
+    print(f"\n1 vs 2 ranks: max |d loss| {loss_diff:.2e} (loss {single['stats']['pg_loss']:.6f}), "
+          f"max |d grad| {grad_diff:.2e} (max |grad| {grad_scale:.3f}), max |d logp| {logp_diff:.2e}, "
+          f"grad norm {single['stats']['grad_norm']:.6f} vs {two['stats']['grad_norm']:.6f}; torchrun {seconds:.1f} s")
+    assert set(two["delta"]) == set(single["delta"])
+    assert grad_scale > 1e-3  # the update did something
+    assert grad_diff < 1e-6  # summed over ranks, not averaged: a factor 2 would show here
+    assert loss_diff < 1e-6
+    assert two["stats"]["grad_norm"] == pytest.approx(single["stats"]["grad_norm"], rel=1e-5)
+    assert logp_diff < 1e-5
+    assert (two["entropy"] - single["entropy"]).abs().max().item() < 1e-4
+    for k in ("clipfrac_high", "clipfrac_low", "approx_kl", "token_prob_mean"):
+        assert two["stats"][k] == pytest.approx(single["stats"][k], abs=1e-6), k
+
+
+def test_bfloat16_compute_keeps_float32_master_weights(two_rank_update, tiny_model_dir):
+    """FSDP's mixed precision on 2 ranks (bf16 forward/backward, fp32 reduce and masters) against
+    the fp32 single process: the same update up to bfloat16 rounding."""
+    single, runs, _, _ = two_rank_update
+    bf16 = runs["bf16"]
+    assert all(v.dtype == torch.float32 for v in bf16["after"].values())  # the master copy
+    scale = max(v.abs().max().item() for v in single["delta"].values())
+    grad_diff = max((bf16["delta"][k] - single["delta"][k]).abs().max().item() for k in single["delta"])
+    print(f"\nbf16 compute, 2 ranks vs fp32, 1 rank: max |d grad| {grad_diff:.2e} of max |grad| {scale:.3f}; "
+          f"loss {bf16['stats']['pg_loss']:.6f} vs {single['stats']['pg_loss']:.6f}")
+    assert 0 < grad_diff < 0.02 * scale  # bf16 keeps ~3 significant digits; fp32 compute would give ~1e-8
+    assert bf16["stats"]["pg_loss"] == pytest.approx(single["stats"]["pg_loss"], abs=1e-4)
+    assert bf16["engine_sums"] == [bf16["trainer_sums"]] * 2
+
+
+def test_ranks_with_fewer_micro_batches_join_with_empty_passes(two_rank_update):
+    single, runs, _, _ = two_rank_update
+    uneven = runs["uneven"]
+    assert uneven["counts"][0] > uneven["counts"][1]  # rank 1 ran empty passes to match rank 0
+    grad_diff = max((uneven["delta"][k] - single["delta"][k]).abs().max().item() for k in single["delta"])
+    print(f"\nmicro-batches per rank {uneven['counts']}: max |d grad| vs 1 rank {grad_diff:.2e}")
+    assert grad_diff < 1e-6
+    assert uneven["stats"]["pg_loss"] == pytest.approx(single["stats"]["pg_loss"], abs=1e-6)
+    assert (uneven["old_logp"] - single["old_logp"]).abs().max().item() < 1e-5
+
+
+def test_every_ranks_rollout_engine_gets_the_trainers_weights(two_rank_update):
+    _, runs, _, _ = two_rank_update
+    two = runs["fp32"]
+    assert two["engine_sums"] == [two["trainer_sums"]] * 2  # rank 0's copy and rank 1's
+    assert any(v.abs().max() > 0 for v in two["delta"].values())  # and they are the updated ones
+
+
+def test_ranks_sample_shares_of_the_prompts_and_all_get_every_sample(two_rank_update):
+    _, runs, _, _ = two_rank_update
+    two = runs["fp32"]
+    (prompt_ids, response_ids, truncated), other = two["gens"]
+    assert other == (prompt_ids, response_ids, truncated)  # the same Generation on both ranks
+    assert prompt_ids == [p for p in two["prompts"] for _ in range(2)]  # prompt-major, in order
+    assert len(response_ids) == 6 and all(0 < len(r) <= 6 for r in response_ids)
+
+
+def test_sharded_checkpoint_exports_to_a_model_directory(two_rank_update, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    _, runs, tmp, _ = two_rank_update
+    two = runs["fp32"]
+    ckpt = checkpoint.latest_checkpoint(tmp / "fp32")
+    assert ckpt is not None and checkpoint.is_sharded(ckpt) and not (ckpt / "model").exists()
+    assert sorted(p.name for p in (ckpt / "shards").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    with pytest.raises(RuntimeError, match="dapo export"):
+        checkpoint.load_model_weights(None, ckpt)
+    assert cli.main(["export", str(ckpt), str(tmp_path / "hf")]) == 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    exported = dict(model.named_parameters())
+    for k, v in two["after"].items():
+        assert torch.equal(exported[k].float(), v), k
+    assert (tmp_path / "hf" / "tokenizer_config.json").exists()
+
+
+# ---- the training loop under torchrun ------------------------------------------------------------
+@pytest.mark.slow
+def test_torchrun_training_resumes_exactly_from_shards(tiny_model_dir, tmp_path):
+    """3 steps in one go vs 2 steps + a resume from step 2's shards: identical weights. With a
+    sharded reference model (KL loss), gradient checkpointing and overlong filtering on."""
+    args = ["-m", "dapo.cli", "train", "configs/demo.yaml", f"model.path={tiny_model_dir}", *SMALL_OVERRIDES,
+            "train.total_steps=3", "run.save_every=1", "run.keep_checkpoints=3", "algo.kl_coef=0.01",
+            "model.gradient_checkpointing=true", "algo.overlong_filtering=true"]
+    torchrun(*args, f"run.dir={tmp_path / 'full'}")
+    full = tmp_path / "full" / "t"
+    assert [p.name for p in checkpoint.list_checkpoints(full)] == ["step_000001", "step_000002", "step_000003"]
+    metrics = [line for line in (full / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert len(metrics) == 3  # rank 0 alone writes the run's files
+    assert all('"actor/kl_loss"' in m for m in metrics)
+    resumed = tmp_path / "resumed" / "t"
+    shutil.copytree(full / "checkpoints" / "step_000002", resumed / "checkpoints" / "step_000002")
+    out = torchrun(*args, f"run.dir={tmp_path / 'resumed'}")
+    assert "resumed from" in out.stdout
+    a = checkpoint.export_hf(full / "checkpoints" / "step_000003", tmp_path / "a")
+    b = checkpoint.export_hf(resumed / "checkpoints" / "step_000003", tmp_path / "b")
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    w0 = load_file(Path(tiny_model_dir) / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    assert any(not torch.equal(wa[k], w0[k]) for k in wa)  # training moved the weights
+
+
+# ---- GPUs (skipped without two CUDA devices; CI has none) -----------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (nccl)")
+def test_two_gpus_nccl_bf16_cpu_offload_checkpointing(tiny_model_dir, tmp_path):
+    torchrun("-m", "dapo.cli", "train", "configs/demo.yaml", f"model.path={tiny_model_dir}", f"run.dir={tmp_path}",
+             *SMALL_OVERRIDES, "model.device=cuda", "model.dtype=bfloat16", "model.gradient_checkpointing=true",
+             "train.cpu_offload=true")
+    ckpt = checkpoint.latest_checkpoint(tmp_path / "t")
+    assert ckpt is not None and checkpoint.is_sharded(ckpt)
+    rows = [line for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert len(rows) == 2 and all('"actor/grad_norm": NaN' not in r for r in rows)
+
+
+# ---- Ray ------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_ray_two_cpu_workers_train_two_steps_and_checkpoint(tiny_model_dir, tmp_path):
+    pytest.importorskip("ray")
+    home = tmp_path / "home"
+    home.mkdir()
+    ray_tmp = tempfile.mkdtemp(prefix="dray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    real_token = Path.home() / ".ray" / "auth_token"
+    token_before = real_token.read_bytes() if real_token.exists() else None
+    # token authentication stays on (Ray's default), with a throwaway token given in the environment,
+    # so Ray writes no token file; HOME and RAY_TMPDIR keep everything else under temporary directories
+    env = env_for_children(HOME=str(home), RAY_TMPDIR=ray_tmp, RAY_AUTH_MODE="token",
+                           RAY_AUTH_TOKEN=hashlib.sha256(os.urandom(16)).hexdigest(), RAY_USAGE_STATS_ENABLED="0")
+    cmd = [sys.executable, "-m", "dapo.cli", "launch-ray", "configs/demo.yaml", f"model.path={tiny_model_dir}",
+           f"run.dir={tmp_path / 'runs'}", *SMALL_OVERRIDES, "--address", "local", "--num-cpus", "2",
+           "--cpu-workers-per-node", "2", "--cpus-per-worker", "1"]
+    t0 = time.perf_counter()
+    try:
+        out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    seconds = time.perf_counter() - t0
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    print(f"\nRay, 2 CPU workers, 2 steps: {seconds:.1f} s including cluster start")
+    run = tmp_path / "runs" / "t"
+    ckpt = checkpoint.latest_checkpoint(run)
+    assert ckpt is not None and ckpt.name == "step_000002" and checkpoint.is_sharded(ckpt)
+    assert len(list((ckpt / "shards").glob("*.distcp"))) == 2  # one file per rank
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+    assert not (home / ".ray" / "auth_token").exists()
+    assert (real_token.read_bytes() if real_token.exists() else None) == token_before
+
+
+if __name__ == "__main__":  # the torchrun worker
+    mode, *rest = sys.argv[1:]
+    {"equivalence": equivalence_worker}[mode](*rest)
