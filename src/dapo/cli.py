@@ -1,8 +1,9 @@
-"""Command line: ``dapo train``, ``dapo eval``, ``dapo demo``.
+"""Command line: ``dapo train``, ``dapo eval``, ``dapo demo``, ``dapo ablate``.
 
     dapo train configs/demo.yaml algo.eps_high=0.28 train.total_steps=10
     dapo eval --model runs/demo/checkpoints/step_000060/model --benchmarks arith aime2024 --n 8
     dapo demo
+    dapo ablate --seeds 3 --jobs 2 --out runs/ablation
 """
 
 from __future__ import annotations
@@ -107,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="train a tiny model on the built-in task on CPU; print before/after accuracy")
     p.add_argument("overrides", nargs="*", help="key=value overrides of configs/demo.yaml")
     p.set_defaults(func=cmd_demo)
+
+    from dapo import ablate
+
+    p = sub.add_parser("ablate", help="the paper's ablation: every row x seed trained, evaluated and reported")
+    ablate.add_arguments(p)
+    p.set_defaults(func=ablate.main_args)
 
     p = sub.add_parser("eval", help="avg@n, pass@k, maj@n on benchmarks for a model directory or a run")
     p.add_argument("--model", help="Hugging Face model directory")
