@@ -77,7 +77,9 @@ def tiny_overrides(tiny_model_dir):
     return [f"model.path={tiny_model_dir}", "train.prompts_per_step=4", "train.mini_batch_prompts=2",
             "train.micro_batch_size=16", "rollout.group_size=4", "rollout.max_response_tokens=16",
             "algo.overlong_buffer_tokens=4", "algo.max_gen_rounds=2", "eval.num_problems=4", "eval.n=2",
-            "eval.every_steps=1", "train.warmup_steps=0", "data.task_train_size=200"]
+            "eval.every_steps=1", "train.warmup_steps=0", "data.task_train_size=200",
+            # an untrained model is never right: keep groups whose (length-shaped) rewards differ
+            "algo.filter_metric=reward"]
 
 
 def smoke_args(out, tiny_model_dir, steps=2):

@@ -184,8 +184,7 @@ def summarize(data: dict, runs: list[Run]) -> list[dict]:
     summary = []
     for row in dict.fromkeys(r.row for r in runs):
         seeds = data.get(row, {})
-        total = next(r.cfg.train.total_steps for r in runs if r.row == row)
-        finished = {s: rows for s, rows in seeds.items() if rows and rows[-1]["step"] == total}
+        finished = {r.seed: seeds[r.seed] for r in runs if r.row == row and r.seed in seeds and is_done(r)}
         key = _eval_key([r for rows in finished.values() for r in rows])
         accs = [next(r[key] for r in reversed(rows) if key in r) for rows in finished.values()] if key else []
         train_rows = {s: [r for r in rows if r["step"] > 0] for s, rows in finished.items()}
@@ -221,8 +220,12 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else math.nan
 
 
-def _pct(x: float) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}"
+def _fmt(x: float | None, spec: str, scale: float = 1.0, unit: str = "") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{scale * x:{spec}}{unit}"
+
+
+def _pct(x: float | None) -> str:
+    return _fmt(x, ".1f", 100.0)
 
 
 def report_table(summary: list[dict], base_acc: float | None) -> str:
@@ -239,9 +242,9 @@ def report_table(summary: list[dict], base_acc: float | None) -> str:
         ci = "n/a" if math.isnan(lo) else f"[{_pct(lo)}, {_pct(hi)}]"
         lines.append(
             f"| {s['label']} | {_pct(s['acc_mean'])} | {ci} | {len(s['seeds'])} | "
-            f"{s['paper_aime_avg32'] if s['paper_aime_avg32'] is not None else '-'} | {s['entropy_last5']:.3f} | "
-            f"{s['response_length_last5']:.1f} | {_pct(s['truncated_frac_last5'])}% | "
-            f"{s['samples_generated']:,.0f} | {s['wall_s']:.0f} |")
+            f"{s['paper_aime_avg32'] if s['paper_aime_avg32'] is not None else '-'} | {_fmt(s['entropy_last5'], '.3f')} | "
+            f"{_fmt(s['response_length_last5'], '.1f')} | {_fmt(s['truncated_frac_last5'], '.1f', 100.0, '%')} | "
+            f"{_fmt(s['samples_generated'], ',.0f')} | {_fmt(s['wall_s'], '.0f')} |")
     return "\n".join(lines) + "\n"
 
 

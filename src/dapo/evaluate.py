@@ -37,7 +37,7 @@ BENCHMARKS = {
     "gsm8k": Benchmark("gsm8k", "gsm8k/test.jsonl", n=1, max_response_tokens=2048),
     "arith": Benchmark("arith", None, n=4, top_p=1.0, max_response_tokens=48),
     "arith-hard": Benchmark("arith-hard", None, n=4, top_p=1.0, max_response_tokens=96),
-    "arith-long": Benchmark("arith-long", None, n=4, top_p=1.0, max_response_tokens=48),
+    "arith-long": Benchmark("arith-long", None, n=4, top_p=1.0, max_response_tokens=40),
 }
 
 
