@@ -89,7 +89,7 @@ def plot_ablation(data: dict, labels: dict, out_dir: Path, smooth: int = 5) -> l
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    colors = plt.get_cmap("viridis")
+    colors = plt.get_cmap("tab10")
     rows = list(data)
 
     def curves_for(row_data: dict, key: str, x_key: str | None = None):
@@ -99,7 +99,9 @@ def plot_ablation(data: dict, labels: dict, out_dir: Path, smooth: int = 5) -> l
                 k = next((k for r in rows_ for k in r if k.startswith("eval/") and "/avg@" in k), None)
                 pts = [(r["step"], r[k]) for r in rows_ if k and k in r]
             else:
-                pts = [(r["step"], r[key]) for r in rows_ if key in r and r["step"] > 0]
+                # a step where nothing was clipped at the top has no up-clipped probability (logged as 0)
+                pts = [(r["step"], r[key]) for r in rows_ if key in r and r["step"] > 0
+                       and not (key.startswith("actor/up_clipped") and r.get("actor/clipfrac_high", 1.0) == 0)]
             if x_key is not None:  # x = cumulative samples generated up to that step
                 cum, total = {0: 0.0}, 0.0
                 for r in rows_:
@@ -123,12 +125,12 @@ def plot_ablation(data: dict, labels: dict, out_dir: Path, smooth: int = 5) -> l
                 continue
             if x_key is not None:  # seeds generate different numbers of samples: plot each seed
                 for j, (xs, ys) in enumerate(curves):
-                    ax.plot(xs, ys, color=colors(i / max(1, len(rows) - 1)), alpha=0.8,
+                    ax.plot(xs, ys, color=colors(i % 10), alpha=0.8,
                             marker="o", ms=3, label=labels.get(row, row) if j == 0 else None)
                 drawn = True
                 continue
             xs, mean, lo, hi = _band(curves)
-            color = colors(i / max(1, len(rows) - 1))
+            color = colors(i % 10)
             ax.plot(xs, mean, color=color, label=labels.get(row, row), marker="o" if key == "eval" else None, ms=3)
             if len(curves) > 1:
                 ax.fill_between(xs, lo, hi, color=color, alpha=0.15)
