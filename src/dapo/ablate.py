@@ -88,7 +88,7 @@ def plan(base: Path, rows: list[Path], seeds: list[int], out: Path, overrides: l
                 f"rollout.seed={seed}", "eval.before_train=false", "run.progress=false", "run.resume=true"])
             runs.append(Run(row.stem, seed, cfg))
     # the initial model is the same for every row and seed: evaluate it once, as step 0 of every curve
-    base_cfg = load_config([base, rows[0]], extra + [
+    base_cfg = load_config([base], extra + [
         f"run.dir={out}", "run.name=base_model", "train.total_steps=0", "eval.before_train=true",
         "run.progress=false", "algo.kl_coef=0"])
     return Run("base_model", 0, base_cfg), runs
@@ -119,10 +119,9 @@ def execute(run: Run, threads: int) -> float:
     return wall
 
 
-def run_all(base_run: Run, runs: list[Run], jobs: int, log=print) -> float:
+def run_all(base_run: Run, runs: list[Run], jobs: int, threads: int = 0, log=print) -> float:
     """Every unfinished run, ``jobs`` at a time; returns the wall time of this call."""
-    cores = os.cpu_count() or 1
-    threads = max(1, cores // max(1, jobs))
+    threads = threads or max(1, (os.cpu_count() or 1) // max(1, jobs))
     todo = [r for r in [base_run, *runs] if not is_done(r)]
     skipped = len(runs) + 1 - len(todo)
     log(f"{len(todo)} runs to do ({skipped} already finished), {jobs} at a time with {threads} thread(s) each")
@@ -290,6 +289,7 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=None, help="override train.total_steps")
     p.add_argument("--out", default="runs/ablation", help="study directory")
     p.add_argument("--jobs", type=int, default=0, help="runs in parallel (default: one per CPU core, 1 on a GPU)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per run (default: CPU cores / jobs)")
     p.add_argument("--report-only", action="store_true", help="only rebuild report.md and figures from the runs")
 
 
@@ -316,7 +316,7 @@ def main_args(args) -> int:
             import torch
 
             jobs = 1 if torch.cuda.is_available() else (os.cpu_count() or 1)
-        wall = run_all(base_run, runs, jobs)
+        wall = run_all(base_run, runs, jobs, args.threads)
     report = write_report(out, runs, command=command, wall_s=wall)
     print(report.read_text())
     print(f"report: {report}  figures: {out / 'figures'}")
