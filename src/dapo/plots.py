@@ -135,13 +135,13 @@ def plot_ablation(data: dict, labels: dict, out_dir: Path, smooth: int = 5) -> l
             if len(curves) > 1:
                 ax.fill_between(xs, lo, hi, color=color, alpha=0.15)
             drawn = True
-        if not drawn:
-            plt.close(fig)
-            continue
+        if not drawn:  # still one figure per quantity, so reports always link the same files
+            ax.text(0.5, 0.5, "no data (e.g. nothing was clipped)", ha="center", va="center", transform=ax.transAxes)
         ax.set_xlabel("samples generated" if x_key else "training step")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if drawn:
+            ax.legend(fontsize=7)
         fig.tight_layout()
         path = out_dir / f"{stem}.png"
         fig.savefig(path, dpi=100)
