@@ -175,7 +175,7 @@ def collect(out: Path, runs: list[Run]) -> dict:
     for run in runs:
         rows = _read(run.dir / "metrics.jsonl")
         if rows:
-            data.setdefault(run.row, {})[run.seed] = [r for r in base_rows if r.get("step") == 0] + rows
+            data.setdefault(run.row, {})[run.seed] = [r for r in base_rows if r.get("step") == 0][-1:] + rows
     return data
 
 
