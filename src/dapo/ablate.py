@@ -169,11 +169,11 @@ def _eval_key(rows: list[dict]) -> str | None:
 
 
 def collect(out: Path, runs: list[Run]) -> dict:
-    """Per row: per seed metrics rows (base-model evaluation prepended as step 0)."""
+    """Per row: per seed metrics rows of finished runs (base-model evaluation prepended as step 0)."""
     base_rows = _read(out / "base_model" / "metrics.jsonl")
     data: dict[str, dict[int, list[dict]]] = {}
     for run in runs:
-        rows = _read(run.dir / "metrics.jsonl")
+        rows = _read(run.dir / "metrics.jsonl") if is_done(run) else []  # a partial run would cut every curve short
         if rows:
             data.setdefault(run.row, {})[run.seed] = [r for r in base_rows if r.get("step") == 0][-1:] + rows
     return data
