@@ -27,7 +27,7 @@ def test_independent_value_helper():
     assert independent_value("2*3*4-5-6=") == 13
 
 
-@pytest.mark.parametrize("difficulty", ["demo", "hard"])
+@pytest.mark.parametrize("difficulty", ["demo", "hard", "long"])
 def test_solutions_are_right_and_each_line_is_one_reduction(difficulty):
     for ex in arith.make_examples("train", 300, seed=1, difficulty=difficulty):
         expected = independent_value(ex.prompt)
@@ -62,7 +62,7 @@ def test_splits_disjoint_and_deterministic():
     assert {e.data_source for e in other_seed} == {"arith"}
 
 
-@pytest.mark.parametrize("difficulty, lo, hi", [("demo", 6, 6), ("hard", 10, 24)])
+@pytest.mark.parametrize("difficulty, lo, hi", [("demo", 6, 6), ("hard", 10, 24), ("long", 8, 12)])
 def test_prompt_length_bounds(difficulty, lo, hi):
     lengths = [len(e.prompt) for e in arith.make_examples("test", 400, difficulty=difficulty)]
     assert lo <= min(lengths) and max(lengths) <= hi
@@ -76,6 +76,18 @@ def test_hard_responses_are_longer_and_some_exceed_64_characters():
     assert sum(hard) / len(hard) > 2 * sum(demo) / len(demo)
     share_over_64 = sum(n >= 64 for n in hard) / len(hard)
     assert 0.2 < share_over_64 < 0.7
+
+
+def test_long_problems_have_one_digit_operands_and_a_quarter_run_past_40_tokens():
+    examples = arith.make_examples("train", 1000, seed=0, difficulty="long")
+    operands = [arith.parse(e.prompt)[0] for e in examples]
+    assert {len(n) for n in operands} == {4, 5, 6}
+    assert all(1 <= x <= 9 for n in operands for x in n)
+    assert all(0 <= int(e.ground_truth) <= 99 for e in examples)
+    tokens = [len(arith.solution(e.prompt)) + 1 for e in examples]  # byte tokenizer: characters + EOS
+    share_over_40 = sum(n > 40 for n in tokens) / len(tokens)
+    assert 0.15 < share_over_40 < 0.4  # the ablation's 40-token limit truncates some correct solutions
+    assert sorted(tokens)[len(tokens) // 2] < 36  # but most fit
 
 
 def split_expr(line: str):

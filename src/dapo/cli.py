@@ -1,4 +1,4 @@
-"""Command line: ``dapo train``, ``dapo eval``, ``dapo demo``, ``dapo export``, ``dapo launch-ray``.
+"""Command line: ``dapo train``, ``dapo eval``, ``dapo demo``, ``dapo ablate``, ``dapo export``, ``dapo launch-ray``.
 
     dapo train configs/demo.yaml algo.eps_high=0.28 train.total_steps=10
     torchrun --nproc_per_node 8 -m dapo.cli train configs/dapo_qwen2.5_7b.yaml     # FSDP on one node
@@ -6,6 +6,7 @@
     dapo export runs/dapo_qwen2.5_32b/checkpoints/step_000100 /models/dapo-step100
     dapo eval --model runs/demo/checkpoints/step_000060/model --benchmarks arith aime2024 --n 8
     dapo demo
+    dapo ablate --seeds 3 --jobs 2 --out runs/ablation
 """
 
 from __future__ import annotations
@@ -149,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpus-per-worker", type=float, default=4.0, help="CPU slots reserved for each rank")
     p.add_argument("--num-cpus", type=int, default=0, help="with --address local: CPU slots of the private cluster")
     p.set_defaults(func=cmd_launch_ray)
+
+    from dapo import ablate
+
+    p = sub.add_parser("ablate", help="the paper's ablation: every row x seed trained, evaluated and reported")
+    ablate.add_arguments(p)
+    p.set_defaults(func=ablate.main_args)
 
     p = sub.add_parser("eval", help="avg@n, pass@k, maj@n on benchmarks for a model directory or a run")
     p.add_argument("--model", help="Hugging Face model directory")

@@ -1,6 +1,7 @@
 """One typed config tree. Every default lives here, with a comment; YAML presets hold overrides only.
 
     cfg = load_config("configs/demo.yaml", ["algo.eps_high=0.28", "rollout.backend=hf"])
+    cfg = load_config(["configs/ablation/base.yaml", "configs/ablation/3_clip_higher.yaml"])  # layered
 
 Unknown keys, wrong types and inconsistent values fail at start with a ConfigError naming the key.
 """
@@ -31,7 +32,7 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     task: str = "arith"  # built-in task used when train_files is empty: arith
-    task_difficulty: str = "demo"  # built-in task difficulty: demo | hard
+    task_difficulty: str = "demo"  # built-in task difficulty: demo | hard | long
     task_train_size: int = 3000  # problems drawn for the built-in task's train split (demo has ~3.6k distinct)
     train_files: list[str] = field(default_factory=list)  # .jsonl/.parquet in DAPO-Math-17K or {problem, answer} layout
     template: str = "dapo"  # prompt template for dataset files: dapo (the paper's) | raw
@@ -253,10 +254,11 @@ def _read_preset(path: Path, seen: tuple = ()) -> list[dict]:
     return chain + [data]
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+def load_config(path: str | Path | list | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the preset(s) in order (a later one overrides an earlier), then dotted overrides."""
     cfg = Config()
-    if path is not None:
-        for data in _read_preset(Path(path)):
+    for preset in [] if path is None else path if isinstance(path, (list, tuple)) else [path]:
+        for data in _read_preset(Path(preset)):
             _merge(cfg, data)
     if overrides:
         _merge(cfg, _dotted_to_nested(overrides))

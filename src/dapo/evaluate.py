@@ -37,6 +37,7 @@ BENCHMARKS = {
     "gsm8k": Benchmark("gsm8k", "gsm8k/test.jsonl", n=1, max_response_tokens=2048),
     "arith": Benchmark("arith", None, n=4, top_p=1.0, max_response_tokens=48),
     "arith-hard": Benchmark("arith-hard", None, n=4, top_p=1.0, max_response_tokens=96),
+    "arith-long": Benchmark("arith-long", None, n=4, top_p=1.0, max_response_tokens=40),
 }
 
 
@@ -44,11 +45,12 @@ def load_benchmark(name_or_path: str, *, template: str = "dapo", num_problems: i
     """(Benchmark, examples) for a registered name, the built-in task, or a .jsonl/.parquet file."""
     from dapo.data import load_examples
 
-    if name_or_path in ("arith", "arith-hard"):
+    if name_or_path in ("arith", "arith-hard", "arith-long"):
         from dapo.tasks import arith
 
         bench = BENCHMARKS[name_or_path]
-        examples = arith.make_examples("test", num_problems or 200, difficulty="hard" if "hard" in name_or_path else "demo")
+        difficulty = name_or_path.partition("-")[2] or "demo"
+        examples = arith.make_examples("test", num_problems or 200, difficulty=difficulty)
         return bench, examples
     if name_or_path in BENCHMARKS:
         bench = BENCHMARKS[name_or_path]

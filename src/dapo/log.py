@@ -52,10 +52,12 @@ class RunLogger:
             self.task = self.progress.add_task("train", total=total_steps, completed=start_step)
 
     def _truncate_after(self, step: int) -> None:
-        """On resume, drop lines logged after the checkpoint we continue from."""
+        """On resume, drop lines logged after the checkpoint we continue from (all of them when
+        starting from scratch, or a restarted run would log its step-0 evaluation twice)."""
         if not self.metrics_path.exists():
             return
-        keep = [line for line in self.metrics_path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+        keep = [line for line in self.metrics_path.read_text().splitlines()
+                if step > 0 and line.strip() and json.loads(line).get("step", 0) <= step]
         self.metrics_path.write_text("".join(line + "\n" for line in keep))
 
     def log(self, step: int, metrics: dict) -> dict:

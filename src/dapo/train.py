@@ -138,6 +138,7 @@ def step_metrics(batch: RolloutBatch, cstats: CollectStats, update: dict, times:
         "sampling/prompts_from_buffer": cstats.groups_from_buffer,
         "sampling/all_correct_frac": cstats.groups_all_correct / max(cstats.prompts_generated, 1),
         "sampling/all_wrong_frac": cstats.groups_all_wrong / max(cstats.prompts_generated, 1),
+        "sampling/samples_generated": cstats.samples_generated,
         "sampling/samples_per_trained_sample": cstats.samples_generated / max(samples_trained, 1),
         "sampling/tokens_per_trained_token": cstats.tokens_generated / max(float(mask.sum()), 1.0),
         "sampling/dropped_gen_time_frac": cstats.seconds_dropped / max(cstats.seconds_generate, 1e-9),

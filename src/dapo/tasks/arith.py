@@ -10,7 +10,8 @@ step, and ends like a DAPO-Math-17K response::
     Answer: 17
 
 The "demo" difficulty uses three one-digit operands (``6+5*3=``); "hard" uses five to eight
-operands up to 19, with long enough solutions to study truncation. The prompt is the whole text
+operands up to 19, with long enough solutions to study truncation; "long" uses four to six
+one-digit operands: easy steps, but many of them. The prompt is the whole text
 the model sees (no template, no chat turn), so a character-level model learns it in minutes. Train and test problems are split by a hash of the problem text,
 so no problem can ever land in both splits, whatever ``n`` and ``seed`` are.
 """
@@ -51,6 +52,11 @@ DIFFICULTIES = {
     # 5-8 operands up to 19, values up to 999: responses of roughly 30-120 characters, so a
     # 64-96 token response limit truncates a sizeable share of them.
     "hard": Difficulty("hard", min_operands=5, max_operands=8, max_operand=19, max_value=999),
+    # 4-6 one-digit operands, values below 100: every step is as easy as a demo step, but there
+    # are 3-5 of them, so the chance of a slip (and so the pass rate) varies from prompt to prompt,
+    # and responses of 24-50 tokens (median 34) run past a 40-token limit on about a quarter of
+    # the problems. The ablation study (configs/ablation/) uses it.
+    "long": Difficulty("long", min_operands=4, max_operands=6, max_operand=9, max_value=99),
 }
 
 _TOKEN_RE = re.compile(r"\d+|[+\-*]")
