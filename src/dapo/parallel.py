@@ -107,13 +107,11 @@ def wrap(module: nn.Module, layers: list[nn.Module], d: Dist, *, compute_dtype: 
     return module
 
 
-def full_tensors(named_params, d: Dist):
-    """(name, full tensor) one parameter at a time; collective under FSDP, so every rank iterates."""
+def full_tensors(named_params):
+    """(name, full tensor) one parameter at a time; a DTensor (FSDP2 shard) is gathered with
+    ``full_tensor()``, a collective, so every rank must iterate to the end in the same order."""
     for name, p in named_params:
-        if d.sharded and hasattr(p, "full_tensor"):
-            yield name, p.detach().full_tensor()
-        else:
-            yield name, p.detach()
+        yield name, (p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach())
 
 
 def clip_grad_norm(params, max_norm: float) -> torch.Tensor:

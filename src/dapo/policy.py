@@ -328,7 +328,7 @@ class Policy:
     # ---- state -----------------------------------------------------------------------------
     def named_weights(self):
         """(name, full tensor) per parameter; under FSDP each is gathered in turn, on every rank."""
-        return parallel.full_tensors(self.model.named_parameters(), self.dist)
+        return parallel.full_tensors(self.model.named_parameters())
 
     def trainer_state(self) -> dict:
         state = {"scheduler": self.scheduler.state_dict(), "skipped_updates": self.skipped_updates}

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -40,6 +40,7 @@ from vllm import SamplingParams as VLLMSamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.platforms import current_platform
 
+from dapo.parallel import full_tensors
 from dapo.rollout.base import Generation, SamplingParams, split_response
 
 SLEEP_LEVEL = 2  # discard weights and KV cache: update_weights after wake() refills the weights
@@ -53,19 +54,6 @@ def preserved_rng():
         yield
     random.setstate(py)
     np.random.set_state(np_state)
-
-
-def full_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield whole tensors one at a time; a DTensor (FSDP2 shard) is gathered with ``full_tensor()``.
-
-    ``full_tensor()`` is a collective: every rank must run this generator to the end, in the same order.
-    """
-    from torch.distributed.tensor import DTensor
-
-    for name, tensor in named_tensors:
-        if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor()
-        yield name, tensor.detach()
 
 
 class WeightSync:
@@ -185,7 +173,7 @@ class VLLMRolloutEngine:
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Stream the trainer's weights in, one tensor at a time (every rank must call this)."""
-        stream = full_tensors(named_tensors)
+        stream = full_tensors(named_tensors)  # one whole tensor at a time, whether sharded or not
         if self.llm is None:
             for _ in stream:  # take part in every gather; the owner loads
                 pass
