@@ -21,6 +21,15 @@ second with a lower learning rate (about 15 minutes on one core; sampled accurac
         --steps 500 --lr 1e-3 --warmup 20 --clean-frac 0.7 --error-rate 0.12 --max-new-tokens 40 --threads 1
     python scripts/make_base_model.py --difficulty long --init /tmp/long-stage1 --out assets/arith-long-base \
         --steps 300 --lr 5e-4 --warmup 10 --clean-frac 0.6 --error-rate 0.1 --max-new-tokens 40 --threads 1
+
+The ablation study's base model (assets/arith-loop-base/) continues from the demo's model on the
+demo's problems with solutions that repeat their result line before the answer (``--ramble-rate``),
+so it loops: about 16% of its samples run past a 32-token limit (about 3 minutes on one core;
+sampled accuracy 26%, greedy 0.5%, since greedy decoding always takes the repeat):
+
+    python scripts/make_base_model.py --difficulty demo --init assets/arith-base --out assets/arith-loop-base \
+        --steps 300 --lr 5e-4 --warmup 20 --clean-frac 0.0 --error-rate 0.35 --ramble-rate 0.7 \
+        --max-new-tokens 32 --threads 1
 """
 
 from __future__ import annotations
@@ -53,6 +62,10 @@ def parse_args(argv=None):
         "--clean-frac", type=float, default=0.6,
         help="share of the steps, at the start, trained on correct solutions only",
     )
+    p.add_argument(
+        "--ramble-rate", type=float, default=0.0,
+        help="chance that the result line is written once more before the answer (repeatable)",
+    )
     p.add_argument("--init", type=Path, default=None, help="continue from this model directory instead of a fresh model")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=64)
@@ -78,7 +91,7 @@ def training_batch(rng: random.Random, tokenizer, args, error_rate: float):
             # Held-out problems must stay unseen, or the demo's accuracy would measure recall.
             if arith.split_of(problem) == "train":
                 break
-        response = arith.noisy_solution(problem, rng, error_rate)
+        response = ramble(arith.noisy_solution(problem, rng, error_rate), rng, args.ramble_rate)
         p_ids = tokenizer(problem, add_special_tokens=False)["input_ids"]
         r_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         seqs.append(p_ids + r_ids)
@@ -89,6 +102,20 @@ def training_batch(rng: random.Random, tokenizer, args, error_rate: float):
     mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
     lab = torch.tensor([l + [-100] * (width - len(l)) for l in labels])
     return ids, mask, lab
+
+
+def ramble(response: str, rng: random.Random, rate: float) -> str:
+    """Write the result line again at random before the answer: length the answer does not need.
+
+    After the last working line the line is repeated with probability ``rate``, and again with
+    the same chance, so some responses loop on it and run past the limit before they reach their
+    ``Answer:`` line, as a looping model does. The working and the answer are unchanged: a policy
+    can only gain by dropping the repeats.
+    """
+    *working, answer = response.split("\n")
+    while working and rng.random() < rate:
+        working.append(working[-1])
+    return "\n".join(working + [answer])
 
 
 def answer_of(response: str) -> int | None:
