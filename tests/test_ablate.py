@@ -126,3 +126,30 @@ def test_ablate_smoke_report_figures_and_resume(tiny_model_dir, tmp_path, capsys
     metrics = [json.loads(line) for line in (out / "1_grpo" / "seed0" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in metrics] == [1, 2, 3]
     assert "resumed from" in (out / "1_grpo" / "seed0" / "train.log").read_text()
+
+
+def test_summary_of_hand_written_runs(tmp_path):
+    """Final, last-three and all-evaluation accuracies, per seed then over seeds, from known curves."""
+    base_run, runs = ablate.plan(REPO / "configs/ablation/base.yaml", ablate.find_rows(ROWS, ["1"]), [0, 1],
+                                 tmp_path, [])
+    base_run.dir.joinpath("base_model").mkdir(parents=True)
+    base_run.dir.joinpath("base_model", "metrics.jsonl").write_text(json.dumps({"step": 0, "eval/arith/avg@4": 0.25}))
+    curves = {0: [0.40, 0.50, 0.60, 0.70], 1: [0.30, 0.50, 0.50, 0.50]}  # evaluations at steps 10..40
+    for run in runs:
+        run.dir.mkdir(parents=True)
+        lines = []
+        for step in range(1, 41):
+            row = {"step": step, "actor/entropy": 0.1 * run.seed + step / 100, "sampling/samples_generated": 256.0}
+            if step % 10 == 0:
+                row["eval/arith/avg@4"] = curves[run.seed][step // 10 - 1]
+            lines.append(json.dumps(row))
+        (run.dir / "metrics.jsonl").write_text("\n".join(lines))
+        (run.dir / "done.json").write_text(json.dumps({"config": ablate.dump_yaml(run.cfg), "wall_s": 100.0}))
+    [s] = ablate.summarize(ablate.collect(tmp_path, runs), runs)
+    assert s["acc_per_seed"] == [0.70, 0.50] and s["acc_mean"] == pytest.approx(0.60)
+    assert s["acc_last3_per_seed"] == pytest.approx([0.60, 0.50]) and s["acc_last3_mean"] == pytest.approx(0.55)
+    half = 12.706 * math.sqrt(0.005) / math.sqrt(2)  # t(0.975, df=1) * sd([0.6, 0.5]) / sqrt(2)
+    assert s["acc_last3_ci95"] == pytest.approx([0.55 - half, 0.55 + half])
+    assert s["acc_all_evals_mean"] == pytest.approx((0.55 + 0.45) / 2)  # the step-0 base model is not counted
+    assert s["entropy_last5"] == pytest.approx((0.38 + 0.48) / 2)  # steps 36-40 of each seed, then over seeds
+    assert s["samples_generated"] == pytest.approx(40 * 256.0)
