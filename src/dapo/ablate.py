@@ -1,7 +1,7 @@
 """The paper's ablation (DAPO Table 1 and Figs. 2-6), rerun: every row x seed is an ordinary training run.
 
     dapo ablate                                              # small scale: configs/ablation/base.yaml, all rows
-    dapo ablate --seeds 3 --jobs 2 --out runs/ablation
+    dapo ablate --seeds 5 --jobs 2 --out runs/ablation
     dapo ablate --base configs/dapo_qwen2.5_32b.yaml model.path=/models/Qwen2.5-32B --jobs 1
 
 Rows are the files ``configs/ablation/<k>_<name>.yaml``; each names the previous one as ``base:``
@@ -303,7 +303,7 @@ def add_arguments(p) -> None:
     p.add_argument("--base", default="configs/ablation/base.yaml", help="the preset that holds the scale")
     p.add_argument("--rows-dir", default=None, help="where the row files are (default: configs/ablation next to --base's repo)")
     p.add_argument("--rows", nargs="*", default=None, help="rows to run, by number or name (default: all)")
-    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per row")
+    p.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 per row")
     p.add_argument("--steps", type=int, default=None, help="override train.total_steps")
     p.add_argument("--out", default="runs/ablation", help="study directory")
     p.add_argument("--jobs", type=int, default=0, help="runs in parallel (default: one per CPU core, 1 on a GPU)")

@@ -6,7 +6,7 @@
     dapo export runs/dapo_qwen2.5_32b/checkpoints/step_000100 /models/dapo-step100
     dapo eval --model runs/demo/checkpoints/step_000060/model --benchmarks arith aime2024 --n 8
     dapo demo
-    dapo ablate --seeds 3 --jobs 2 --out runs/ablation
+    dapo ablate --seeds 5 --jobs 2 --out runs/ablation
 """
 
 from __future__ import annotations
