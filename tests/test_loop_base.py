@@ -4,10 +4,11 @@ import importlib.util
 import random
 from pathlib import Path
 
-import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dapo.rewards.numeric import grade_arith
+from dapo.rollout.base import SamplingParams
+from dapo.rollout.hf import HFRolloutEngine
 from dapo.tasks import arith
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,21 +33,13 @@ def test_ramble_repeats_the_result_line_before_the_answer():
 def test_shipped_loop_base_runs_past_the_limit_before_answering():
     path = REPO / "assets" / "arith-loop-base"
     model, tok = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
-    tok.padding_side = "left"
+    engine = HFRolloutEngine(model, tok)  # the training rollout path: its stop-vs-length flags
     examples = arith.make_examples("test", 40, seed=0, difficulty="demo")
-    enc = tok([e.prompt for e in examples], return_tensors="pt", padding=True, add_special_tokens=False)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=32, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                             num_return_sequences=4, pad_token_id=tok.pad_token_id)
-    truncated, correct, truncated_right = 0, 0, 0
-    for i, ids in enumerate(out[:, enc.input_ids.shape[1]:].tolist()):
-        ended = tok.eos_token_id in ids
-        text = tok.decode(ids[: ids.index(tok.eos_token_id)] if ended else ids, skip_special_tokens=True)
-        truncated += not ended
-        correct += ended and grade_arith(text, examples[i // 4].ground_truth)[1]
-        # a loop that hits the limit has not written its answer, or only the start of it
-        truncated_right += not ended and grade_arith(text, examples[i // 4].ground_truth)[1]
+    prompt_ids = [tok(e.prompt, add_special_tokens=False)["input_ids"] for e in examples]
+    gen = engine.generate(prompt_ids, SamplingParams(n=4, temperature=1.0, max_new_tokens=32, seed=0))
+    right = [grade_arith(text, examples[i // 4].ground_truth)[1] for i, text in enumerate(gen.texts)]
+    truncated = gen.truncated.tolist()
     # 160 samples: about 16% truncated and 26% right at this scale (base_model_eval.json: 25.9%)
-    assert 10 <= truncated <= 45 and 20 <= correct <= 65, (truncated, correct)
-    assert truncated_right <= 1
+    assert 10 <= sum(truncated) <= 45 and 20 <= sum(right) <= 65, (sum(truncated), sum(right))
+    # a loop that hits the limit has not written its answer, or only the start of it
+    assert sum(r and t for r, t in zip(right, truncated)) <= 1
