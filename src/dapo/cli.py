@@ -1,9 +1,11 @@
-"""Command line: ``dapo train``, ``dapo eval``, ``dapo demo``, ``dapo ablate``, ``dapo export``, ``dapo launch-ray``.
+"""Command line: ``dapo train``, ``dapo eval``, ``dapo demo``, ``dapo ablate``, ``dapo export``, ``dapo import-model``,
+``dapo launch-ray``.
 
     dapo train configs/demo.yaml algo.eps_high=0.28 train.total_steps=10
     torchrun --nproc_per_node 8 -m dapo.cli train configs/dapo_qwen2.5_7b.yaml     # FSDP on one node
     dapo launch-ray configs/dapo_qwen2.5_32b.yaml --nodes 16 --gpus-per-node 8     # FSDP across nodes
     dapo export runs/dapo_qwen2.5_32b/checkpoints/step_000100 /models/dapo-step100
+    dapo import-model SmolLM2-135M-Instruct.Q4_1.gguf ~/.cache/dapo/models/SmolLM2-135M-Instruct
     dapo eval --model runs/demo/checkpoints/step_000060/model --benchmarks arith aime2024 --n 8
     dapo demo
     dapo ablate --seeds 5 --jobs 2 --out runs/ablation
@@ -62,6 +64,18 @@ def cmd_export(args) -> int:
 
     out = export_hf(Path(args.checkpoint), Path(args.out_dir))
     print(f"written: {out} (Hugging Face model directory)")
+    return 0
+
+
+def cmd_import_model(args) -> int:
+    from dapo.models import import_gguf
+
+    try:
+        out = import_gguf(Path(args.src).expanduser(), Path(args.out_dir).expanduser(), dtype=args.dtype)
+    except (FileExistsError, ValueError, ImportError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"written: {out} (Hugging Face model directory; use it as model.path={out})")
     return 0
 
 
@@ -139,6 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="a checkpoint directory, e.g. runs/NAME/checkpoints/step_000100")
     p.add_argument("out_dir", help="where to write the model (config, safetensors, tokenizer)")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("import-model", help="convert a GGUF model file into a Hugging Face model directory")
+    p.add_argument("src", help="a .gguf file of an architecture transformers reads (Llama, Qwen2, Mistral, ...)")
+    p.add_argument("out_dir", help="where to write the model (safetensors, config, generation config, tokenizer)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype of the written weights (default: float32; the GGUF's quantised blocks are de-quantised)")
+    p.set_defaults(func=cmd_import_model)
 
     p = sub.add_parser("launch-ray", help="train with one Ray worker per GPU across a Ray cluster (FSDP)")
     p.add_argument("config", help="YAML preset")

@@ -84,9 +84,30 @@ class WeightSync:
                 head.quant_method.process_weights_after_loading(head)
 
 
+def _whole_prefill_settings(max_model_len: int) -> dict:
+    """Scheduler settings under which no seeded request ever has a sampled token thrown away.
+
+    vLLM discards the token it sampled for a request whose prompt is only partly prefilled in a
+    step (chunked prefill) and then rewinds that request's own generator by moving its Philox
+    offset back. CUDA generators have an offset; CPU generators (Mersenne Twister) have none, so
+    on CPU the rewind raises ("CPU Generator does not use offset") as soon as one batch's prompts
+    exceed the prefill budget. Where the rewind cannot work, every prompt is prefilled whole:
+    chunked prefill off and a step budget that holds the longest sequence, so seeded samples stay
+    reproducible however vLLM batches them. On GPUs chunked prefill stays on (it keeps decode
+    steps flowing beside long prefills).
+    """
+    if current_platform.is_cuda_alike():
+        return {}
+    budget = max(8192, max_model_len)
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": budget, "long_prefill_token_threshold": 0}
+
+
 class VLLMRolloutEngine:
-    def __init__(self, cfg, model, tokenizer, *, owner: bool | None = None):
+    def __init__(self, cfg, model, tokenizer, *, owner: bool | None = None, max_model_len: int | None = None):
         """cfg: RolloutConfig; model: the trainer's HF model (its directory and dtype are used).
+
+        ``max_model_len``: the longest prompt + response the run asks for; the KV cache and the
+        scheduler are sized for it instead of the model's whole context (None = the model's).
 
         ``owner``: whether this process holds an engine (by default yes; under FSDP every rank
         samples its share). Others only take part in the collective gathers of ``update_weights``.
@@ -101,6 +122,9 @@ class VLLMRolloutEngine:
         self.owner = True if owner is None else owner
         # one engine over each group of tensor_parallel_size consecutive ranks of the trainer's world
         self.external_launcher = dist.is_initialized() and dist.get_world_size() > 1 and cfg.tensor_parallel_size > 1
+        context = getattr(model.config, "max_position_embeddings", None) or 0
+        if max_model_len and context:
+            max_model_len = min(max_model_len, context)  # a prompt cut to fit still fits the model
         self.llm = None
         self.asleep = self.kv_asleep = self.weights_discarded = False
         self.sleep_level = 0
@@ -128,6 +152,8 @@ class VLLMRolloutEngine:
                 enforce_eager=not current_platform.is_cuda_alike(),
                 worker_extension_cls=f"{__name__}.WeightSync",
                 seed=cfg.seed,
+                max_model_len=max_model_len,
+                **_whole_prefill_settings(max_model_len or context),
             )
 
     def _require_owner(self) -> None:

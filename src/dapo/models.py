@@ -1,0 +1,83 @@
+"""Bringing pretrained models in: GGUF files to plain Hugging Face model directories.
+
+``dapo import-model SRC.gguf OUT_DIR`` reads any GGUF whose architecture transformers can load
+(Llama, Qwen2, Mistral, ...) with transformers' own GGUF reader, de-quantises it, and writes a
+directory every other part of the project (and vLLM) reads: safetensors weights, config,
+generation config, tokenizer and chat template. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def import_gguf(src: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "float32") -> Path:
+    """Convert ``src`` (a .gguf file) into a Hugging Face model directory at ``out_dir``.
+
+    The directory is written under a temporary name and renamed, so a killed import never leaves
+    a half-written model behind. Raises FileNotFoundError / FileExistsError / ValueError with one line.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src, out_dir = Path(src), Path(out_dir)
+    if not src.is_file():
+        raise FileNotFoundError(f"{src}: no such GGUF file; give the path of a .gguf model file")
+    if src.suffix.lower() != ".gguf":
+        raise ValueError(f"{src}: expected a .gguf file (dapo import-model converts GGUF checkpoints)")
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} exists and is not empty; choose a new OUT_DIR or delete it first")
+    try:
+        import gguf  # noqa: F401  (transformers' GGUF reader needs it; fail with the install hint)
+    except ImportError as err:
+        raise ImportError("dapo import-model needs the gguf package: pip install gguf accelerate") from err
+
+    where = dict(pretrained_model_name_or_path=str(src.parent), gguf_file=src.name, trust_remote_code=False)
+    tokenizer = AutoTokenizer.from_pretrained(**where)
+    loaded = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32)
+    # A GGUF-loaded model carries a quantization config that makes save_pretrained refuse; the
+    # weights are already de-quantised, so rebuild the model from its config without it.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.name_or_path = out_dir.name
+    model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], trust_remote_code=False)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"{src}: weights do not match the {config.model_type} architecture "
+                         f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})")
+    model.tie_weights()
+    del loaded
+
+    gen = model.generation_config
+    # EOS and pad as the tokenizer knows them: a GGUF's own ids can be absent or partial
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    gen.eos_token_id = gen.eos_token_id if gen.eos_token_id is not None else tokenizer.eos_token_id
+    gen.pad_token_id = tokenizer.pad_token_id
+    gen.bos_token_id = tokenizer.bos_token_id
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the model directory follows the user's umask
+        if out_dir.exists():
+            out_dir.rmdir()  # empty (checked above)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
