@@ -80,7 +80,7 @@ def test_rollout_logp_travel_with_their_rows_and_give_the_metric():
     from dapo.dynamic_sampling import CollectStats
     from dapo.train import step_metrics
 
-    m = step_metrics(b, CollectStats(), {}, {"update": 1.0, "old_logprob": 1.0}, 0)
+    m = step_metrics(b, CollectStats(), {}, {"update": 1.0, "old_logprob": 1.0})
     # |diffs| 0, 0.5, 0 on row 0 and 0.25 on row 1; the padding (old_logp 9.0) is not a response token
     assert m["rollout/logprob_abs_diff_mean"].item() == pytest.approx(0.75 / 4)
     assert m["rollout/logprob_abs_diff_max"].item() == pytest.approx(0.5)

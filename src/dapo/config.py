@@ -42,7 +42,7 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    backend: str = "hf"  # hf (transformers generate, CPU or GPU) | vllm
+    backend: str = "hf"  # hf (transformers generate, CPU or GPU) | vllm | auto (vllm where installed, else hf)
     group_size: int = 8  # G: responses sampled per prompt
     max_response_tokens: int = 48  # L_max: generation limit per response
     temperature: float = 1.0  # sampling temperature; log-probs are computed at the same temperature
@@ -305,7 +305,7 @@ def validate(cfg: Config) -> None:
                f"algo.overlong_buffer_tokens={a.overlong_buffer_tokens}: must be in (0, rollout.max_response_tokens="
                f"{r.max_response_tokens}]; the buffer cannot be longer than the maximum length")
         _check(a.overlong_penalty_factor >= 0, "algo.overlong_penalty_factor must be >= 0")
-    _check(r.backend in ("hf", "vllm"), f"rollout.backend={r.backend!r}: choose hf or vllm")
+    _check(r.backend in ("hf", "vllm", "auto"), f"rollout.backend={r.backend!r}: choose hf, vllm or auto")
     _check(r.group_size >= 2, f"rollout.group_size={r.group_size}: must be >= 2 for group-relative advantages")
     _check(r.max_response_tokens > 0, "rollout.max_response_tokens must be > 0")
     _check(r.temperature > 0, f"rollout.temperature={r.temperature}: must be > 0 (log-probs divide by it)")

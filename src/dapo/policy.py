@@ -27,7 +27,7 @@ def pick_device(name: str) -> torch.device:
 
 
 def load_model_and_tokenizer(path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu"):
-    path = Path(path)
+    path = Path(path).expanduser()
     if not (path / "config.json").exists():
         raise FileNotFoundError(
             f"model.path={str(path)!r} is not a Hugging Face model directory (no config.json); "

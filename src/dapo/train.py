@@ -32,7 +32,7 @@ from dapo.config import Config, ConfigError, dump_yaml
 from dapo.dynamic_sampling import CollectStats, Scorer, collect_batch
 from dapo.log import NullLogger, RunLogger
 from dapo.policy import DTYPES, Policy, load_model_and_tokenizer, pick_device
-from dapo.rollout import SamplingParams, ShardedRollout, make_rollout
+from dapo.rollout import SamplingParams, ShardedRollout, make_rollout, resolve_backend
 
 
 @dataclass
@@ -78,8 +78,10 @@ def make_engine(cfg: Config, policy: Policy, d: parallel.Dist):
     copy in model.dtype (rows finish at different lengths, so generating with the sharded model
     would make the ranks wait on each other) and samples its share of the prompts; with vLLM and
     rollout.tensor_parallel_size = k, each group of k ranks holds one copy, split over them."""
+    # the longest sequence the run asks for: vLLM sizes its KV cache and scheduler for this, not the model's context
+    max_model_len = cfg.data.max_prompt_tokens + max(cfg.rollout.max_response_tokens, cfg.eval.max_response_tokens)
     if not d.sharded:
-        return make_rollout(cfg.rollout, policy.model, policy.tokenizer)
+        return make_rollout(cfg.rollout, policy.model, policy.tokenizer, max_model_len=max_model_len)
     k = cfg.rollout.tensor_parallel_size if cfg.rollout.backend == "vllm" else 1
     if d.world_size % k:
         raise ConfigError(f"rollout.tensor_parallel_size={k} does not divide the {d.world_size} trainer ranks; "
@@ -88,7 +90,8 @@ def make_engine(cfg: Config, policy: Policy, d: parallel.Dist):
         model = weightless_model(cfg.model.path, cfg.model.dtype)
     else:
         model, _ = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, d.device)
-    return ShardedRollout(make_rollout(cfg.rollout, model, policy.tokenizer), d, tensor_parallel_size=k)
+    return ShardedRollout(make_rollout(cfg.rollout, model, policy.tokenizer, max_model_len=max_model_len), d,
+                          tensor_parallel_size=k)
 
 
 def weightless_model(path, dtype: str):
@@ -96,6 +99,7 @@ def weightless_model(path, dtype: str):
     dtype and generation config (a full copy here would cost every GPU the whole model)."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+    path = Path(path).expanduser()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=DTYPES[dtype])
     if (Path(path) / "generation_config.json").exists():
@@ -116,21 +120,11 @@ def grading_pool(cfg: Config, d: parallel.Dist):
         yield parallel.OnMain(pool, d) if d.sharded else pool
 
 
-def step_metrics(batch: RolloutBatch, cstats: CollectStats, update: dict, times: dict, buffer_size: int) -> dict:
-    lengths = batch.response_lengths.float()  # (N,)
-    mask = batch.response_mask()
-    samples_trained = len(batch)
-    m = {
-        "reward/score_mean": batch.reward.mean(),
-        "reward/acc_mean": batch.acc.mean(),
-        "reward/overlong_penalty_mean": batch.overlong.mean(),
+def sampling_metrics(cstats: CollectStats, buffer_size: int) -> dict:
+    """What generation produced this step, trained on or not."""
+    return {
         "reward/timeouts": cstats.timeouts,
         "rollout/acc_mean": cstats.acc_sum / max(cstats.samples_generated, 1),
-        "rollout/response_length_mean": lengths.mean(),
-        "rollout/response_length_max": lengths.max(),
-        "rollout/truncated_frac": batch.truncated.float().mean(),
-        "actor/entropy": (batch.entropy[:, : mask.shape[1]] * mask).sum() / mask.sum().clamp(min=1),
-        "actor/adv_abs_mean": batch.adv.abs().mean(),
         "sampling/gen_rounds": cstats.rounds,
         "sampling/prompts_generated": cstats.prompts_generated,
         "sampling/prompts_kept": cstats.groups_kept,
@@ -139,17 +133,34 @@ def step_metrics(batch: RolloutBatch, cstats: CollectStats, update: dict, times:
         "sampling/all_correct_frac": cstats.groups_all_correct / max(cstats.prompts_generated, 1),
         "sampling/all_wrong_frac": cstats.groups_all_wrong / max(cstats.prompts_generated, 1),
         "sampling/samples_generated": cstats.samples_generated,
-        "sampling/samples_per_trained_sample": cstats.samples_generated / max(samples_trained, 1),
-        "sampling/tokens_per_trained_token": cstats.tokens_generated / max(float(mask.sum()), 1.0),
         "sampling/dropped_gen_time_frac": cstats.seconds_dropped / max(cstats.seconds_generate, 1e-9),
         "sampling/buffer_groups": buffer_size,
         "sampling/cap_hit": float(cstats.cap_hit),
         "perf/time_generate_s": cstats.seconds_generate,
         "perf/time_reward_s": cstats.seconds_reward,
         "perf/gen_tokens_per_s": cstats.tokens_generated / max(cstats.seconds_generate, 1e-9),
+        "perf/reward_samples_per_s": cstats.samples_generated / max(cstats.seconds_reward, 1e-9),
+    }
+
+
+def step_metrics(batch: RolloutBatch, cstats: CollectStats, update: dict, times: dict) -> dict:
+    """What the update trained on and how it went."""
+    lengths = batch.response_lengths.float()  # (N,)
+    mask = batch.response_mask()
+    samples_trained = len(batch)
+    m = {
+        "reward/score_mean": batch.reward.mean(),
+        "reward/acc_mean": batch.acc.mean(),
+        "reward/overlong_penalty_mean": batch.overlong.mean(),
+        "rollout/response_length_mean": lengths.mean(),
+        "rollout/response_length_max": lengths.max(),
+        "rollout/truncated_frac": batch.truncated.float().mean(),
+        "actor/entropy": (batch.entropy[:, : mask.shape[1]] * mask).sum() / mask.sum().clamp(min=1),
+        "actor/adv_abs_mean": batch.adv.abs().mean(),
+        "sampling/samples_per_trained_sample": cstats.samples_generated / max(samples_trained, 1),
+        "sampling/tokens_per_trained_token": cstats.tokens_generated / max(float(mask.sum()), 1.0),
         "perf/train_tokens_per_s": float(mask.sum()) / max(times["update"], 1e-9),
         "perf/old_logprob_tokens_per_s": float(lengths.sum()) / max(times["old_logprob"], 1e-9),
-        "perf/reward_samples_per_s": cstats.samples_generated / max(cstats.seconds_reward, 1e-9),
     }
     if batch.rollout_logp:  # the engine's log-probs of its own samples vs the trainer's: numerics (and buffer staleness)
         T = batch.old_logp.shape[1]
@@ -161,10 +172,27 @@ def step_metrics(batch: RolloutBatch, cstats: CollectStats, update: dict, times:
     return m
 
 
+NO_SIGNAL_STREAK = 3  # steps in a row without an informative group before the run says what to change
+
+
+def no_signal_advice(streak: int, cstats: CollectStats, cfg: Config) -> str:
+    """One line for a run whose groups keep coming back all right or all wrong."""
+    wrong = cstats.groups_all_wrong / max(cstats.prompts_generated, 1)
+    right = cstats.groups_all_correct / max(cstats.prompts_generated, 1)
+    if wrong >= right:
+        fix = (f"the data is too hard for this model: use easier problems, a larger group (rollout.group_size="
+               f"{cfg.rollout.group_size}) or longer responses (rollout.max_response_tokens={cfg.rollout.max_response_tokens})")
+    else:
+        fix = "the data is too easy for this model: use harder problems"
+    return (f"no informative group for {streak} steps in a row: {100 * wrong:.0f}% of groups all wrong, "
+            f"{100 * right:.0f}% all right; {fix}")
+
+
 def train(cfg: Config, *, console=None) -> dict:
     """Run (or resume) training; returns the last logged row with eval/* before and after."""
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
+    cfg.rollout.backend = resolve_backend(cfg.rollout.backend)  # the saved config says which one ran
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     d = parallel.init(cfg.model.device)  # WORLD_SIZE > 1 (torchrun, Ray): FSDP over the ranks
@@ -218,7 +246,25 @@ def train(cfg: Config, *, console=None) -> dict:
                                        trainer_state=trainer_state, config_yaml=dump_yaml(cfg),
                                        keep=cfg.run.keep_checkpoints, shards=policy.sharded_state(), dist=d)
 
+        def train_on(batch: RolloutBatch, cstats: CollectStats) -> dict:
+            if a.overlong_filtering:
+                batch.trainable = ~batch.truncated  # sec. 3.4: truncated answers carry no learning signal
+            batch.adv = algo.group_advantages(batch.reward, r.group_size, scale_by_std=a.scale_adv_by_std)  # (N,)
+            engine.sleep()  # a colocated engine frees its memory for the trainer; no-op for hf
+            t0 = time.perf_counter()
+            batch.old_logp, batch.entropy = policy.compute_logprobs(batch, with_entropy=True)  # (N, T)
+            if policy.ref_model is not None:
+                batch.ref_logp, _ = policy.compute_logprobs(batch, model=policy.ref_model)  # (N, T)
+            t1 = time.perf_counter()
+            update = policy.update(batch)
+            t2 = time.perf_counter()
+            engine.wake()
+            engine.update_weights(policy.named_weights())
+            times = {"old_logprob": t1 - t0, "update": t2 - t1, "weight_sync": time.perf_counter() - t2}
+            return step_metrics(batch, cstats, update, times)
+
         last: dict = {}
+        no_signal = 0  # steps in a row without an informative group
         if state.step == 0 and cfg.eval.before_train:
             last = logger.log(0, run_eval())
             logger.info("before training: " + ", ".join(f"{k} {v:.3f}" for k, v in last.items() if "avg@" in k))
@@ -239,26 +285,17 @@ def train(cfg: Config, *, console=None) -> dict:
             state.gen_rounds += cstats.rounds
             if cstats.keep_rates:
                 state.keep_rate = 0.7 * state.keep_rate + 0.3 * (sum(cstats.keep_rates) / len(cstats.keep_rates))
-            if batch is None:
-                logger.info(f"step {step}: no informative group was generated; nothing to train on")
-                continue
-            if a.overlong_filtering:
-                batch.trainable = ~batch.truncated  # sec. 3.4: truncated answers carry no learning signal
-            batch.adv = algo.group_advantages(batch.reward, r.group_size, scale_by_std=a.scale_adv_by_std)  # (N,)
-            engine.sleep()  # a colocated engine frees its memory for the trainer; no-op for hf
-            t0 = time.perf_counter()
-            batch.old_logp, batch.entropy = policy.compute_logprobs(batch, with_entropy=True)  # (N, T)
-            if policy.ref_model is not None:
-                batch.ref_logp, _ = policy.compute_logprobs(batch, model=policy.ref_model)  # (N, T)
-            t1 = time.perf_counter()
-            update = policy.update(batch)
-            t2 = time.perf_counter()
-            engine.wake()
-            engine.update_weights(policy.named_weights())
-            t3 = time.perf_counter()
-            times = {"old_logprob": t1 - t0, "update": t2 - t1, "weight_sync": t3 - t2}
-            metrics = step_metrics(batch, cstats, update, times, len(state.buffer))
+            metrics = sampling_metrics(cstats, len(state.buffer))
             metrics["sampling/gen_rounds_total"] = state.gen_rounds
+            if batch is None:  # every group all right or all wrong: nothing to learn from, but the step still counts
+                no_signal += 1
+                logger.info(f"step {step}: no informative group was generated; nothing to train on")
+                if no_signal == NO_SIGNAL_STREAK:
+                    logger.info(f"[yellow]{escape(no_signal_advice(no_signal, cstats, cfg))}[/]")
+            else:
+                no_signal = 0
+                metrics.update(train_on(batch, cstats))
+            t3 = time.perf_counter()
             if step == cfg.train.total_steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0):
                 metrics.update(run_eval())
                 metrics["perf/time_eval_s"] = time.perf_counter() - t3
@@ -270,7 +307,8 @@ def train(cfg: Config, *, console=None) -> dict:
             metrics["perf/time_step_s"] = time.perf_counter() - t_step
             last = logger.log(step, metrics)
             logger.step_line(step, cfg.train.total_steps, last)
-            logger.write_samples(step, sample_records(batch, policy.tokenizer, cfg.run.samples_per_step))
+            if batch is not None:
+                logger.write_samples(step, sample_records(batch, policy.tokenizer, cfg.run.samples_per_step))
     logger.close()
     parallel.shutdown(d)
     return last
