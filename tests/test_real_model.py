@@ -285,3 +285,15 @@ def test_steps_without_informative_groups_still_log_evaluate_and_save(tmp_path, 
                       "too hard for this model: use easier problems, a larger group (rollout.group_size=4) or longer "
                       "responses (rollout.max_response_tokens=16)"]
     shutil.rmtree(cfg.run_dir)
+
+
+def test_word_problems_route_to_the_number_grader():
+    from dapo.evaluate import load_benchmark
+    from dapo.rewards import grade, grader_for
+
+    bench, examples = load_benchmark("word", template="raw", num_problems=3)
+    assert (bench.n, bench.temperature, bench.max_response_tokens) == (4, 0.7, 96) and len(examples) == 3
+    assert grader_for("word_problems") == grader_for("word") == "gsm8k"
+    assert examples[0].prompt.endswith("\nReply with the final answer as a number.")
+    assert grade("There are 8 x 7 = 56 marbles in total.", "56", "gsm8k").acc
+    assert not grade("8 jars, so the answer is 15. Wait, 8 + 7", "56", "gsm8k").acc

@@ -99,10 +99,11 @@ def cmd_eval(args) -> int:
     from dapo.evaluate import BENCHMARKS, evaluate, load_benchmark, write_report
     from dapo.policy import load_model_and_tokenizer, pick_device
     from dapo.rewards import RewardPool
-    from dapo.rollout.hf import HFRolloutEngine
+    from dapo.config import RolloutConfig
+    from dapo.rollout import make_rollout
     from dapo.train import make_encoder
 
-    model_dir = Path(args.model) if args.model else None
+    model_dir = Path(args.model).expanduser() if args.model else None
     if args.run:
         ckpt = latest_checkpoint(Path(args.run))
         if ckpt is None:
@@ -113,12 +114,14 @@ def cmd_eval(args) -> int:
     if model_dir is None:
         raise SystemExit("error: give --model DIR (a Hugging Face model directory) or --run RUN_DIR")
     model, tokenizer = load_model_and_tokenizer(model_dir, args.dtype, pick_device(args.device))
-    engine = HFRolloutEngine(model, tokenizer)
+    benches = [load_benchmark(name, template=args.template, num_problems=args.num_problems) for name in args.benchmarks]
+    longest = max(args.max_tokens or bench.max_response_tokens for bench, _ in benches)
+    engine = make_rollout(RolloutConfig(backend=args.backend), model, tokenizer,
+                          max_model_len=args.max_prompt_tokens + longest)
     encode = make_encoder(tokenizer, args.max_prompt_tokens)
     results = []
     with RewardPool(num_workers=args.workers, timeout_s=args.timeout_s) as pool, Progress() as progress:
-        for name in args.benchmarks:
-            bench, examples = load_benchmark(name, template=args.template, num_problems=args.num_problems)
+        for bench, examples in benches:
             n = args.n or bench.n
             task = progress.add_task(f"{bench.name}: samples", total=n * len(examples))
             res = evaluate(
@@ -194,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=5.0)
     p.add_argument("--max-prompt-tokens", type=int, default=2048)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--backend", default="hf", choices=["hf", "vllm", "auto"],
+                   help="sampler: hf (transformers generate, default), vllm, or auto (vllm where installed)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--out", help="output directory (default: next to the model)")
     p.set_defaults(func=cmd_eval)

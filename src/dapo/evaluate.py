@@ -35,6 +35,8 @@ BENCHMARKS = {
     "amc2023": Benchmark("amc2023", "amc2023/test.jsonl"),
     "math500": Benchmark("math500", "math500/test.jsonl", n=4),
     "gsm8k": Benchmark("gsm8k", "gsm8k/test.jsonl", n=1, max_response_tokens=2048),
+    # English word problems for small real models (configs/smollm2_135m.yaml samples at 0.7 too)
+    "word": Benchmark("word", "word_problems/test.jsonl", n=4, temperature=0.7, top_p=1.0, max_response_tokens=96),
     "arith": Benchmark("arith", None, n=4, top_p=1.0, max_response_tokens=48),
     "arith-hard": Benchmark("arith-hard", None, n=4, top_p=1.0, max_response_tokens=96),
     "arith-long": Benchmark("arith-long", None, n=4, top_p=1.0, max_response_tokens=40),

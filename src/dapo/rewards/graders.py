@@ -98,7 +98,7 @@ def grader_for(data_source: str, default: str = "dapo") -> str:
         return "dapo"
     if key.startswith(("math500", "amc", "olympiad")) or key in _MATH_SOURCES:
         return "math"
-    if key.startswith("gsm8k"):
+    if key.startswith(("gsm8k", "word")):  # one number, stated in words around it
         return "gsm8k"
     if key.startswith("arith"):
         return "arith"
