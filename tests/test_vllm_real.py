@@ -63,7 +63,8 @@ def one_update(policy, gen, group_size: int) -> None:
     policy.update(batch)
 
 
-def test_seeded_batch_past_the_prefill_budget_then_push_then_again(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_seeded_batch_past_the_prefill_budget_then_push_then_again(tmp_path, arch):
     """64 prompts of ~200 tokens x 4 seeded samples (about 13k prompt tokens, past the 8,192-token
     step budget): no crash; seeds give the same samples whether a prompt is batched with 63 others
     or 7; after a real update and a weight push the same batch samples again and its log-probs
@@ -71,7 +72,7 @@ def test_seeded_batch_past_the_prefill_budget_then_push_then_again(tmp_path):
     from conftest import small_config
     from dapo.policy import Policy
 
-    model_dir = build_tiny("llama", tmp_path / "m", hidden=64, layers=2, seed=1)
+    model_dir = build_tiny(arch, tmp_path / "m", hidden=64, layers=2, seed=1)
     cfg = small_config(tmp_path, model_dir, "rollout.backend=vllm", "rollout.kv_cache_gib=0.25", "model.device=cpu",
                        "rollout.temperature=1.0", "train.lr=1e-2", "train.max_tokens_per_micro_batch=8192")
     policy = Policy(cfg, torch.device("cpu"))
@@ -99,8 +100,9 @@ def test_seeded_batch_past_the_prefill_budget_then_push_then_again(tmp_path):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_train_eval_export_with_vllm(tmp_path, arch):
     """The whole path on both architectures with the real tokenizer: two DAPO steps sampling with
-    vLLM (weights pushed after each), evaluation before and after, then `dapo export` gives a model
-    directory that computes what the trained policy computes."""
+    vLLM (weights pushed after each; the push after a real update is the test above), evaluation
+    before and after, then `dapo export` gives a model directory that computes what the trained
+    policy computes."""
     from transformers import AutoModelForCausalLM
 
     from conftest import small_config
@@ -123,12 +125,10 @@ def test_train_eval_export_with_vllm(tmp_path, arch):
     out = export_hf(ckpt, tmp_path / "exported")
     exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     trained = AutoModelForCausalLM.from_pretrained(ckpt / "model", dtype=torch.float32)
-    original = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     assert exported.config.model_type == arch
     ids = torch.tensor([[1, 520, 7000, 33, IM_END]])
     with torch.no_grad():
         assert torch.equal(exported(ids).logits, trained(ids).logits)
-        assert not torch.equal(exported(ids).logits, original(ids).logits)  # two steps at lr 1e-3 moved it
 
 
 @needs_smollm2
