@@ -56,7 +56,9 @@ class RolloutConfig:
 
 @dataclass
 class RewardConfig:
-    grader: str = "auto"  # auto (by data_source) | dapo | math | gsm8k | arith
+    # auto: by data_source, routed as the reference does (math_dapo, math, aime* -> dapo); dapo: exactly verl's
+    # math_dapo ("025" != "25"); dapo_relaxed: dapo + equal integers in any spelling ("025" == "25"); math | gsm8k | arith
+    grader: str = "auto"
     num_workers: int = 2  # grading worker processes
     timeout_s: float = 5.0  # per-response time limit; a time-out scores as incorrect
 
@@ -329,8 +331,8 @@ def validate(cfg: Config) -> None:
     _check(cfg.model.dtype in ("float32", "bfloat16", "float16"), f"model.dtype={cfg.model.dtype!r}: float32, bfloat16 or float16")
     _check(cfg.model.device in ("auto", "cpu", "cuda"), f"model.device={cfg.model.device!r}: auto, cpu or cuda")
     _check(cfg.data.template in ("dapo", "raw"), f"data.template={cfg.data.template!r}: choose dapo or raw")
-    _check(cfg.reward.grader in ("auto", "dapo", "math", "gsm8k", "arith"),
-           f"reward.grader={cfg.reward.grader!r}: choose auto, dapo, math, gsm8k or arith")
+    _check(cfg.reward.grader in ("auto", "dapo", "dapo_relaxed", "math", "gsm8k", "arith"),
+           f"reward.grader={cfg.reward.grader!r}: choose auto, dapo, dapo_relaxed, math, gsm8k or arith")
     _check(cfg.reward.num_workers >= 1 and cfg.reward.timeout_s > 0, "reward.num_workers >= 1 and reward.timeout_s > 0")
     _check(e.n >= 1 and e.every_steps >= 0 and e.num_problems >= 0, "eval.n >= 1, eval.every_steps >= 0, eval.num_problems >= 0")
     _check(0 < e.top_p <= 1.0 and e.temperature >= 0, "eval.top_p in (0, 1] and eval.temperature >= 0 (0 = greedy)")
