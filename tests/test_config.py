@@ -39,6 +39,12 @@ def test_dotted_overrides_and_types():
     ("rollout.tensor_parallel_size=0", "rollout.tensor_parallel_size"),
     ("rollout.kv_cache_gib=-1", "rollout.kv_cache_gib"),
     ("rollout.gpu_memory_utilization=1.5", "rollout.gpu_memory_utilization"),
+    ("algo.buffer_max_groups=-1", "algo.buffer_max_groups"),
+    ("algo.buffer_logp=engine", "algo.buffer_logp"),            # the hf engine reports no log-probs
+    ("algo.rollout_is_cap=0.5", "algo.rollout_is_cap"),          # below 1
+    ("algo.rollout_is_cap=2", "algo.rollout_is_cap"),            # needs vllm's log-probs
+    ("algo.truncated_in_group_stats=false", "algo.truncated_in_group_stats"),  # without overlong filtering
+    ("reward.grader=minerva", "reward.grader"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError) as err:

@@ -77,14 +77,19 @@ class AlgoConfig:
     soft_overlong_punishment: bool = True  # add eq. 13's length penalty to the reward
     overlong_buffer_tokens: int = 8  # L_cache: the penalty ramps over the last this-many tokens
     overlong_penalty_factor: float = 1.0  # the penalty at L_max
-    overlong_filtering: bool = False  # mask truncated responses out of the loss (sec. 3.4)
+    overlong_filtering: bool = False  # mask truncated responses out of the loss (sec. 3.4; not in the reference code)
+    # with overlong_filtering: masked truncated responses still set their group's mean and std (true: the paper
+    # masks only their loss) or the baseline comes from the untruncated responses alone (false)
+    truncated_in_group_stats: bool = True
     dynamic_sampling: bool = True  # drop groups whose accuracies are all equal and sample again (sec. 3.2)
     filter_metric: str = "acc"  # what must vary within a group: acc (raw correctness) | reward (shaped)
     max_gen_rounds: int = 10  # cap on generation rounds per training step; 0 means no cap
     on_max_gen_rounds: str = "train"  # when the cap is hit: train (on what was kept, with a warning) | fail
     oversample: float = 1.0  # prompts generated per round = missing prompts * this (>= 1)
     adaptive_oversample: bool = False  # also divide by the measured keep rate, so most steps need one round
-    buffer_max_groups: int = 0  # surplus groups kept for the next step; 0 = prompts_per_step
+    buffer_max_groups: int = 0  # surplus informative groups kept for the next step; 0 discards them, as the reference
+    buffer_logp: str = "trainer"  # a buffered group's behaviour log-probs: trainer (computed when buffered) | engine (vllm's)
+    rollout_is_cap: float = 0.0  # C: each token's loss x min(pi_old / pi_rollout, C) on vllm's log-probs; 0 = off (the reference)
 
 
 @dataclass
@@ -301,6 +306,16 @@ def validate(cfg: Config) -> None:
     _check(a.on_max_gen_rounds in ("train", "fail"), f"algo.on_max_gen_rounds={a.on_max_gen_rounds!r}: choose train or fail")
     _check(a.max_gen_rounds >= 0, f"algo.max_gen_rounds={a.max_gen_rounds}: must be >= 0 (0 = no cap)")
     _check(a.oversample >= 1.0, f"algo.oversample={a.oversample}: must be >= 1")
+    _check(a.buffer_max_groups >= 0, f"algo.buffer_max_groups={a.buffer_max_groups}: must be >= 0 (0 = discard surplus groups)")
+    _check(a.buffer_logp in ("trainer", "engine"), f"algo.buffer_logp={a.buffer_logp!r}: choose trainer or engine")
+    _check(a.buffer_logp == "trainer" or r.backend == "vllm",
+           f"algo.buffer_logp=engine: rollout.backend={r.backend} reports no log-probs; use rollout.backend=vllm or trainer")
+    _check(a.rollout_is_cap == 0 or a.rollout_is_cap >= 1.0,
+           f"algo.rollout_is_cap={a.rollout_is_cap}: must be 0 (off) or >= 1 (a cap below 1 would shrink every token)")
+    _check(a.rollout_is_cap == 0 or r.backend == "vllm",
+           f"algo.rollout_is_cap={a.rollout_is_cap}: needs the engine's log-probs; rollout.backend={r.backend} has none (use vllm)")
+    _check(a.truncated_in_group_stats or a.overlong_filtering,
+           "algo.truncated_in_group_stats=false only applies with algo.overlong_filtering=true (masked rows need no advantage)")
     _check(a.correct_reward > a.wrong_reward, "algo.correct_reward must be greater than algo.wrong_reward")
     if a.soft_overlong_punishment:
         _check(0 < a.overlong_buffer_tokens <= r.max_response_tokens,

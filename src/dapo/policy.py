@@ -287,11 +287,12 @@ class Policy:
             logp, _ = token_logprobs(self.scorer, mb, temperature=self.cfg.rollout.temperature)
             old_logp = batch.old_logp[idx, : mb.width].to(self.device)
             adv = batch.adv[idx].to(self.device)
+            is_weights = None if batch.is_weights is None else batch.is_weights[idx, : mb.width].to(self.device)
             loss, stats = algo.policy_loss(
                 logp, old_logp, adv, mask,
                 eps_low=a.eps_low, eps_high=a.eps_high, loss_agg=a.loss_agg,
                 num_tokens=num_tokens, num_seqs=num_seqs,
-                norm_length=self.cfg.rollout.max_response_tokens, dual_clip=a.dual_clip,
+                norm_length=self.cfg.rollout.max_response_tokens, dual_clip=a.dual_clip, is_weights=is_weights,
             )
             pg_loss = loss.detach()
             if self.ref_model is not None and a.kl_coef > 0:
@@ -304,7 +305,7 @@ class Policy:
             loss.backward()
             weight = mask_cpu.sum() / num_tokens_cpu.clamp(min=1)  # this micro-batch's share of tokens
             sums["pg_loss"] = sums.get("pg_loss", 0) + pg_loss.cpu()
-            for k in ("clipfrac_high", "clipfrac_low", "approx_kl", "token_prob_mean"):
+            for k in ("clipfrac_high", "clipfrac_low", "clipfrac_dual", "approx_kl", "token_prob_mean"):
                 sums[k] = sums.get(k, 0) + stats[k].cpu() * weight
             up_max = torch.maximum(up_max, stats["up_clipped_prob_max"].cpu())
             sums["_up_sum"] = sums.get("_up_sum", 0) + (stats["up_clipped_prob_mean"] * stats["num_up_clipped"]).cpu()

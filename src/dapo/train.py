@@ -29,7 +29,7 @@ from rich.markup import escape
 from dapo import algo, checkpoint, parallel
 from dapo.batch import RolloutBatch
 from dapo.config import Config, ConfigError, dump_yaml
-from dapo.dynamic_sampling import CollectStats, Scorer, collect_batch
+from dapo.dynamic_sampling import CollectStats, Scorer, collect_batch, record_behaviour_logp
 from dapo.log import NullLogger, RunLogger
 from dapo.policy import DTYPES, Policy, load_model_and_tokenizer, pick_device
 from dapo.rollout import SamplingParams, ShardedRollout, make_rollout
@@ -153,12 +153,25 @@ def step_metrics(batch: RolloutBatch, cstats: CollectStats, update: dict, times:
     }
     if batch.rollout_logp:  # the engine's log-probs of its own samples vs the trainer's: numerics (and buffer staleness)
         T = batch.old_logp.shape[1]
-        rollout_logp = torch.tensor([lp + [0.0] * (T - len(lp)) for lp in batch.rollout_logp])  # (N, T)
+        rollout_logp = batch.padded_logp(batch.rollout_logp, T)  # (N, T)
         diff = (rollout_logp - batch.old_logp).abs()[torch.arange(T)[None, :] < batch.response_lengths[:, None]]
         m["rollout/logprob_abs_diff_mean"], m["rollout/logprob_abs_diff_max"] = diff.mean(), diff.max()
     m.update({f"perf/time_{k}_s": v for k, v in times.items()})
     m.update({f"actor/{k}": v for k, v in update.items()})
     return m
+
+
+def importance_weights(batch: RolloutBatch, cap: float) -> dict:
+    """Truncated importance sampling on the engine's log-probs (algo.truncated_is_weights): sets
+    ``batch.is_weights`` and returns its statistics; nothing when ``cap`` is 0 (off, the reference)."""
+    if cap <= 0:
+        return {}
+    if not batch.rollout_logp:
+        raise ValueError("algo.rollout_is_cap > 0 needs the rollout engine's log-probs; this batch has none")
+    T = batch.old_logp.shape[1]
+    batch.is_weights, stats = algo.truncated_is_weights(
+        batch.old_logp, batch.padded_logp(batch.rollout_logp, T), batch.response_mask(width=T), cap=cap)  # (N, T)
+    return {f"rollout/{k}": v for k, v in stats.items()}
 
 
 def train(cfg: Config, *, console=None) -> dict:
@@ -244,10 +257,16 @@ def train(cfg: Config, *, console=None) -> dict:
                 continue
             if a.overlong_filtering:
                 batch.trainable = ~batch.truncated  # sec. 3.4: truncated answers carry no learning signal
-            batch.adv = algo.group_advantages(batch.reward, r.group_size, scale_by_std=a.scale_adv_by_std)  # (N,)
+            in_baseline = None if a.truncated_in_group_stats else ~batch.truncated  # the paper masks only the loss
+            batch.adv = algo.group_advantages(batch.reward, r.group_size, scale_by_std=a.scale_adv_by_std,
+                                              in_baseline=in_baseline)  # (N,)
             engine.sleep()  # a colocated engine frees its memory for the trainer; no-op for hf
             t0 = time.perf_counter()
+            if state.buffer:  # held-over groups keep the log-probs of the weights that sampled them (still loaded)
+                record_behaviour_logp(state.buffer, policy.compute_logprobs, source=a.buffer_logp)
             batch.old_logp, batch.entropy = policy.compute_logprobs(batch, with_entropy=True)  # (N, T)
+            batch.old_logp = batch.behaviour_old_logp(batch.old_logp)  # held-over groups: the weights that sampled them
+            is_stats = importance_weights(batch, a.rollout_is_cap)  # engine vs trainer sampling; off unless cap > 0
             if policy.ref_model is not None:
                 batch.ref_logp, _ = policy.compute_logprobs(batch, model=policy.ref_model)  # (N, T)
             t1 = time.perf_counter()
@@ -258,6 +277,7 @@ def train(cfg: Config, *, console=None) -> dict:
             t3 = time.perf_counter()
             times = {"old_logprob": t1 - t0, "update": t2 - t1, "weight_sync": t3 - t2}
             metrics = step_metrics(batch, cstats, update, times, len(state.buffer))
+            metrics.update(is_stats)
             metrics["sampling/gen_rounds_total"] = state.gen_rounds
             if step == cfg.train.total_steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0):
                 metrics.update(run_eval())
