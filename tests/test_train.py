@@ -210,6 +210,40 @@ def test_truncated_importance_sampling_weights_each_tokens_loss(tiny_model_dir, 
     assert torch.allclose(deltas[1], 2 * deltas[0], atol=1e-6)
 
 
+def test_bf16_compute_updates_float32_master_weights_like_a_float32_update(tiny_model_dir, tmp_path):
+    """At lr 1e-6 AdamW moves every weight by about 1e-6, far below bf16's resolution; with float32
+    masters the bf16-compute update equals the float32 one up to bf16 noise in the gradient."""
+    batch, deltas = None, {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = small_config(tmp_path, tiny_model_dir, f"model.dtype={dtype}", "train.lr=1e-6",
+                           "train.prompts_per_step=3", "train.mini_batch_prompts=3")
+        policy = Policy(cfg, torch.device("cpu"))
+        batch = batch or sampled_batch(policy)  # the same samples for both
+        batch.old_logp, _ = policy.compute_logprobs(batch)  # each under its own compute dtype: ratio 1
+        trained = policy.master if dtype == "bfloat16" else list(policy.model.parameters())
+        assert all(p.dtype == torch.float32 for p in trained) and len(trained) == len(list(policy.model.parameters()))
+        before = torch.cat([p.detach().flatten() for p in trained])
+        policy.update(batch)
+        after = torch.cat([p.detach().flatten() for p in trained])
+        deltas[dtype] = after - before
+        if dtype == "bfloat16":
+            assert all(p.dtype == torch.bfloat16 for p in policy.model.parameters())
+            # the model computes with the masters rounded to bf16 ...
+            assert all(torch.equal(p, m.bfloat16()) for p, m in zip(policy.model.parameters(), policy.master))
+            # ... which would have swallowed nearly every update had AdamW stepped the bf16 weights
+            assert (before.bfloat16() == after.bfloat16()).float().mean() > 0.9
+    d32, d16 = deltas["float32"], deltas["bfloat16"]
+    assert d32.abs().mean().item() == pytest.approx(1e-6, rel=0.01)  # Adam's first step: lr per weight
+    assert d16.abs().mean().item() == pytest.approx(d32.abs().mean().item(), rel=0.01)
+    assert (torch.sign(d16) == torch.sign(d32)).float().mean() > 0.98  # a few near-zero gradients flip sign
+    assert (d16 - d32).abs().sum() / d32.abs().sum() < 0.03
+    # a checkpoint's trainer state carries the masters, so a resumed run continues from them, not from bf16
+    restored = Policy(cfg, torch.device("cpu"))
+    restored.load_trainer_state(policy.trainer_state())
+    assert all(torch.equal(a, b) for a, b in zip(restored.master, policy.master))
+    assert all(torch.equal(a, b) for a, b in zip(restored.model.parameters(), policy.model.parameters()))
+
+
 def test_two_step_smoke_trains_every_parameter(tiny_model_dir, tmp_path):
     cfg = small_config(tmp_path, tiny_model_dir, "algo.overlong_filtering=true", "algo.kl_coef=0.01")
     from dapo.policy import load_model_and_tokenizer
