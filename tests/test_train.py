@@ -256,7 +256,12 @@ def test_two_step_smoke_trains_every_parameter(tiny_model_dir, tmp_path):
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "reward/score_mean"):
             assert torch.isfinite(torch.tensor(r[key])), key
         assert r["sampling/gen_rounds"] == 1 and r["sampling/prompts_kept"] == 4
+        # verl's names beside the project's (docs/metrics.md)
+        assert r["actor/pg_clipfrac"] == pytest.approx(r["actor/clipfrac_high"] + r["actor/clipfrac_low"])
+        assert (r["response_length/mean"], r["critic/score/mean"], r["actor/ppo_kl"], r["actor/pg_clipfrac_lower"]) == (
+            r["rollout/response_length_mean"], r["reward/score_mean"], r["actor/approx_kl"], r["actor/clipfrac_dual"])
     assert "eval/arith/avg@2" in last and "eval/arith/pass@2" in last
+    assert last["val-core/arith/acc/mean@2"] == last["eval/arith/avg@2"]
     trained, _ = load_model_and_tokenizer(cfg.run_dir / "checkpoints" / "step_000002" / "model")
     unchanged = [n for (n, p), (_, q) in zip(initial.named_parameters(), trained.named_parameters()) if torch.equal(p, q)]
     assert not unchanged

@@ -116,21 +116,35 @@ def grading_pool(cfg: Config, d: parallel.Dist):
         yield parallel.OnMain(pool, d) if d.sharded else pool
 
 
-def step_metrics(batch: RolloutBatch, cstats: CollectStats, update: dict, times: dict, buffer_size: int) -> dict:
+def step_metrics(batch: RolloutBatch, cstats: CollectStats, update: dict, times: dict, buffer_size: int, *,
+                 max_prompt_tokens: int = 0, max_response_tokens: int = 0) -> dict:
     lengths = batch.response_lengths.float()  # (N,)
+    prompt_lengths = torch.tensor([len(p) for p in batch.prompt_ids], dtype=torch.float32)  # (N,)
     mask = batch.response_mask()
     samples_trained = len(batch)
+    adv_tokens = batch.adv.repeat_interleave(batch.response_lengths)  # every response token, as verl's data metrics
     m = {
         "reward/score_mean": batch.reward.mean(),
+        "reward/score_max": batch.reward.max(),
+        "reward/score_min": batch.reward.min(),
         "reward/acc_mean": batch.acc.mean(),
         "reward/overlong_penalty_mean": batch.overlong.mean(),
         "reward/timeouts": cstats.timeouts,
         "rollout/acc_mean": cstats.acc_sum / max(cstats.samples_generated, 1),
         "rollout/response_length_mean": lengths.mean(),
         "rollout/response_length_max": lengths.max(),
+        "rollout/response_length_min": lengths.min(),
+        "rollout/response_length_clip_frac": (lengths == max_response_tokens).float().mean(),  # at the limit, EOS or not
+        "rollout/prompt_length_mean": prompt_lengths.mean(),
+        "rollout/prompt_length_max": prompt_lengths.max(),
+        "rollout/prompt_length_min": prompt_lengths.min(),
+        "rollout/prompt_length_clip_frac": (prompt_lengths == max_prompt_tokens).float().mean(),  # cut from the left
         "rollout/truncated_frac": batch.truncated.float().mean(),
         "actor/entropy": (batch.entropy[:, : mask.shape[1]] * mask).sum() / mask.sum().clamp(min=1),
         "actor/adv_abs_mean": batch.adv.abs().mean(),
+        "actor/adv_token_mean": adv_tokens.mean(),
+        "actor/adv_token_max": adv_tokens.max(),
+        "actor/adv_token_min": adv_tokens.min(),
         "sampling/gen_rounds": cstats.rounds,
         "sampling/prompts_generated": cstats.prompts_generated,
         "sampling/prompts_kept": cstats.groups_kept,
@@ -276,7 +290,8 @@ def train(cfg: Config, *, console=None) -> dict:
             engine.update_weights(policy.named_weights())
             t3 = time.perf_counter()
             times = {"old_logprob": t1 - t0, "update": t2 - t1, "weight_sync": t3 - t2}
-            metrics = step_metrics(batch, cstats, update, times, len(state.buffer))
+            metrics = step_metrics(batch, cstats, update, times, len(state.buffer),
+                                   max_prompt_tokens=cfg.data.max_prompt_tokens, max_response_tokens=r.max_response_tokens)
             metrics.update(is_stats)
             metrics["sampling/gen_rounds_total"] = state.gen_rounds
             if step == cfg.train.total_steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0):
