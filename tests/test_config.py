@@ -12,6 +12,9 @@ def test_presets_load():
     assert cfg.rollout.group_size == 16 and cfg.rollout.max_response_tokens == 20480
     assert cfg.algo.overlong_buffer_tokens == 4096 and cfg.algo.kl_coef == 0.0
     assert (cfg.eval.n, cfg.eval.top_p, cfg.train.lr, cfg.train.warmup_steps) == (32, 0.7, 1e-6, 20)
+    assert cfg.rollout.tensor_parallel_size == 4  # the reference's gen_tp: 1/4 of the bf16 weights per GPU
+    assert cfg.algo.buffer_max_groups == 0 and cfg.algo.rollout_is_cap == 0.0 and cfg.reward.grader == "dapo"
+    assert load_config("configs/dapo_qwen2.5_7b.yaml").rollout.tensor_parallel_size == 1
     grpo = load_config("configs/grpo_baseline.yaml")  # inherits the paper preset through `base:`
     assert grpo.algo.eps_high == 0.2 and grpo.algo.loss_agg == "seq-mean-token-mean" and grpo.algo.kl_coef > 0
     assert not grpo.algo.dynamic_sampling and not grpo.algo.soft_overlong_punishment
