@@ -65,3 +65,14 @@ def test_bad_files(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="key=value"):
         load_config(None, ["algo.eps_high"])
+    bad.write_text("base: 3\n")
+    with pytest.raises(ConfigError, match="base: expected a preset path or a list"):
+        load_config(bad)
+
+
+def test_a_preset_on_several_bases_applies_them_in_order(tmp_path):
+    (tmp_path / "a.yaml").write_text("algo:\n  eps_high: 0.3\n  kl_coef: 0.1\n")
+    (tmp_path / "b.yaml").write_text("algo:\n  kl_coef: 0.2\n")
+    (tmp_path / "c.yaml").write_text("base: [a.yaml, b.yaml]\ntrain:\n  total_steps: 7\n")
+    cfg = load_config(tmp_path / "c.yaml")
+    assert (cfg.algo.eps_high, cfg.algo.kl_coef, cfg.train.total_steps) == (0.3, 0.2, 7)

@@ -245,7 +245,7 @@ def _dotted_to_nested(items: list[str]) -> dict:
 
 
 def _read_preset(path: Path, seen: tuple = ()) -> list[dict]:
-    """The preset and the presets it names with ``base:`` (relative to it), base first."""
+    """The preset and the presets it names with ``base:`` (a path or a list, relative to it), bases first, in order."""
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist; presets live in configs/")
     if path.resolve() in seen:
@@ -257,7 +257,10 @@ def _read_preset(path: Path, seen: tuple = ()) -> list[dict]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     base = data.pop("base", None)
-    chain = _read_preset(path.parent / base, seen + (path.resolve(),)) if base else []
+    bases = [] if base is None else base if isinstance(base, list) else [base]
+    if not all(isinstance(b, str) and b for b in bases):
+        raise ConfigError(f"{path}: base: expected a preset path or a list of them, got {base!r}")
+    chain = [d for b in bases for d in _read_preset(path.parent / b, seen + (path.resolve(),))]
     return chain + [data]
 
 
