@@ -22,7 +22,8 @@ def flat(cfg) -> dict:
     return out
 
 
-# row -> the one key it changes and its new value (the paper's Table 1, then dropping the KL term)
+# row -> the one key it changes and its new value (the paper's Table 1, then the KL term and overlong
+# filtering go, which gives the recipe the reference runs)
 EXPECTED = {
     "2_overlong_filtering": ("algo.overlong_filtering", True),
     "3_clip_higher": ("algo.eps_high", 0.28),
@@ -30,7 +31,13 @@ EXPECTED = {
     "5_token_loss": ("algo.loss_agg", "token-mean"),
     "6_dynamic_sampling": ("algo.dynamic_sampling", True),
     "7_no_kl": ("algo.kl_coef", 0.0),
+    "8_no_overlong_filtering": ("algo.overlong_filtering", False),
 }
+# the technique switches: what the last row must share with the DAPO preset on any base
+SWITCHES = ("eps_low", "eps_high", "loss_agg", "kl_coef", "kl_kind", "dual_clip", "correct_reward", "wrong_reward",
+            "soft_overlong_punishment", "overlong_penalty_factor", "overlong_filtering", "truncated_in_group_stats",
+            "dynamic_sampling", "filter_metric", "scale_adv_by_std", "buffer_max_groups", "rollout_is_cap")
+DAPO = REPO / "configs" / "dapo_qwen2.5_32b.yaml"
 
 
 @pytest.mark.parametrize("base", ["configs/ablation/base.yaml", "configs/dapo_qwen2.5_32b.yaml"])
@@ -41,7 +48,7 @@ def test_each_row_adds_exactly_one_technique(base):
     first = cfgs[0]
     # naive GRPO: symmetric clip, sample-level loss, KL loss, hard truncation penalty, no filtering or resampling
     assert (first["algo.eps_low"], first["algo.eps_high"], first["algo.loss_agg"]) == (0.2, 0.2, "seq-mean-token-mean")
-    assert first["algo.kl_coef"] > 0 and first["algo.kl_kind"] == "k3"
+    assert first["algo.kl_coef"] == 0.001 and first["algo.kl_kind"] == "k3" and first["algo.dual_clip"] == 10.0
     assert not (first["algo.soft_overlong_punishment"] or first["algo.overlong_filtering"] or first["algo.dynamic_sampling"])
     for row, prev, cur in zip(rows[1:], cfgs, cfgs[1:]):
         diff = {k: (prev[k], cur[k]) for k in cur if cur[k] != prev[k]}
@@ -50,12 +57,42 @@ def test_each_row_adds_exactly_one_technique(base):
         assert (ROWS / row.name).read_text().count("base:") == 1  # each row inherits the previous one
 
 
+@pytest.mark.parametrize("base", ["configs/ablation/base.yaml", "configs/dapo_qwen2.5_32b.yaml"])
+def test_the_last_row_is_the_dapo_preset(base):
+    last = load_config([REPO / base, ablate.find_rows(ROWS)[-1]]).algo
+    dapo = load_config(DAPO).algo
+    assert {k: getattr(last, k) for k in SWITCHES} == {k: getattr(dapo, k) for k in SWITCHES}
+    assert (last.eps_high, last.loss_agg, last.kl_coef, last.overlong_filtering, last.dynamic_sampling) == (
+        0.28, "token-mean", 0.0, False, True)
+    if base.endswith("32b.yaml"):  # on the paper's scale, the whole algorithm section
+        assert last == dapo
+
+
+def test_naive_grpo_has_one_definition():
+    baseline = load_config(REPO / "configs" / "grpo_baseline.yaml")
+    assert baseline.algo == load_config([DAPO, ROWS / "1_grpo.yaml"]).algo
+    assert baseline.train == load_config(DAPO).train  # the paper preset's scale
+    assert "algo:" not in (REPO / "configs" / "grpo_baseline.yaml").read_text()
+
+
+def test_a_run_directory_of_another_config_is_refused(tmp_path):
+    base_run, runs = ablate.plan(REPO / "configs/ablation/base.yaml", ablate.find_rows(ROWS, ["1"]), [0], tmp_path, [])
+    run = runs[0]
+    run.dir.mkdir(parents=True)
+    (run.dir / "ablation_config.yaml").write_text(ablate.dump_yaml(run.cfg).replace("total_steps: 40", "total_steps: 80"))
+    assert not ablate.conflicts(run)  # a longer (or shorter) study continues the run from its checkpoint
+    (run.dir / "ablation_config.yaml").write_text(ablate.dump_yaml(run.cfg).replace("kl_coef: 0.001", "kl_coef: 0.04"))
+    assert ablate.conflicts(run)  # an old definition of the row would be resumed and reported as the new one
+    with pytest.raises(ConfigError, match="another config"):
+        ablate.run_all(base_run, runs, jobs=1)
+
+
 def test_rows_hold_only_technique_switches_so_the_base_keeps_its_scale():
     for row in ablate.find_rows(ROWS):
         for base in ("configs/ablation/base.yaml", "configs/dapo_qwen2.5_32b.yaml"):
             on_row, alone = flat(load_config([REPO / base, row])), flat(load_config(REPO / base))
             assert {k.split(".")[0] for k in on_row if on_row[k] != alone[k]} <= {"algo"}, (row.stem, base)
-    big = load_config([REPO / "configs/dapo_qwen2.5_32b.yaml", ROWS / "7_no_kl.yaml"])
+    big = load_config([REPO / "configs/dapo_qwen2.5_32b.yaml", ROWS / "8_no_overlong_filtering.yaml"])
     assert (big.train.prompts_per_step, big.rollout.max_response_tokens, big.eval.n) == (512, 20480, 32)
 
 
@@ -91,7 +128,8 @@ def test_ablate_smoke_report_figures_and_resume(tiny_model_dir, tmp_path, capsys
     out = tmp_path / "study"
     assert ablate.main(smoke_args(out, tiny_model_dir)) == 0
     report = (out / "report.md").read_text()
-    assert "| naive GRPO |" in report and "| + dynamic sampling (DAPO) |" in report and "| base model (step 0) |" in report
+    assert "| naive GRPO |" in report and "| + dynamic sampling (the paper's DAPO row) |" in report
+    assert "| base model (step 0) |" in report
     summary = json.loads((out / "report.json").read_text())
     assert [r["row"] for r in summary["rows"]] == ["1_grpo", "6_dynamic_sampling"]
     assert all(r["seeds"] == [0] and len(r["acc_per_seed"]) == 1 for r in summary["rows"])
@@ -106,7 +144,7 @@ def test_ablate_smoke_report_figures_and_resume(tiny_model_dir, tmp_path, capsys
             assert key in metrics[-1], key
         assert 0.0 <= metrics[-1]["sampling/all_correct_frac"] + metrics[-1]["sampling/all_wrong_frac"] <= 1.0
     grpo = load_config(out / "1_grpo" / "seed0" / "ablation_config.yaml")
-    assert grpo.algo.kl_coef == 0.04 and grpo.train.total_steps == 2 and grpo.train.seed == 0
+    assert grpo.algo.kl_coef == 0.001 and grpo.train.total_steps == 2 and grpo.train.seed == 0
     pngs = {p.name for p in (out / "figures").glob("*.png")}
     assert {"accuracy.png", "entropy.png", "response_length.png", "clipfrac_high.png", "up_clipped_prob_max.png",
             "all_correct_frac.png", "all_wrong_frac.png", "accuracy_vs_samples.png"} <= pngs

@@ -24,6 +24,27 @@ def test_dr_grpo_advantage_is_centered_reward():
     assert torch.allclose(adv, torch.tensor([1.5, -0.5, -0.5, -0.5]))
 
 
+def test_truncated_rows_out_of_the_baseline_hand_computed():
+    # one group: right, wrong, wrong, and a truncated wrong answer at -2 (-1 and the full soft penalty)
+    rewards = torch.tensor([1.0, -1.0, -1.0, -2.0])
+    truncated = torch.tensor([False, False, False, True])
+    # in the baseline (the paper masks only the loss): mean -0.75, unbiased std sqrt(4.75 / 3)
+    s_all = math.sqrt(4.75 / 3)
+    inside = algo.group_advantages(rewards, 4)
+    assert torch.allclose(inside, torch.tensor([1.75, -0.25, -0.25, -1.25]) / s_all, atol=1e-5)
+    # out of it: the baseline of [1, -1, -1] is mean -1/3, unbiased std sqrt(4/3); the masked row gets 0
+    s_in = math.sqrt(4 / 3)
+    outside = algo.group_advantages(rewards, 4, in_baseline=~truncated)
+    assert torch.allclose(outside, torch.tensor([(4 / 3) / s_in, (-2 / 3) / s_in, (-2 / 3) / s_in, 0.0]), atol=1e-5)
+    assert outside[0].item() == pytest.approx(1.1547, abs=1e-4) and inside[0].item() == pytest.approx(1.3908, abs=1e-4)
+    # Dr. GRPO form: only the centring changes
+    plain = algo.group_advantages(rewards, 4, scale_by_std=False, in_baseline=~truncated)
+    assert torch.allclose(plain, torch.tensor([4 / 3, -2 / 3, -2 / 3, 0.0]), atol=1e-6)
+    # a group left with one untruncated answer has no baseline, so no advantage
+    lone = algo.group_advantages(torch.tensor([1.0, -2.0, -2.0, -2.0]), 4, in_baseline=torch.tensor([1, 0, 0, 0]).bool())
+    assert torch.equal(lone, torch.zeros(4))
+
+
 def test_constant_group_has_zero_advantage_and_is_filtered():
     rewards = torch.tensor([1.0, 1.0, 1.0, -1.0, 1.0, -1.0, -1.0, -1.0, -1.0])
     adv = algo.group_advantages(rewards, 3)
@@ -104,6 +125,40 @@ def test_dual_clip_bounds_negative_advantage_loss():
     assert loss.item() == pytest.approx(20.0)  # -adv * c
     loss_free, _ = algo.policy_loss(logp, old, torch.tensor([-2.0]), mask, dual_clip=None)
     assert loss_free.item() == pytest.approx(100.0, rel=1e-5)
+
+
+def test_clip_fractions_as_the_reference_counts_them():
+    # ratios 1.5, 0.5, 12, 1.0 with advantages +1, -1, -1, -1; dual clip c = 10
+    old = torch.log(torch.full((4, 1), 0.05))
+    logp = old + torch.log(torch.tensor([[1.5], [0.5], [12.0], [1.0]]))
+    adv = torch.tensor([1.0, -1.0, -1.0, -1.0])
+    loss, stats = algo.policy_loss(logp, old, adv, torch.ones(4, 1), eps_low=0.2, eps_high=0.28, dual_clip=10.0)
+    # per token: -1.28 (clipped at the top), 0.8 (at the bottom), min(12, 10) = 10 (dual clip), 1.0
+    assert loss.item() == pytest.approx((-1.28 + 0.8 + 10.0 + 1.0) / 4, abs=1e-5)
+    assert stats["clipfrac_high"].item() == pytest.approx(0.25)
+    assert stats["clipfrac_low"].item() == pytest.approx(0.25)
+    assert stats["clipfrac_dual"].item() == pytest.approx(0.25)  # verl's actor/pg_clipfrac_lower
+    _, no_dual = algo.policy_loss(logp, old, adv, torch.ones(4, 1), eps_low=0.2, eps_high=0.28, dual_clip=None)
+    assert no_dual["clipfrac_dual"].item() == 0.0
+
+
+def test_truncated_is_weights_hand_computed():
+    # trainer vs engine log-probs of 5 tokens of 2 responses; the last position of row 1 is padding
+    ratios = torch.tensor([[1.0, 2.0, 4.0], [0.5, 3.5, 9.0]])
+    rollout_logp = torch.log(torch.tensor([[0.4, 0.2, 0.1], [0.6, 0.2, 0.1]]))
+    old_logp = rollout_logp + torch.log(ratios)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    w, stats = algo.truncated_is_weights(old_logp, rollout_logp, mask, cap=3.0)
+    assert torch.allclose(w, torch.tensor([[1.0, 2.0, 3.0], [0.5, 3.0, 0.0]]), atol=1e-5)
+    assert stats["is_weight_mean"].item() == pytest.approx((1 + 2 + 3 + 0.5 + 3) / 5, abs=1e-5)
+    assert stats["is_truncated_frac"].item() == pytest.approx(2 / 5)  # 4.0 and 3.5 exceed the cap; padding does not count
+    # each token's clipped loss is scaled by its weight: ratio 1 everywhere, adv +1 and -1
+    logp = torch.zeros(2, 3, requires_grad=True)
+    loss, _ = algo.policy_loss(logp, logp.detach(), torch.tensor([1.0, -1.0]), mask, is_weights=w)
+    assert loss.item() == pytest.approx((-(1 + 2 + 3) + (0.5 + 3)) / 5, abs=1e-5)
+    loss.backward()
+    # d(-adv * w * ratio)/d logp = -adv * w / num_tokens
+    assert torch.allclose(logp.grad, torch.tensor([[-1.0, -2.0, -3.0], [0.5, 3.0, 0.0]]) / 5, atol=1e-6)
 
 
 def test_token_mean_vs_sample_mean_vs_dr_grpo():

@@ -12,6 +12,9 @@ def test_presets_load():
     assert cfg.rollout.group_size == 16 and cfg.rollout.max_response_tokens == 20480
     assert cfg.algo.overlong_buffer_tokens == 4096 and cfg.algo.kl_coef == 0.0
     assert (cfg.eval.n, cfg.eval.top_p, cfg.train.lr, cfg.train.warmup_steps) == (32, 0.7, 1e-6, 20)
+    assert cfg.rollout.tensor_parallel_size == 4  # the reference's gen_tp: 1/4 of the bf16 weights per GPU
+    assert cfg.algo.buffer_max_groups == 0 and cfg.algo.rollout_is_cap == 0.0 and cfg.reward.grader == "dapo"
+    assert load_config("configs/dapo_qwen2.5_7b.yaml").rollout.tensor_parallel_size == 1
     grpo = load_config("configs/grpo_baseline.yaml")  # inherits the paper preset through `base:`
     assert grpo.algo.eps_high == 0.2 and grpo.algo.loss_agg == "seq-mean-token-mean" and grpo.algo.kl_coef > 0
     assert not grpo.algo.dynamic_sampling and not grpo.algo.soft_overlong_punishment
@@ -39,6 +42,12 @@ def test_dotted_overrides_and_types():
     ("rollout.tensor_parallel_size=0", "rollout.tensor_parallel_size"),
     ("rollout.kv_cache_gib=-1", "rollout.kv_cache_gib"),
     ("rollout.gpu_memory_utilization=1.5", "rollout.gpu_memory_utilization"),
+    ("algo.buffer_max_groups=-1", "algo.buffer_max_groups"),
+    ("algo.buffer_logp=engine", "algo.buffer_logp"),            # the hf engine reports no log-probs
+    ("algo.rollout_is_cap=0.5", "algo.rollout_is_cap"),          # below 1
+    ("algo.rollout_is_cap=2", "algo.rollout_is_cap"),            # needs vllm's log-probs
+    ("algo.truncated_in_group_stats=false", "algo.truncated_in_group_stats"),  # without overlong filtering
+    ("reward.grader=minerva", "reward.grader"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError) as err:
@@ -56,3 +65,14 @@ def test_bad_files(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="key=value"):
         load_config(None, ["algo.eps_high"])
+    bad.write_text("base: 3\n")
+    with pytest.raises(ConfigError, match="base: expected a preset path or a list"):
+        load_config(bad)
+
+
+def test_a_preset_on_several_bases_applies_them_in_order(tmp_path):
+    (tmp_path / "a.yaml").write_text("algo:\n  eps_high: 0.3\n  kl_coef: 0.1\n")
+    (tmp_path / "b.yaml").write_text("algo:\n  kl_coef: 0.2\n")
+    (tmp_path / "c.yaml").write_text("base: [a.yaml, b.yaml]\ntrain:\n  total_steps: 7\n")
+    cfg = load_config(tmp_path / "c.yaml")
+    assert (cfg.algo.eps_high, cfg.algo.kl_coef, cfg.train.total_steps) == (0.3, 0.2, 7)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from dapo.config import AlgoConfig
-from dapo.dynamic_sampling import GenerationCapError, Scored, collect_batch
+from dapo.batch import RolloutBatch
+from dapo.dynamic_sampling import GenerationCapError, Scored, collect_batch, record_behaviour_logp
 from dapo.rollout.base import Generation, SamplingParams
 
 
@@ -51,13 +52,14 @@ def stub_scorer(pattern):
     return score
 
 
-def run(examples, *, num_prompts, buffer=None, **algo):
+def run(examples, *, num_prompts, buffer=None, max_buffer_groups=0, **algo):
     cfg = AlgoConfig(**algo)
     engine = EchoEngine()
     buffer = [] if buffer is None else buffer
     batch, stats = collect_batch(
         engine=engine, sampler=ListSampler(examples), scorer=stub_scorer(None), encode=lambda ex: [int(ex.uid)],
         buffer=buffer, num_prompts=num_prompts, sampling=SamplingParams(n=4), algo_cfg=cfg, round_seed=lambda k: k,
+        max_buffer_groups=max_buffer_groups,
     )
     return batch, stats, buffer, engine
 
@@ -78,15 +80,71 @@ def test_refills_until_batch_is_full_and_keeps_prompt_major_groups():
     assert all(len(set(batch.example_uids[i * 4:(i + 1) * 4])) == 1 for i in range(5))
 
 
+def test_surplus_groups_are_discarded_by_default_as_the_reference_does():
+    examples = [Ex(str(i), "mixed") for i in range(100)]
+    batch, stats, buffer, _ = run(examples, num_prompts=3, max_gen_rounds=0, oversample=2.0)
+    assert batch.num_groups == 3 and buffer == []  # generated 6 informative groups, trained the first 3
+    assert batch.example_uids[::4] == ["0", "1", "2"] and stats.groups_kept == 3
+    assert AlgoConfig().buffer_max_groups == 0
+
+
 def test_surplus_groups_go_to_the_buffer_and_are_used_first():
     examples = [Ex(str(i), "mixed") for i in range(100)]
-    cfg = dict(max_gen_rounds=0, oversample=2.0)
+    cfg = dict(max_gen_rounds=0, oversample=2.0, max_buffer_groups=2)
     batch, stats, buffer, _ = run(examples, num_prompts=3, **cfg)
-    assert batch.num_groups == 3 and len(buffer) == 3  # generated 6, kept all
+    assert batch.num_groups == 3 and len(buffer) == 2  # generated 6, kept all, buffered the newest 2
     assert batch.example_uids[::4] == ["0", "1", "2"]
-    batch2, stats2, buffer2, engine2 = run(examples, num_prompts=3, buffer=buffer, **cfg)
-    assert stats2.groups_from_buffer == 3 and stats2.rounds == 0 and engine2.calls == []
-    assert batch2.example_uids[::4] == ["3", "4", "5"]
+    assert [b.example_uids[0] for b in buffer] == ["4", "5"]  # the oldest surplus group went first
+    batch2, stats2, buffer2, engine2 = run(examples, num_prompts=2, buffer=buffer, **cfg)
+    assert stats2.groups_from_buffer == 2 and stats2.rounds == 0 and engine2.calls == []
+    assert batch2.example_uids[::4] == ["4", "5"]
+
+
+def one_group(uid, lengths, rollout_logp=None):
+    return RolloutBatch(group_size=len(lengths), prompt_ids=[[1]] * len(lengths),
+                        response_ids=[[7] * n for n in lengths], truncated=torch.zeros(len(lengths), dtype=torch.bool),
+                        texts=[""] * len(lengths), example_uids=[uid] * len(lengths), ground_truths=["0"] * len(lengths),
+                        rollout_logp=rollout_logp or [])
+
+
+def test_buffered_groups_record_the_sampling_policys_log_probs_once():
+    calls = []
+
+    def logprobs(batch):  # stands in for Policy.compute_logprobs: row r, token t -> -(r + 1) - t / 10
+        calls.append(batch.example_uids[:: batch.group_size])
+        T = batch.max_response_len
+        return -(torch.arange(len(batch))[:, None] + 1.0) - torch.arange(T)[None, :] / 10, None
+
+    old = one_group("a", [1, 1])
+    old.behaviour_logp = [[-9.0], [-8.0]]  # buffered at an earlier step: left as it is
+    buffer = [old, one_group("b", [2, 1]), one_group("c", [3, 2])]
+    record_behaviour_logp(buffer, logprobs, source="trainer")
+    assert calls == [["b", "c"]]  # one pass over the new groups only
+    assert buffer[0].behaviour_logp == [[-9.0], [-8.0]]
+    assert buffer[1].behaviour_logp == [pytest.approx([-1.0, -1.1]), pytest.approx([-2.0])]
+    assert buffer[2].behaviour_logp == [pytest.approx([-3.0, -3.1, -3.2]), pytest.approx([-4.0, -4.1])]
+    # from the engine: vLLM's own log-probs of its samples
+    eng = [one_group("d", [2, 1], rollout_logp=[[-0.5, -0.25], [-2.0]])]
+    record_behaviour_logp(eng, logprobs, source="engine")
+    assert eng[0].behaviour_logp == [[-0.5, -0.25], [-2.0]] and len(calls) == 1
+    with pytest.raises(ValueError, match="buffer_logp=engine"):
+        record_behaviour_logp([one_group("e", [1, 1])], logprobs, source="engine")
+
+
+def test_held_over_rows_take_their_behaviour_log_probs_as_old_logp():
+    held = one_group("a", [2, 1])
+    held.behaviour_logp = [[-0.5, -0.7], [-0.2]]
+    fresh = one_group("b", [1, 3])
+    batch = RolloutBatch.concat([fresh, held])  # the step's batch: new groups and a buffered one
+    assert batch.behaviour_logp == [None, None, [-0.5, -0.7], [-0.2]]
+    recomputed = torch.full((4, 3), -1.0)  # under the current weights
+    old = batch.behaviour_old_logp(recomputed)
+    expected = torch.tensor([[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0], [-0.5, -0.7, 0.0], [-0.2, 0.0, 0.0]])
+    assert torch.equal(old, expected)
+    assert torch.equal(fresh.behaviour_old_logp(recomputed[:2]), recomputed[:2])  # nothing held over: unchanged
+    # a checkpointed buffer keeps them
+    restored = RolloutBatch.from_state(held.state())
+    assert restored.behaviour_logp == [[-0.5, -0.7], [-0.2]]
 
 
 def test_cap_trains_on_what_it_has_with_a_warning():

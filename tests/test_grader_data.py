@@ -127,7 +127,11 @@ def test_aime2024_files_agree_once_spelling_is_ignored():
     assert sorted(int(a) for a in padded) == sorted(int(a) for a in plain)
     # Under the exact reference compare "025" != "25"; the integer relaxation makes them equal.
     for a in padded:
-        assert grade(f"Answer: {a}", str(int(a)), "dapo").acc
+        assert grade(f"Answer: {a}", str(int(a)), "dapo_relaxed").acc
+        assert grade(f"Answer: {a}", str(int(a)), "dapo").acc == (not a.startswith("0"))
+    # the DAPO file (what `dapo eval --benchmarks aime2024` grades against) stores plain integers,
+    # which an answer written the usual way matches under the exact grader
+    assert all(grade(f"Answer: {int(t)}", t, "dapo").acc for t in plain)
 
 
 def _integer_truths() -> list[tuple[str, int]]:
@@ -139,7 +143,7 @@ def _integer_truths() -> list[tuple[str, int]]:
     return truths
 
 
-@pytest.mark.parametrize("grader", ["dapo", "math"])
+@pytest.mark.parametrize("grader", ["dapo_relaxed", "math"])
 def test_competition_answers_equal_themselves_in_every_spelling(grader):
     misses = [
         (truth, spelling)
@@ -158,8 +162,8 @@ def test_gsm8k_answers_equal_themselves_in_every_spelling():
             response = f"So the total is {spelling}.\nAnswer: {spelling}"
             if not grade(response, full, "gsm8k").acc:
                 misses.append(("gsm8k", full[-20:], spelling))
-            if not grade(response, bare, "dapo").acc:
-                misses.append(("dapo", bare, spelling))
+            if not grade(response, bare, "dapo_relaxed").acc:
+                misses.append(("dapo_relaxed", bare, spelling))
             if not grade(f"... so {spelling}", str(value), "gsm8k").acc:  # no Answer: line
                 misses.append(("gsm8k-last-number", bare, spelling))
     assert misses == []
@@ -179,8 +183,8 @@ def test_different_integer_answers_are_not_equivalent(pool):
                 checks += 2
                 if grade(f"Answer: {spelling}", full, "gsm8k").acc:
                     false_matches.append(("gsm8k", value, spelling))
-                if grade(f"Answer: {spelling}", str(value), "dapo").acc:
-                    false_matches.append(("dapo", value, spelling))
+                if grade(f"Answer: {spelling}", str(value), "dapo_relaxed").acc:  # dapo matches a subset
+                    false_matches.append(("dapo_relaxed", value, spelling))
     # Competition answers: each row against the next few rows, every grader (math in the pool).
     truths = _integer_truths()
     m = len(truths)
@@ -192,8 +196,8 @@ def test_different_integer_answers_are_not_equivalent(pool):
         for spelling in _spellings(truths[(i + k) % m][1])
     ]
     for truth, spelling in pairs:
-        if grade(f"Answer: {spelling}", truth, "dapo").acc:
-            false_matches.append(("dapo", truth, spelling))
+        if grade(f"Answer: {spelling}", truth, "dapo_relaxed").acc:
+            false_matches.append(("dapo_relaxed", truth, spelling))
     checks += len(pairs)
     result = pool.score([f"\\boxed{{{s}}}" for _, s in pairs], [t for t, _ in pairs], "math")
     checks += len(pairs)

@@ -57,17 +57,12 @@ def test_normalize_final_answer(raw, normalized):
         ("Answer: \\frac12", "\\frac{1}{2}"),  # shorthand expanded
         ("Answer: $\\frac{\\sqrt{3}}{2}$", "\\frac{\\sqrt{3}}{2}"),
         ("Answer: 3\nthen I checked\nAnswer: 25", "25"),  # the last Answer: line wins
-        ("Answer: 1,000", "1000"),
-        # The one relaxation of the reference: equal integers spelled differently.
-        ("Answer: 025", "25"),
-        ("Answer: 27.0", "27"),
-        ("Answer: 25", "025"),
-        ("Answer: 1,000.0", "1000"),
-        ("Answer: -3", "-3.0"),
+        ("Answer: 1,000", "1000"),  # digits with commas lose them on both sides (the reference does this)
     ],
 )
 def test_dapo_correct(response, truth):
     assert acc(response, truth, "dapo")
+    assert acc(response, truth, "dapo_relaxed")  # the relaxation only ever adds matches
 
 
 @pytest.mark.parametrize(
@@ -87,6 +82,26 @@ def test_dapo_correct(response, truth):
 )
 def test_dapo_wrong(response, truth):
     assert not acc(response, truth, "dapo")
+    assert not acc(response, truth, "dapo_relaxed")
+
+
+# The reference (verl math_dapo) compares normalised strings, so equal integers spelled differently
+# are wrong there; `dapo` keeps that, `dapo_relaxed` accepts them.
+SPELLED_DIFFERENTLY = [
+    ("Answer: 025", "25", "025"),
+    ("Answer: 25", "025", "25"),
+    ("Answer: 27.0", "27", "27.0"),
+    ("Answer: +3", "3", "+3"),
+    ("Answer: 3.00", "3", "3.00"),
+    ("Answer: 1,000.0", "1000", "1,000.0"),  # commas go only from a digits-and-commas string
+    ("Answer: -3", "-3.0", "-3"),
+]
+
+
+@pytest.mark.parametrize("response, truth, pred", SPELLED_DIFFERENTLY)
+def test_dapo_is_the_reference_string_compare(response, truth, pred):
+    assert grade(response, truth, "dapo") == Grade(-1.0, False, pred)
+    assert grade(response, truth, "dapo_relaxed") == Grade(1.0, True, pred)
 
 
 def test_dapo_pred_and_invalid():
@@ -251,8 +266,8 @@ def test_arith_bad_truth_is_a_clear_error():
 
 
 def test_registry_and_errors():
-    assert set(GRADERS) == {"dapo", "math", "gsm8k", "arith"}
-    with pytest.raises(ValueError, match="valid graders: arith, dapo, gsm8k, math"):
+    assert set(GRADERS) == {"dapo", "dapo_relaxed", "math", "gsm8k", "arith"}
+    with pytest.raises(ValueError, match="valid graders: arith, dapo, dapo_relaxed, gsm8k, math"):
         grade("Answer: 1", "1", "sympy")
     with pytest.raises(TypeError, match="ground_truth must be str"):
         grade("Answer: 1", 1, "dapo")  # type: ignore[arg-type]

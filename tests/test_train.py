@@ -1,5 +1,6 @@
 """Training on a tiny model: the step runs, the update is invariant to micro-batching, resume is exact."""
 
+import math
 import os
 import signal
 import subprocess
@@ -13,10 +14,11 @@ import torch
 from conftest import small_config
 from dapo import algo
 from dapo.batch import RolloutBatch, plan_micro_batches
+from dapo.dynamic_sampling import record_behaviour_logp
 from dapo.policy import Policy, make_micro_batch, token_logprobs
 from dapo.rollout import SamplingParams
 from dapo.rollout.hf import HFRolloutEngine
-from dapo.train import read_metrics, train
+from dapo.train import importance_weights, read_metrics, train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -141,6 +143,107 @@ def test_update_is_invariant_to_micro_batching(tiny_model_dir, tmp_path, loss_ag
         assert s["pg_loss"].item() == pytest.approx(s0["pg_loss"].item(), abs=1e-6)
 
 
+def test_a_buffered_groups_first_update_ratio_is_against_the_policy_that_sampled_it(tiny_model_dir, tmp_path, monkeypatch):
+    cfg = small_config(tmp_path, tiny_model_dir, "train.prompts_per_step=2", "train.mini_batch_prompts=2")
+    policy = Policy(cfg, torch.device("cpu"))
+    first = sampled_batch(policy)  # three groups sampled by pi_sampling
+    held = [first.select_groups([2])]  # a surplus group, buffered at this step
+    record_behaviour_logp(held, policy.compute_logprobs, source="trainer")
+    logp_sampling, _ = policy.compute_logprobs(held[0])  # (G, T)
+    policy.update(first.select_groups([0, 1]))  # this step's update: the weights move to pi_theta
+    logp_theta, _ = policy.compute_logprobs(held[0])
+    assert (logp_theta - logp_sampling).abs().max() > 1e-2
+
+    fresh = sampled_batch(policy, prompts=("2+2=",))  # the next step samples one group, takes one from the buffer
+    nxt = RolloutBatch.concat([fresh, held[0]])
+    nxt.adv = algo.group_advantages(nxt.reward, 4)
+    nxt.old_logp = nxt.behaviour_old_logp(policy.compute_logprobs(nxt)[0])  # as train.py does
+    seen = []
+    real_loss = algo.policy_loss
+
+    def spy(logp, old_logp, *args, **kwargs):  # the ratio the first update's loss sees
+        seen.append((logp - old_logp).detach().exp())
+        return real_loss(logp, old_logp, *args, **kwargs)
+
+    monkeypatch.setattr(algo, "policy_loss", spy)
+    [rows] = policy.micro_batches(nxt, list(range(len(nxt))))  # one pass, rows in the update's order
+    policy.update(nxt)
+    ratio = seen[0]  # (8, T) in the order of `rows`
+    for k, i in enumerate(rows):
+        n = len(nxt.response_ids[i])
+        if i < 4:  # sampled by the current weights: on-policy, ratio 1
+            assert torch.allclose(ratio[k, :n], torch.ones(n), atol=1e-5)
+        else:  # held over: pi_theta / pi_sampling, not 1
+            expected = (logp_theta[i - 4, :n] - logp_sampling[i - 4, :n]).exp()
+            assert torch.allclose(ratio[k, :n], expected, atol=1e-5)
+    assert max((ratio[k] - 1).abs().max().item() for k, i in enumerate(rows) if i >= 4) > 1e-2
+
+
+def test_truncated_importance_sampling_weights_each_tokens_loss(tiny_model_dir, tmp_path):
+    # the engine's log-probs of a hand-made batch: ratios pi_old / pi_rollout of 1, 2 | 4, 0.5, 3 with C = 2.5
+    batch = RolloutBatch(group_size=2, prompt_ids=[[1], [1]], response_ids=[[5, 6], [5, 6, 7]],
+                         truncated=torch.zeros(2, dtype=torch.bool), texts=["", ""], example_uids=["a", "a"],
+                         ground_truths=["0", "0"], rollout_logp=[[-1.0, -2.0], [-3.0, -1.0, -2.0]])
+    batch.old_logp = torch.tensor([[-1.0, -2.0 + math.log(2), 0.0], [-3.0 + math.log(4), -1.0 - math.log(2), -2.0 + math.log(3)]])
+    assert importance_weights(batch, 0.0) == {} and batch.is_weights is None  # off: the reference
+    stats = importance_weights(batch, 2.5)
+    assert torch.allclose(batch.is_weights, torch.tensor([[1.0, 2.0, 0.0], [2.5, 0.5, 2.5]]), atol=1e-5)
+    assert stats["rollout/is_weight_mean"].item() == pytest.approx((1 + 2 + 2.5 + 0.5 + 2.5) / 5, abs=1e-5)
+    assert stats["rollout/is_truncated_frac"].item() == pytest.approx(2 / 5)
+
+    # in the update, weights of 2 on every token double the (SGD) step
+    deltas = []
+    for weight in (None, 2.0):
+        cfg = small_config(tmp_path, tiny_model_dir, "train.prompts_per_step=3", "train.mini_batch_prompts=3",
+                           "train.grad_clip=1e9")
+        torch.manual_seed(0)
+        policy = Policy(cfg, torch.device("cpu"))
+        policy.optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)
+        policy.scheduler = torch.optim.lr_scheduler.LambdaLR(policy.optimizer, lambda step: 1.0)
+        sampled = sampled_batch(policy)
+        if weight is not None:
+            sampled.is_weights = torch.full_like(sampled.old_logp, weight)
+        before = torch.cat([p.detach().flatten() for p in policy.model.parameters()])
+        policy.update(sampled)
+        deltas.append(torch.cat([p.detach().flatten() for p in policy.model.parameters()]) - before)
+    assert deltas[0].abs().max() > 1e-3
+    assert torch.allclose(deltas[1], 2 * deltas[0], atol=1e-6)
+
+
+def test_bf16_compute_updates_float32_master_weights_like_a_float32_update(tiny_model_dir, tmp_path):
+    """At lr 1e-6 AdamW moves every weight by about 1e-6, far below bf16's resolution; with float32
+    masters the bf16-compute update equals the float32 one up to bf16 noise in the gradient."""
+    batch, deltas = None, {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = small_config(tmp_path, tiny_model_dir, f"model.dtype={dtype}", "train.lr=1e-6",
+                           "train.prompts_per_step=3", "train.mini_batch_prompts=3")
+        policy = Policy(cfg, torch.device("cpu"))
+        batch = batch or sampled_batch(policy)  # the same samples for both
+        batch.old_logp, _ = policy.compute_logprobs(batch)  # each under its own compute dtype: ratio 1
+        trained = policy.master if dtype == "bfloat16" else list(policy.model.parameters())
+        assert all(p.dtype == torch.float32 for p in trained) and len(trained) == len(list(policy.model.parameters()))
+        before = torch.cat([p.detach().flatten() for p in trained])
+        policy.update(batch)
+        after = torch.cat([p.detach().flatten() for p in trained])
+        deltas[dtype] = after - before
+        if dtype == "bfloat16":
+            assert all(p.dtype == torch.bfloat16 for p in policy.model.parameters())
+            # the model computes with the masters rounded to bf16 ...
+            assert all(torch.equal(p, m.bfloat16()) for p, m in zip(policy.model.parameters(), policy.master))
+            # ... which would have swallowed nearly every update had AdamW stepped the bf16 weights
+            assert (before.bfloat16() == after.bfloat16()).float().mean() > 0.9
+    d32, d16 = deltas["float32"], deltas["bfloat16"]
+    assert d32.abs().mean().item() == pytest.approx(1e-6, rel=0.01)  # Adam's first step: lr per weight
+    assert d16.abs().mean().item() == pytest.approx(d32.abs().mean().item(), rel=0.01)
+    assert (torch.sign(d16) == torch.sign(d32)).float().mean() > 0.98  # a few near-zero gradients flip sign
+    assert (d16 - d32).abs().sum() / d32.abs().sum() < 0.03
+    # a checkpoint's trainer state carries the masters, so a resumed run continues from them, not from bf16
+    restored = Policy(cfg, torch.device("cpu"))
+    restored.load_trainer_state(policy.trainer_state())
+    assert all(torch.equal(a, b) for a, b in zip(restored.master, policy.master))
+    assert all(torch.equal(a, b) for a, b in zip(restored.model.parameters(), policy.model.parameters()))
+
+
 def test_two_step_smoke_trains_every_parameter(tiny_model_dir, tmp_path):
     cfg = small_config(tmp_path, tiny_model_dir, "algo.overlong_filtering=true", "algo.kl_coef=0.01")
     from dapo.policy import load_model_and_tokenizer
@@ -153,7 +256,12 @@ def test_two_step_smoke_trains_every_parameter(tiny_model_dir, tmp_path):
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "reward/score_mean"):
             assert torch.isfinite(torch.tensor(r[key])), key
         assert r["sampling/gen_rounds"] == 1 and r["sampling/prompts_kept"] == 4
+        # verl's names beside the project's (docs/metrics.md)
+        assert r["actor/pg_clipfrac"] == pytest.approx(r["actor/clipfrac_high"] + r["actor/clipfrac_low"])
+        assert (r["response_length/mean"], r["critic/score/mean"], r["actor/ppo_kl"], r["actor/pg_clipfrac_lower"]) == (
+            r["rollout/response_length_mean"], r["reward/score_mean"], r["actor/approx_kl"], r["actor/clipfrac_dual"])
     assert "eval/arith/avg@2" in last and "eval/arith/pass@2" in last
+    assert last["val-core/arith/acc/mean@2"] == last["eval/arith/avg@2"]
     trained, _ = load_model_and_tokenizer(cfg.run_dir / "checkpoints" / "step_000002" / "model")
     unchanged = [n for (n, p), (_, q) in zip(initial.named_parameters(), trained.named_parameters()) if torch.equal(p, q)]
     assert not unchanged
@@ -162,19 +270,21 @@ def test_two_step_smoke_trains_every_parameter(tiny_model_dir, tmp_path):
 
 def test_resume_gives_the_same_next_step(tiny_model_dir, tmp_path):
     # a random model is never right, so groups are told apart by their length-shaped reward
-    extra = ("algo.dynamic_sampling=true", "algo.filter_metric=reward", "algo.max_gen_rounds=3", "algo.oversample=2.0",
-             "run.save_every=1")
+    extra = ("algo.dynamic_sampling=true", "algo.filter_metric=reward", "algo.max_gen_rounds=3", "algo.oversample=3.0",
+             "algo.buffer_max_groups=8", "run.save_every=1")  # the buffer, with its behaviour log-probs, is checkpointed
     full = small_config(tmp_path / "a", tiny_model_dir, "train.total_steps=3", *extra)
     train(full)
-    part = small_config(tmp_path / "b", tiny_model_dir, "train.total_steps=2", *extra)
-    train(part)  # stops after step 2 with a checkpoint (and the dynamic-sampling buffer in it)
+    part = small_config(tmp_path / "b", tiny_model_dir, "train.total_steps=1", *extra)
+    train(part)  # stops after step 1 with a checkpoint (and the dynamic-sampling buffer in it)
     resumed = small_config(tmp_path / "b", tiny_model_dir, "train.total_steps=3", *extra)
     train(resumed)
     a, b = read_metrics(full.run_dir), read_metrics(resumed.run_dir)
     assert [r["step"] for r in b] == [1, 2, 3]
-    for key in ("reward/score_mean", "actor/pg_loss", "actor/grad_norm", "rollout/response_length_mean",
-                "sampling/prompts_from_buffer", "actor/entropy"):
-        assert b[2][key] == pytest.approx(a[2][key], rel=1e-5, abs=1e-7), key
+    assert a[1]["sampling/prompts_from_buffer"] > 0  # step 2 trained held-over groups, restored from the checkpoint
+    for step in (1, 2):
+        for key in ("reward/score_mean", "actor/pg_loss", "actor/grad_norm", "rollout/response_length_mean",
+                    "sampling/prompts_from_buffer", "actor/entropy", "actor/approx_kl"):
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-5, abs=1e-7), (step, key)
     wa = torch.load(next((full.run_dir / "checkpoints").glob("step_000003")) / "trainer_state.pt", weights_only=True)
     wb = torch.load(next((resumed.run_dir / "checkpoints").glob("step_000003")) / "trainer_state.pt", weights_only=True)
     assert wa["sampler"] == wb["sampler"] and wa["gen_rounds"] == wb["gen_rounds"]

@@ -5,8 +5,9 @@
     dapo ablate --base configs/dapo_qwen2.5_32b.yaml model.path=/models/Qwen2.5-32B --jobs 1
 
 Rows are the files ``configs/ablation/<k>_<name>.yaml``; each names the previous one as ``base:``
-and adds one technique, and they hold only technique switches, so the same rows apply on top of
-any base preset (which holds the scale: model, data, lengths, batch, steps, evaluation).
+and switches one technique, and they hold only technique switches, so the same rows apply on top of
+any base preset (which holds the scale: model, data, lengths, batch, steps, evaluation). The last
+row is the DAPO preset's algorithm exactly.
 
 Layout of ``--out``:
     base_model/          one evaluation of the initial model (every row starts from it: step 0)
@@ -42,8 +43,9 @@ ROW_LABELS = {
     "3_clip_higher": ("+ clip-higher", 38),
     "4_soft_overlong": ("+ soft overlong punishment", 41),
     "5_token_loss": ("+ token-level loss", 42),
-    "6_dynamic_sampling": ("+ dynamic sampling (DAPO)", 50),
-    "7_no_kl": ("- KL loss (DAPO recipe)", None),
+    "6_dynamic_sampling": ("+ dynamic sampling (the paper's DAPO row)", 50),
+    "7_no_kl": ("- KL loss", None),
+    "8_no_overlong_filtering": ("- overlong filtering (DAPO as the reference runs it)", None),
 }
 # two-sided 97.5% quantiles of Student's t, by degrees of freedom (for the 95% interval over seeds)
 _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
@@ -99,6 +101,21 @@ def is_done(run: Run) -> bool:
     return done.exists() and json.loads(done.read_text()).get("config") == dump_yaml(run.cfg)
 
 
+def conflicts(run: Run) -> bool:
+    """Whether ``run.dir`` holds a run of another config. Only the length may differ (a longer study
+    continues each run from its checkpoint); anything else would resume, and report, a run of
+    another setting (e.g. a row whose definition changed)."""
+    path = run.dir / "ablation_config.yaml"
+    if not path.exists():
+        return False
+    import yaml
+
+    old, new = yaml.safe_load(path.read_text()), yaml.safe_load(dump_yaml(run.cfg))
+    for cfg in (old, new):
+        cfg.get("train", {}).pop("total_steps", None)
+    return old != new
+
+
 def execute(run: Run, threads: int) -> float:
     """Train (or resume) one run in a child process with ``threads`` torch threads; returns its wall time."""
     run.dir.mkdir(parents=True, exist_ok=True)
@@ -123,6 +140,10 @@ def run_all(base_run: Run, runs: list[Run], jobs: int, threads: int = 0, log=pri
     """Every unfinished run, ``jobs`` at a time; returns the wall time of this call."""
     threads = threads or max(1, (os.cpu_count() or 1) // max(1, jobs))
     todo = [r for r in [base_run, *runs] if not is_done(r)]
+    stale = [str(r.dir) for r in todo if conflicts(r)]
+    if stale:
+        raise ConfigError(f"{len(stale)} run directories hold runs of another config (e.g. {stale[0]}); "
+                          "give a new --out or delete them")
     skipped = len(runs) + 1 - len(todo)
     log(f"{len(todo)} runs to do ({skipped} already finished), {jobs} at a time with {threads} thread(s) each")
     t0 = time.perf_counter()

@@ -13,6 +13,8 @@ Every function here can be checked by hand against the DAPO paper (arXiv 2503.14
   eq. 13      overlong_penalty     soft overlong punishment                 (sec. 3.4)
   eq. 9       group_advantages     (R - mean) / std within a group
 The GRPO and Dr. GRPO baselines are arguments of the same functions, not separate code paths.
+Beyond the paper: truncated_is_weights corrects for the rollout engine's sampling distribution
+(Yao et al. 2025), off unless asked for.
 """
 
 from __future__ import annotations
@@ -24,22 +26,34 @@ KL_KINDS = ("k1", "k2", "k3")
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_size: int, *, scale_by_std: bool = True, eps: float = 1e-6
+    rewards: torch.Tensor,
+    group_size: int,
+    *,
+    scale_by_std: bool = True,
+    eps: float = 1e-6,
+    in_baseline: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Group-normalised outcome advantage, one value per response: (N,) -> (N,).
 
     GRPO/DAPO: (r - mean_G) / (std_G + eps) with the unbiased std, as the reference does.
     Dr. GRPO (``scale_by_std=False``): r - mean_G, which removes the question-difficulty bias.
-    A group of one has no baseline: its advantage is 0.
+    ``in_baseline`` (N,) bool: only these rows set their group's mean and std, and the others get
+    advantage 0 (overlong filtering that keeps masked truncated responses out of the baseline too).
+    A group with fewer than two such rows has no baseline: its advantages are 0.
     """
     if rewards.dim() != 1 or rewards.numel() % group_size != 0:
         raise ValueError(f"rewards must be (P*G,) with G={group_size}, got {tuple(rewards.shape)}")
     grouped = rewards.float().view(-1, group_size)  # (P, G)
-    if group_size == 1:
-        return torch.zeros_like(rewards, dtype=torch.float32)
-    centered = grouped - grouped.mean(dim=1, keepdim=True)  # (P, G)
+    if in_baseline is None:
+        in_baseline = torch.ones_like(rewards, dtype=torch.bool)
+    w = in_baseline.view(-1, group_size).float()  # (P, G)
+    n = w.sum(dim=1, keepdim=True)  # (P, 1)
+    mean = (grouped * w).sum(dim=1, keepdim=True) / n.clamp(min=1.0)  # (P, 1)
+    centered = (grouped - mean) * w  # (P, G)
     if scale_by_std:
-        centered = centered / (grouped.std(dim=1, unbiased=True, keepdim=True) + eps)
+        std = (centered.square().sum(dim=1, keepdim=True) / (n - 1.0).clamp(min=1.0)).sqrt()  # (P, 1) unbiased
+        centered = centered / (std + eps)
+    centered = torch.where(n >= 2, centered, torch.zeros_like(centered))  # (P, G)
     return centered.view(-1)  # (N,)
 
 
@@ -140,6 +154,7 @@ def policy_loss(
     num_seqs: torch.Tensor | float | None = None,
     norm_length: float | None = None,
     dual_clip: float | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with the decoupled clip range [1 - eps_low, 1 + eps_high] (eq. 10).
 
@@ -147,11 +162,14 @@ def policy_loss(
     (the negated objective) and a dict of detached scalar tensors:
       clipfrac_high  share of tokens whose ratio was clipped at 1 + eps_high (only where adv > 0)
       clipfrac_low   share clipped at 1 - eps_low (only where adv < 0)
+      clipfrac_dual  share of tokens whose loss the dual clip bounded (adv < 0 and ratio > dual_clip)
       approx_kl      mean of old_logp - logp, the k1 estimate of KL(old || new)
       up_clipped_prob_max / _mean  probability pi(o_t) of tokens clipped at the top (DAPO fig. 3a)
       token_prob_mean               mean pi(o_t) over valid tokens
     ``dual_clip`` (> 1) additionally bounds the loss of negative-advantage tokens at -adv * c,
     as the reference recipe does with c = 10; None disables it.
+    ``is_weights`` (N, T), no gradient: each token's clipped loss is multiplied by it (truncated
+    importance sampling for the rollout engine's sampling distribution, see truncated_is_weights).
     """
     if adv.dim() == 1:
         adv = adv.unsqueeze(-1)  # (N, 1), broadcast over tokens
@@ -161,9 +179,13 @@ def policy_loss(
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     per_token = torch.maximum(unclipped, clipped)  # pessimistic bound: the min of the objectives
+    dual_clipped = torch.zeros_like(per_token, dtype=torch.bool)  # (N, T)
     if dual_clip is not None:
-        bounded = torch.minimum(per_token, -adv * dual_clip)
-        per_token = torch.where(adv < 0, bounded, per_token)
+        bound = -adv * dual_clip
+        dual_clipped = (adv < 0) & (per_token > bound)
+        per_token = torch.where(adv < 0, torch.minimum(per_token, bound), per_token)
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach()  # (N, T)
     loss = aggregate(
         per_token, response_mask, loss_agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length
     )
@@ -179,6 +201,7 @@ def policy_loss(
         stats = {
             "clipfrac_high": clipped_high.sum() / n_valid,
             "clipfrac_low": clipped_low.sum() / n_valid,
+            "clipfrac_dual": (valid & dual_clipped).sum() / n_valid,
             "approx_kl": ((old_logp - logp.detach()) * mask).sum() / n_valid,
             "up_clipped_prob_max": up_probs.max(),  # 0 when nothing was clipped
             "up_clipped_prob_mean": up_probs.sum() / n_up.clamp(min=1),
@@ -186,3 +209,28 @@ def policy_loss(
             "num_up_clipped": n_up.to(prob.dtype),
         }
     return loss, stats
+
+
+def truncated_is_weights(
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor, response_mask: torch.Tensor, *, cap: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Truncated importance sampling for the rollout engine: w = min(pi_old / pi_rollout, cap).
+
+    old_logp (N, T): the trainer's log-probs of the sampled tokens under the weights that sampled
+    them; rollout_logp (N, T): the engine's own log-probs of the same tokens (vLLM computes them
+    with other kernels and precision, so its distribution is not exactly the trainer's). Weighting
+    each token's loss by w corrects for sampling from pi_rollout while the loss assumes pi_old, and
+    the cap bounds the variance (Yao et al. 2025, "Your efficient RL framework secretly brings you
+    off-policy RL training"; verl's rollout_is=token). Returns the weights (N, T), 0 on padding,
+    and detached statistics over valid tokens: is_weight_mean and is_truncated_frac (the share of
+    tokens whose ratio exceeded the cap).
+    """
+    mask = response_mask.to(old_logp.dtype)  # (N, T)
+    ratio = (old_logp - rollout_logp).clamp(-20.0, 20.0).exp()  # (N, T); exp of a huge value is inf
+    weights = ratio.clamp(max=cap) * mask  # (N, T)
+    n_valid = mask.sum().clamp(min=1.0)
+    stats = {
+        "is_weight_mean": weights.sum() / n_valid,
+        "is_truncated_frac": ((ratio > cap).to(mask.dtype) * mask).sum() / n_valid,
+    }
+    return weights.detach(), stats

@@ -28,11 +28,15 @@ class RolloutBatch:
     overlong: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # (N,) the soft overlong part of it
     preds: list[str] = field(default_factory=list)
     rollout_logp: list[list[float]] = field(default_factory=list)  # per token, as the rollout engine sampled it (vllm); empty if not reported
+    # per token, under the weights that sampled the row, for groups held over in the surplus buffer: their
+    # behaviour policy, so their old_logp (None for a row sampled this step, whose old_logp is recomputed)
+    behaviour_logp: list[list[float] | None] = field(default_factory=list)
     trainable: torch.Tensor | None = None  # (N,) bool: False rows are masked out (overlong filtering)
     adv: torch.Tensor | None = None  # (N,)
     old_logp: torch.Tensor | None = None  # (N, T) under the policy before this step's updates
     ref_logp: torch.Tensor | None = None  # (N, T) under the initial policy (KL baselines only)
     entropy: torch.Tensor | None = None  # (N, T)
+    is_weights: torch.Tensor | None = None  # (N, T) truncated importance-sampling weights (algo.rollout_is_cap > 0)
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -91,9 +95,11 @@ class RolloutBatch:
                 out[f.name] = values[0]
             elif f.name == "rollout_logp" and not all(values):
                 out[f.name] = []  # rows without them would misalign the rest
+            elif f.name == "behaviour_logp":
+                out[f.name] = [x for b, v in zip(batches, values) for x in (v or [None] * len(b))] if any(values) else []
             elif isinstance(values[0], list):
                 out[f.name] = [x for v in values for x in v]
-            elif isinstance(values[0], torch.Tensor) and f.name not in ("old_logp", "ref_logp", "entropy"):
+            elif isinstance(values[0], torch.Tensor) and f.name not in PER_STEP:
                 out[f.name] = torch.cat(values)
             else:
                 out[f.name] = None  # per-token tensors are recomputed for the combined batch
@@ -101,11 +107,33 @@ class RolloutBatch:
 
     def state(self) -> dict:
         """Plain types and tensors only, for torch.save(weights_only=True) in checkpoints."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("old_logp", "ref_logp", "entropy")}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in PER_STEP}
 
     @staticmethod
     def from_state(state: dict) -> "RolloutBatch":
         return RolloutBatch(**state)
+
+    def padded_logp(self, per_row: list[list[float] | None], width: int) -> torch.Tensor:
+        """Per-row token log-probs as an (N, width) tensor, 0 past each row's end (and on a None row)."""
+        out = torch.zeros(len(self), width)
+        for i, lp in enumerate(per_row):
+            if lp:
+                out[i, : len(lp)] = torch.tensor(lp[:width])
+        return out
+
+    def behaviour_old_logp(self, recomputed: torch.Tensor) -> torch.Tensor:
+        """old_logp (N, T): ``recomputed`` (under the current weights, which sampled this step's rows),
+        except on rows held over from an earlier step, whose behaviour policy is the one that sampled
+        them: the clip must bound the step from that policy (PPO's trust region), not from a ratio
+        restarted at 1."""
+        if not any(lp is not None for lp in self.behaviour_logp):
+            return recomputed
+        stale = torch.tensor([lp is not None for lp in self.behaviour_logp])  # (N,)
+        held = self.padded_logp(self.behaviour_logp, recomputed.shape[1])  # (N, T)
+        return torch.where(stale[:, None], held, recomputed)
+
+
+PER_STEP = ("old_logp", "ref_logp", "entropy", "is_weights")  # computed for the step's whole batch, never carried over
 
 
 def pad_rows(rows: list[list[int]], pad_id: int, width: int | None = None) -> torch.Tensor:

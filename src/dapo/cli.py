@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=0, help="generation limit (default: the benchmark's)")
     p.add_argument("--num-problems", type=int, default=0, help="evaluate only the first K problems")
     p.add_argument("--template", default="dapo", choices=["dapo", "raw"])
-    p.add_argument("--grader", default="auto", choices=["auto", "dapo", "math", "gsm8k", "arith"])
+    p.add_argument("--grader", default="auto", choices=["auto", "dapo", "dapo_relaxed", "math", "gsm8k", "arith"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--timeout-s", type=float, default=5.0)

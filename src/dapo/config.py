@@ -56,7 +56,9 @@ class RolloutConfig:
 
 @dataclass
 class RewardConfig:
-    grader: str = "auto"  # auto (by data_source) | dapo | math | gsm8k | arith
+    # auto: by data_source, routed as the reference does (math_dapo, math, aime* -> dapo); dapo: exactly verl's
+    # math_dapo ("025" != "25"); dapo_relaxed: dapo + equal integers in any spelling ("025" == "25"); math | gsm8k | arith
+    grader: str = "auto"
     num_workers: int = 2  # grading worker processes
     timeout_s: float = 5.0  # per-response time limit; a time-out scores as incorrect
 
@@ -75,14 +77,19 @@ class AlgoConfig:
     soft_overlong_punishment: bool = True  # add eq. 13's length penalty to the reward
     overlong_buffer_tokens: int = 8  # L_cache: the penalty ramps over the last this-many tokens
     overlong_penalty_factor: float = 1.0  # the penalty at L_max
-    overlong_filtering: bool = False  # mask truncated responses out of the loss (sec. 3.4)
+    overlong_filtering: bool = False  # mask truncated responses out of the loss (sec. 3.4; not in the reference code)
+    # with overlong_filtering: masked truncated responses still set their group's mean and std (true: the paper
+    # masks only their loss) or the baseline comes from the untruncated responses alone (false)
+    truncated_in_group_stats: bool = True
     dynamic_sampling: bool = True  # drop groups whose accuracies are all equal and sample again (sec. 3.2)
     filter_metric: str = "acc"  # what must vary within a group: acc (raw correctness) | reward (shaped)
     max_gen_rounds: int = 10  # cap on generation rounds per training step; 0 means no cap
     on_max_gen_rounds: str = "train"  # when the cap is hit: train (on what was kept, with a warning) | fail
     oversample: float = 1.0  # prompts generated per round = missing prompts * this (>= 1)
     adaptive_oversample: bool = False  # also divide by the measured keep rate, so most steps need one round
-    buffer_max_groups: int = 0  # surplus groups kept for the next step; 0 = prompts_per_step
+    buffer_max_groups: int = 0  # surplus informative groups kept for the next step; 0 discards them, as the reference
+    buffer_logp: str = "trainer"  # a buffered group's behaviour log-probs: trainer (computed when buffered) | engine (vllm's)
+    rollout_is_cap: float = 0.0  # C: each token's loss x min(pi_old / pi_rollout, C) on vllm's log-probs; 0 = off (the reference)
 
 
 @dataclass
@@ -238,7 +245,7 @@ def _dotted_to_nested(items: list[str]) -> dict:
 
 
 def _read_preset(path: Path, seen: tuple = ()) -> list[dict]:
-    """The preset and the presets it names with ``base:`` (relative to it), base first."""
+    """The preset and the presets it names with ``base:`` (a path or a list, relative to it), bases first, in order."""
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist; presets live in configs/")
     if path.resolve() in seen:
@@ -250,7 +257,10 @@ def _read_preset(path: Path, seen: tuple = ()) -> list[dict]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     base = data.pop("base", None)
-    chain = _read_preset(path.parent / base, seen + (path.resolve(),)) if base else []
+    bases = [] if base is None else base if isinstance(base, list) else [base]
+    if not all(isinstance(b, str) and b for b in bases):
+        raise ConfigError(f"{path}: base: expected a preset path or a list of them, got {base!r}")
+    chain = [d for b in bases for d in _read_preset(path.parent / b, seen + (path.resolve(),))]
     return chain + [data]
 
 
@@ -299,6 +309,16 @@ def validate(cfg: Config) -> None:
     _check(a.on_max_gen_rounds in ("train", "fail"), f"algo.on_max_gen_rounds={a.on_max_gen_rounds!r}: choose train or fail")
     _check(a.max_gen_rounds >= 0, f"algo.max_gen_rounds={a.max_gen_rounds}: must be >= 0 (0 = no cap)")
     _check(a.oversample >= 1.0, f"algo.oversample={a.oversample}: must be >= 1")
+    _check(a.buffer_max_groups >= 0, f"algo.buffer_max_groups={a.buffer_max_groups}: must be >= 0 (0 = discard surplus groups)")
+    _check(a.buffer_logp in ("trainer", "engine"), f"algo.buffer_logp={a.buffer_logp!r}: choose trainer or engine")
+    _check(a.buffer_logp == "trainer" or r.backend == "vllm",
+           f"algo.buffer_logp=engine: rollout.backend={r.backend} reports no log-probs; use rollout.backend=vllm or trainer")
+    _check(a.rollout_is_cap == 0 or a.rollout_is_cap >= 1.0,
+           f"algo.rollout_is_cap={a.rollout_is_cap}: must be 0 (off) or >= 1 (a cap below 1 would shrink every token)")
+    _check(a.rollout_is_cap == 0 or r.backend == "vllm",
+           f"algo.rollout_is_cap={a.rollout_is_cap}: needs the engine's log-probs; rollout.backend={r.backend} has none (use vllm)")
+    _check(a.truncated_in_group_stats or a.overlong_filtering,
+           "algo.truncated_in_group_stats=false only applies with algo.overlong_filtering=true (masked rows need no advantage)")
     _check(a.correct_reward > a.wrong_reward, "algo.correct_reward must be greater than algo.wrong_reward")
     if a.soft_overlong_punishment:
         _check(0 < a.overlong_buffer_tokens <= r.max_response_tokens,
@@ -329,8 +349,8 @@ def validate(cfg: Config) -> None:
     _check(cfg.model.dtype in ("float32", "bfloat16", "float16"), f"model.dtype={cfg.model.dtype!r}: float32, bfloat16 or float16")
     _check(cfg.model.device in ("auto", "cpu", "cuda"), f"model.device={cfg.model.device!r}: auto, cpu or cuda")
     _check(cfg.data.template in ("dapo", "raw"), f"data.template={cfg.data.template!r}: choose dapo or raw")
-    _check(cfg.reward.grader in ("auto", "dapo", "math", "gsm8k", "arith"),
-           f"reward.grader={cfg.reward.grader!r}: choose auto, dapo, math, gsm8k or arith")
+    _check(cfg.reward.grader in ("auto", "dapo", "dapo_relaxed", "math", "gsm8k", "arith"),
+           f"reward.grader={cfg.reward.grader!r}: choose auto, dapo, dapo_relaxed, math, gsm8k or arith")
     _check(cfg.reward.num_workers >= 1 and cfg.reward.timeout_s > 0, "reward.num_workers >= 1 and reward.timeout_s > 0")
     _check(e.n >= 1 and e.every_steps >= 0 and e.num_problems >= 0, "eval.n >= 1, eval.every_steps >= 0, eval.num_problems >= 0")
     _check(0 < e.top_p <= 1.0 and e.temperature >= 0, "eval.top_p in (0, 1] and eval.temperature >= 0 (0 = greedy)")

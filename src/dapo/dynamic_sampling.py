@@ -1,9 +1,13 @@
 """Generate, score, shape and filter until the training batch holds the configured number of prompts.
 
 DAPO sec. 3.2: a group whose G responses are all right (or all wrong) has zero advantage and
-contributes no gradient, so it is dropped and more prompts are sampled. Unlike the reference,
-surplus kept groups are not thrown away: they wait in a buffer that the next step uses first,
-and hitting the cap on generation rounds trains on what was kept instead of killing the run.
+contributes no gradient, so it is dropped and more prompts are sampled. Informative groups beyond
+the batch are discarded, as the reference does (``batch[:train_batch_size]``); with
+``algo.buffer_max_groups`` > 0 they wait in a buffer that the next step uses first, each carrying
+the log-probs of the weights that sampled it (``record_behaviour_logp``), which its loss then uses
+as old_logp: a held-over group is off-policy, and the clip must bound the step from the policy that
+sampled it. Unlike the reference, hitting the cap on generation rounds trains on what was kept
+(``algo.on_max_gen_rounds=train``) instead of stopping the run.
 """
 
 from __future__ import annotations
@@ -97,7 +101,8 @@ def collect_batch(
     keep_rate_estimate: float = 1.0,
     max_buffer_groups: int = 0,
 ) -> tuple[RolloutBatch | None, CollectStats]:
-    """Fill a batch of ``num_prompts`` informative groups; surplus groups go to ``buffer``.
+    """Fill a batch of ``num_prompts`` informative groups; up to ``max_buffer_groups`` surplus groups
+    go to ``buffer`` (0: none, the reference's behaviour).
 
     ``buffer`` is a list of single-group batches, consumed first and refilled in place.
     ``round_seed(k)`` gives the sampling seed of this step's k-th generation round.
@@ -160,7 +165,32 @@ def collect_batch(
         stats.groups_dropped += int((~keep).sum())
         kept.extend(round_batch.select_groups([i]) for i in torch.nonzero(keep).flatten().tolist())
     buffer.extend(kept[num_prompts:])
-    del buffer[: max(0, len(buffer) - (max_buffer_groups or num_prompts))]  # oldest (stalest) go first
+    del buffer[: max(0, len(buffer) - max_buffer_groups)]  # oldest (stalest) go first; 0 keeps none
     kept = kept[:num_prompts]
     stats.groups_kept = len(kept)
     return (RolloutBatch.concat(kept) if kept else None), stats
+
+
+def record_behaviour_logp(buffer: list[RolloutBatch], logprobs: Callable[[RolloutBatch], tuple], *, source: str) -> None:
+    """Give each newly buffered group the log-probs of the weights that sampled it, in place.
+
+    Call it after ``collect_batch`` and before the update, while the trainer still holds those
+    weights. ``source``: ``trainer`` computes them with ``logprobs`` (``Policy.compute_logprobs``),
+    ``engine`` takes the rollout engine's own (vLLM reports them; they include its numerical
+    difference from the trainer).
+    """
+    new = [b for b in buffer if not b.behaviour_logp]
+    if not new:
+        return
+    if source == "engine":
+        for b in new:
+            if not b.rollout_logp:
+                raise ValueError("algo.buffer_logp=engine: the rollout engine reported no log-probs (use rollout.backend=vllm)")
+            b.behaviour_logp = [list(lp) for lp in b.rollout_logp]
+        return
+    joined = RolloutBatch.concat(new)
+    logp, _ = logprobs(joined)  # (N, T), one pass for every new group
+    start = 0
+    for b in new:
+        b.behaviour_logp = [logp[start + j, : len(r)].tolist() for j, r in enumerate(b.response_ids)]
+        start += len(b)

@@ -1,10 +1,16 @@
 """Where metrics go: the console (progress bar + one line per step), metrics.jsonl, TensorBoard,
-and a few decoded samples per step in samples/step_NNNNNN.md."""
+and a few decoded samples per step in samples/step_NNNNNN.md.
+
+Every row is logged under the project's names and, beside them, under verl's names for the same
+quantities (``VERL_NAMES``; the table with the fine print is docs/metrics.md), so a run can be laid
+beside a dashboard of the reference recipe.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 from rich.console import Console
@@ -13,6 +19,67 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 def _float(v) -> float:
     return float(v.item()) if hasattr(v, "item") else float(v)
+
+
+# verl's metric name -> the project's name for the same quantity (docs/metrics.md says where they differ)
+VERL_NAMES: dict[str, str] = {
+    "actor/pg_loss": "actor/pg_loss",
+    "actor/pg_clipfrac_lower": "actor/clipfrac_dual",
+    "actor/ppo_kl": "actor/approx_kl",
+    "actor/entropy": "actor/entropy",
+    "actor/kl_loss": "actor/kl_loss",
+    "actor/grad_norm": "actor/grad_norm",
+    "actor/lr": "actor/lr",
+    "critic/score/mean": "reward/score_mean",
+    "critic/score/max": "reward/score_max",
+    "critic/score/min": "reward/score_min",
+    "critic/rewards/mean": "reward/score_mean",  # no KL term in the reward: rewards = scores
+    "critic/rewards/max": "reward/score_max",
+    "critic/rewards/min": "reward/score_min",
+    "critic/advantages/mean": "actor/adv_token_mean",
+    "critic/advantages/max": "actor/adv_token_max",
+    "critic/advantages/min": "actor/adv_token_min",
+    "critic/returns/mean": "actor/adv_token_mean",  # GRPO with gamma = lambda = 1: returns = advantages
+    "critic/returns/max": "actor/adv_token_max",
+    "critic/returns/min": "actor/adv_token_min",
+    "response_length/mean": "rollout/response_length_mean",
+    "response_length/max": "rollout/response_length_max",
+    "response_length/min": "rollout/response_length_min",
+    "response_length/clip_ratio": "rollout/response_length_clip_frac",
+    "prompt_length/mean": "rollout/prompt_length_mean",
+    "prompt_length/max": "rollout/prompt_length_max",
+    "prompt_length/min": "rollout/prompt_length_min",
+    "prompt_length/clip_ratio": "rollout/prompt_length_clip_frac",
+    "train/num_gen_batches": "sampling/gen_rounds",
+    "timing_s/gen": "perf/time_generate_s",
+    "timing_s/reward": "perf/time_reward_s",
+    "timing_s/old_log_prob": "perf/time_old_logprob_s",
+    "timing_s/update_actor": "perf/time_update_s",
+    "timing_s/testing": "perf/time_eval_s",
+    "timing_s/save_checkpoint": "perf/time_checkpoint_s",
+    "timing_s/step": "perf/time_step_s",
+    "rollout_corr/rollout_is_mean": "rollout/is_weight_mean",
+    "rollout_corr/rollout_is_ratio_fraction_high": "rollout/is_truncated_frac",
+}
+# verl counts a token as clipped when the clipped term won, on either side: the project's two fractions summed
+VERL_SUMS: dict[str, tuple[str, ...]] = {"actor/pg_clipfrac": ("actor/clipfrac_high", "actor/clipfrac_low")}
+_EVAL_AVG = re.compile(r"^eval/(?P<bench>.+)/avg@(?P<n>\d+)$")
+
+
+def with_verl_names(metrics: dict) -> dict:
+    """``metrics`` plus each quantity verl logs under another name (the project's names stay)."""
+    out = dict(metrics)
+    for verl, ours in VERL_NAMES.items():
+        if ours in metrics and verl not in out:
+            out[verl] = metrics[ours]
+    for verl, parts in VERL_SUMS.items():
+        if all(p in metrics for p in parts):
+            out[verl] = sum(_float(metrics[p]) for p in parts)
+    for key, value in metrics.items():
+        found = _EVAL_AVG.match(key)
+        if found:  # mean accuracy over n samples per problem; verl names it by data source
+            out[f"val-core/{found['bench']}/acc/mean@{found['n']}"] = value
+    return out
 
 
 class RunLogger:
@@ -61,7 +128,7 @@ class RunLogger:
         self.metrics_path.write_text("".join(line + "\n" for line in keep))
 
     def log(self, step: int, metrics: dict) -> dict:
-        row = {"step": step, **{k: _float(v) for k, v in sorted(metrics.items())}}
+        row = {"step": step, **{k: _float(v) for k, v in sorted(with_verl_names(metrics).items())}}
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
         if self.tb is not None:
@@ -103,7 +170,7 @@ class NullLogger:
     """The logger of ranks other than 0 under FSDP: rank 0 writes the run's files and console lines."""
 
     def log(self, step: int, metrics: dict) -> dict:
-        return {"step": step, **{k: _float(v) for k, v in sorted(metrics.items())}}
+        return {"step": step, **{k: _float(v) for k, v in sorted(with_verl_names(metrics).items())}}
 
     def step_line(self, step: int, total: int, row: dict) -> None:
         pass

@@ -154,6 +154,17 @@ def uses_varlen_attention(model) -> bool:
     return str(getattr(model.config, "_attn_implementation", "")).startswith("flash_attention")
 
 
+def _grad_into(master: torch.Tensor):
+    """A hook that moves a low-precision parameter's fresh gradient into its float32 master's."""
+
+    def hook(p: torch.Tensor) -> None:
+        g = p.grad.float()
+        master.grad = g if master.grad is None else master.grad.add_(g)
+        p.grad = None  # the bf16 gradient is not kept: the next backward starts it from zero
+
+    return hook
+
+
 class Policy:
     def __init__(self, cfg, device: torch.device, dist: parallel.Dist | None = None):
         self.cfg = cfg
@@ -167,9 +178,10 @@ class Policy:
         self.model.config.use_cache = False  # training forward passes never need the KV cache
         self.scorer = self._log_probs_of(self.model)
         self.pad_id = self.tokenizer.pad_token_id
+        self.master = self._master_weights()  # float32 copies in one process below float32; None otherwise
         t = cfg.train
         self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
+            self.master or [p for p in self.model.parameters() if p.requires_grad],
             lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
         )
         warmup = t.warmup_steps
@@ -183,6 +195,34 @@ class Policy:
             self.ref_model.requires_grad_(False).train(False)
             self.ref_scorer = self._log_probs_of(self.ref_model)
         self.skipped_updates = 0
+
+    def _master_weights(self) -> list[nn.Parameter] | None:
+        """Float32 master weights for a single process that computes in bfloat16 (or float16).
+
+        bf16 keeps 8 significant bits: a weight of 0.05 moves in steps of 2.4e-4, so AdamW's updates at
+        lr 1e-6 would mostly round away if it updated the bf16 weights themselves. As FSDP does
+        (parallel.wrap) and as the reference's actor does, the optimizer and its state work on float32
+        copies: forward and backward run on the model's bf16 weights (the rollout engine shares them),
+        each backward's gradient is added into its float32 copy (so micro-batches accumulate in float32),
+        and after every optimizer step the model takes the copies rounded to bf16 (``_sync_from_master``).
+        Under FSDP (sharded) the parameters are already float32 masters.
+        """
+        if self.dist.sharded or DTYPES[self.cfg.model.dtype] == torch.float32:
+            return None
+        masters = []
+        for p in self.model.parameters():
+            if not p.requires_grad:
+                continue
+            master = nn.Parameter(p.detach().float().clone())
+            p.register_post_accumulate_grad_hook(_grad_into(master))
+            masters.append(master)
+        return masters
+
+    @torch.no_grad()
+    def _sync_from_master(self) -> None:
+        if self.master is not None:
+            for p, master in zip([p for p in self.model.parameters() if p.requires_grad], self.master):
+                p.copy_(master)  # round to the compute dtype
 
     def _log_probs_of(self, model) -> ResponseLogProbs:
         """The model's log-prob pass; under FSDP sharded across ranks (one unit per decoder layer),
@@ -287,11 +327,12 @@ class Policy:
             logp, _ = token_logprobs(self.scorer, mb, temperature=self.cfg.rollout.temperature)
             old_logp = batch.old_logp[idx, : mb.width].to(self.device)
             adv = batch.adv[idx].to(self.device)
+            is_weights = None if batch.is_weights is None else batch.is_weights[idx, : mb.width].to(self.device)
             loss, stats = algo.policy_loss(
                 logp, old_logp, adv, mask,
                 eps_low=a.eps_low, eps_high=a.eps_high, loss_agg=a.loss_agg,
                 num_tokens=num_tokens, num_seqs=num_seqs,
-                norm_length=self.cfg.rollout.max_response_tokens, dual_clip=a.dual_clip,
+                norm_length=self.cfg.rollout.max_response_tokens, dual_clip=a.dual_clip, is_weights=is_weights,
             )
             pg_loss = loss.detach()
             if self.ref_model is not None and a.kl_coef > 0:
@@ -304,7 +345,7 @@ class Policy:
             loss.backward()
             weight = mask_cpu.sum() / num_tokens_cpu.clamp(min=1)  # this micro-batch's share of tokens
             sums["pg_loss"] = sums.get("pg_loss", 0) + pg_loss.cpu()
-            for k in ("clipfrac_high", "clipfrac_low", "approx_kl", "token_prob_mean"):
+            for k in ("clipfrac_high", "clipfrac_low", "clipfrac_dual", "approx_kl", "token_prob_mean"):
                 sums[k] = sums.get(k, 0) + stats[k].cpu() * weight
             up_max = torch.maximum(up_max, stats["up_clipped_prob_max"].cpu())
             sums["_up_sum"] = sums.get("_up_sum", 0) + (stats["up_clipped_prob_mean"] * stats["num_up_clipped"]).cpu()
@@ -312,9 +353,11 @@ class Policy:
         if self.dist.sharded:  # per-rank sums of the statistics -> the mini-batch's
             sums = parallel.all_reduce_dict(sums, self.dist)
             up_max = parallel.all_reduce(up_max, self.dist, op="max")
-        grad_norm = parallel.clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip)
+        trained = self.master or self.model.parameters()
+        grad_norm = parallel.clip_grad_norm(trained, self.cfg.train.grad_clip)
         if torch.isfinite(grad_norm):
             self.optimizer.step()
+            self._sync_from_master()
         else:
             self.skipped_updates += 1  # one bad batch must not poison the weights
         self.optimizer.zero_grad(set_to_none=True)
@@ -334,6 +377,8 @@ class Policy:
         state = {"scheduler": self.scheduler.state_dict(), "skipped_updates": self.skipped_updates}
         if not self.dist.sharded:  # under FSDP the optimizer is saved in shards, with the model
             state["optimizer"] = self.optimizer.state_dict()
+        if self.master is not None:  # the model directory holds the bf16 weights; the float32 masters go here
+            state["master_weights"] = [m.detach().clone() for m in self.master]
         return state
 
     def sharded_state(self) -> dict | None:
@@ -346,5 +391,10 @@ class Policy:
     def load_trainer_state(self, state: dict) -> None:
         if "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
+        if self.master is not None and "master_weights" in state:
+            with torch.no_grad():
+                for master, saved in zip(self.master, state["master_weights"]):
+                    master.copy_(saved)
+            self._sync_from_master()
         self.scheduler.load_state_dict(state["scheduler"])
         self.skipped_updates = int(state["skipped_updates"])

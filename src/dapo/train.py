@@ -29,7 +29,7 @@ from rich.markup import escape
 from dapo import algo, checkpoint, parallel
 from dapo.batch import RolloutBatch
 from dapo.config import Config, ConfigError, dump_yaml
-from dapo.dynamic_sampling import CollectStats, Scorer, collect_batch
+from dapo.dynamic_sampling import CollectStats, Scorer, collect_batch, record_behaviour_logp
 from dapo.log import NullLogger, RunLogger
 from dapo.policy import DTYPES, Policy, load_model_and_tokenizer, pick_device
 from dapo.rollout import SamplingParams, ShardedRollout, make_rollout, resolve_backend
@@ -143,20 +143,34 @@ def sampling_metrics(cstats: CollectStats, buffer_size: int) -> dict:
     }
 
 
-def step_metrics(batch: RolloutBatch, cstats: CollectStats, update: dict, times: dict) -> dict:
+def step_metrics(batch: RolloutBatch, cstats: CollectStats, update: dict, times: dict, *,
+                 max_prompt_tokens: int = 0, max_response_tokens: int = 0) -> dict:
     """What the update trained on and how it went."""
     lengths = batch.response_lengths.float()  # (N,)
+    prompt_lengths = torch.tensor([len(p) for p in batch.prompt_ids], dtype=torch.float32)  # (N,)
     mask = batch.response_mask()
     samples_trained = len(batch)
+    adv_tokens = batch.adv.repeat_interleave(batch.response_lengths)  # every response token, as verl's data metrics
     m = {
         "reward/score_mean": batch.reward.mean(),
+        "reward/score_max": batch.reward.max(),
+        "reward/score_min": batch.reward.min(),
         "reward/acc_mean": batch.acc.mean(),
         "reward/overlong_penalty_mean": batch.overlong.mean(),
         "rollout/response_length_mean": lengths.mean(),
         "rollout/response_length_max": lengths.max(),
+        "rollout/response_length_min": lengths.min(),
+        "rollout/response_length_clip_frac": (lengths == max_response_tokens).float().mean(),  # at the limit, EOS or not
+        "rollout/prompt_length_mean": prompt_lengths.mean(),
+        "rollout/prompt_length_max": prompt_lengths.max(),
+        "rollout/prompt_length_min": prompt_lengths.min(),
+        "rollout/prompt_length_clip_frac": (prompt_lengths == max_prompt_tokens).float().mean(),  # cut from the left
         "rollout/truncated_frac": batch.truncated.float().mean(),
         "actor/entropy": (batch.entropy[:, : mask.shape[1]] * mask).sum() / mask.sum().clamp(min=1),
         "actor/adv_abs_mean": batch.adv.abs().mean(),
+        "actor/adv_token_mean": adv_tokens.mean(),
+        "actor/adv_token_max": adv_tokens.max(),
+        "actor/adv_token_min": adv_tokens.min(),
         "sampling/samples_per_trained_sample": cstats.samples_generated / max(samples_trained, 1),
         "sampling/tokens_per_trained_token": cstats.tokens_generated / max(float(mask.sum()), 1.0),
         "perf/train_tokens_per_s": float(mask.sum()) / max(times["update"], 1e-9),
@@ -164,12 +178,25 @@ def step_metrics(batch: RolloutBatch, cstats: CollectStats, update: dict, times:
     }
     if batch.rollout_logp:  # the engine's log-probs of its own samples vs the trainer's: numerics (and buffer staleness)
         T = batch.old_logp.shape[1]
-        rollout_logp = torch.tensor([lp + [0.0] * (T - len(lp)) for lp in batch.rollout_logp])  # (N, T)
+        rollout_logp = batch.padded_logp(batch.rollout_logp, T)  # (N, T)
         diff = (rollout_logp - batch.old_logp).abs()[torch.arange(T)[None, :] < batch.response_lengths[:, None]]
         m["rollout/logprob_abs_diff_mean"], m["rollout/logprob_abs_diff_max"] = diff.mean(), diff.max()
     m.update({f"perf/time_{k}_s": v for k, v in times.items()})
     m.update({f"actor/{k}": v for k, v in update.items()})
     return m
+
+
+def importance_weights(batch: RolloutBatch, cap: float) -> dict:
+    """Truncated importance sampling on the engine's log-probs (algo.truncated_is_weights): sets
+    ``batch.is_weights`` and returns its statistics; nothing when ``cap`` is 0 (off, the reference)."""
+    if cap <= 0:
+        return {}
+    if not batch.rollout_logp:
+        raise ValueError("algo.rollout_is_cap > 0 needs the rollout engine's log-probs; this batch has none")
+    T = batch.old_logp.shape[1]
+    batch.is_weights, stats = algo.truncated_is_weights(
+        batch.old_logp, batch.padded_logp(batch.rollout_logp, T), batch.response_mask(width=T), cap=cap)  # (N, T)
+    return {f"rollout/{k}": v for k, v in stats.items()}
 
 
 NO_SIGNAL_STREAK = 3  # steps in a row without an informative group before the run says what to change
@@ -249,10 +276,16 @@ def train(cfg: Config, *, console=None) -> dict:
         def train_on(batch: RolloutBatch, cstats: CollectStats) -> dict:
             if a.overlong_filtering:
                 batch.trainable = ~batch.truncated  # sec. 3.4: truncated answers carry no learning signal
-            batch.adv = algo.group_advantages(batch.reward, r.group_size, scale_by_std=a.scale_adv_by_std)  # (N,)
+            in_baseline = None if a.truncated_in_group_stats else ~batch.truncated  # the paper masks only the loss
+            batch.adv = algo.group_advantages(batch.reward, r.group_size, scale_by_std=a.scale_adv_by_std,
+                                              in_baseline=in_baseline)  # (N,)
             engine.sleep()  # a colocated engine frees its memory for the trainer; no-op for hf
             t0 = time.perf_counter()
+            if state.buffer:  # held-over groups keep the log-probs of the weights that sampled them (still loaded)
+                record_behaviour_logp(state.buffer, policy.compute_logprobs, source=a.buffer_logp)
             batch.old_logp, batch.entropy = policy.compute_logprobs(batch, with_entropy=True)  # (N, T)
+            batch.old_logp = batch.behaviour_old_logp(batch.old_logp)  # held-over groups: the weights that sampled them
+            is_stats = importance_weights(batch, a.rollout_is_cap)  # engine vs trainer sampling; off unless cap > 0
             if policy.ref_model is not None:
                 batch.ref_logp, _ = policy.compute_logprobs(batch, model=policy.ref_model)  # (N, T)
             t1 = time.perf_counter()
@@ -261,7 +294,8 @@ def train(cfg: Config, *, console=None) -> dict:
             engine.wake()
             engine.update_weights(policy.named_weights())
             times = {"old_logprob": t1 - t0, "update": t2 - t1, "weight_sync": time.perf_counter() - t2}
-            return step_metrics(batch, cstats, update, times)
+            return {**step_metrics(batch, cstats, update, times, max_prompt_tokens=cfg.data.max_prompt_tokens,
+                                   max_response_tokens=r.max_response_tokens), **is_stats}
 
         last: dict = {}
         no_signal = 0  # steps in a row without an informative group

@@ -32,7 +32,8 @@ def _as_grade(fn: Callable[[str, str], tuple[float, bool, str]]) -> Callable[[st
 
 # The raw (score, acc, pred) functions: worker processes send these tuples back, not Grades.
 RAW_GRADERS: dict[str, Callable[[str, str], tuple[float, bool, str]]] = {
-    "dapo": minerva.grade_dapo,
+    "dapo": minerva.grade_dapo,  # exactly the reference (verl math_dapo)
+    "dapo_relaxed": minerva.grade_dapo_relaxed,  # the reference + equal integers in any spelling
     "math": math_equiv.grade_math,
     "gsm8k": numeric.grade_gsm8k,
     "arith": numeric.grade_arith,
@@ -44,6 +45,7 @@ GRADERS: dict[str, Callable[[str, str], Grade]] = {name: _as_grade(fn) for name,
 # them to workers, so a 20k-character reasoning trace costs 300 bytes of IPC for `dapo`.
 TAIL_CHARS: dict[str, int] = {
     "dapo": minerva.TAIL_CHARS,
+    "dapo_relaxed": minerva.TAIL_CHARS,
     "math": math_equiv.TAIL_CHARS,
     "gsm8k": numeric.TAIL_CHARS,
     "arith": numeric.TAIL_CHARS,

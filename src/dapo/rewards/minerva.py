@@ -1,5 +1,9 @@
 """The DAPO-Math-17K reference grader (verl `math_dapo`), kept exact so scores match the paper.
 
+Two graders share the normalisation below:
+  dapo          exactly the reference: the normalised strings must be equal ("025" != "25")
+  dapo_relaxed  the same, plus equal integers spelled differently ("025" == "25", "27.0" == "27")
+
 The answer normalisation is the one published with Minerva (Lewkowycz et al. 2022, appendix D)
 and used by the DAPO reference: keep the text after the last `=`, apply literal substitutions,
 delete unit and filler words, unwrap `$..$`, `\\text{}`, `\\textbf{}`, `\\overline{}`, `\\boxed{}`,
@@ -75,10 +79,16 @@ def normalized_truth(ground_truth: str) -> str:
 
 
 def same_answer(pred: str, truth: str) -> bool:
-    """String equality after normalisation, plus equal integers in different spellings.
+    """The reference comparison: plain string equality of the normalised answers."""
+    return pred == truth
 
-    The one deliberate departure from the reference: "025" == "25", "27.0" == "27",
-    "1,000.0" == "1000", and only when both sides are plain integer/decimal literals.
+
+def same_answer_relaxed(pred: str, truth: str) -> bool:
+    """String equality after normalisation, or equal integers in different spellings.
+
+    A departure from the reference, so it has its own grader name (`dapo_relaxed`): "025" == "25",
+    "27.0" == "27", "+3" == "3", "1,000.0" == "1000", and only when both sides are plain
+    integer/decimal literals ("2.50" != "2.5" still, as non-integers keep the string compare).
     """
     if pred == truth:
         return True
@@ -86,10 +96,21 @@ def same_answer(pred: str, truth: str) -> bool:
     return a is not None and a == plain_integer_value(truth)
 
 
-def grade_dapo(response: str, ground_truth: str) -> tuple[float, bool, str]:
-    """(score, acc, pred) exactly as the DAPO reference grades, with the integer relaxation."""
+def _extract(response: str) -> str:
     tail = response[-TAIL_CHARS:]
     found = ANSWER_LINE.findall(tail)
-    pred = normalize_final_answer(found[-1] if found else INVALID)
+    return normalize_final_answer(found[-1] if found else INVALID)
+
+
+def grade_dapo(response: str, ground_truth: str) -> tuple[float, bool, str]:
+    """(score, acc, pred) exactly as the DAPO reference (verl `math_dapo.compute_score`) grades."""
+    pred = _extract(response)
     acc = same_answer(pred, normalized_truth(ground_truth))
+    return (1.0 if acc else -1.0), acc, pred
+
+
+def grade_dapo_relaxed(response: str, ground_truth: str) -> tuple[float, bool, str]:
+    """(score, acc, pred) as `grade_dapo`, but equal integers in different spellings also match."""
+    pred = _extract(response)
+    acc = same_answer_relaxed(pred, normalized_truth(ground_truth))
     return (1.0 if acc else -1.0), acc, pred

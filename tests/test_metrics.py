@@ -1,0 +1,61 @@
+"""The step's metrics on a hand-made batch, and verl's names for the same quantities beside them."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from dapo.batch import RolloutBatch
+from dapo.dynamic_sampling import CollectStats
+from dapo.log import VERL_NAMES, VERL_SUMS, with_verl_names
+from dapo.train import sampling_metrics, step_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def hand_made_batch():
+    # 2 groups of 2: response lengths 3, 5 | 5, 2 (limit 5: the second and third are at it), prompts 4, 4 | 6, 6
+    batch = RolloutBatch(group_size=2, prompt_ids=[[1] * 4, [1] * 4, [2] * 6, [2] * 6],
+                         response_ids=[[5] * 3, [5] * 5, [6] * 5, [6] * 2],
+                         truncated=torch.tensor([False, True, False, False]),  # the third ended with EOS at the limit
+                         texts=[""] * 4, example_uids=["a", "a", "b", "b"], ground_truths=["0"] * 4,
+                         acc=torch.tensor([1.0, 0.0, 0.0, 1.0]), reward=torch.tensor([1.0, -2.0, -1.0, 1.0]),
+                         overlong=torch.tensor([0.0, -1.0, 0.0, 0.0]))
+    batch.adv = torch.tensor([0.5, -0.5, -1.0, 1.0])
+    batch.old_logp = torch.zeros(4, 5)
+    batch.entropy = torch.ones(4, 5)
+    return batch
+
+
+def test_step_metrics_hand_computed_with_verl_names():
+    cstats = CollectStats(rounds=3)
+    m = {**sampling_metrics(cstats, 0),
+         **step_metrics(hand_made_batch(), cstats, {"clipfrac_high": 0.02, "clipfrac_low": 0.03},
+                        {"old_logprob": 1.0, "update": 1.0}, max_prompt_tokens=6, max_response_tokens=5)}
+    row = {k: float(v) for k, v in with_verl_names(m).items()}
+    assert row["response_length/mean"] == row["rollout/response_length_mean"] == pytest.approx(15 / 4)
+    assert (row["response_length/max"], row["response_length/min"]) == (5.0, 2.0)
+    assert row["response_length/clip_ratio"] == pytest.approx(0.5)  # at the limit, with or without EOS
+    assert row["rollout/truncated_frac"] == pytest.approx(0.25)  # stopped by the limit
+    assert row["prompt_length/mean"] == pytest.approx(5.0) and row["prompt_length/clip_ratio"] == pytest.approx(0.5)
+    assert row["critic/score/mean"] == pytest.approx(-0.25) and row["critic/score/min"] == -2.0
+    # token-level advantages: 0.5 x 3, -0.5 x 5, -1 x 5, 1 x 2 over 15 tokens
+    assert row["critic/advantages/mean"] == pytest.approx((1.5 - 2.5 - 5 + 2) / 15)
+    assert (row["critic/advantages/max"], row["critic/advantages/min"]) == (1.0, -1.0)
+    assert row["actor/pg_clipfrac"] == pytest.approx(0.05)  # both sides, as verl counts
+    assert row["actor/entropy"] == 1.0 and row["train/num_gen_batches"] == 3.0
+
+
+def test_eval_accuracy_under_verls_name():
+    row = with_verl_names({"eval/aime2024/avg@32": 0.5, "eval/aime2024/maj@32": 0.6, "eval/aime2024/pass@32": 0.8})
+    assert row["val-core/aime2024/acc/mean@32"] == 0.5
+    assert not any(k.startswith("val-core") and ("maj" in k or "best" in k) for k in row)  # verl bootstraps those
+
+
+def test_every_verl_name_is_in_the_documented_table():
+    table = (REPO / "docs" / "metrics.md").read_text()
+    documented = set(re.findall(r"^\| `([^`]+)` \| `([^`]+)`", table, flags=re.M))
+    expected = {(v, ours) for v, ours in VERL_NAMES.items()}
+    expected |= {(v, " + ".join(parts)) for v, parts in VERL_SUMS.items()}
+    assert expected <= documented, sorted(expected - documented)
