@@ -40,10 +40,10 @@ def env_for_children(**extra) -> dict:
     return env
 
 
-def torchrun(*args, timeout=300, cwd=REPO) -> subprocess.CompletedProcess:
+def torchrun(*args, timeout=300, cwd=REPO, check=True) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *map(str, args)]
     out = subprocess.run(cmd, cwd=cwd, env=env_for_children(), capture_output=True, text=True, timeout=timeout)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert out.returncode == 0 or not check, out.stdout[-3000:] + out.stderr[-5000:]
     return out
 
 
@@ -283,6 +283,27 @@ def test_torchrun_training_resumes_exactly_from_shards(tiny_model_dir, tmp_path)
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
     assert any(not torch.equal(wa[k], w0[k]) for k in wa)  # training moved the weights
+
+
+def test_torchrun_resume_refuses_a_crafted_checkpoint_index(tiny_model_dir, tmp_path):
+    """Resume is automatic: a step directory whose shards/.metadata pickles os.system must stop both
+    ranks with the reason, before anything in it runs."""
+    import pickle
+
+    from test_checkpoint import RunsCommand
+
+    marker = tmp_path / "pwned"
+    step = tmp_path / "runs" / "t" / "checkpoints" / "step_000001"
+    (step / "shards").mkdir(parents=True)
+    torch.save({"step": 1}, step / "trainer_state.pt")
+    (step / "shards" / ".metadata").write_bytes(pickle.dumps(RunsCommand(f"touch {marker}")))
+    out = torchrun("-m", "dapo.cli", "train", "configs/demo.yaml", f"model.path={tiny_model_dir}",
+                   f"run.dir={tmp_path / 'runs'}", *SMALL_OVERRIDES, check=False)
+    assert out.returncode != 0
+    assert not marker.exists()
+    refusals = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(refusals) == 2, out.stderr[-3000:]  # one line per rank
+    assert all("names posix.system, which is not checkpoint metadata" in line for line in refusals)
 
 
 # ---- GPUs (skipped without two CUDA devices; CI has none) -----------------------------------------

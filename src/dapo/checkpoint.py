@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from dapo import parallel
+from dapo.parallel import CheckpointError
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 

@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except Exception as err:
         # bad input (config, data, paths) is reported in one line; anything else keeps its traceback
-        if isinstance(err, (ConfigError, FileNotFoundError)) or type(err).__name__ in ("DataError", "GenerationCapError"):
+        one_line = ("DataError", "GenerationCapError", "CheckpointError")
+        if isinstance(err, (ConfigError, FileNotFoundError)) or type(err).__name__ in one_line:
             print(f"error: {err}", file=sys.stderr)
             return 2
         raise

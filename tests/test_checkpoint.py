@@ -1,0 +1,86 @@
+"""Checkpoints from elsewhere are data, never code: a crafted torch.distributed.checkpoint index or
+shard entry is refused before anything in it runs, and `dapo export` copies no symlinked file."""
+
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from dapo import checkpoint, cli, parallel
+
+
+class RunsCommand:
+    """Pickles as a call to os.system: what a crafted checkpoint file would hold."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def sharded_checkpoint(tiny_model_dir: Path, step_dir: Path) -> Path:
+    """A real sharded checkpoint of the tiny model, written by one process (what `dapo export` reads)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    parallel.save_shards({"model": model.state_dict()}, step_dir / "shards")
+    shutil.copytree(tiny_model_dir, step_dir / "model_meta", ignore=shutil.ignore_patterns("*.safetensors"))
+    torch.save({"step": 1}, step_dir / "trainer_state.pt")
+    return step_dir
+
+
+def test_export_refuses_a_metadata_file_that_runs_code(tiny_model_dir, tmp_path, capsys):
+    marker = tmp_path / "pwned"
+    step = sharded_checkpoint(tiny_model_dir, tmp_path / "step_000001")
+    (step / "shards" / ".metadata").write_bytes(pickle.dumps(RunsCommand(f"touch {marker}")))
+    capsys.readouterr()
+    assert cli.main(["export", str(step), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert not marker.exists()
+    assert err.count("\n") == 1 and "posix.system" in err and "not checkpoint metadata" in err
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_export_of_a_genuine_sharded_checkpoint_still_works(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    step = sharded_checkpoint(tiny_model_dir, tmp_path / "step_000001")
+    out = checkpoint.export_hf(step, tmp_path / "out")
+    exported, original = load_file(out / "model.safetensors"), load_file(tiny_model_dir / "model.safetensors")
+    assert exported.keys() == original.keys() and all(torch.equal(exported[k], original[k]) for k in original)
+
+
+def test_a_shard_entry_that_runs_code_is_refused(tmp_path):
+    """Non-tensor entries (an optimizer's param_groups) are pickles inside the shard files; torch's
+    default planner loads them with weights_only=False."""
+    marker = tmp_path / "pwned"
+    parallel.save_shards({"optim": {"lr": RunsCommand(f"touch {marker}"), "w": torch.ones(2)}}, tmp_path / "shards")
+    state = {"optim": {"lr": 0.0, "w": torch.zeros(2)}}
+    with pytest.raises(parallel.CheckpointError, match=r"entry 'optim.lr' needs more than plain data"):
+        parallel.load_shards(state, tmp_path / "shards")
+    assert not marker.exists()
+
+
+def test_plain_shard_entries_still_load(tmp_path):
+    saved = {"optim": {"param_groups": [{"lr": 1e-3, "betas": (0.9, 0.99), "foreach": None, "params": ["w"]}]},
+             "w": torch.arange(4.0)}
+    parallel.save_shards(saved, tmp_path / "shards")
+    state = {"optim": {"param_groups": [{"lr": 0.0, "betas": (0.0, 0.0), "foreach": False, "params": []}]},
+             "w": torch.zeros(4)}
+    parallel.load_shards(state, tmp_path / "shards")
+    assert state["optim"] == saved["optim"] and torch.equal(state["w"], saved["w"])
+
+
+def test_an_index_pointing_outside_the_shards_directory_is_refused(tiny_model_dir, tmp_path):
+    step = sharded_checkpoint(tiny_model_dir, tmp_path / "step_000001")
+    index = step / "shards" / ".metadata"
+    metadata = pickle.loads(index.read_bytes())
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../secret.pt"
+    index.write_bytes(pickle.dumps(metadata))
+    with pytest.raises(parallel.CheckpointError, match=r"points an entry at '../../secret.pt', outside the shards"):
+        checkpoint.export_hf(step, tmp_path / "out")
