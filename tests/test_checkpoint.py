@@ -84,3 +84,27 @@ def test_an_index_pointing_outside_the_shards_directory_is_refused(tiny_model_di
     index.write_bytes(pickle.dumps(metadata))
     with pytest.raises(parallel.CheckpointError, match=r"points an entry at '../../secret.pt', outside the shards"):
         checkpoint.export_hf(step, tmp_path / "out")
+
+
+def test_export_refuses_a_link_to_a_file_outside_the_checkpoint(tiny_model_dir, tmp_path, capsys):
+    secret = tmp_path / "id_rsa"
+    secret.write_text("PRIVATE KEY")
+    step = tmp_path / "step_000002"
+    shutil.copytree(tiny_model_dir, step / "model")
+    torch.save({"step": 2}, step / "trainer_state.pt")
+    (step / "model" / "chat_template.jinja").symlink_to(secret)
+    assert cli.main(["export", str(step), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"chat_template.jinja is a symbolic link (to {secret})" in err
+    exported = [p for p in (tmp_path / "out").rglob("*") if p.is_file()] if (tmp_path / "out").exists() else []
+    assert not any("PRIVATE KEY" in p.read_text(errors="replace") for p in exported)
+
+
+def test_export_refuses_a_linked_directory_in_a_sharded_checkpoint(tiny_model_dir, tmp_path):
+    step = sharded_checkpoint(tiny_model_dir, tmp_path / "step_000001")
+    elsewhere = tmp_path / "elsewhere"
+    (step / "model_meta").rename(elsewhere)
+    (step / "model_meta").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(parallel.CheckpointError, match=r"model_meta is a symbolic link"):
+        checkpoint.export_hf(step, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

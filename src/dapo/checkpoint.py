@@ -121,6 +121,7 @@ def export_hf(path: Path, out_dir: Path) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path, out_dir = Path(path), Path(out_dir)
+    refuse_links(path)
     if (path / "model" / "config.json").exists():  # single-process checkpoints already hold one
         shutil.copytree(path / "model", out_dir, dirs_exist_ok=True)
         return out_dir
@@ -135,6 +136,18 @@ def export_hf(path: Path, out_dir: Path) -> Path:
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(path / "model_meta").save_pretrained(out_dir)
     return out_dir
+
+
+def refuse_links(path: Path) -> None:
+    """A checkpoint holds only regular files (save_pretrained and torch.distributed.checkpoint write no
+    links). A link in one from elsewhere could point at any file of this machine (~/.ssh/id_rsa), whose
+    content an export would copy into a model directory meant for sharing."""
+    for root, dirs, files in os.walk(path):
+        for name in dirs + files:
+            p = Path(root) / name
+            if p.is_symlink():
+                raise CheckpointError(f"{p} is a symbolic link (to {os.readlink(p)}); a checkpoint holds only regular "
+                                      "files: replace the link with the file it should be, or remove it")
 
 
 def load_trainer_state(path: Path) -> dict:
