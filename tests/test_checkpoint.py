@@ -108,3 +108,48 @@ def test_export_refuses_a_linked_directory_in_a_sharded_checkpoint(tiny_model_di
     with pytest.raises(parallel.CheckpointError, match=r"model_meta is a symbolic link"):
         checkpoint.export_hf(step, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+# ---- a run directory is never reused by a fresh start ------------------------------------------------
+def earlier_run(run_dir: Path) -> None:
+    """What a finished 2-step run leaves: two metrics lines and its newest checkpoint."""
+    (run_dir / "checkpoints" / "step_000002").mkdir(parents=True)
+    torch.save({"step": 2}, run_dir / "checkpoints" / "step_000002" / "trainer_state.pt")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+
+
+def test_fresh_start_in_an_earlier_run_refuses_and_keeps_it(tiny_model_dir, tmp_path, capsys):
+    from conftest import SMALL_OVERRIDES
+
+    run_dir = tmp_path / "t"
+    earlier_run(run_dir)
+    code = cli.main(["train", "configs/demo.yaml", f"model.path={tiny_model_dir}", f"run.dir={tmp_path}",
+                     *SMALL_OVERRIDES, "run.resume=false", "run.keep_checkpoints=1", "train.total_steps=1"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "holds an earlier run" in err and "give a new run.name, or set run.overwrite=true" in err
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert [p.name for p in checkpoint.list_checkpoints(run_dir)] == ["step_000002"]
+
+
+def test_overwrite_moves_the_earlier_run_aside_whole(tiny_model_dir, tmp_path):
+    from conftest import small_config
+
+    from dapo.train import read_metrics, train
+
+    run_dir = tmp_path / "t"
+    earlier_run(run_dir)
+    train(small_config(tmp_path, tiny_model_dir, "run.resume=false", "run.overwrite=true", "run.keep_checkpoints=1",
+                       "train.total_steps=1"))
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("t.")]
+    assert (aside / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert [p.name for p in checkpoint.list_checkpoints(aside)] == ["step_000002"]
+    assert [r["step"] for r in read_metrics(run_dir)] == [1]
+    assert [p.name for p in checkpoint.list_checkpoints(run_dir)] == ["step_000001"]
+
+
+def test_resume_and_fresh_starts_in_new_directories_are_untouched(tmp_path):
+    earlier_run(tmp_path / "t")
+    checkpoint.prepare_run_dir(tmp_path / "t", resume=True, overwrite=False)  # continuing is what resume means
+    checkpoint.prepare_run_dir(tmp_path / "new", resume=False, overwrite=False)
+    assert (tmp_path / "new").is_dir() and sorted(p.name for p in tmp_path.iterdir()) == ["new", "t"]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dapo.config import ConfigError, load_config
+from dapo.config import ConfigError, config_from_dict, load_config
 
 
 def test_presets_load():
@@ -56,3 +56,23 @@ def test_bad_files(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="key=value"):
         load_config(None, ["algo.eps_high"])
+
+
+@pytest.mark.parametrize("name", ["..", ".", "", "/tmp/x", "a/b", "../x", "a\\b", "x\0y"])
+def test_run_name_is_one_plain_directory_name(name, tmp_path):
+    with pytest.raises(ConfigError, match=r"run.name=.*must be one plain directory name"):
+        config_from_dict({"run": {"dir": str(tmp_path / "sub"), "name": name}})
+    if "\0" not in name:  # YAML refuses a NUL before the check sees it
+        with pytest.raises(ConfigError, match=r"run.name=.*must be one plain directory name"):
+            load_config("configs/demo.yaml", [f"run.dir={tmp_path / 'sub'}", f"run.name={name}"])
+
+
+def test_an_override_yaml_cannot_read_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"override 'run.name=x\\x00y': not a valid value"):
+        load_config("configs/demo.yaml", ["run.name=x\0y"])
+
+
+def test_overwrite_needs_a_fresh_start():
+    with pytest.raises(ConfigError, match="run.overwrite=true .* set run.resume=false"):
+        load_config("configs/demo.yaml", ["run.overwrite=true"])
+    assert load_config("configs/demo.yaml", ["run.overwrite=true", "run.resume=false"]).run.overwrite

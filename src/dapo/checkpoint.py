@@ -23,6 +23,7 @@ import os
 import random
 import re
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -48,6 +49,36 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 def latest_checkpoint(run_dir: Path) -> Path | None:
     found = list_checkpoints(run_dir)
     return found[-1] if found else None
+
+
+def prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, dist: parallel.Dist | None = None) -> None:
+    """Create the run directory. A fresh start (resume=false) never writes into an earlier run: its
+    metrics.jsonl would be truncated and the checkpoint rotation would mix (and delete) steps of
+    both. It stops instead, or with ``overwrite`` first moves the earlier run aside, whole."""
+    from dapo.config import ConfigError
+
+    d = dist or parallel.Dist()
+    run_dir = Path(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    earlier = not resume and (any(checkpoint_dir(run_dir).glob("step_*"))
+                              or (metrics.exists() and metrics.stat().st_size > 0))
+    if earlier and not overwrite:
+        raise ConfigError(f"run.resume=false but {run_dir} holds an earlier run (checkpoints or metrics.jsonl); "
+                          f"give a new run.name, or set run.overwrite=true to move it aside to "
+                          f"{run_dir.name}.<date-time> first, or drop run.resume=false to continue it")
+    parallel.barrier(d)  # every rank has looked before rank 0 moves anything
+    if d.is_main:
+        if earlier:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            aside = run_dir.with_name(f"{run_dir.name}.{stamp}")
+            for k in range(1, 1000):
+                if not aside.exists():
+                    break
+                aside = run_dir.with_name(f"{run_dir.name}.{stamp}-{k}")
+            os.rename(run_dir, aside)  # not os.replace: never onto an existing directory
+            print(f"run.overwrite=true: moved the earlier run {run_dir} to {aside}")
+        run_dir.mkdir(parents=True, exist_ok=True)
+    parallel.barrier(d)
 
 
 def rng_state() -> dict:
@@ -155,9 +186,9 @@ def load_trainer_state(path: Path) -> dict:
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as err:  # a truncated or foreign file: say which and what to do
-        raise RuntimeError(
+        raise CheckpointError(
             f"checkpoint {file} is unreadable ({type(err).__name__}); delete that step directory to resume "
-            "from the one before, or set run.resume=false"
+            "from the one before, or start afresh with run.resume=false run.overwrite=true"
         ) from err
 
 

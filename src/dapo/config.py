@@ -123,6 +123,7 @@ class RunConfig:
     save_every: int = 20  # checkpoint every N steps (and at the end); 0 only at the end
     keep_checkpoints: int = 2  # newest checkpoints kept
     resume: bool = True  # continue from the run directory's latest checkpoint
+    overwrite: bool = False  # with resume=false: move an earlier run in the directory aside (<name>.<date-time>) first
     samples_per_step: int = 4  # decoded responses written to samples/ each step
     tensorboard: bool = True
     progress: bool = True  # console progress bar
@@ -226,7 +227,10 @@ def _dotted_to_nested(items: list[str]) -> dict:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key=value, e.g. algo.eps_high=0.28")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw != "" else ""
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override {item!r}: not a valid value ({str(err).splitlines()[0]})") from None
         node = nested
         parts = key.strip().split(".")
         for part in parts[:-1]:
@@ -335,4 +339,10 @@ def validate(cfg: Config) -> None:
     _check(e.n >= 1 and e.every_steps >= 0 and e.num_problems >= 0, "eval.n >= 1, eval.every_steps >= 0, eval.num_problems >= 0")
     _check(0 < e.top_p <= 1.0 and e.temperature >= 0, "eval.top_p in (0, 1] and eval.temperature >= 0 (0 = greedy)")
     _check(cfg.run.save_every >= 0 and cfg.run.keep_checkpoints >= 1, "run.save_every >= 0 and run.keep_checkpoints >= 1")
-    _check(bool(cfg.run.name) and "/" not in cfg.run.name, f"run.name={cfg.run.name!r}: a non-empty name without '/'")
+    name = cfg.run.name
+    # the run lives in run.dir/run.name: '..', '/x' or 'a/b' would write into (or over) another directory
+    _check(name not in ("", ".", "..") and Path(name).name == name and not any(c in name for c in "/\\\0"),
+           f"run.name={name!r}: must be one plain directory name (not empty, '.' or '..', no '/' or '\\'), "
+           "e.g. run.name=demo2; put the parent directory in run.dir")
+    _check(not (cfg.run.overwrite and cfg.run.resume),
+           "run.overwrite=true moves an earlier run aside to start afresh: set run.resume=false with it")

@@ -164,10 +164,10 @@ def step_metrics(batch: RolloutBatch, cstats: CollectStats, update: dict, times:
 def train(cfg: Config, *, console=None) -> dict:
     """Run (or resume) training; returns the last logged row with eval/* before and after."""
     run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     d = parallel.init(cfg.model.device)  # WORLD_SIZE > 1 (torchrun, Ray): FSDP over the ranks
+    checkpoint.prepare_run_dir(run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite, dist=d)
     policy = Policy(cfg, d.device if d.sharded else pick_device(cfg.model.device), d)
     engine = make_engine(cfg, policy, d)
     encode = make_encoder(policy.tokenizer, cfg.data.max_prompt_tokens)
