@@ -76,3 +76,19 @@ def test_overwrite_needs_a_fresh_start():
     with pytest.raises(ConfigError, match="run.overwrite=true .* set run.resume=false"):
         load_config("configs/demo.yaml", ["run.overwrite=true"])
     assert load_config("configs/demo.yaml", ["run.overwrite=true", "run.resume=false"]).run.overwrite
+
+
+@pytest.mark.parametrize("override, key", [
+    ("reward.timeout_s=inf", "reward.timeout_s"),  # grading without a time limit
+    ("reward.timeout_s=nan", "reward.timeout_s"),
+    ("train.grad_clip=.inf", "train.grad_clip"),  # no gradient clipping
+    ("algo.dual_clip=inf", "algo.dual_clip"),  # null is how dual-clip is switched off
+    ("algo.overlong_penalty_factor=inf", "algo.overlong_penalty_factor"),
+    ("train.betas=[0.9,nan]", "train.betas"),
+    ("train.weight_decay=nan", "train.weight_decay"),
+    ("data.max_prompt_tokens=0", "data.max_prompt_tokens"),  # ids[-0:] keeps every token
+])
+def test_settings_that_would_switch_a_limit_off_are_refused(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/demo.yaml", [override])
+    assert str(err.value).startswith(key) and "\n" not in str(err.value)

@@ -219,3 +219,6 @@ def test_bad_arguments():
         RewardPool(num_workers=0)
     with pytest.raises(ValueError, match="timeout_s"):
         RewardPool(timeout_s=0)
+    for unbounded in (float("inf"), float("nan")):  # no limit at all: one answer could hold a worker forever
+        with pytest.raises(ValueError, match="timeout_s must be a finite number > 0"):
+            RewardPool(timeout_s=unbounded)

@@ -9,6 +9,7 @@ Unknown keys, wrong types and inconsistent values fail at start with a ConfigErr
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -290,7 +291,21 @@ def _check(cond: bool, msg: str):
         raise ConfigError(msg)
 
 
+def _check_finite(obj, prefix: str = "") -> None:
+    """No float setting takes inf or nan: each bounds something (a time limit, the gradient norm, a
+    clip), and inf would switch it off without saying so (nan fails every comparison but !=).
+    The settings that can be switched off say how in their comment (0 or null)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_finite(value, f"{prefix}{f.name}.")
+        for v in value if isinstance(value, list) else [value]:
+            _check(not isinstance(v, float) or math.isfinite(v),
+                   f"{prefix}{f.name}={value}: must be a finite number (inf or nan would switch its limit off)")
+
+
 def validate(cfg: Config) -> None:
+    _check_finite(cfg)
     a, r, t, e = cfg.algo, cfg.rollout, cfg.train, cfg.eval
     _check(0.0 < a.eps_low < 1.0, f"algo.eps_low={a.eps_low}: must be in (0, 1); the paper uses 0.2")
     _check(0.0 < a.eps_high <= 10.0, f"algo.eps_high={a.eps_high}: must be in (0, 10]; the paper uses 0.28")
@@ -330,9 +345,12 @@ def validate(cfg: Config) -> None:
     _check(t.lr > 0, f"train.lr={t.lr}: must be > 0")
     _check(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), f"train.betas={t.betas}: two numbers in [0, 1)")
     _check(t.grad_clip > 0, "train.grad_clip must be > 0")
+    _check(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay}: must be >= 0")
     _check(cfg.model.dtype in ("float32", "bfloat16", "float16"), f"model.dtype={cfg.model.dtype!r}: float32, bfloat16 or float16")
     _check(cfg.model.device in ("auto", "cpu", "cuda"), f"model.device={cfg.model.device!r}: auto, cpu or cuda")
     _check(cfg.data.template in ("dapo", "raw"), f"data.template={cfg.data.template!r}: choose dapo or raw")
+    # ids[-0:] is the whole list: 0 would silently keep prompts of any length
+    _check(cfg.data.max_prompt_tokens > 0, f"data.max_prompt_tokens={cfg.data.max_prompt_tokens}: must be > 0")
     _check(cfg.reward.grader in ("auto", "dapo", "math", "gsm8k", "arith"),
            f"reward.grader={cfg.reward.grader!r}: choose auto, dapo, math, gsm8k or arith")
     _check(cfg.reward.num_workers >= 1 and cfg.reward.timeout_s > 0, "reward.num_workers >= 1 and reward.timeout_s > 0")

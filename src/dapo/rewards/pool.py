@@ -267,8 +267,8 @@ class RewardPool:
         worker may add after start-up (None: unlimited)."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if not (timeout_s > 0 and math.isfinite(timeout_s)):  # inf would let one answer hold a worker forever
+            raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s}")
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
         self.memory_limit_mb = memory_limit_mb
