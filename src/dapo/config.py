@@ -17,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from dapo.data import DEFAULT_MAX_ROW_CHARS
+
 
 class ConfigError(ValueError):
     """A bad config value; the message names the key and the fix."""
@@ -38,6 +40,7 @@ class DataConfig:
     train_files: list[str] = field(default_factory=list)  # .jsonl/.parquet in DAPO-Math-17K or {problem, answer} layout
     template: str = "dapo"  # prompt template for dataset files: dapo (the paper's) | raw
     max_prompt_tokens: int = 2048  # longer prompts are cut from the left, as the reference does
+    max_row_chars: int = DEFAULT_MAX_ROW_CHARS  # a data-file row longer than this (1M characters) stops the run at load
     seed: int = 0  # prompt order
 
 
@@ -351,6 +354,7 @@ def validate(cfg: Config) -> None:
     _check(cfg.data.template in ("dapo", "raw"), f"data.template={cfg.data.template!r}: choose dapo or raw")
     # ids[-0:] is the whole list: 0 would silently keep prompts of any length
     _check(cfg.data.max_prompt_tokens > 0, f"data.max_prompt_tokens={cfg.data.max_prompt_tokens}: must be > 0")
+    _check(cfg.data.max_row_chars > 0, f"data.max_row_chars={cfg.data.max_row_chars}: must be > 0")
     _check(cfg.reward.grader in ("auto", "dapo", "math", "gsm8k", "arith"),
            f"reward.grader={cfg.reward.grader!r}: choose auto, dapo, math, gsm8k or arith")
     _check(cfg.reward.num_workers >= 1 and cfg.reward.timeout_s > 0, "reward.num_workers >= 1 and reward.timeout_s > 0")

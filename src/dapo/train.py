@@ -49,7 +49,7 @@ def load_train_examples(cfg: Config):
     if cfg.data.train_files:
         examples = []
         for path in cfg.data.train_files:
-            examples += load_examples(path, template=cfg.data.template)
+            examples += load_examples(path, template=cfg.data.template, max_row_chars=cfg.data.max_row_chars)
         return examples
     if cfg.data.task != "arith":
         raise ValueError(f"data.task={cfg.data.task!r}: the built-in task is arith; or give data.train_files")
@@ -61,11 +61,15 @@ def load_train_examples(cfg: Config):
 def make_encoder(tokenizer, max_prompt_tokens: int):
     from dapo.data import render_prompt
 
+    # No token spans more characters than the vocabulary's longest entry, so the kept tokens lie within
+    # this many characters of the end (with a margin for the word cut in two): a prompt of megabytes
+    # is cut before it is tokenised, which would otherwise take the whole text's time and memory.
+    max_chars = (max_prompt_tokens + 16) * max(map(len, tokenizer.get_vocab()), default=1)
     cache: dict = {}
 
     def encode(example) -> list[int]:
         if example not in cache:  # examples are frozen and hashable; templates render once each
-            text = render_prompt(example, tokenizer)
+            text = render_prompt(example, tokenizer)[-max_chars:]
             ids = tokenizer(text, add_special_tokens=not getattr(tokenizer, "chat_template", None))["input_ids"]
             cache[example] = ids[-max_prompt_tokens:]  # cut from the left: the question's end matters most
         return cache[example]
@@ -175,7 +179,8 @@ def train(cfg: Config, *, console=None) -> dict:
     from dapo.evaluate import evaluate, load_benchmark
 
     sampler = PromptSampler(load_train_examples(cfg), seed=cfg.data.seed)
-    eval_sets = [load_benchmark(b, template=cfg.data.template, num_problems=cfg.eval.num_problems) for b in cfg.eval.benchmarks]
+    eval_sets = [load_benchmark(b, template=cfg.data.template, num_problems=cfg.eval.num_problems,
+                                max_row_chars=cfg.data.max_row_chars) for b in cfg.eval.benchmarks]
     state = TrainState()
     resume_from = checkpoint.latest_checkpoint(run_dir) if cfg.run.resume else None
     if resume_from is not None:
