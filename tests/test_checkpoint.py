@@ -1,9 +1,14 @@
-"""Checkpoints from elsewhere are data, never code: a crafted torch.distributed.checkpoint index or
-shard entry is refused before anything in it runs, and `dapo export` copies no symlinked file."""
+"""Checkpoints and model directories from elsewhere are data, never code: a crafted
+torch.distributed.checkpoint index or shard entry is refused before anything in it runs, `dapo
+export` copies no symlinked file, a model directory's own Python files run only when
+model.trust_remote_code says so, and a fresh start never writes into an earlier run."""
 
+import json
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -153,3 +158,47 @@ def test_resume_and_fresh_starts_in_new_directories_are_untouched(tmp_path):
     checkpoint.prepare_run_dir(tmp_path / "t", resume=True, overwrite=False)  # continuing is what resume means
     checkpoint.prepare_run_dir(tmp_path / "new", resume=False, overwrite=False)
     assert (tmp_path / "new").is_dir() and sorted(p.name for p in tmp_path.iterdir()) == ["new", "t"]
+
+
+# ---- Python files shipped in a model directory ------------------------------------------------------
+def remote_code_model_dir(tiny_model_dir: Path, root: Path, marker: Path) -> Path:
+    """The tiny model with a config.json that names its own configuration code, which leaves a marker."""
+    model_dir = root / "remote-model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(model_type="not_in_transformers",
+                  auto_map={"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XModel"})
+    (model_dir / "config.json").write_text(json.dumps(config))
+    (model_dir / "configuration_x.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
+        "from transformers import PretrainedConfig\nclass XConfig(PretrainedConfig):\n    model_type = 'not_in_transformers'\n")
+    return model_dir
+
+
+def load_answering_yes(model_dir: Path, **kwargs) -> subprocess.CompletedProcess:
+    """Load the directory in a fresh process whose stdin answers 'y' to any question."""
+    code = ("import sys; from dapo.policy import load_model_and_tokenizer\n"
+            f"load_model_and_tokenizer({str(model_dir)!r}, **{kwargs!r})")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    return subprocess.run([sys.executable, "-c", code], input="y\n" * 10, capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_a_model_directorys_own_code_never_runs_by_default(tiny_model_dir, tmp_path):
+    """Left unset, transformers asks on the terminal whether to run the directory's code, and a 'y'
+    (here piped in) runs it; dapo says no up front."""
+    marker = tmp_path / "ran"
+    out = load_answering_yes(remote_code_model_dir(tiny_model_dir, tmp_path, marker))
+    assert out.returncode != 0 and not marker.exists()
+    assert "trust_remote_code=True" in out.stderr
+
+
+def test_trust_remote_code_is_a_setting(tiny_model_dir, tmp_path):
+    from conftest import small_config
+
+    marker = tmp_path / "ran"
+    model_dir = remote_code_model_dir(tiny_model_dir, tmp_path, marker)
+    assert small_config(tmp_path, model_dir).model.trust_remote_code is False
+    assert small_config(tmp_path, model_dir, "model.trust_remote_code=true").model.trust_remote_code
+    load_answering_yes(model_dir, trust_remote_code=True)  # fails later (no modeling_x.py): the code did run
+    assert marker.exists()

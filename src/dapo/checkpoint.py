@@ -147,8 +147,9 @@ def load_shards(path: Path, shards: dict) -> dict:
     return shards
 
 
-def export_hf(path: Path, out_dir: Path) -> Path:
-    """A checkpoint's weights as one Hugging Face model directory (config, safetensors, tokenizer)."""
+def export_hf(path: Path, out_dir: Path, *, trust_remote_code: bool = False) -> Path:
+    """A checkpoint's weights as one Hugging Face model directory (config, safetensors, tokenizer);
+    Python files in its model_meta/ run only with ``trust_remote_code``."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path, out_dir = Path(path), Path(out_dir)
@@ -158,14 +159,14 @@ def export_hf(path: Path, out_dir: Path) -> Path:
         return out_dir
     if not is_sharded(path):
         raise FileNotFoundError(f"{path} is not a checkpoint directory (no model/ or shards/); give runs/<name>/checkpoints/step_NNNNNN")
-    config = AutoConfig.from_pretrained(path / "model_meta")
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(path / "model_meta", trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
     state = {"model": model.state_dict()}  # the keys the trainer saved its shards under
     parallel.load_shards(state, path / "shards")
     dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype or "float32"))
     model.to(dtype)  # the dtype the model was given in; training kept float32 masters
     model.save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(path / "model_meta").save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(path / "model_meta", trust_remote_code=trust_remote_code).save_pretrained(out_dir)
     return out_dir
 
 
@@ -197,12 +198,12 @@ def load_policy_weights(policy, path: Path) -> None:
     the model and the optimizer."""
     shards = policy.sharded_state()
     if shards is None:
-        load_model_weights(policy.model, path)
+        load_model_weights(policy.model, path, trust_remote_code=policy.cfg.model.trust_remote_code)
     else:
         policy.load_sharded_state(load_shards(path, shards))
 
 
-def load_model_weights(model, path: Path) -> None:
+def load_model_weights(model, path: Path, *, trust_remote_code: bool = False) -> None:
     """Copy the HF-format weights saved in ``path/model`` into an already built model."""
     from transformers import AutoModelForCausalLM
 
@@ -210,7 +211,8 @@ def load_model_weights(model, path: Path) -> None:
         raise RuntimeError(f"checkpoint {path} is sharded (written by several ranks); resume it with torchrun or "
                            f"`dapo launch-ray`, or turn it into a model directory with `dapo export {path} OUT_DIR`")
 
-    saved = AutoModelForCausalLM.from_pretrained(Path(path) / "model", dtype=next(model.parameters()).dtype)
+    saved = AutoModelForCausalLM.from_pretrained(Path(path) / "model", dtype=next(model.parameters()).dtype,
+                                                 trust_remote_code=trust_remote_code)
     missing, unexpected = model.load_state_dict(saved.state_dict(), strict=False)
     if unexpected or any(not k.endswith("lm_head.weight") for k in missing):
         raise RuntimeError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")

@@ -60,7 +60,7 @@ def cmd_demo(args) -> int:
 def cmd_export(args) -> int:
     from dapo.checkpoint import export_hf
 
-    out = export_hf(Path(args.checkpoint), Path(args.out_dir))
+    out = export_hf(Path(args.checkpoint), Path(args.out_dir), trust_remote_code=args.trust_remote_code)
     print(f"written: {out} (Hugging Face model directory)")
     return 0
 
@@ -98,7 +98,8 @@ def cmd_eval(args) -> int:
             raise SystemExit(f"error: {ckpt} is sharded; run `dapo export {ckpt} OUT_DIR` and evaluate --model OUT_DIR")
     if model_dir is None:
         raise SystemExit("error: give --model DIR (a Hugging Face model directory) or --run RUN_DIR")
-    model, tokenizer = load_model_and_tokenizer(model_dir, args.dtype, pick_device(args.device))
+    model, tokenizer = load_model_and_tokenizer(model_dir, args.dtype, pick_device(args.device),
+                                                trust_remote_code=args.trust_remote_code)
     engine = HFRolloutEngine(model, tokenizer)
     encode = make_encoder(tokenizer, args.max_prompt_tokens)
     results = []
@@ -138,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="turn a checkpoint (sharded or not) into one Hugging Face model directory")
     p.add_argument("checkpoint", help="a checkpoint directory, e.g. runs/NAME/checkpoints/step_000100")
     p.add_argument("out_dir", help="where to write the model (config, safetensors, tokenizer)")
+    p.add_argument("--trust-remote-code", action="store_true", help="run Python files shipped in the checkpoint")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("launch-ray", help="train with one Ray worker per GPU across a Ray cluster (FSDP)")
@@ -175,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--out", help="output directory (default: next to the model)")
+    p.add_argument("--trust-remote-code", action="store_true", help="run Python files shipped in the model directory")
     p.set_defaults(func=cmd_eval)
     return parser
 

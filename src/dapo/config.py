@@ -30,6 +30,7 @@ class ModelConfig:
     dtype: str = "float32"  # training dtype: float32 | bfloat16 | float16; under FSDP the compute dtype (float32 master weights)
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
     device: str = "auto"  # auto (cuda if available) | cpu | cuda
+    trust_remote_code: bool = False  # run Python files shipped in model.path (auto_map); only for directories you trust
 
 
 @dataclass

@@ -88,20 +88,22 @@ def make_engine(cfg: Config, policy: Policy, d: parallel.Dist):
     if d.world_size % k:
         raise ConfigError(f"rollout.tensor_parallel_size={k} does not divide the {d.world_size} trainer ranks; "
                           "pick a divisor (one vLLM engine per group of that many ranks)")
+    trust = cfg.model.trust_remote_code
     if cfg.rollout.backend == "vllm":
-        model = weightless_model(cfg.model.path, cfg.model.dtype)
+        model = weightless_model(cfg.model.path, cfg.model.dtype, trust_remote_code=trust)
     else:
-        model, _ = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, d.device)
+        model, _ = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, d.device, trust_remote_code=trust)
     return ShardedRollout(make_rollout(cfg.rollout, model, policy.tokenizer), d, tensor_parallel_size=k)
 
 
-def weightless_model(path, dtype: str):
+def weightless_model(path, dtype: str, *, trust_remote_code: bool = False):
     """The model on the meta device: vLLM reads the checkpoint itself and needs only its directory,
     dtype and generation config (a full copy here would cost every GPU the whole model)."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=DTYPES[dtype])
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
     if (Path(path) / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(path)
     return model

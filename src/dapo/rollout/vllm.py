@@ -128,6 +128,9 @@ class VLLMRolloutEngine:
                 enforce_eager=not current_platform.is_cuda_alike(),
                 worker_extension_cls=f"{__name__}.WeightSync",
                 seed=cfg.seed,
+                # the trainer built its model from the directory's own code only where model.trust_remote_code
+                # allowed it; vLLM reads the same directory and gets the same answer
+                trust_remote_code=type(model).__module__.startswith("transformers_modules."),
             )
 
     def _require_owner(self) -> None:
