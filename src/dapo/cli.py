@@ -74,7 +74,7 @@ def cmd_launch_ray(args) -> int:
     if placement.world_size < 1:
         raise ConfigError("launch-ray: give --gpus-per-node N (GPU workers) or --cpu-workers-per-node N (CPU workers)")
     ray_init = {"num_cpus": args.num_cpus} if args.address == "local" and args.num_cpus else {}
-    launch(cfg, placement, address=args.address, ray_init=ray_init)
+    launch(cfg, placement, address=args.address, ray_init=ray_init, insecure=args.insecure)
     return 0
 
 
@@ -151,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-workers-per-node", type=int, default=0, help="CPU-only ranks per machine (gloo), without GPUs")
     p.add_argument("--cpus-per-worker", type=float, default=4.0, help="CPU slots reserved for each rank")
     p.add_argument("--num-cpus", type=int, default=0, help="with --address local: CPU slots of the private cluster")
+    p.add_argument("--insecure", action="store_true",
+                   help="join (or start) a Ray cluster without token authentication: anyone who reaches its ports runs code")
     p.set_defaults(func=cmd_launch_ray)
 
     from dapo import ablate

@@ -60,9 +60,33 @@ def init(device_name: str = "auto", env: dict | None = None) -> Dist:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size,
-                                timeout=timedelta(hours=1))  # ranks wait for the slowest generation and for grading
+        timeout = timedelta(hours=1)  # ranks wait for the slowest generation and for grading
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size, timeout=timeout,
+                                store=_rendezvous_store(env, rank, world_size, timeout))
     return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def _rendezvous_store(env, rank: int, world_size: int, timeout: timedelta):
+    """The TCPStore the ranks meet at: rank 0 serves it on MASTER_ADDR only (torch's own listens on
+    every interface), the others connect to it. None where torchrun's agent already runs one.
+
+    The store has no authentication and ranks exchange pickles through it and the process group, so
+    every node of a job must trust the others (docs/security.md).
+    """
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    import socket
+
+    host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    if rank != 0:  # every rank passes its store (a store on rank 0 alone and env:// elsewhere never meet)
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    fd = env.get("DAPO_STORE_FD")  # bound by the launcher (cluster.py) and kept open: no race for the port
+    if fd is None:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        fd = socket.create_server((host, port), family=family).detach()  # the store owns it from here
+    os.set_blocking(int(fd), False)  # its event loop accepts until EAGAIN: on a blocking socket it hangs at exit
+    return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=int(fd))
 
 
 def shutdown(d: Dist) -> None:
