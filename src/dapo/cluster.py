@@ -102,7 +102,7 @@ def require_token_auth(gcs_address: str) -> None:
             return  # refused without a token (or it speaks TLS only): not open to whoever reaches the port
     raise ConfigError(f"launch-ray: the Ray cluster at {gcs_address} answers requests that carry no token, so anyone "
                       "who reaches its ports runs code on its nodes; start every node with RAY_AUTH_MODE=token and "
-                      "the same RAY_AUTH_TOKEN (docs/security.md), or pass --insecure")
+                      "one token (RAY_AUTH_TOKEN_PATH) everywhere, see docs/security.md; or pass --insecure")
 
 
 def launch(cfg, placement: Placement, *, address: str = "auto", ray_init: dict | None = None,
@@ -118,7 +118,13 @@ def launch(cfg, placement: Placement, *, address: str = "auto", ray_init: dict |
     from dapo.config import dump_yaml
 
     if not ray.is_initialized():
-        ray.init(address=None if address == "local" else address, **(ray_init or {}))
+        try:
+            ray.init(address=None if address == "local" else address, **(ray_init or {}))
+        except (ray.exceptions.AuthenticationError, ConnectionError) as err:  # a token cluster refuses one without
+            why = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else type(err).__name__
+            raise ConfigError(f"launch-ray: cannot join the Ray cluster at {address} ({why}); with token authentication "
+                              "export RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH=<the cluster's token file> first "
+                              "(docs/security.md)") from None
     if not insecure:
         try:
             require_token_auth(ray.get_runtime_context().gcs_address)
