@@ -345,7 +345,7 @@ def test_torchrun_resume_refuses_a_crafted_checkpoint_index(tiny_model_dir, tmp_
     assert out.returncode != 0
     assert not marker.exists()
     refusals = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
-    assert len(refusals) == 2, out.stderr[-3000:]  # one line per rank
+    assert refusals, out.stderr[-3000:]  # one line per rank that got there before torchrun stopped the other
     assert all("names posix.system, which is not checkpoint metadata" in line for line in refusals)
 
 
