@@ -135,8 +135,8 @@ def run_trl(args) -> dict:
     from dapo.train import make_encoder
 
     path = ROOT / "assets/arith-base"
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False)
     train_examples = arith.make_examples("train", 3000, seed=0, difficulty="demo")  # what data.task=arith uses
     dataset = Dataset.from_list([{"prompt": ex.text(), "ground_truth": ex.ground_truth} for ex in train_examples])
 

@@ -154,8 +154,8 @@ def main(argv=None) -> int:
     if args.init is not None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(args.init)
-        model = AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(args.init, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32, trust_remote_code=False)
     else:
         tokenizer = tiny.build_tokenizer()
         model = tiny.build_model(

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dapo.config import ConfigError, load_config
+from dapo.config import ConfigError, config_from_dict, load_config
 
 
 def test_presets_load():
@@ -76,3 +76,39 @@ def test_a_preset_on_several_bases_applies_them_in_order(tmp_path):
     (tmp_path / "c.yaml").write_text("base: [a.yaml, b.yaml]\ntrain:\n  total_steps: 7\n")
     cfg = load_config(tmp_path / "c.yaml")
     assert (cfg.algo.eps_high, cfg.algo.kl_coef, cfg.train.total_steps) == (0.3, 0.2, 7)
+
+
+@pytest.mark.parametrize("name", ["..", ".", "", "/tmp/x", "a/b", "../x", "a\\b", "x\0y"])
+def test_run_name_is_one_plain_directory_name(name, tmp_path):
+    with pytest.raises(ConfigError, match=r"run.name=.*must be one plain directory name"):
+        config_from_dict({"run": {"dir": str(tmp_path / "sub"), "name": name}})
+    if "\0" not in name:  # YAML refuses a NUL before the check sees it
+        with pytest.raises(ConfigError, match=r"run.name=.*must be one plain directory name"):
+            load_config("configs/demo.yaml", [f"run.dir={tmp_path / 'sub'}", f"run.name={name}"])
+
+
+def test_an_override_yaml_cannot_read_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"override 'run.name=x\\x00y': not a valid value"):
+        load_config("configs/demo.yaml", ["run.name=x\0y"])
+
+
+def test_overwrite_needs_a_fresh_start():
+    with pytest.raises(ConfigError, match="run.overwrite=true .* set run.resume=false"):
+        load_config("configs/demo.yaml", ["run.overwrite=true"])
+    assert load_config("configs/demo.yaml", ["run.overwrite=true", "run.resume=false"]).run.overwrite
+
+
+@pytest.mark.parametrize("override, key", [
+    ("reward.timeout_s=inf", "reward.timeout_s"),  # grading without a time limit
+    ("reward.timeout_s=nan", "reward.timeout_s"),
+    ("train.grad_clip=.inf", "train.grad_clip"),  # no gradient clipping
+    ("algo.dual_clip=inf", "algo.dual_clip"),  # null is how dual-clip is switched off
+    ("algo.overlong_penalty_factor=inf", "algo.overlong_penalty_factor"),
+    ("train.betas=[0.9,nan]", "train.betas"),
+    ("train.weight_decay=nan", "train.weight_decay"),
+    ("data.max_prompt_tokens=0", "data.max_prompt_tokens"),  # ids[-0:] keeps every token
+])
+def test_settings_that_would_switch_a_limit_off_are_refused(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/demo.yaml", [override])
+    assert str(err.value).startswith(key) and "\n" not in str(err.value)

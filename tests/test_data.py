@@ -211,6 +211,87 @@ def test_unknown_layout_extension_empty_and_missing_file(tmp_path):
         load_examples(tmp_path / "missing.jsonl")
 
 
+# --- hostile rows: one-line errors, bounded cost ----------------------------------------------
+
+
+def test_a_row_over_max_row_chars_is_refused_before_parsing(tmp_path):
+    path = write_jsonl(tmp_path / "big.jsonl", [{"problem": "p", "answer": "1"}, {"problem": "x" * 5000, "answer": "2"}])
+    with pytest.raises(DataError) as info:
+        load_examples(path, max_row_chars=4000)
+    assert str(info.value) == (f"{path}: row 2: longer than data.max_row_chars=4,000 characters; "
+                               "shorten or drop the row, or raise data.max_row_chars")
+    assert len(load_examples(path, max_row_chars=6000)) == 2
+    table = pa.table({"problem": ["p", "y" * 5000], "answer": ["1", "2"]})
+    pq.write_table(table, tmp_path / "big.parquet")
+    with pytest.raises(DataError, match=r"big.parquet: row 2: longer than data.max_row_chars=4,000"):
+        load_examples(tmp_path / "big.parquet", max_row_chars=4000)
+
+
+def test_the_row_limit_is_a_setting_that_reaches_the_loader(tmp_path, tiny_model_dir):
+    from conftest import small_config
+
+    from dapo.train import load_train_examples
+
+    path = write_jsonl(tmp_path / "big.jsonl", [{"problem": "x" * 3000, "answer": "1"}])
+    cfg = small_config(tmp_path, tiny_model_dir, f"data.train_files=[{path}]", "data.max_row_chars=2000")
+    with pytest.raises(DataError, match=r"row 1: longer than data.max_row_chars=2,000"):
+        load_train_examples(cfg)
+    assert small_config(tmp_path, tiny_model_dir).data.max_row_chars == 1_000_000
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"problem": "p", "answer": ' + "[" * 100_000 + "]" * 100_000 + "}",
+     "row 1: JSON nested too deeply to read"),
+    ('{"problem": "p", "answer": ' + "9" * 5000 + "}", "row 1: a number with more than 4300 digits; write it as a string"),
+])
+def test_json_python_cannot_read_is_a_one_line_error(tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(DataError) as info:
+        load_examples(path)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("row, field", [
+    ({"problem": "p", "answer": "2\x00"}, "answer"),
+    ({"problem": "what is 1+1?\x00", "answer": "2"}, "problem"),
+    ({"prompt": [{"role": "user", "content": "q\x00"}], "reward_model": {"ground_truth": "2"}}, "prompt[0].content"),
+    ({"prompt": "q", "reward_model": {"ground_truth": "2\x00"}}, "reward_model.ground_truth"),
+    ({"question": "q", "answer": "so #### 2\x00"}, "answer"),
+])
+def test_nul_characters_are_refused(tmp_path, row, field):
+    path = write_jsonl(tmp_path / "nul.jsonl", [row])
+    with pytest.raises(DataError) as info:
+        load_examples(path)
+    assert str(info.value) == f"{path}: row 1: field '{field}' contains a NUL character (\\x00); remove it from the file"
+
+
+def test_a_huge_prompt_is_cut_before_it_is_tokenised(tiny_model_dir):
+    from dapo.policy import load_model_and_tokenizer
+    from dapo.train import make_encoder
+
+    _, tokenizer = load_model_and_tokenizer(tiny_model_dir)
+    seen: list[int] = []
+
+    class Recording:  # the tokenizer, noting how much text it was given
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def __call__(self, text, **kwargs):
+            seen.append(len(text))
+            return tokenizer(text, **kwargs)
+
+    longest = max(map(len, tokenizer.get_vocab()))
+    encode = make_encoder(Recording(), max_prompt_tokens=64)
+    huge = Example("0", "12+7*3=? " * 2_000_000, "33", "s")  # 18 MB of text
+    ids = encode(huge)
+    assert len(ids) == 64 and seen == [(64 + 16) * longest]
+    # the cut changes nothing: a prompt short enough to tokenise whole gives the same last tokens
+    moderate = Example("1", "12+7*3=? " * 2_000, "33", "s")
+    full = tokenizer(render_prompt(moderate, tokenizer), add_special_tokens=not tokenizer.chat_template)["input_ids"]
+    assert encode(moderate) == full[-64:]
+
+
 # --- render_prompt ---------------------------------------------------------------------------
 
 

@@ -40,10 +40,10 @@ def env_for_children(**extra) -> dict:
     return env
 
 
-def torchrun(*args, timeout=300, cwd=REPO) -> subprocess.CompletedProcess:
+def torchrun(*args, timeout=300, cwd=REPO, check=True) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *map(str, args)]
     out = subprocess.run(cmd, cwd=cwd, env=env_for_children(), capture_output=True, text=True, timeout=timeout)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert out.returncode == 0 or not check, out.stdout[-3000:] + out.stderr[-5000:]
     return out
 
 
@@ -99,6 +99,49 @@ def test_sharded_rollout_gives_each_tensor_parallel_group_one_share(monkeypatch)
     monkeypatch.setattr(parallel, "all_gather_object", lambda obj, d: sent)
     gen = ShardedRollout(Echo(), parallel.Dist(rank=3, world_size=4), 2).generate(prompts, SamplingParams(seed=3))
     assert gen.response_ids == [[0, 6], [1, 6], [2, 7], [3, 7]] and gen.prompt_ids == prompts
+
+
+# ---- the rendezvous store -------------------------------------------------------------------------
+STORE_WORKER = """
+import json, os, torch
+from dapo import parallel
+d = parallel.init("cpu")
+total = parallel.all_reduce(torch.tensor(float(d.rank + 1)), d)
+port, listening = int(os.environ["MASTER_PORT"]), []
+for table in ("/proc/net/tcp", "/proc/net/tcp6"):  # local address (hex), state 0A = LISTEN
+    for row in open(table).read().splitlines()[1:]:
+        local, state = row.split()[1], row.split()[3]
+        if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+            listening.append(local.rsplit(":", 1)[0])
+print(json.dumps({"rank": d.rank, "total": float(total), "listening": listening}))
+parallel.shutdown(d)
+"""
+
+
+@pytest.mark.parametrize("launcher_socket", [False, True])
+def test_rank_0_store_listens_on_the_master_address_only(launcher_socket):
+    """torch's own store listens on every interface; here it binds MASTER_ADDR, on a socket the
+    launcher bound and handed over (as cluster.py does, so no other process can take the port
+    between choosing and listening), or on MASTER_PORT itself."""
+    import json
+    import socket
+
+    sock = socket.create_server(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    env = env_for_children(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    if not launcher_socket:
+        sock.close()  # rank 0 binds MASTER_PORT itself
+    rank0_extra = {"DAPO_STORE_FD": str(sock.fileno())} if launcher_socket else {}
+    procs = [subprocess.Popen([sys.executable, "-c", STORE_WORKER], env={**env, "RANK": str(rank), **(rank0_extra if rank == 0 else {})},
+                              pass_fds=(sock.fileno(),) if launcher_socket and rank == 0 else (), cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    if launcher_socket:
+        sock.close()
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    rank0, rank1 = (json.loads(out.strip().splitlines()[-1]) for out, _ in outs)
+    assert rank0["total"] == rank1["total"] == 3.0
+    assert rank0["listening"] == ["0100007F"]  # 127.0.0.1, not 0.0.0.0 or ::
 
 
 # ---- 2 ranks vs 1 --------------------------------------------------------------------------------
@@ -285,6 +328,27 @@ def test_torchrun_training_resumes_exactly_from_shards(tiny_model_dir, tmp_path)
     assert any(not torch.equal(wa[k], w0[k]) for k in wa)  # training moved the weights
 
 
+def test_torchrun_resume_refuses_a_crafted_checkpoint_index(tiny_model_dir, tmp_path):
+    """Resume is automatic: a step directory whose shards/.metadata pickles os.system must stop both
+    ranks with the reason, before anything in it runs."""
+    import pickle
+
+    from test_checkpoint import RunsCommand
+
+    marker = tmp_path / "pwned"
+    step = tmp_path / "runs" / "t" / "checkpoints" / "step_000001"
+    (step / "shards").mkdir(parents=True)
+    torch.save({"step": 1}, step / "trainer_state.pt")
+    (step / "shards" / ".metadata").write_bytes(pickle.dumps(RunsCommand(f"touch {marker}")))
+    out = torchrun("-m", "dapo.cli", "train", "configs/demo.yaml", f"model.path={tiny_model_dir}",
+                   f"run.dir={tmp_path / 'runs'}", *SMALL_OVERRIDES, check=False)
+    assert out.returncode != 0
+    assert not marker.exists()
+    refusals = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert refusals, out.stderr[-3000:]  # one line per rank that got there before torchrun stopped the other
+    assert all("names posix.system, which is not checkpoint metadata" in line for line in refusals)
+
+
 # ---- GPUs (skipped without two CUDA devices; CI has none) -----------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (nccl)")
@@ -307,10 +371,11 @@ def test_ray_two_cpu_workers_train_two_steps_and_checkpoint(tiny_model_dir, tmp_
     ray_tmp = tempfile.mkdtemp(prefix="dray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     real_token = Path.home() / ".ray" / "auth_token"
     token_before = real_token.read_bytes() if real_token.exists() else None
-    # token authentication stays on (Ray's default), with a throwaway token given in the environment,
-    # so Ray writes no token file; HOME and RAY_TMPDIR keep everything else under temporary directories
-    env = env_for_children(HOME=str(home), RAY_TMPDIR=ray_tmp, RAY_AUTH_MODE="token",
-                           RAY_AUTH_TOKEN=hashlib.sha256(os.urandom(16)).hexdigest(), RAY_USAGE_STATS_ENABLED="0")
+    # no RAY_AUTH_* given: launch-ray starts the private cluster with token authentication and a
+    # token that lives in its environment only, so Ray writes no token file (it would be 0644 in
+    # ~/.ray); HOME and RAY_TMPDIR keep everything else under temporary directories
+    env = {k: v for k, v in env_for_children(HOME=str(home), RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0").items()
+           if not k.startswith("RAY_AUTH")}
     cmd = [sys.executable, "-m", "dapo.cli", "launch-ray", "configs/demo.yaml", f"model.path={tiny_model_dir}",
            f"run.dir={tmp_path / 'runs'}", *SMALL_OVERRIDES, "--address", "local", "--num-cpus", "2",
            "--cpu-workers-per-node", "2", "--cpus-per-worker", "1"]
@@ -329,6 +394,51 @@ def test_ray_two_cpu_workers_train_two_steps_and_checkpoint(tiny_model_dir, tmp_
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
     assert not (home / ".ray" / "auth_token").exists()
     assert (real_token.read_bytes() if real_token.exists() else None) == token_before
+
+
+RAY_HEAD = """
+import sys, ray
+ray.init(num_cpus=1, include_dashboard=False)
+print(ray.get_runtime_context().gcs_address, flush=True)
+sys.stdin.read()  # until the test closes stdin
+"""
+
+
+def test_launch_ray_refuses_to_start_a_cluster_without_auth(tmp_path):
+    pytest.importorskip("ray")
+    env = env_for_children(HOME=str(tmp_path), RAY_AUTH_MODE="disabled")
+    out = subprocess.run([sys.executable, "-m", "dapo.cli", "launch-ray", "configs/demo.yaml", "--address", "local",
+                          "--cpu-workers-per-node", "2"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-2000:]
+    assert "RAY_AUTH_MODE=disabled starts a cluster on which anyone who reaches its ports runs code" in out.stderr
+    assert "--insecure" in out.stderr
+
+
+@pytest.mark.slow
+def test_launch_ray_refuses_to_join_a_cluster_without_auth(tiny_model_dir, tmp_path):
+    """A cluster started without RAY_AUTH_MODE=token answers anyone; the driver notices, even though
+    it holds a token itself, and stops before placing anything."""
+    pytest.importorskip("ray")
+    ray_tmp = tempfile.mkdtemp(prefix="dray", dir="/tmp")
+    env = {k: v for k, v in env_for_children(HOME=str(tmp_path), RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0").items()
+           if not k.startswith("RAY_AUTH")}
+    head = subprocess.Popen([sys.executable, "-c", RAY_HEAD], env={**env, "RAY_AUTH_MODE": "disabled"},
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        gcs_address = head.stdout.readline().strip()
+        driver_env = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": hashlib.sha256(os.urandom(16)).hexdigest()}
+        out = subprocess.run([sys.executable, "-m", "dapo.cli", "launch-ray", "configs/demo.yaml",
+                              f"model.path={tiny_model_dir}", f"run.dir={tmp_path / 'runs'}", "--address", gcs_address,
+                              "--cpu-workers-per-node", "1", "--cpus-per-worker", "1"],
+                             cwd=REPO, env=driver_env, capture_output=True, text=True, timeout=200)
+    finally:
+        head.communicate(input="", timeout=60)  # the head's driver shuts its cluster down
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    refusals = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert out.returncode == 2 and len(refusals) == 1, out.stderr[-3000:]
+    assert f"the Ray cluster at {gcs_address} answers requests that carry no token" in refusals[0]
+    assert "--insecure" in refusals[0]
+    assert not (tmp_path / "runs").exists()
 
 
 if __name__ == "__main__":  # the torchrun worker

@@ -111,6 +111,17 @@ def test_grader_exception_is_a_crash_but_keeps_the_worker(pool):
     assert set(_pids(pool)) == before
 
 
+def test_graders_own_time_limit_counts_as_a_timeout_and_keeps_the_worker(pool):
+    """The math grader stops math-verify itself (GradingTimeout) before the pool's limit strikes:
+    reward/timeouts must count those too."""
+    before = set(_pids(pool))
+    result = pool.score(["Answer: 1", "x", "Answer: 2"], ["1", "1", "2"], ["dapo", "_test_own_timeout", "dapo"])
+    assert [g.pred for g in result.grades] == ["1", "[TIMEOUT]", "2"]
+    assert result.grades[1] == Grade(-1.0, False, "[TIMEOUT]")
+    assert result.num_timeouts == 1 and result.num_crashes == 0
+    assert set(_pids(pool)) == before
+
+
 def test_pool_still_healthy_after_failures_and_reuses_workers(pool):
     pids = _pids(pool)
     for _ in range(3):
@@ -219,3 +230,6 @@ def test_bad_arguments():
         RewardPool(num_workers=0)
     with pytest.raises(ValueError, match="timeout_s"):
         RewardPool(timeout_s=0)
+    for unbounded in (float("inf"), float("nan")):  # no limit at all: one answer could hold a worker forever
+        with pytest.raises(ValueError, match="timeout_s must be a finite number > 0"):
+            RewardPool(timeout_s=unbounded)

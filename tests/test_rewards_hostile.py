@@ -7,7 +7,7 @@ import time
 import pytest
 from hostile_corpus import TRUTH, hostile_responses
 
-from dapo.rewards import RewardPool, grade
+from dapo.rewards import Grade, RewardPool, grade
 from dapo.rewards.math_equiv import TAIL_CHARS, _costly, _simple_number, extract_prediction
 
 # In-process graders read a bounded tail with linear-time regexes: far below this per response.
@@ -65,3 +65,25 @@ def test_math_prescreens_are_linear_on_their_worst_inputs():
         _simple_number(text)
         extract_prediction("\\boxed{" + text + "}")
         assert time.perf_counter() - t0 < 0.05, repr(text[:20])
+
+
+@pytest.mark.parametrize("response", ["Answer: 2\x00", "\\boxed{2\x00}", "Answer: $2\x00$", "\\boxed{\\frac{4}{2}\x00}"])
+def test_a_nul_inside_an_answer_is_not_the_answer(response):
+    for grader in ("math", "dapo", "arith"):
+        assert not grade(response, "2", grader).acc, grader
+    assert grade(response.replace("\x00", ""), "2", "math").acc  # the same answer without it is right
+
+
+def test_a_ground_truth_with_a_nul_is_refused():
+    with pytest.raises(ValueError, match="ground truth contains a NUL character"):
+        grade("Answer: 2", "2\x00", "math")
+
+
+def test_math_graders_own_time_limit_reports_a_timeout(monkeypatch):
+    from dapo.rewards import math_equiv
+
+    monkeypatch.setattr(math_equiv, "_INTERNAL_TIMEOUT_S", 1e-4)  # far below one LaTeX parse
+    g = grade("\\boxed{\\sin^2(x) + \\cos^2(y) + \\frac{x}{7}}", "\\sin^2(x) + \\frac{x}{7} + \\cos^2(y) + 0", "math")
+    assert g == Grade(-1.0, False, "[TIMEOUT]")
+    monkeypatch.setattr(math_equiv, "_INTERNAL_TIMEOUT_S", 2.0)
+    assert grade("\\boxed{\\cos^2(y) + \\frac{x}{7} + \\sin^2(x)}", "\\sin^2(x) + \\frac{x}{7} + \\cos^2(y)", "math").acc

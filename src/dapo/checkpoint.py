@@ -23,11 +23,13 @@ import os
 import random
 import re
 import shutil
+import time
 from pathlib import Path
 
 import torch
 
 from dapo import parallel
+from dapo.parallel import CheckpointError
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
@@ -47,6 +49,36 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 def latest_checkpoint(run_dir: Path) -> Path | None:
     found = list_checkpoints(run_dir)
     return found[-1] if found else None
+
+
+def prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, dist: parallel.Dist | None = None) -> None:
+    """Create the run directory. A fresh start (resume=false) never writes into an earlier run: its
+    metrics.jsonl would be truncated and the checkpoint rotation would mix (and delete) steps of
+    both. It stops instead, or with ``overwrite`` first moves the earlier run aside, whole."""
+    from dapo.config import ConfigError
+
+    d = dist or parallel.Dist()
+    run_dir = Path(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    earlier = not resume and (any(checkpoint_dir(run_dir).glob("step_*"))
+                              or (metrics.exists() and metrics.stat().st_size > 0))
+    if earlier and not overwrite:
+        raise ConfigError(f"run.resume=false but {run_dir} holds an earlier run (checkpoints or metrics.jsonl); "
+                          f"give a new run.name, or set run.overwrite=true to move it aside to "
+                          f"{run_dir.name}.<date-time> first, or drop run.resume=false to continue it")
+    parallel.barrier(d)  # every rank has looked before rank 0 moves anything
+    if d.is_main:
+        if earlier:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            aside = run_dir.with_name(f"{run_dir.name}.{stamp}")
+            for k in range(1, 1000):
+                if not aside.exists():
+                    break
+                aside = run_dir.with_name(f"{run_dir.name}.{stamp}-{k}")
+            os.rename(run_dir, aside)  # not os.replace: never onto an existing directory
+            print(f"run.overwrite=true: moved the earlier run {run_dir} to {aside}")
+        run_dir.mkdir(parents=True, exist_ok=True)
+    parallel.barrier(d)
 
 
 def rng_state() -> dict:
@@ -115,25 +147,39 @@ def load_shards(path: Path, shards: dict) -> dict:
     return shards
 
 
-def export_hf(path: Path, out_dir: Path) -> Path:
-    """A checkpoint's weights as one Hugging Face model directory (config, safetensors, tokenizer)."""
+def export_hf(path: Path, out_dir: Path, *, trust_remote_code: bool = False) -> Path:
+    """A checkpoint's weights as one Hugging Face model directory (config, safetensors, tokenizer);
+    Python files in its model_meta/ run only with ``trust_remote_code``."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path, out_dir = Path(path), Path(out_dir)
+    refuse_links(path)
     if (path / "model" / "config.json").exists():  # single-process checkpoints already hold one
         shutil.copytree(path / "model", out_dir, dirs_exist_ok=True)
         return out_dir
     if not is_sharded(path):
         raise FileNotFoundError(f"{path} is not a checkpoint directory (no model/ or shards/); give runs/<name>/checkpoints/step_NNNNNN")
-    config = AutoConfig.from_pretrained(path / "model_meta")
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(path / "model_meta", trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
     state = {"model": model.state_dict()}  # the keys the trainer saved its shards under
     parallel.load_shards(state, path / "shards")
     dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype or "float32"))
     model.to(dtype)  # the dtype the model was given in; training kept float32 masters
     model.save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(path / "model_meta").save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(path / "model_meta", trust_remote_code=trust_remote_code).save_pretrained(out_dir)
     return out_dir
+
+
+def refuse_links(path: Path) -> None:
+    """A checkpoint holds only regular files (save_pretrained and torch.distributed.checkpoint write no
+    links). A link in one from elsewhere could point at any file of this machine (~/.ssh/id_rsa), whose
+    content an export would copy into a model directory meant for sharing."""
+    for root, dirs, files in os.walk(path):
+        for name in dirs + files:
+            p = Path(root) / name
+            if p.is_symlink():
+                raise CheckpointError(f"{p} is a symbolic link (to {os.readlink(p)}); a checkpoint holds only regular "
+                                      "files: replace the link with the file it should be, or remove it")
 
 
 def load_trainer_state(path: Path) -> dict:
@@ -141,9 +187,9 @@ def load_trainer_state(path: Path) -> dict:
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as err:  # a truncated or foreign file: say which and what to do
-        raise RuntimeError(
+        raise CheckpointError(
             f"checkpoint {file} is unreadable ({type(err).__name__}); delete that step directory to resume "
-            "from the one before, or set run.resume=false"
+            "from the one before, or start afresh with run.resume=false run.overwrite=true"
         ) from err
 
 
@@ -152,12 +198,12 @@ def load_policy_weights(policy, path: Path) -> None:
     the model and the optimizer."""
     shards = policy.sharded_state()
     if shards is None:
-        load_model_weights(policy.model, path)
+        load_model_weights(policy.model, path, trust_remote_code=policy.cfg.model.trust_remote_code)
     else:
         policy.load_sharded_state(load_shards(path, shards))
 
 
-def load_model_weights(model, path: Path) -> None:
+def load_model_weights(model, path: Path, *, trust_remote_code: bool = False) -> None:
     """Copy the HF-format weights saved in ``path/model`` into an already built model."""
     from transformers import AutoModelForCausalLM
 
@@ -165,7 +211,8 @@ def load_model_weights(model, path: Path) -> None:
         raise RuntimeError(f"checkpoint {path} is sharded (written by several ranks); resume it with torchrun or "
                            f"`dapo launch-ray`, or turn it into a model directory with `dapo export {path} OUT_DIR`")
 
-    saved = AutoModelForCausalLM.from_pretrained(Path(path) / "model", dtype=next(model.parameters()).dtype)
+    saved = AutoModelForCausalLM.from_pretrained(Path(path) / "model", dtype=next(model.parameters()).dtype,
+                                                 trust_remote_code=trust_remote_code)
     missing, unexpected = model.load_state_dict(saved.state_dict(), strict=False)
     if unexpected or any(not k.endswith("lm_head.weight") for k in missing):
         raise RuntimeError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")

@@ -62,7 +62,7 @@ def cmd_demo(args) -> int:
 def cmd_export(args) -> int:
     from dapo.checkpoint import export_hf
 
-    out = export_hf(Path(args.checkpoint), Path(args.out_dir))
+    out = export_hf(Path(args.checkpoint), Path(args.out_dir), trust_remote_code=args.trust_remote_code)
     print(f"written: {out} (Hugging Face model directory)")
     return 0
 
@@ -88,7 +88,7 @@ def cmd_launch_ray(args) -> int:
     if placement.world_size < 1:
         raise ConfigError("launch-ray: give --gpus-per-node N (GPU workers) or --cpu-workers-per-node N (CPU workers)")
     ray_init = {"num_cpus": args.num_cpus} if args.address == "local" and args.num_cpus else {}
-    launch(cfg, placement, address=args.address, ray_init=ray_init)
+    launch(cfg, placement, address=args.address, ray_init=ray_init, insecure=args.insecure)
     return 0
 
 
@@ -113,7 +113,8 @@ def cmd_eval(args) -> int:
             raise SystemExit(f"error: {ckpt} is sharded; run `dapo export {ckpt} OUT_DIR` and evaluate --model OUT_DIR")
     if model_dir is None:
         raise SystemExit("error: give --model DIR (a Hugging Face model directory) or --run RUN_DIR")
-    model, tokenizer = load_model_and_tokenizer(model_dir, args.dtype, pick_device(args.device))
+    model, tokenizer = load_model_and_tokenizer(model_dir, args.dtype, pick_device(args.device),
+                                                trust_remote_code=args.trust_remote_code)
     benches = [load_benchmark(name, template=args.template, num_problems=args.num_problems) for name in args.benchmarks]
     longest = max(args.max_tokens or bench.max_response_tokens for bench, _ in benches)
     engine = make_rollout(RolloutConfig(backend=args.backend), model, tokenizer,
@@ -155,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="turn a checkpoint (sharded or not) into one Hugging Face model directory")
     p.add_argument("checkpoint", help="a checkpoint directory, e.g. runs/NAME/checkpoints/step_000100")
     p.add_argument("out_dir", help="where to write the model (config, safetensors, tokenizer)")
+    p.add_argument("--trust-remote-code", action="store_true", help="run Python files shipped in the checkpoint")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("import-model", help="convert a GGUF model file into a Hugging Face model directory")
@@ -173,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-workers-per-node", type=int, default=0, help="CPU-only ranks per machine (gloo), without GPUs")
     p.add_argument("--cpus-per-worker", type=float, default=4.0, help="CPU slots reserved for each rank")
     p.add_argument("--num-cpus", type=int, default=0, help="with --address local: CPU slots of the private cluster")
+    p.add_argument("--insecure", action="store_true",
+                   help="join (or start) a Ray cluster without token authentication: anyone who reaches its ports runs code")
     p.set_defaults(func=cmd_launch_ray)
 
     from dapo import ablate
@@ -201,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampler: hf (transformers generate, default), vllm, or auto (vllm where installed)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--out", help="output directory (default: next to the model)")
+    p.add_argument("--trust-remote-code", action="store_true", help="run Python files shipped in the model directory")
     p.set_defaults(func=cmd_eval)
     return parser
 
@@ -214,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except Exception as err:
         # bad input (config, data, paths) is reported in one line; anything else keeps its traceback
-        if isinstance(err, (ConfigError, FileNotFoundError)) or type(err).__name__ in ("DataError", "GenerationCapError"):
+        one_line = ("DataError", "GenerationCapError", "CheckpointError")
+        if isinstance(err, (ConfigError, FileNotFoundError)) or type(err).__name__ in one_line:
             print(f"error: {err}", file=sys.stderr)
             return 2
         raise

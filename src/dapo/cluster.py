@@ -9,12 +9,20 @@ bundle and tells each its RANK, WORLD_SIZE, LOCAL_RANK and the address of rank 0
 becomes the torch.distributed rendezvous (nccl on GPUs, gloo on CPU). Every rank samples a share
 of the prompts with its own engine on its own GPU and rank 0 grades (see train.py); Ray only
 places and starts the processes.
+
+Whoever can reach a Ray cluster's ports without its token runs code on every node, so the driver
+joins only a cluster that refuses requests without a token (``--insecure`` to override), and a
+cluster it starts itself (``--address local``) uses a token that lives in this run's environment
+only. See docs/security.md.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 from dataclasses import dataclass
+
+from dapo.config import ConfigError
 
 
 @dataclass
@@ -36,13 +44,20 @@ def _worker_class():
     class TrainWorker:
         """One rank: sets the torch.distributed environment, then runs the ordinary training loop."""
 
-        def address(self) -> tuple[str, int, str]:
+        def __init__(self):
+            self.store_socket = None
+
+        def address(self) -> tuple[str, str]:
+            return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+
+        def listen(self, host: str) -> int:
+            """Rank 0: bind the rendezvous port on this node's address and keep the socket, which the
+            store then takes over (parallel.py): no moment in which another process could take the port."""
             import socket
 
-            with socket.socket() as s:
-                s.bind(("", 0))
-                port = s.getsockname()[1]
-            return ray.util.get_node_ip_address(), port, ray.get_runtime_context().get_node_id()
+            family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+            self.store_socket = socket.create_server((host, 0), family=family)
+            return self.store_socket.getsockname()[1]
 
         def train(self, config_yaml: str, env: dict) -> dict:
             import yaml
@@ -51,13 +66,51 @@ def _worker_class():
             from dapo.train import train
 
             os.environ.update(env)
+            if self.store_socket is not None:
+                os.environ["DAPO_STORE_FD"] = str(self.store_socket.detach())
             return train(config_from_dict(yaml.safe_load(config_yaml)))
 
     return TrainWorker
 
 
-def launch(cfg, placement: Placement, *, address: str = "auto", ray_init: dict | None = None) -> dict:
-    """Run ``cfg`` on ``placement.world_size`` Ray workers; returns rank 0's last logged row."""
+def token_for_this_run(*, insecure: bool = False) -> None:
+    """Token authentication for a cluster started by this process, with a token that lives only in
+    its environment (and its children's). Left to itself Ray would write one to ~/.ray/auth_token,
+    readable by every user (mode 644), and leave it there."""
+    mode = os.environ.get("RAY_AUTH_MODE", "token")
+    if mode.lower() != "token":
+        if insecure:
+            return
+        raise ConfigError(f"launch-ray --address local: RAY_AUTH_MODE={mode} starts a cluster on which anyone who "
+                          "reaches its ports runs code; unset it (the run then uses a token of its own) or pass --insecure")
+    os.environ["RAY_AUTH_MODE"] = "token"
+    if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+
+
+def require_token_auth(gcs_address: str) -> None:
+    """Stop unless the cluster refuses a request that carries no token. Asked of the cluster itself
+    (its GCS), since this driver holding a token says nothing about whether the cluster checks it."""
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    with grpc.insecure_channel(gcs_address) as channel:
+        try:
+            gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
+                gcs_service_pb2.GetClusterIdRequest(), timeout=30)
+        except grpc.RpcError:
+            return  # refused without a token (or it speaks TLS only): not open to whoever reaches the port
+    raise ConfigError(f"launch-ray: the Ray cluster at {gcs_address} answers requests that carry no token, so anyone "
+                      "who reaches its ports runs code on its nodes; start every node with RAY_AUTH_MODE=token and "
+                      "one token (RAY_AUTH_TOKEN_PATH) everywhere, see docs/security.md; or pass --insecure")
+
+
+def launch(cfg, placement: Placement, *, address: str = "auto", ray_init: dict | None = None,
+           insecure: bool = False) -> dict:
+    """Run ``cfg`` on ``placement.world_size`` Ray workers; returns rank 0's last logged row.
+    ``insecure`` joins (or starts) a cluster without token authentication."""
+    if address == "local":
+        token_for_this_run(insecure=insecure)  # before Ray is imported: it reads RAY_AUTH_MODE once, then
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -65,7 +118,19 @@ def launch(cfg, placement: Placement, *, address: str = "auto", ray_init: dict |
     from dapo.config import dump_yaml
 
     if not ray.is_initialized():
-        ray.init(address=None if address == "local" else address, **(ray_init or {}))
+        try:
+            ray.init(address=None if address == "local" else address, **(ray_init or {}))
+        except (ray.exceptions.AuthenticationError, ConnectionError) as err:  # a token cluster refuses one without
+            why = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else type(err).__name__
+            raise ConfigError(f"launch-ray: cannot join the Ray cluster at {address} ({why}); with token authentication "
+                              "export RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH=<the cluster's token file> first "
+                              "(docs/security.md)") from None
+    if not insecure:
+        try:
+            require_token_auth(ray.get_runtime_context().gcs_address)
+        except ConfigError:
+            ray.shutdown()
+            raise
     p = placement
     bundle = {"CPU": p.cpus_per_worker, **({"GPU": p.gpus_per_worker} if p.gpus_per_worker else {})}
     # PACK fills a node before the next, so consecutive ranks share a machine (and its NVLink)
@@ -78,12 +143,13 @@ def launch(cfg, placement: Placement, *, address: str = "auto", ray_init: dict |
                   .remote() for i in range(p.world_size)]
         where = ray.get([a.address.remote() for a in actors])
         # ranks in node order, so LOCAL_RANK counts the ranks of one machine
-        order = sorted(range(len(actors)), key=lambda i: (where[i][2] != where[0][2], where[i][2], i))
-        master_addr, master_port, _ = where[order[0]]
+        order = sorted(range(len(actors)), key=lambda i: (where[i][1] != where[0][1], where[i][1], i))
+        master_addr = where[order[0]][0]
+        master_port = ray.get(actors[order[0]].listen.remote(master_addr))
         local_counts: dict[str, int] = {}
         runs = []
         for rank, i in enumerate(order):
-            node = where[i][2]
+            node = where[i][1]
             local_rank = local_counts.get(node, 0)
             local_counts[node] = local_rank + 1
             env = {"RANK": str(rank), "WORLD_SIZE": str(p.world_size), "LOCAL_RANK": str(local_rank),

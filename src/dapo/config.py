@@ -9,12 +9,15 @@ Unknown keys, wrong types and inconsistent values fail at start with a ConfigErr
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+from dapo.data import DEFAULT_MAX_ROW_CHARS
 
 
 class ConfigError(ValueError):
@@ -27,6 +30,7 @@ class ModelConfig:
     dtype: str = "float32"  # training dtype: float32 | bfloat16 | float16; under FSDP the compute dtype (float32 master weights)
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
     device: str = "auto"  # auto (cuda if available) | cpu | cuda
+    trust_remote_code: bool = False  # run Python files shipped in model.path (auto_map); only for directories you trust
 
 
 @dataclass
@@ -37,6 +41,7 @@ class DataConfig:
     train_files: list[str] = field(default_factory=list)  # .jsonl/.parquet in DAPO-Math-17K or {problem, answer} layout
     template: str = "dapo"  # prompt template for dataset files: dapo (the paper's) | raw
     max_prompt_tokens: int = 2048  # longer prompts are cut from the left, as the reference does
+    max_row_chars: int = DEFAULT_MAX_ROW_CHARS  # a data-file row longer than this (1M characters) stops the run at load
     seed: int = 0  # prompt order
 
 
@@ -130,6 +135,7 @@ class RunConfig:
     save_every: int = 20  # checkpoint every N steps (and at the end); 0 only at the end
     keep_checkpoints: int = 2  # newest checkpoints kept
     resume: bool = True  # continue from the run directory's latest checkpoint
+    overwrite: bool = False  # with resume=false: move an earlier run in the directory aside (<name>.<date-time>) first
     samples_per_step: int = 4  # decoded responses written to samples/ each step
     tensorboard: bool = True
     progress: bool = True  # console progress bar
@@ -233,7 +239,10 @@ def _dotted_to_nested(items: list[str]) -> dict:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key=value, e.g. algo.eps_high=0.28")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw != "" else ""
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override {item!r}: not a valid value ({str(err).splitlines()[0]})") from None
         node = nested
         parts = key.strip().split(".")
         for part in parts[:-1]:
@@ -296,7 +305,21 @@ def _check(cond: bool, msg: str):
         raise ConfigError(msg)
 
 
+def _check_finite(obj, prefix: str = "") -> None:
+    """No float setting takes inf or nan: each bounds something (a time limit, the gradient norm, a
+    clip), and inf would switch it off without saying so (nan fails every comparison but !=).
+    The settings that can be switched off say how in their comment (0 or null)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_finite(value, f"{prefix}{f.name}.")
+        for v in value if isinstance(value, list) else [value]:
+            _check(not isinstance(v, float) or math.isfinite(v),
+                   f"{prefix}{f.name}={value}: must be a finite number (inf or nan would switch its limit off)")
+
+
 def validate(cfg: Config) -> None:
+    _check_finite(cfg)
     a, r, t, e = cfg.algo, cfg.rollout, cfg.train, cfg.eval
     _check(0.0 < a.eps_low < 1.0, f"algo.eps_low={a.eps_low}: must be in (0, 1); the paper uses 0.2")
     _check(0.0 < a.eps_high <= 10.0, f"algo.eps_high={a.eps_high}: must be in (0, 10]; the paper uses 0.28")
@@ -346,13 +369,23 @@ def validate(cfg: Config) -> None:
     _check(t.lr > 0, f"train.lr={t.lr}: must be > 0")
     _check(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), f"train.betas={t.betas}: two numbers in [0, 1)")
     _check(t.grad_clip > 0, "train.grad_clip must be > 0")
+    _check(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay}: must be >= 0")
     _check(cfg.model.dtype in ("float32", "bfloat16", "float16"), f"model.dtype={cfg.model.dtype!r}: float32, bfloat16 or float16")
     _check(cfg.model.device in ("auto", "cpu", "cuda"), f"model.device={cfg.model.device!r}: auto, cpu or cuda")
     _check(cfg.data.template in ("dapo", "raw"), f"data.template={cfg.data.template!r}: choose dapo or raw")
+    # ids[-0:] is the whole list: 0 would silently keep prompts of any length
+    _check(cfg.data.max_prompt_tokens > 0, f"data.max_prompt_tokens={cfg.data.max_prompt_tokens}: must be > 0")
+    _check(cfg.data.max_row_chars > 0, f"data.max_row_chars={cfg.data.max_row_chars}: must be > 0")
     _check(cfg.reward.grader in ("auto", "dapo", "dapo_relaxed", "math", "gsm8k", "arith"),
            f"reward.grader={cfg.reward.grader!r}: choose auto, dapo, dapo_relaxed, math, gsm8k or arith")
     _check(cfg.reward.num_workers >= 1 and cfg.reward.timeout_s > 0, "reward.num_workers >= 1 and reward.timeout_s > 0")
     _check(e.n >= 1 and e.every_steps >= 0 and e.num_problems >= 0, "eval.n >= 1, eval.every_steps >= 0, eval.num_problems >= 0")
     _check(0 < e.top_p <= 1.0 and e.temperature >= 0, "eval.top_p in (0, 1] and eval.temperature >= 0 (0 = greedy)")
     _check(cfg.run.save_every >= 0 and cfg.run.keep_checkpoints >= 1, "run.save_every >= 0 and run.keep_checkpoints >= 1")
-    _check(bool(cfg.run.name) and "/" not in cfg.run.name, f"run.name={cfg.run.name!r}: a non-empty name without '/'")
+    name = cfg.run.name
+    # the run lives in run.dir/run.name: '..', '/x' or 'a/b' would write into (or over) another directory
+    _check(name not in ("", ".", "..") and Path(name).name == name and not any(c in name for c in "/\\\0"),
+           f"run.name={name!r}: must be one plain directory name (not empty, '.' or '..', no '/' or '\\'), "
+           "e.g. run.name=demo2; put the parent directory in run.dir")
+    _check(not (cfg.run.overwrite and cfg.run.resume),
+           "run.overwrite=true moves an earlier run aside to start afresh: set run.resume=false with it")

@@ -8,7 +8,9 @@ Three row layouts are read from ``.jsonl`` and ``.parquet`` files:
 * GSM8K: ``question`` and ``answer``, whose ground truth is the number after ``####``.
 
 The layout is decided once per file from its first row; every row is then checked against it,
-and a bad row raises ``DataError`` naming the file, the 1-based row number and the field.
+and a bad row raises ``DataError`` naming the file, the 1-based row number and the field. Data
+files come from elsewhere: a row longer than ``max_row_chars`` is refused before it is parsed,
+and so are JSON nested too deep or numbers too long for Python to read, and NUL characters.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import math
 import os
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
@@ -28,6 +31,9 @@ DAPO_PROMPT_PREFIX = (
 DAPO_PROMPT_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
 
 TEMPLATES = ("dapo", "raw")
+# A row's size limit, in characters. The longest row of the data sets in data/ has about 10k; a
+# million keeps any real problem and stops a hostile or broken row before it costs memory and time.
+DEFAULT_MAX_ROW_CHARS = 1_000_000
 # File names that say which split a file is, not which data set; the folder names the data set.
 _GENERIC_STEMS = {"train", "test", "val", "valid", "validation", "dev", "eval", "data"}
 
@@ -119,6 +125,7 @@ def load_examples(
     data_source: str | None = None,
     dedup: bool = True,
     limit: int | None = None,
+    max_row_chars: int = DEFAULT_MAX_ROW_CHARS,
 ) -> list[Example]:
     """Read a ``.jsonl`` or ``.parquet`` file of math problems into ``Example``s.
 
@@ -126,6 +133,7 @@ def load_examples(
     own (default: the row's ``data_source`` field, else the folder name for files named like
     ``test.jsonl``, else the file's stem). With ``dedup``, rows whose final prompt equals an
     earlier row's are dropped. ``limit`` keeps the first ``limit`` examples after de-duplication.
+    A row of more than ``max_row_chars`` characters (its JSON line, or its parquet text) is an error.
     """
     if template not in TEMPLATES:
         raise ValueError(f"unknown prompt template {template!r}; choose one of {list(TEMPLATES)}")
@@ -140,7 +148,7 @@ def load_examples(
     layout = None
     seen: set = set()
     out: list[Example] = []
-    for row_no, row in _iter_rows(path):
+    for row_no, row in _iter_rows(path, max_row_chars):
         where = f"{name}: row {row_no}"
         if not isinstance(row, dict):
             raise DataError(
@@ -169,26 +177,38 @@ def _default_source(path: Path) -> str:
     return stem
 
 
-def _iter_rows(path: Path) -> Iterator[tuple[int, Any]]:
+def _iter_rows(path: Path, max_row_chars: int) -> Iterator[tuple[int, Any]]:
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        yield from _iter_jsonl(path)
+        yield from _iter_jsonl(path, max_row_chars)
     elif suffix == ".parquet":
-        yield from _iter_parquet(path)
+        yield from _iter_parquet(path, max_row_chars)
     else:
         raise DataError(
             f"{path}: unsupported file type {suffix or '(none)'!r}; use a .jsonl or .parquet file"
         )
 
 
-def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+def _too_long(path: Path, row_no: int, max_row_chars: int) -> DataError:
+    return DataError(
+        f"{path}: row {row_no}: longer than data.max_row_chars={max_row_chars:,} characters; "
+        "shorten or drop the row, or raise data.max_row_chars"
+    )
+
+
+def _iter_jsonl(path: Path, max_row_chars: int) -> Iterator[tuple[int, Any]]:
     try:
         fh = open(path, encoding="utf-8")
     except OSError as e:
         raise DataError(f"{path}: cannot be read ({e.strerror}); check the path and permissions") from e
     with fh:
         try:
-            for row_no, line in enumerate(fh, start=1):
+            row_no = 0
+            # read at most one character past the limit (and the line end): a huge line is never held whole
+            while line := fh.readline(max_row_chars + 2):
+                row_no += 1
+                if len(line.rstrip("\r\n")) > max_row_chars:
+                    raise _too_long(path, row_no, max_row_chars)
                 if not line.strip():
                     continue
                 try:
@@ -198,12 +218,33 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
                         f"{path}: row {row_no}: not valid JSON ({e.msg} at column {e.colno}); "
                         "each line must be one JSON object"
                     ) from None
+                except RecursionError:
+                    raise DataError(
+                        f"{path}: row {row_no}: JSON nested too deeply to read; a row is one object of "
+                        "strings and numbers"
+                    ) from None
+                except ValueError:  # int('9' * 5000): Python reads at most sys.get_int_max_str_digits() digits
+                    raise DataError(
+                        f"{path}: row {row_no}: a number with more than {sys.get_int_max_str_digits()} digits; "
+                        "write it as a string"
+                    ) from None
                 yield row_no, row
         except UnicodeDecodeError as e:
             raise DataError(f"{path}: not UTF-8 text ({e.reason}); save the file as UTF-8") from None
 
 
-def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
+def _text_chars(value: Any) -> int:
+    """Characters of text in a row read from parquet (strings in lists and structs included)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_chars(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_text_chars(v) for v in value)
+    return 0
+
+
+def _iter_parquet(path: Path, max_row_chars: int) -> Iterator[tuple[int, Any]]:
     import pyarrow.parquet as pq
 
     try:
@@ -214,6 +255,8 @@ def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
     for batch in pf.iter_batches(batch_size=4096):
         for row in batch.to_pylist():
             row_no += 1
+            if _text_chars(row) > max_row_chars:
+                raise _too_long(path, row_no, max_row_chars)
             yield row_no, row
 
 
@@ -256,7 +299,7 @@ def _answer_text(value: Any, field: str, where: str, layout: str) -> str:
     if isinstance(value, str):
         if not value.strip():
             raise DataError(f"{where}: field '{field}' is empty; {_LAYOUT_HINT[layout]}")
-        return value.strip()
+        return _no_nul(value.strip(), field, where)
     raise DataError(
         f"{where}: field '{field}' must be a string or a number, got {type(value).__name__}; "
         f"{_LAYOUT_HINT[layout]}"
@@ -271,6 +314,13 @@ def _text(value: Any, field: str, where: str, layout: str) -> str:
         )
     if not value.strip():
         raise DataError(f"{where}: field '{field}' is empty; {_LAYOUT_HINT[layout]}")
+    return _no_nul(value, field, where)
+
+
+def _no_nul(value: str, field: str, where: str) -> str:
+    # no text or answer holds a NUL; graders that normalise answers would drop it and call "2\0" equal to "2"
+    if "\0" in value:
+        raise DataError(f"{where}: field '{field}' contains a NUL character (\\x00); remove it from the file")
     return value
 
 
@@ -291,7 +341,8 @@ def _chat(value: Any, where: str, template: str) -> tuple:
                 f"{where}: field 'prompt[{i}]' must be a {{role, content}} message with string "
                 f"values; {_LAYOUT_HINT['dapo']}"
             )
-        messages.append((m["role"], m["content"]))
+        role = _no_nul(m["role"], f"prompt[{i}].role", where)
+        messages.append((role, _no_nul(m["content"], f"prompt[{i}].content", where)))
     users = [i for i, (role, _) in enumerate(messages) if role == "user"]
     if not users:
         raise DataError(f"{where}: field 'prompt' has no 'user' message; {_LAYOUT_HINT['dapo']}")
@@ -336,6 +387,8 @@ def _parse_row(
                 f"{where}: field 'data_source' must be a string, got {type(row_source).__name__}; "
                 "drop it or give the data set's name"
             )
+        if row_source is not None:
+            _no_nul(row_source, "data_source", where)
     elif layout == "plain":
         problem = _text(_field(row, "problem", where, layout), "problem", where, layout)
         prompt = apply_template(problem, template)

@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from dapo.data import DEFAULT_MAX_ROW_CHARS
 from dapo.rollout.base import SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -43,7 +44,8 @@ BENCHMARKS = {
 }
 
 
-def load_benchmark(name_or_path: str, *, template: str = "dapo", num_problems: int = 0):
+def load_benchmark(name_or_path: str, *, template: str = "dapo", num_problems: int = 0,
+                   max_row_chars: int = DEFAULT_MAX_ROW_CHARS):
     """(Benchmark, examples) for a registered name, the built-in task, or a .jsonl/.parquet file."""
     from dapo.data import load_examples
 
@@ -66,7 +68,7 @@ def load_benchmark(name_or_path: str, *, template: str = "dapo", num_problems: i
             )
         bench = Benchmark(path.stem, str(path))
         source = path.stem
-    examples = load_examples(path, template=template, data_source=source)
+    examples = load_examples(path, template=template, data_source=source, max_row_chars=max_row_chars)
     if num_problems:
         examples = examples[:num_problems]
     return bench, examples

@@ -16,9 +16,11 @@ over ranks, never averaged: the objective is the same for any number of ranks.
 from __future__ import annotations
 
 import os
+import pickle
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -58,9 +60,33 @@ def init(device_name: str = "auto", env: dict | None = None) -> Dist:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size,
-                                timeout=timedelta(hours=1))  # ranks wait for the slowest generation and for grading
+        timeout = timedelta(hours=1)  # ranks wait for the slowest generation and for grading
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size, timeout=timeout,
+                                store=_rendezvous_store(env, rank, world_size, timeout))
     return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def _rendezvous_store(env, rank: int, world_size: int, timeout: timedelta):
+    """The TCPStore the ranks meet at: rank 0 serves it on MASTER_ADDR only (torch's own listens on
+    every interface), the others connect to it. None where torchrun's agent already runs one.
+
+    The store has no authentication and ranks exchange pickles through it and the process group, so
+    every node of a job must trust the others (docs/security.md).
+    """
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    import socket
+
+    host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    if rank != 0:  # every rank passes its store (a store on rank 0 alone and env:// elsewhere never meet)
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    fd = env.get("DAPO_STORE_FD")  # bound by the launcher (cluster.py) and kept open: no race for the port
+    if fd is None:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        fd = socket.create_server((host, port), family=family).detach()  # the store owns it from here
+    os.set_blocking(int(fd), False)  # its event loop accepts until EAGAIN: on a blocking socket it hangs at exit
+    return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=int(fd))
 
 
 def shutdown(d: Dist) -> None:
@@ -229,9 +255,95 @@ def save_shards(state: dict, path) -> None:
     dcp.save(state, checkpoint_id=str(path))
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded, or that would run code to load; the message names the file."""
+
+
+# What a torch.distributed.checkpoint index (shards/.metadata) is made of. Its reader in torch uses plain
+# pickle, so a crafted index could call anything (os.system) while loading; this list is all it may name.
+_DCP_METADATA_GLOBALS = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),  # which file and bytes hold each entry
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # torch.strided and friends, looked up by name
+    *((module, name) for module in ("pathlib", "pathlib._local") for name in ("PosixPath", "PurePosixPath")),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file, where):
+        super().__init__(file)
+        self.where = where
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _DCP_METADATA_GLOBALS or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise CheckpointError(f"{self.where}: names {module}.{name}, which is not checkpoint metadata; refused "
+                              "without running it (a crafted or foreign file): use only checkpoints you wrote")
+
+
+def _safe_dcp_loaders(path: Path):
+    """torch.distributed.checkpoint's file reader and load planner, minus their two plain-pickle loads:
+    the index goes through the allow-list above, non-tensor entries (the optimizer's param_groups)
+    through torch.load(weights_only=True), like the tensors already are."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs) -> Metadata:
+            file = Path(self._get_metadata_path(kwargs.get("rank")))
+            try:
+                with self.fs.create_stream(file, "rb") as f:
+                    metadata = _MetadataUnpickler(f, file).load()
+            except (OSError, EOFError, pickle.UnpicklingError) as err:
+                raise CheckpointError(f"{file}: unreadable ({type(err).__name__}: {err}); the checkpoint is "
+                                      "incomplete or damaged: delete its step directory or use another") from None
+            if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+                raise CheckpointError(f"{file}: holds a {type(metadata).__name__}, not a checkpoint index")
+            for info in metadata.storage_data.values():
+                # entries are read from files named relative to shards/: never elsewhere (../, /etc/...)
+                name = getattr(info, "relative_path", None)
+                if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name or "\\" in name:
+                    raise CheckpointError(f"{file}: points an entry at {name!r}, outside the shards directory; refused")
+            if metadata.storage_meta is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value) -> None:
+            fqn = read_item.dest_index.fqn
+            try:
+                obj = torch.load(value, map_location="cpu", weights_only=True)
+            except Exception as err:
+                why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise CheckpointError(f"{path}: entry {fqn!r} needs more than plain data to load ({why}); refused "
+                                      "without running it (a crafted or foreign file): use only checkpoints you wrote"
+                                      ) from None
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    return Reader(path), Planner()
+
+
 def load_shards(state: dict, path) -> None:
     """Fill ``state`` in place from shards written by any number of ranks (resharded as needed);
-    works in a plain process too (the export)."""
+    works in a plain process too (the export). Loads no code: see ``_safe_dcp_loaders``."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    dcp.load(state, checkpoint_id=str(path))
+    reader, planner = _safe_dcp_loaders(Path(path))
+    reader.read_metadata()  # here first, so that every rank fails with the reason rather than a wrapped report
+    try:
+        dcp.load(state, storage_reader=reader, planner=planner)
+    except CheckpointException as err:  # torch gathers every rank's failure into one report
+        ours = [exc for exc, _ in err.failures.values() if isinstance(exc, CheckpointError)]
+        if ours:
+            raise ours[0] from None
+        raise

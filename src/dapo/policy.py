@@ -26,17 +26,21 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_model_and_tokenizer(path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu"):
+def load_model_and_tokenizer(path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu", *,
+                             trust_remote_code: bool = False):
+    """A model directory's tokenizer and causal LM. Python files it ships (config.json's auto_map) run
+    only with ``trust_remote_code``; said explicitly, because left unset transformers asks on the
+    terminal, where a stray 'y' (or a pipe) runs them."""
     path = Path(path).expanduser()
     if not (path / "config.json").exists():
         raise FileNotFoundError(
             f"model.path={str(path)!r} is not a Hugging Face model directory (no config.json); "
             "give a local directory (nothing is downloaded)"
         )
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
     return model.to(device), tokenizer
 
 
@@ -172,7 +176,8 @@ class Policy:
         self.dist = dist or parallel.Dist(device=device)
         # under FSDP each rank loads on CPU and keeps only its shard on the device (see _log_probs_of)
         load_on = "cpu" if self.dist.sharded else device
-        self.model, self.tokenizer = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, load_on)
+        self.model, self.tokenizer = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, load_on,
+                                                              trust_remote_code=cfg.model.trust_remote_code)
         if cfg.model.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.model.config.use_cache = False  # training forward passes never need the KV cache
@@ -191,7 +196,8 @@ class Policy:
         )
         self.ref_model = None
         if cfg.algo.kl_coef > 0:
-            self.ref_model, _ = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, load_on)
+            self.ref_model, _ = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, load_on,
+                                                         trust_remote_code=cfg.model.trust_remote_code)
             self.ref_model.requires_grad_(False).train(False)
             self.ref_scorer = self._log_probs_of(self.ref_model)
         self.skipped_updates = 0

@@ -49,7 +49,7 @@ def load_train_examples(cfg: Config):
     if cfg.data.train_files:
         examples = []
         for path in cfg.data.train_files:
-            examples += load_examples(path, template=cfg.data.template)
+            examples += load_examples(path, template=cfg.data.template, max_row_chars=cfg.data.max_row_chars)
         return examples
     if cfg.data.task != "arith":
         raise ValueError(f"data.task={cfg.data.task!r}: the built-in task is arith; or give data.train_files")
@@ -61,11 +61,15 @@ def load_train_examples(cfg: Config):
 def make_encoder(tokenizer, max_prompt_tokens: int):
     from dapo.data import render_prompt
 
+    # No token spans more characters than the vocabulary's longest entry, so the kept tokens lie within
+    # this many characters of the end (with a margin for the word cut in two): a prompt of megabytes
+    # is cut before it is tokenised, which would otherwise take the whole text's time and memory.
+    max_chars = (max_prompt_tokens + 16) * max(map(len, tokenizer.get_vocab()), default=1)
     cache: dict = {}
 
     def encode(example) -> list[int]:
         if example not in cache:  # examples are frozen and hashable; templates render once each
-            text = render_prompt(example, tokenizer)
+            text = render_prompt(example, tokenizer)[-max_chars:]
             ids = tokenizer(text, add_special_tokens=not getattr(tokenizer, "chat_template", None))["input_ids"]
             cache[example] = ids[-max_prompt_tokens:]  # cut from the left: the question's end matters most
         return cache[example]
@@ -86,22 +90,24 @@ def make_engine(cfg: Config, policy: Policy, d: parallel.Dist):
     if d.world_size % k:
         raise ConfigError(f"rollout.tensor_parallel_size={k} does not divide the {d.world_size} trainer ranks; "
                           "pick a divisor (one vLLM engine per group of that many ranks)")
+    trust = cfg.model.trust_remote_code
     if cfg.rollout.backend == "vllm":
-        model = weightless_model(cfg.model.path, cfg.model.dtype)
+        model = weightless_model(cfg.model.path, cfg.model.dtype, trust_remote_code=trust)
     else:
-        model, _ = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, d.device)
+        model, _ = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, d.device, trust_remote_code=trust)
     return ShardedRollout(make_rollout(cfg.rollout, model, policy.tokenizer, max_model_len=max_model_len), d,
                           tensor_parallel_size=k)
 
 
-def weightless_model(path, dtype: str):
+def weightless_model(path, dtype: str, *, trust_remote_code: bool = False):
     """The model on the meta device: vLLM reads the checkpoint itself and needs only its directory,
     dtype and generation config (a full copy here would cost every GPU the whole model)."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     path = Path(path).expanduser()
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=DTYPES[dtype])
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
     if (Path(path) / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(path)
     return model
@@ -218,11 +224,11 @@ def no_signal_advice(streak: int, cstats: CollectStats, cfg: Config) -> str:
 def train(cfg: Config, *, console=None) -> dict:
     """Run (or resume) training; returns the last logged row with eval/* before and after."""
     run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
     cfg.rollout.backend = resolve_backend(cfg.rollout.backend)  # the saved config says which one ran
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     d = parallel.init(cfg.model.device)  # WORLD_SIZE > 1 (torchrun, Ray): FSDP over the ranks
+    checkpoint.prepare_run_dir(run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite, dist=d)
     policy = Policy(cfg, d.device if d.sharded else pick_device(cfg.model.device), d)
     engine = make_engine(cfg, policy, d)
     encode = make_encoder(policy.tokenizer, cfg.data.max_prompt_tokens)
@@ -230,7 +236,8 @@ def train(cfg: Config, *, console=None) -> dict:
     from dapo.evaluate import evaluate, load_benchmark
 
     sampler = PromptSampler(load_train_examples(cfg), seed=cfg.data.seed)
-    eval_sets = [load_benchmark(b, template=cfg.data.template, num_problems=cfg.eval.num_problems) for b in cfg.eval.benchmarks]
+    eval_sets = [load_benchmark(b, template=cfg.data.template, num_problems=cfg.eval.num_problems,
+                                max_row_chars=cfg.data.max_row_chars) for b in cfg.eval.benchmarks]
     state = TrainState()
     resume_from = checkpoint.latest_checkpoint(run_dir) if cfg.run.resume else None
     if resume_from is not None:

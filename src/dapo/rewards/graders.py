@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from dapo.rewards import math_equiv, minerva, numeric
+from dapo.rewards.math_equiv import GradingTimeout
+
+TIMEOUT_PRED = "[TIMEOUT]"  # the prediction of a response whose grading ran out of time
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,8 @@ def check_inputs(response: object, ground_truth: object, grader: str) -> None:
         raise TypeError(f"response must be str, got {type(response).__name__}")
     if not isinstance(ground_truth, str):
         raise TypeError(f"ground_truth must be str, got {type(ground_truth).__name__}")
+    if "\0" in ground_truth:  # a data bug (data.py refuses such rows): no answer should match it
+        raise ValueError(f"ground truth contains a NUL character: {ground_truth!r}")
     check = _TRUTH_CHECKS.get(grader)
     if check is not None:
         check(ground_truth)
@@ -78,7 +83,10 @@ def check_inputs(response: object, ground_truth: object, grader: str) -> None:
 def grade(response: str, ground_truth: str, grader: str = "dapo") -> Grade:
     """Grade one response in this process (no pool, no time limit beyond the graders' own caps)."""
     check_inputs(response, ground_truth, grader)
-    return GRADERS[grader](response, ground_truth)
+    try:
+        return GRADERS[grader](response, ground_truth)
+    except GradingTimeout:
+        return Grade(-1.0, False, TIMEOUT_PRED)
 
 
 _DAPO_SOURCES = {"mathdapo", "math", "mathdaporeasoning", "dapo17k", "dapomath17k", "dapomath"}

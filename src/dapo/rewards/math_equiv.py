@@ -4,16 +4,20 @@ The prediction is the content of the last `\\boxed{}` in the response tail, else
 `Answer:` line; math-verify parses both sides into sympy and compares them (fractions vs decimals,
 tuples, intervals, sets, percentages, units in `\\text{}`, thousands separators).
 
-Time: math-verify bounds its own work with SIGALRM, which only works in a process's main thread.
-Elsewhere its timeouts are switched off and the caller must bound the time (RewardPool kills a
-worker that runs past its limit). A cheap screen also refuses the inputs that make sympy compute
+Time: the work math-verify does for one comparison is bounded with SIGALRM here (not by
+math-verify, which would swallow its own time-out and report a plain "not equal"): past the limit
+`GradingTimeout` is raised, and the pool counts it in `reward/timeouts`. A signal only works in a
+process's main thread; elsewhere the caller must bound the time (RewardPool kills a worker that
+runs past its limit). A cheap screen also refuses the inputs that make sympy compute
 astronomically large integers (power towers, huge factorials), since no signal can interrupt
 a big-integer multiplication running in C.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
+import signal
 import threading
 from fractions import Fraction
 from functools import lru_cache
@@ -25,9 +29,15 @@ from dapo.rewards.minerva import normalize_final_answer, normalized_truth, same_
 TAIL_CHARS = 1000
 INVALID = "[INVALID]"
 
-# Seconds math-verify may spend per parse / per comparison when it can use its alarm. Below the
-# pool's default 5 s so that a slow-but-harmless answer scores -1 instead of costing a worker.
-_INTERNAL_TIMEOUT_S = 2
+# Seconds math-verify may spend on one comparison (both parses and the check) where a signal can
+# stop it. Below the pool's default 5 s so that a slow-but-harmless answer scores -1 instead of
+# costing a worker.
+_INTERNAL_TIMEOUT_S = 2.0
+
+
+class GradingTimeout(BaseException):
+    """The `math` grader's own time limit struck. A BaseException, so that the `except Exception`
+    handlers inside math-verify and sympy let it through instead of turning it into "not equal"."""
 
 # Answers that make sympy build integers with billions of digits: power towers, `**` chains,
 # factorials of 4+ digit numbers or of expressions, repeated `!`, binomials and exponents of huge
@@ -109,14 +119,30 @@ def _math_verify():
     return _MATH_VERIFY
 
 
-def _timeout_s() -> int | None:
-    # signal.alarm raises ValueError outside the main thread; None switches math-verify's off.
-    return _INTERNAL_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """Raise GradingTimeout in the block after ``seconds``; no limit outside the main thread (signals
+    go only there), where the caller bounds the time."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(signum, frame):
+        raise GradingTimeout(f"math grading took over {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _parse(text: str) -> list:
     mv, config = _math_verify()
-    return mv.parse(text, extraction_config=config, parsing_timeout=_timeout_s())
+    # math-verify's own alarm is off (None): ours covers the whole comparison, see _time_limit
+    return mv.parse(text, extraction_config=config, parsing_timeout=None)
 
 
 @lru_cache(maxsize=4096)
@@ -169,6 +195,8 @@ def equivalent(pred: str, ground_truth: str) -> bool:
 
     Cached: the G responses of one prompt often agree on the same few answers.
     """
+    if "\0" in pred or "\0" in ground_truth:  # the normalisation would drop it: "2\0" is not "2"
+        return False
     # Two plain numbers (integers, decimals, fractions: most competition answers) are compared
     # exactly, skipping ~10-20 ms of LaTeX parsing. Unequal values involving a decimal go on to
     # math-verify, which accepts a rounded decimal (0.333333 for 1/3).
@@ -186,12 +214,13 @@ def equivalent(pred: str, ground_truth: str) -> bool:
             return True
     if _costly(pred) and not _costly(ground_truth):
         return False
-    truth = _parsed_truth(ground_truth)
-    guess = _parsed_prediction(pred)
-    if not truth or not guess:
-        return False
-    mv, _ = _math_verify()
-    return bool(mv.verify(list(truth), guess, timeout_seconds=_timeout_s()))
+    with _time_limit(_INTERNAL_TIMEOUT_S):
+        truth = _parsed_truth(ground_truth)
+        guess = _parsed_prediction(pred)
+        if not truth or not guess:
+            return False
+        mv, _ = _math_verify()
+        return bool(mv.verify(list(truth), guess, timeout_seconds=None))
 
 
 def extract_prediction(response: str) -> str | None:

@@ -9,8 +9,9 @@ How it works
   that array: an item running longer than `timeout_s` gets its worker killed (SIGKILL), the item
   scores -1 as "[TIMEOUT]", a fresh worker takes the slot and the rest of the chunk is sent again.
   A worker that dies (segfault, os._exit, MemoryError) is handled the same way with "[CRASH]".
-- No signals are used in the calling process; workers may use math-verify's own SIGALRM in their
-  main thread as a first, softer limit.
+- No signals are used in the calling process; in their main thread workers let the `math` grader
+  use SIGALRM as a first, softer limit (it raises GradingTimeout: the item scores "[TIMEOUT]",
+  counts as a time-out, and the worker stays).
 - Responses are cut to the tail each grader reads before they cross the pipe.
 """
 
@@ -32,9 +33,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_for
 from typing import Callable, Sequence
 
-from dapo.rewards.graders import RAW_GRADERS, TAIL_CHARS, Grade, check_inputs
+from dapo.rewards.graders import RAW_GRADERS, TAIL_CHARS, TIMEOUT_PRED, Grade, GradingTimeout, check_inputs
 
-TIMEOUT_PRED = "[TIMEOUT]"
 CRASH_PRED = "[CRASH]"
 
 # A worker sends what it has graded at least this often, so results stream back while it works.
@@ -86,12 +86,17 @@ def _test_raise(response: str, ground_truth: str) -> tuple[float, bool, str]:
     raise RuntimeError("grader bug")
 
 
+def _test_own_timeout(response: str, ground_truth: str) -> tuple[float, bool, str]:
+    raise GradingTimeout("as the math grader's own limit does")
+
+
 _TEST_GRADERS: dict[str, Callable[[str, str], tuple[float, bool, str]]] = {
     "_test_sleep": _test_sleep,
     "_test_crash": _test_crash,
     "_test_segfault": _test_segfault,
     "_test_memory": _test_memory,
     "_test_raise": _test_raise,
+    "_test_own_timeout": _test_own_timeout,
 }
 _ALL_GRADERS = {**RAW_GRADERS, **_TEST_GRADERS}
 
@@ -159,14 +164,16 @@ def _worker_main(conn, progress, memory_limit_mb: int | None) -> None:
             progress[0] = i
             try:
                 score, acc, pred = _ALL_GRADERS[name](response, truth)
-                out.append((i, score, acc, pred, False))
+                out.append((i, score, acc, pred, None))
+            except GradingTimeout:  # the grader's own, softer limit: counted as a time-out, worker stays
+                out.append((i, -1.0, False, TIMEOUT_PRED, "timeout"))
             except MemoryError:
                 # The heap may be in a bad state: report the item, then let a fresh worker take over.
-                out.append((i, -1.0, False, CRASH_PRED, True))
+                out.append((i, -1.0, False, CRASH_PRED, "crash"))
                 conn.send(out)
                 os._exit(3)
             except Exception:  # a grader bug on this input: counted as a crash, worker stays
-                out.append((i, -1.0, False, CRASH_PRED, True))
+                out.append((i, -1.0, False, CRASH_PRED, "crash"))
             now = clock()
             if now - last_flush >= _FLUSH_S:
                 conn.send(out)
@@ -267,8 +274,8 @@ class RewardPool:
         worker may add after start-up (None: unlimited)."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if not (timeout_s > 0 and math.isfinite(timeout_s)):  # inf would let one answer hold a worker forever
+            raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s}")
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
         self.memory_limit_mb = memory_limit_mb
@@ -423,13 +430,13 @@ class _Run:
             w.ready = True
             self.pool._startup_failures = 0
             return
-        for i, score, acc, pred, crashed in message:
+        for i, score, acc, pred, failure in message:
             if not w.remaining or w.remaining[0] != i:
                 continue  # a result for an item already settled (cannot happen with in-order workers)
             w.remaining.popleft()
             self._settle(i, (score, acc, pred))
-            if crashed:
-                self.num_crashes += 1
+            self.num_crashes += failure == "crash"
+            self.num_timeouts += failure == "timeout"
 
     def _settle(self, i: int, result: tuple) -> None:
         if self.results[i] is None:

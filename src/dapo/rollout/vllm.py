@@ -154,6 +154,9 @@ class VLLMRolloutEngine:
                 seed=cfg.seed,
                 max_model_len=max_model_len,
                 **_whole_prefill_settings(max_model_len or context),
+                # the trainer built its model from the directory's own code only where model.trust_remote_code
+                # allowed it; vLLM reads the same directory and gets the same answer
+                trust_remote_code=type(model).__module__.startswith("transformers_modules."),
             )
 
     def _require_owner(self) -> None:
