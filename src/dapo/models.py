@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from dapo.policy import DTYPES
 
 
 def import_gguf(src: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "float32") -> Path:
