@@ -76,7 +76,7 @@ def point(args) -> dict:
     from dapo.config import load_config
     from dapo.policy import Policy
     from dapo.tasks import arith
-    from dapo.train import make_encoder
+    from dapo.data import make_encoder
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -97,7 +97,7 @@ def point(args) -> dict:
                              response_ids=torch.randint(2, 258, (n, length), generator=gen).tolist(),
                              truncated=torch.zeros(n, dtype=torch.bool), texts=[""] * n,
                              example_uids=[ex.uid for ex in rows], ground_truths=[ex.ground_truth for ex in rows],
-                             acc=(reward > 0).float(), reward=reward, overlong=torch.zeros(n))
+                             acc=(reward > 0).float(), reward=reward, overlong_penalty=torch.zeros(n))
         batch.adv = algo.group_advantages(batch.reward, G)
         return batch
 

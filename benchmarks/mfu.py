@@ -35,7 +35,7 @@ from dapo.rewards import grade
 from dapo.rollout.base import SamplingParams
 from dapo.rollout.hf import HFRolloutEngine
 from dapo.tasks import arith
-from dapo.train import make_encoder
+from dapo.data import make_encoder
 
 ROOT = Path(__file__).resolve().parents[1]
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
@@ -92,7 +92,7 @@ def rollout_batch(policy: Policy, cfg) -> RolloutBatch:
     batch = RolloutBatch(group_size=r.group_size, prompt_ids=gen.prompt_ids, response_ids=gen.response_ids,
                          truncated=gen.truncated, texts=gen.texts, example_uids=[ex.uid for ex in rows],
                          ground_truths=[ex.ground_truth for ex in rows], acc=acc, reward=acc * 2 - 1,
-                         overlong=torch.zeros_like(acc))
+                         overlong_penalty=torch.zeros_like(acc))
     batch.adv = algo.group_advantages(batch.reward, r.group_size)
     return batch
 

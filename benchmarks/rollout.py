@@ -29,7 +29,7 @@ from dapo.policy import load_model_and_tokenizer
 from dapo.rollout.base import SamplingParams
 from dapo.rollout.hf import HFRolloutEngine
 from dapo.tasks import arith
-from dapo.train import make_encoder
+from dapo.data import make_encoder
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = [  # name, split, difficulty, prompts, samples per prompt, max new tokens

@@ -16,7 +16,7 @@ from dapo.config import RolloutConfig
 from dapo.policy import load_model_and_tokenizer
 from dapo.rollout import SamplingParams, make_rollout
 from dapo.tasks import arith
-from dapo.train import make_encoder
+from dapo.data import make_encoder
 
 
 def main() -> None:

@@ -68,7 +68,8 @@ def run_ours(args, overrides: list[str]) -> dict:
     import dapo.evaluate
     import dapo.log
     from dapo.config import load_config
-    from dapo.train import read_metrics, train
+    from dapo.log import read_metrics
+    from dapo.train import train
 
     # CPU time is read where the loop logs each step; evaluation's share is taken out (measuring only)
     cpu = {"eval": 0.0, "marks": []}
@@ -130,9 +131,10 @@ def run_trl(args) -> dict:
 
     from dapo.evaluate import evaluate, load_benchmark
     from dapo.rewards import RewardPool, grade
+    from dapo.rollout.base import SamplingParams
     from dapo.rollout.hf import HFRolloutEngine
     from dapo.tasks import arith
-    from dapo.train import make_encoder
+    from dapo.data import make_encoder
 
     path = ROOT / "assets/arith-base"
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
@@ -165,8 +167,8 @@ def run_trl(args) -> dict:
             step = state.global_step // UPDATES
             if args.eval_every and step % args.eval_every == 0:
                 engine = HFRolloutEngine(model, tokenizer)
-                res = evaluate(engine, encode, eval_examples, pool, name="arith", n=EVAL_N, temperature=1.0,
-                               top_p=1.0, max_new_tokens=MAX_NEW, seed=EVAL_SEED, grader="arith")
+                sampling = SamplingParams(n=EVAL_N, temperature=1.0, top_p=1.0, max_new_tokens=MAX_NEW, seed=EVAL_SEED)
+                res = evaluate(engine, encode, eval_examples, pool, sampling, name="arith", grader="arith")
                 evals.append({"step": step, "train_s": clock["train"], "train_cpu_s": clock["train_cpu"], "acc": res.avg})
                 print(f"trl step {step}: avg@{EVAL_N} {res.avg:.3f}", flush=True)
                 if args.target and res.avg >= args.target:

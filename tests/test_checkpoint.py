@@ -140,7 +140,8 @@ def test_fresh_start_in_an_earlier_run_refuses_and_keeps_it(tiny_model_dir, tmp_
 def test_overwrite_moves_the_earlier_run_aside_whole(tiny_model_dir, tmp_path):
     from conftest import small_config
 
-    from dapo.train import read_metrics, train
+    from dapo.log import read_metrics
+    from dapo.train import train
 
     run_dir = tmp_path / "t"
     earlier_run(run_dir)

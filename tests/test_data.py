@@ -230,12 +230,12 @@ def test_a_row_over_max_row_chars_is_refused_before_parsing(tmp_path):
 def test_the_row_limit_is_a_setting_that_reaches_the_loader(tmp_path, tiny_model_dir):
     from conftest import small_config
 
-    from dapo.train import load_train_examples
+    from dapo.tasks import load_train_examples
 
     path = write_jsonl(tmp_path / "big.jsonl", [{"problem": "x" * 3000, "answer": "1"}])
     cfg = small_config(tmp_path, tiny_model_dir, f"data.train_files=[{path}]", "data.max_row_chars=2000")
     with pytest.raises(DataError, match=r"row 1: longer than data.max_row_chars=2,000"):
-        load_train_examples(cfg)
+        load_train_examples(cfg.data)
     assert small_config(tmp_path, tiny_model_dir).data.max_row_chars == 1_000_000
 
 
@@ -268,7 +268,7 @@ def test_nul_characters_are_refused(tmp_path, row, field):
 
 def test_a_huge_prompt_is_cut_before_it_is_tokenised(tiny_model_dir):
     from dapo.policy import load_model_and_tokenizer
-    from dapo.train import make_encoder
+    from dapo.data import make_encoder
 
     _, tokenizer = load_model_and_tokenizer(tiny_model_dir)
     seen: list[int] = []

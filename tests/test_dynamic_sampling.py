@@ -8,7 +8,7 @@ import torch
 
 from dapo.config import AlgoConfig
 from dapo.batch import RolloutBatch
-from dapo.dynamic_sampling import GenerationCapError, Scored, collect_batch, record_behaviour_logp
+from dapo.dynamic_sampling import BatchCollector, GenerationCapError, Scored, record_behaviour_logp
 from dapo.rollout.base import Generation, SamplingParams
 
 
@@ -53,14 +53,12 @@ def stub_scorer(pattern):
 
 
 def run(examples, *, num_prompts, buffer=None, max_buffer_groups=0, **algo):
-    cfg = AlgoConfig(**algo)
+    cfg = AlgoConfig(buffer_max_groups=max_buffer_groups, **algo)
     engine = EchoEngine()
     buffer = [] if buffer is None else buffer
-    batch, stats = collect_batch(
-        engine=engine, sampler=ListSampler(examples), scorer=stub_scorer(None), encode=lambda ex: [int(ex.uid)],
-        buffer=buffer, num_prompts=num_prompts, sampling=SamplingParams(n=4), algo_cfg=cfg, round_seed=lambda k: k,
-        max_buffer_groups=max_buffer_groups,
-    )
+    collector = BatchCollector(engine=engine, sampler=ListSampler(examples), scorer=stub_scorer(None),
+                               encode=lambda ex: [int(ex.uid)], sampling=SamplingParams(n=4), algo_cfg=cfg)
+    batch, stats = collector.collect(num_prompts, buffer, round_seed=lambda k: k)
     return batch, stats, buffer, engine
 
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from conftest import small_config
-from dapo.train import read_metrics, train
+from dapo.log import read_metrics
+from dapo.train import train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -21,7 +21,7 @@ def hand_made_batch():
                          truncated=torch.tensor([False, True, False, False]),  # the third ended with EOS at the limit
                          texts=[""] * 4, example_uids=["a", "a", "b", "b"], ground_truths=["0"] * 4,
                          acc=torch.tensor([1.0, 0.0, 0.0, 1.0]), reward=torch.tensor([1.0, -2.0, -1.0, 1.0]),
-                         overlong=torch.tensor([0.0, -1.0, 0.0, 0.0]))
+                         overlong_penalty=torch.tensor([0.0, -1.0, 0.0, 0.0]))
     batch.adv = torch.tensor([0.5, -0.5, -1.0, 1.0])
     batch.old_logp = torch.zeros(4, 5)
     batch.entropy = torch.ones(4, 5)

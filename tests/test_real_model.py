@@ -77,7 +77,7 @@ def test_rendered_prompt_has_default_system_prompt_and_generation_prompt():
 
 
 def test_long_prompt_is_cut_from_the_left():
-    from dapo.train import make_encoder
+    from dapo.data import make_encoder
 
     tok = smol_tokenizer()
     ex = Example(uid="0", prompt="Tom has many apples. " * 100 + "How many apples does Tom have?", ground_truth="1",
@@ -268,7 +268,8 @@ def test_steps_without_informative_groups_still_log_evaluate_and_save(tmp_path, 
     yet every step is logged, the last one evaluates and checkpoints, and the run says what to change."""
     from conftest import small_config
     from dapo.checkpoint import latest_checkpoint
-    from dapo.train import read_metrics, train
+    from dapo.log import read_metrics
+    from dapo.train import train
 
     cfg = small_config(tmp_path, tiny_model_dir, "train.total_steps=4", "algo.dynamic_sampling=true",
                        "algo.max_gen_rounds=1", "run.save_every=0")
@@ -276,7 +277,7 @@ def test_steps_without_informative_groups_still_log_evaluate_and_save(tmp_path, 
     train(cfg, console=Console(file=out, width=400))
     rows = read_metrics(cfg.run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert all(r["sampling/all_wrong_frac"] == 1.0 and r["sampling/prompts_kept"] == 0 for r in rows)
+    assert all(r["sampling/all_wrong_frac"] == 1.0 and r["sampling/groups_kept"] == 0 for r in rows)
     assert "eval/arith/avg@2" in rows[-1] and not any("eval/arith/avg@2" in r for r in rows[:-1])
     assert latest_checkpoint(cfg.run_dir).name == "step_000004"
     text = out.getvalue()

@@ -18,7 +18,8 @@ from dapo.dynamic_sampling import record_behaviour_logp
 from dapo.policy import Policy, make_micro_batch, token_logprobs
 from dapo.rollout import SamplingParams
 from dapo.rollout.hf import HFRolloutEngine
-from dapo.train import importance_weights, read_metrics, train
+from dapo.log import read_metrics
+from dapo.train import importance_weights, train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,7 +32,7 @@ def sampled_batch(policy, group_size=4, prompts=("1+2=", "3*4-5=", "6+7*2=")):
     reward = torch.tensor([1.0 if i % 3 == 0 else -1.0 for i in range(n)])
     batch = RolloutBatch(group_size=group_size, prompt_ids=gen.prompt_ids, response_ids=gen.response_ids,
                          truncated=gen.truncated, texts=gen.texts, example_uids=["x"] * n, ground_truths=["0"] * n,
-                         acc=(reward > 0).float(), reward=reward, overlong=torch.zeros(n))
+                         acc=(reward > 0).float(), reward=reward, overlong_penalty=torch.zeros(n))
     batch.adv = algo.group_advantages(batch.reward, group_size)
     batch.old_logp, batch.entropy = policy.compute_logprobs(batch, with_entropy=True)
     return batch
@@ -255,7 +256,7 @@ def test_two_step_smoke_trains_every_parameter(tiny_model_dir, tmp_path):
     for r in rows:
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "reward/score_mean"):
             assert torch.isfinite(torch.tensor(r[key])), key
-        assert r["sampling/gen_rounds"] == 1 and r["sampling/prompts_kept"] == 4
+        assert r["sampling/gen_rounds"] == 1 and r["sampling/groups_kept"] == 4
         # verl's names beside the project's (docs/metrics.md)
         assert r["actor/pg_clipfrac"] == pytest.approx(r["actor/clipfrac_high"] + r["actor/clipfrac_low"])
         assert (r["response_length/mean"], r["critic/score/mean"], r["actor/ppo_kl"], r["actor/pg_clipfrac_lower"]) == (
@@ -280,10 +281,10 @@ def test_resume_gives_the_same_next_step(tiny_model_dir, tmp_path):
     train(resumed)
     a, b = read_metrics(full.run_dir), read_metrics(resumed.run_dir)
     assert [r["step"] for r in b] == [1, 2, 3]
-    assert a[1]["sampling/prompts_from_buffer"] > 0  # step 2 trained held-over groups, restored from the checkpoint
+    assert a[1]["sampling/groups_from_buffer"] > 0  # step 2 trained held-over groups, restored from the checkpoint
     for step in (1, 2):
         for key in ("reward/score_mean", "actor/pg_loss", "actor/grad_norm", "rollout/response_length_mean",
-                    "sampling/prompts_from_buffer", "actor/entropy", "actor/approx_kl"):
+                    "sampling/groups_from_buffer", "actor/entropy", "actor/approx_kl"):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-5, abs=1e-7), (step, key)
     wa = torch.load(next((full.run_dir / "checkpoints").glob("step_000003")) / "trainer_state.pt", weights_only=True)
     wb = torch.load(next((resumed.run_dir / "checkpoints").glob("step_000003")) / "trainer_state.pt", weights_only=True)
@@ -332,11 +333,12 @@ def test_demo_command_prints_before_and_after(tmp_path, capsys):
             "run.progress=false", "run.tensorboard=false", "reward.num_workers=1"]
     assert main(args) == 0
     out = capsys.readouterr().out.strip().splitlines()
-    assert out[-1].startswith("held-out accuracy: before ") and "% -> after " in out[-1]
+    assert out[-2].startswith("held-out accuracy: arith avg@2 ") and "% before -> " in out[-2], out
+    assert " after step 2  (95% CI)" in out[-2]
     assert (tmp_path / "demo" / "plots" / "training.png").stat().st_size > 10_000
     # run again: the finished run is reported again from its metrics, not retrained
     assert main(args) == 0
-    assert capsys.readouterr().out.strip().splitlines()[-1] == out[-1]
+    assert capsys.readouterr().out.strip().splitlines()[-2] == out[-2]
 
 
 def test_paper_preset_without_vllm_fails_in_one_line(tmp_path, tiny_model_dir, capsys, monkeypatch):

@@ -21,7 +21,8 @@ from dapo import algo
 from dapo.batch import RolloutBatch
 from dapo.policy import Policy, load_model_and_tokenizer
 from dapo.rollout import Generation, SamplingParams, make_rollout
-from dapo.train import read_metrics, train
+from dapo.log import read_metrics
+from dapo.train import train
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "assets" / "arith-base"
@@ -69,7 +70,7 @@ def test_rollout_logp_travel_with_their_rows_and_give_the_metric():
         n = len(resp)
         return RolloutBatch(group_size=2, prompt_ids=[[5]] * n, response_ids=resp, truncated=torch.zeros(n, dtype=torch.bool),
                             texts=[""] * n, example_uids=["u"] * n, ground_truths=["0"] * n, acc=torch.zeros(n),
-                            reward=torch.tensor([1.0, -1.0] * (n // 2)), overlong=torch.zeros(n), rollout_logp=lps,
+                            reward=torch.tensor([1.0, -1.0] * (n // 2)), overlong_penalty=torch.zeros(n), rollout_logp=lps,
                             old_logp=torch.tensor(old), entropy=torch.zeros(n, len(old[0])), adv=torch.ones(n))
 
     b = batch([[1, 2, 3], [4]], [[-0.5, -1.0, -2.0], [-0.25]], [[-0.5, -1.5, -2.0], [-0.0, 9.0, 9.0]])

@@ -107,7 +107,8 @@ def test_train_eval_export_with_vllm(tmp_path, arch):
 
     from conftest import small_config
     from dapo.checkpoint import export_hf, latest_checkpoint
-    from dapo.train import read_metrics, train
+    from dapo.log import read_metrics
+    from dapo.train import train
 
     model_dir = build_tiny(arch, tmp_path / "m", hidden=64, layers=2, seed=2)
     bench = REPO / "data" / "word_problems" / "test.jsonl"

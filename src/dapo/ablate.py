@@ -33,7 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from dapo.config import Config, ConfigError, dump_yaml, load_config
+from dapo.config import Config, ConfigError, dump_yaml, load_config, resolve_preset
+from dapo.log import held_out_keys, read_metrics
 
 ROW_FILE = re.compile(r"^(\d+)_[\w-]+\.yaml$")
 # what each row adds, and its AIME 2024 avg@32 in the paper's Table 1 (Qwen2.5-32B)
@@ -126,7 +127,7 @@ def execute(run: Run, threads: int) -> float:
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     t0 = time.perf_counter()
     with open(run.dir / "train.log", "a") as log:
-        proc = subprocess.run([sys.executable, "-m", "dapo.cli", "train", str(cfg_path)], stdout=log,
+        proc = subprocess.run([sys.executable, "-m", "dapo.train", str(cfg_path)], stdout=log,
                               stderr=subprocess.STDOUT, env=env)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
@@ -180,21 +181,17 @@ def mean_ci(values: list[float]) -> tuple[float, float, float]:
     return (m, m - half, m + half)
 
 
-def _read(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
 def _eval_key(rows: list[dict]) -> str | None:
-    keys = sorted({k for r in rows for k in r if k.startswith("eval/") and "/avg@" in k})
+    keys = held_out_keys(rows)
     return keys[0] if keys else None
 
 
 def collect(out: Path, runs: list[Run]) -> dict:
     """Per row: per seed metrics rows of finished runs (base-model evaluation prepended as step 0)."""
-    base_rows = _read(out / "base_model" / "metrics.jsonl")
+    base_rows = read_metrics(out / "base_model")
     data: dict[str, dict[int, list[dict]]] = {}
     for run in runs:
-        rows = _read(run.dir / "metrics.jsonl") if is_done(run) else []  # a partial run would cut every curve short
+        rows = read_metrics(run.dir) if is_done(run) else []  # a partial run would cut every curve short
         if rows:
             data.setdefault(run.row, {})[run.seed] = [r for r in base_rows if r.get("step") == 0][-1:] + rows
     return data
@@ -290,7 +287,7 @@ def write_report(out: Path, runs: list[Run], *, command: str = "", wall_s: float
     out = Path(out)
     data = collect(out, runs)
     summary = summarize(data, runs)
-    base_rows = _read(out / "base_model" / "metrics.jsonl")
+    base_rows = read_metrics(out / "base_model")
     key = _eval_key(base_rows)
     base_acc = base_rows[0][key] if key else None
     labels = {s["row"]: s["label"] for s in summary}
@@ -333,9 +330,7 @@ def add_arguments(p) -> None:
 
 
 def main_args(args) -> int:
-    from dapo.cli import _preset
-
-    base = _preset(args.base)
+    base = resolve_preset(args.base)
     rows_dir = Path(args.rows_dir) if args.rows_dir else Path(__file__).resolve().parents[2] / "configs" / "ablation"
     rows = find_rows(rows_dir, args.rows)
     if args.seeds < 1:

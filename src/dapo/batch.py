@@ -25,7 +25,7 @@ class RolloutBatch:
     ground_truths: list[str]
     acc: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # (N,) float 0/1: raw correctness
     reward: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # (N,) shaped reward
-    overlong: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # (N,) the soft overlong part of it
+    overlong_penalty: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # (N,) <= 0: the soft overlong part of it
     preds: list[str] = field(default_factory=list)
     rollout_logp: list[list[float]] = field(default_factory=list)  # per token, as the rollout engine sampled it (vllm); empty if not reported
     # per token, under the weights that sampled the row, for groups held over in the surplus buffer: their
@@ -111,6 +111,9 @@ class RolloutBatch:
 
     @staticmethod
     def from_state(state: dict) -> "RolloutBatch":
+        state = dict(state)
+        if "overlong" in state:  # checkpoints written before the field was named for what it holds
+            state["overlong_penalty"] = state.pop("overlong")
         return RolloutBatch(**state)
 
     def padded_logp(self, per_row: list[list[float] | None], width: int) -> torch.Tensor:

@@ -14,49 +14,44 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
-from dapo.config import ConfigError, load_config
-
-PRESET_DIR = Path(__file__).resolve().parents[2] / "configs"
-
-
-def _preset(path: str) -> Path:
-    p = Path(path)
-    if not p.exists() and (PRESET_DIR / p.name).exists():
-        return PRESET_DIR / p.name
-    return p
-
+from dapo.config import ConfigError, load_config, resolve_preset
 
 def cmd_train(args) -> int:
     from dapo.train import train
 
-    cfg = load_config(_preset(args.config), args.overrides)
+    cfg = load_config(resolve_preset(args.config), args.overrides)
+    t0 = time.perf_counter()
     train(cfg)
+    closing_summary(cfg, time.perf_counter() - t0, title=cfg.run.name)
     return 0
 
 
 def cmd_demo(args) -> int:
-    from dapo.plots import plot_training
-    from dapo.train import read_metrics, train
+    from dapo.train import train
 
-    cfg = load_config(_preset("configs/demo.yaml"), args.overrides)
+    cfg = load_config(resolve_preset("configs/demo.yaml"), args.overrides)
     t0 = time.perf_counter()
     train(cfg)
-    rows = read_metrics(cfg.run_dir)
-    png = plot_training(rows, cfg.run_dir / "plots" / "training.png", title="DAPO on the built-in arithmetic task")
-    evals = [r for r in rows if any(k.startswith("eval/") and "/avg@" in k for k in r)]
-    print(f"run directory: {cfg.run_dir}  (metrics.jsonl, tensorboard/, samples/, checkpoints/)")
-    print(f"plot: {png}")
-    print(f"wall time: {time.perf_counter() - t0:.0f} s  (delete {cfg.run_dir} to train from scratch again)")
-    if len(evals) < 2 or evals[0]["step"] != 0:
-        print("held-out accuracy: not measured (set eval.before_train=true)")
-        return 0
-    key = next(k for k in evals[0] if k.startswith("eval/") and "/avg@" in k)
-    print(f"held-out accuracy: before {100 * evals[0][key]:.1f}% -> after {100 * evals[-1][key]:.1f}%")
+    closing_summary(cfg, time.perf_counter() - t0, title="DAPO on the built-in arithmetic task")
+    print(f"(delete {cfg.run_dir} to train from scratch again)")
     return 0
+
+
+def closing_summary(cfg, wall_s: float, *, title: str) -> None:
+    """The run's figure (plots/training.png) and the lines it ends with; rank 0 only under torchrun."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    from dapo.log import read_metrics, run_summary
+    from dapo.plots import plot_training
+
+    rows = read_metrics(cfg.run_dir)
+    png = plot_training(rows, cfg.run_dir / "plots" / "training.png", title=title) if rows else None
+    print("\n".join(run_summary(rows, wall_s=wall_s, run_dir=cfg.run_dir, plot=png)))
 
 
 def cmd_export(args) -> int:
@@ -82,13 +77,15 @@ def cmd_import_model(args) -> int:
 def cmd_launch_ray(args) -> int:
     from dapo.cluster import Placement, launch
 
-    cfg = load_config(_preset(args.config), args.overrides)
+    cfg = load_config(resolve_preset(args.config), args.overrides)
     placement = Placement(nodes=args.nodes, workers_per_node=args.gpus_per_node or args.cpu_workers_per_node,
                           gpus_per_worker=1.0 if args.gpus_per_node else 0.0, cpus_per_worker=args.cpus_per_worker)
     if placement.world_size < 1:
         raise ConfigError("launch-ray: give --gpus-per-node N (GPU workers) or --cpu-workers-per-node N (CPU workers)")
     ray_init = {"num_cpus": args.num_cpus} if args.address == "local" and args.num_cpus else {}
-    launch(cfg, placement, address=args.address, ray_init=ray_init, insecure=args.insecure)
+    from dapo.train import train
+
+    launch(cfg, placement, train, address=args.address, ray_init=ray_init, insecure=args.insecure)
     return 0
 
 
@@ -100,8 +97,8 @@ def cmd_eval(args) -> int:
     from dapo.policy import load_model_and_tokenizer, pick_device
     from dapo.rewards import RewardPool
     from dapo.config import RolloutConfig
-    from dapo.rollout import make_rollout
-    from dapo.train import make_encoder
+    from dapo.rollout import SamplingParams, make_rollout
+    from dapo.data import make_encoder
 
     model_dir = Path(args.model).expanduser() if args.model else None
     if args.run:
@@ -125,13 +122,12 @@ def cmd_eval(args) -> int:
         for bench, examples in benches:
             n = args.n or bench.n
             task = progress.add_task(f"{bench.name}: samples", total=n * len(examples))
-            res = evaluate(
-                engine, encode, examples, pool, name=bench.name, n=n,
-                temperature=bench.temperature if args.temperature is None else args.temperature,
+            sampling = SamplingParams(
+                n=n, temperature=bench.temperature if args.temperature is None else args.temperature,
                 top_p=bench.top_p if args.top_p is None else args.top_p,
-                max_new_tokens=args.max_tokens or bench.max_response_tokens, seed=args.seed, grader=args.grader,
-                progress=lambda k, t=task: progress.advance(t, k),
-            )
+                max_new_tokens=args.max_tokens or bench.max_response_tokens, seed=args.seed)
+            res = evaluate(engine, encode, examples, pool, sampling, name=bench.name, grader=args.grader,
+                           progress=lambda k, t=task: progress.advance(t, k))
             results.append(res)
     out_dir = Path(args.out) if args.out else model_dir.parent / "eval"
     table = write_report(results, out_dir)

@@ -59,16 +59,15 @@ def _worker_class():
             self.store_socket = socket.create_server((host, 0), family=family)
             return self.store_socket.getsockname()[1]
 
-        def train(self, config_yaml: str, env: dict) -> dict:
+        def train(self, train_fn, config_yaml: str, env: dict) -> dict:
             import yaml
 
             from dapo.config import config_from_dict
-            from dapo.train import train
 
             os.environ.update(env)
             if self.store_socket is not None:
                 os.environ["DAPO_STORE_FD"] = str(self.store_socket.detach())
-            return train(config_from_dict(yaml.safe_load(config_yaml)))
+            return train_fn(config_from_dict(yaml.safe_load(config_yaml)))
 
     return TrainWorker
 
@@ -105,9 +104,10 @@ def require_token_auth(gcs_address: str) -> None:
                       "one token (RAY_AUTH_TOKEN_PATH) everywhere, see docs/security.md; or pass --insecure")
 
 
-def launch(cfg, placement: Placement, *, address: str = "auto", ray_init: dict | None = None,
+def launch(cfg, placement: Placement, train_fn, *, address: str = "auto", ray_init: dict | None = None,
            insecure: bool = False) -> dict:
-    """Run ``cfg`` on ``placement.world_size`` Ray workers; returns rank 0's last logged row.
+    """Run ``train_fn(cfg)`` (``dapo.train.train``, passed in so this module stays below the loop) on
+    ``placement.world_size`` Ray workers; returns rank 0's last logged row.
     ``insecure`` joins (or starts) a cluster without token authentication."""
     if address == "local":
         token_for_this_run(insecure=insecure)  # before Ray is imported: it reads RAY_AUTH_MODE once, then
@@ -154,7 +154,7 @@ def launch(cfg, placement: Placement, *, address: str = "auto", ray_init: dict |
             local_counts[node] = local_rank + 1
             env = {"RANK": str(rank), "WORLD_SIZE": str(p.world_size), "LOCAL_RANK": str(local_rank),
                    "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
-            runs.append(actors[i].train.remote(dump_yaml(cfg), env))
+            runs.append(actors[i].train.remote(train_fn, dump_yaml(cfg), env))
         return ray.get(runs)[0]
     finally:
         remove_placement_group(pg)

@@ -273,6 +273,18 @@ def _read_preset(path: Path, seen: tuple = ()) -> list[dict]:
     return chain + [data]
 
 
+PRESET_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+def resolve_preset(path: str | Path) -> Path:
+    """A preset path as given, or the shipped preset of that file name when the path does not exist
+    (``dapo train demo.yaml`` from any directory)."""
+    p = Path(path)
+    if not p.exists() and (PRESET_DIR / p.name).exists():
+        return PRESET_DIR / p.name
+    return p
+
+
 def load_config(path: str | Path | list | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults, then the preset(s) in order (a later one overrides an earlier), then dotted overrides."""
     cfg = Config()

@@ -107,6 +107,25 @@ def render_prompt(example: Example, tokenizer) -> str:
     return example.text()
 
 
+def make_encoder(tokenizer, max_prompt_tokens: int):
+    """``encode(example) -> prompt token ids``: the example rendered (chat template or plain text),
+    tokenised, and cut from the left to ``max_prompt_tokens`` (the question's end matters most)."""
+    # No token spans more characters than the vocabulary's longest entry, so the kept tokens lie within
+    # this many characters of the end (with a margin for the word cut in two): a prompt of megabytes
+    # is cut before it is tokenised, which would otherwise take the whole text's time and memory.
+    max_chars = (max_prompt_tokens + 16) * max(map(len, tokenizer.get_vocab()), default=1)
+    cache: dict = {}
+
+    def encode(example: Example) -> list[int]:
+        if example not in cache:  # examples are frozen and hashable; templates render once each
+            text = render_prompt(example, tokenizer)[-max_chars:]
+            ids = tokenizer(text, add_special_tokens=not getattr(tokenizer, "chat_template", None))["input_ids"]
+            cache[example] = ids[-max_prompt_tokens:]
+        return cache[example]
+
+    return encode
+
+
 def _plain_text(prompt: str | tuple) -> str:
     if isinstance(prompt, str):
         return prompt

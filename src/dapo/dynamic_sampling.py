@@ -15,13 +15,14 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
 
 from dapo import algo
 from dapo.batch import RolloutBatch
+from dapo.rewards.graders import graders_for
 from dapo.rollout.base import SamplingParams
 
 
@@ -33,9 +34,10 @@ class GenerationCapError(RuntimeError):
 class Scored:
     acc: torch.Tensor  # (N,) float 0/1
     reward: torch.Tensor  # (N,) correctness reward + overlong shaping
-    overlong: torch.Tensor  # (N,) the shaping part alone
+    overlong_penalty: torch.Tensor  # (N,) <= 0: the shaping part alone
     preds: list[str]
-    timeouts: int = 0
+    timeouts: int = 0  # responses whose grading ran past the time limit (scored wrong)
+    worker_crashes: int = 0  # responses whose grading worker died (scored wrong)
 
 
 class Scorer:
@@ -47,23 +49,18 @@ class Scorer:
         self.a = algo_cfg
         self.max_response_tokens = max_response_tokens
 
-    def graders_for(self, data_sources: list[str]) -> list[str]:
-        from dapo.rewards import grader_for
-
-        return [grader_for(s) if self.grader == "auto" else self.grader for s in data_sources]
-
     def __call__(self, texts: list[str], ground_truths: list[str], data_sources: list[str], lengths, truncated) -> Scored:
-        result = self.pool.score(texts, ground_truths, self.graders_for(data_sources))
+        result = self.pool.score(texts, ground_truths, graders_for(data_sources, self.grader))
         acc = torch.tensor([float(g.acc) for g in result.grades])  # (N,)
         reward = torch.where(acc > 0, self.a.correct_reward, self.a.wrong_reward)  # (N,)
-        overlong = torch.zeros_like(reward)
+        penalty = torch.zeros_like(reward)
         if self.a.soft_overlong_punishment:
-            overlong = algo.overlong_penalty(
+            penalty = algo.overlong_penalty(
                 lengths, max_response_tokens=self.max_response_tokens,
                 overlong_buffer_tokens=self.a.overlong_buffer_tokens, penalty_factor=self.a.overlong_penalty_factor,
             )
-        return Scored(acc, reward + overlong, overlong, [g.pred for g in result.grades],
-                      result.num_timeouts + result.num_crashes)
+        return Scored(acc, reward + penalty, penalty, [g.pred for g in result.grades], result.num_timeouts,
+                      result.num_crashes)
 
 
 @dataclass
@@ -80,6 +77,7 @@ class CollectStats:
     groups_from_buffer: int = 0
     acc_sum: float = 0.0  # over every generated sample (the honest training accuracy)
     timeouts: int = 0
+    worker_crashes: int = 0
     cap_hit: bool = False
     seconds_generate: float = 0.0
     seconds_reward: float = 0.0
@@ -87,94 +85,103 @@ class CollectStats:
     keep_rates: list[float] = field(default_factory=list)
 
 
-def collect_batch(
-    *,
-    engine,
-    sampler,
-    scorer: Callable[..., Scored],
-    encode: Callable[[object], list[int]],
-    buffer: list[RolloutBatch],
-    num_prompts: int,
-    sampling: SamplingParams,
-    algo_cfg,
-    round_seed: Callable[[int], int],
-    keep_rate_estimate: float = 1.0,
-    max_buffer_groups: int = 0,
-) -> tuple[RolloutBatch | None, CollectStats]:
-    """Fill a batch of ``num_prompts`` informative groups; up to ``max_buffer_groups`` surplus groups
-    go to ``buffer`` (0: none, the reference's behaviour).
+class BatchCollector:
+    """Fills a training batch with informative groups (DAPO sec. 3.2): generate G responses for
+    each of a round's prompts, grade and shape them, drop the groups whose G values are all equal,
+    and go again until ``num_prompts`` groups are kept.
 
-    ``buffer`` is a list of single-group batches, consumed first and refilled in place.
-    ``round_seed(k)`` gives the sampling seed of this step's k-th generation round.
+    ``sampler.next(k)`` gives k examples, ``encode(example)`` their prompt ids; ``sampling`` holds G
+    (``n``) and the sampling settings, each round getting its own seed.
     """
-    a, G = algo_cfg, sampling.n
-    stats = CollectStats()
-    kept: list[RolloutBatch] = []
-    while buffer and len(kept) < num_prompts:
-        kept.append(buffer.pop(0))
-        stats.groups_from_buffer += 1
-    while len(kept) < num_prompts:
-        if a.max_gen_rounds and stats.rounds >= a.max_gen_rounds:
-            stats.cap_hit = True
-            msg = (f"dynamic sampling hit algo.max_gen_rounds={a.max_gen_rounds} with {len(kept)}/{num_prompts} "
-                   "prompts kept; training on those (set algo.on_max_gen_rounds=fail to stop instead)")
-            if a.on_max_gen_rounds == "fail":
-                raise GenerationCapError(msg.split(";")[0] + "; raise algo.max_gen_rounds or use an easier dataset")
-            warnings.warn(msg, RuntimeWarning, stacklevel=2)
-            break
-        missing = num_prompts - len(kept)
+
+    def __init__(self, *, engine, sampler, scorer: Callable[..., Scored], encode: Callable[[object], list[int]],
+                 sampling: SamplingParams, algo_cfg):
+        self.engine, self.sampler, self.scorer, self.encode = engine, sampler, scorer, encode
+        self.sampling, self.a = sampling, algo_cfg
+
+    def collect(self, num_prompts: int, buffer: list[RolloutBatch], *, round_seed: Callable[[int], int],
+                keep_rate_estimate: float = 1.0) -> tuple[RolloutBatch | None, CollectStats]:
+        """A batch of ``num_prompts`` informative groups (None if none came), and what it took.
+
+        ``buffer`` (single-group batches held over from earlier steps) is consumed first and refilled
+        in place with up to ``algo.buffer_max_groups`` surplus groups (none: the reference's behaviour).
+        ``round_seed(k)`` is the sampling seed of this step's k-th round; ``keep_rate_estimate`` the
+        share of groups expected to survive, by which each round over-samples (with adaptive_oversample).
+        """
+        stats = CollectStats()
+        kept: list[RolloutBatch] = []
+        while buffer and len(kept) < num_prompts:
+            kept.append(buffer.pop(0))
+            stats.groups_from_buffer += 1
+        while len(kept) < num_prompts and not self._at_round_cap(stats, len(kept), num_prompts):
+            kept += self._round(num_prompts - len(kept), round_seed(stats.rounds), keep_rate_estimate, stats)
+        buffer.extend(kept[num_prompts:])
+        del buffer[: max(0, len(buffer) - self.a.buffer_max_groups)]  # the oldest (stalest) go first
+        kept = kept[:num_prompts]
+        stats.groups_kept = len(kept)
+        return (RolloutBatch.concat(kept) if kept else None), stats
+
+    def _at_round_cap(self, stats: CollectStats, num_kept: int, num_prompts: int) -> bool:
+        a = self.a
+        if not a.max_gen_rounds or stats.rounds < a.max_gen_rounds:
+            return False
+        stats.cap_hit = True
+        msg = (f"dynamic sampling hit algo.max_gen_rounds={a.max_gen_rounds} with {num_kept}/{num_prompts} "
+               "prompts kept; training on those (set algo.on_max_gen_rounds=fail to stop instead)")
+        if a.on_max_gen_rounds == "fail":
+            raise GenerationCapError(msg.split(";")[0] + "; raise algo.max_gen_rounds or use an easier dataset")
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        return True
+
+    def _round(self, missing: int, seed: int, keep_rate_estimate: float, stats: CollectStats) -> list[RolloutBatch]:
+        """One generation round for ``missing`` prompts (more when over-sampling): its informative groups."""
+        a, G = self.a, self.sampling.n
         # over-sample in proportion to the measured keep rate so most steps need one round
         factor = a.oversample / max(keep_rate_estimate, 0.05) if a.dynamic_sampling else 1.0
-        examples = sampler.next(max(missing, math.ceil(missing * factor)))
-        params = SamplingParams(**{**sampling.__dict__, "seed": round_seed(stats.rounds)})
+        examples = self.sampler.next(max(missing, math.ceil(missing * factor)))
         t0 = time.perf_counter()
-        gen = engine.generate([encode(ex) for ex in examples], params)
+        gen = self.engine.generate([self.encode(ex) for ex in examples], replace(self.sampling, seed=seed))
         t1 = time.perf_counter()
         per_row = [ex for ex in examples for _ in range(G)]
-        lengths = torch.tensor([len(r) for r in gen.response_ids])
-        scored = scorer(gen.texts, [ex.ground_truth for ex in per_row], [ex.data_source for ex in per_row],
-                        lengths, gen.truncated)
+        lengths = torch.tensor([len(r) for r in gen.response_ids])  # (N,)
+        scored = self.scorer(gen.texts, [ex.ground_truth for ex in per_row], [ex.data_source for ex in per_row],
+                             lengths, gen.truncated)
+        t2 = time.perf_counter()
+        if a.dynamic_sampling:
+            # filter on raw correctness, not the shaped reward: length shaping alone must not keep a group
+            keep = algo.informative_groups(scored.acc if a.filter_metric == "acc" else scored.reward, G)  # (P,)
+        else:
+            keep = torch.ones(len(examples), dtype=torch.bool)
+        group_acc = scored.acc.view(-1, G).mean(dim=1)  # (P,)
+        dropped_tokens = int(lengths.view(-1, G)[~keep].sum())
         stats.seconds_generate += t1 - t0
-        stats.seconds_reward += time.perf_counter() - t1
+        stats.seconds_reward += t2 - t1
+        stats.seconds_dropped += (t1 - t0) * dropped_tokens / max(int(lengths.sum()), 1)
         stats.rounds += 1
         stats.prompts_generated += len(examples)
         stats.samples_generated += len(per_row)
         stats.tokens_generated += int(lengths.sum())
+        stats.tokens_in_dropped_groups += dropped_tokens
         stats.acc_sum += float(scored.acc.sum())
         stats.timeouts += scored.timeouts
-
-        group_acc = scored.acc.view(-1, G).mean(dim=1)  # (P,)
+        stats.worker_crashes += scored.worker_crashes
         stats.groups_all_correct += int((group_acc == 1).sum())
         stats.groups_all_wrong += int((group_acc == 0).sum())
-        if a.dynamic_sampling:
-            # filter on raw correctness, not the shaped reward: length shaping alone must not keep a group
-            values = scored.acc if a.filter_metric == "acc" else scored.reward
-            keep = algo.informative_groups(values, G)  # (P,)
-        else:
-            keep = torch.ones(len(examples), dtype=torch.bool)
+        stats.groups_dropped += int((~keep).sum())
+        stats.keep_rates.append(float(keep.float().mean()))
         round_batch = RolloutBatch(
             group_size=G, prompt_ids=gen.prompt_ids, response_ids=gen.response_ids, truncated=gen.truncated,
             texts=gen.texts, example_uids=[ex.uid for ex in per_row], ground_truths=[ex.ground_truth for ex in per_row],
-            acc=scored.acc, reward=scored.reward, overlong=scored.overlong, preds=scored.preds,
+            acc=scored.acc, reward=scored.reward, overlong_penalty=scored.overlong_penalty, preds=scored.preds,
             rollout_logp=gen.logprobs or [],
         )
-        dropped_tokens = int(lengths.view(-1, G)[~keep].sum())
-        stats.tokens_in_dropped_groups += dropped_tokens
-        stats.seconds_dropped += (t1 - t0) * dropped_tokens / max(int(lengths.sum()), 1)
-        stats.keep_rates.append(float(keep.float().mean()))
-        stats.groups_dropped += int((~keep).sum())
-        kept.extend(round_batch.select_groups([i]) for i in torch.nonzero(keep).flatten().tolist())
-    buffer.extend(kept[num_prompts:])
-    del buffer[: max(0, len(buffer) - max_buffer_groups)]  # oldest (stalest) go first; 0 keeps none
-    kept = kept[:num_prompts]
-    stats.groups_kept = len(kept)
-    return (RolloutBatch.concat(kept) if kept else None), stats
+        return [round_batch.select_groups([i]) for i in torch.nonzero(keep).flatten().tolist()]
 
 
 def record_behaviour_logp(buffer: list[RolloutBatch], logprobs: Callable[[RolloutBatch], tuple], *, source: str) -> None:
     """Give each newly buffered group the log-probs of the weights that sampled it, in place.
 
-    Call it after ``collect_batch`` and before the update, while the trainer still holds those
+    Call it after ``BatchCollector.collect`` and before the update, while the trainer still holds those
     weights. ``source``: ``trainer`` computes them with ``logprobs`` (``Policy.compute_logprobs``),
     ``engine`` takes the rollout engine's own (vLLM reports them; they include its numerical
     difference from the trainer).

@@ -10,7 +10,7 @@ import json
 import math
 import random
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from dapo.data import DEFAULT_MAX_ROW_CHARS
@@ -125,7 +125,9 @@ class EvalResult:
     per_problem: list[dict] = field(default_factory=list)
 
     def metrics(self, prefix: str = "eval") -> dict[str, float]:
-        out = {f"{prefix}/{self.name}/avg@{self.n}": self.avg, f"{prefix}/{self.name}/maj@{self.n}": self.maj,
+        avg = f"{prefix}/{self.name}/avg@{self.n}"
+        out = {avg: self.avg, f"{avg}_ci_low": self.ci[0], f"{avg}_ci_high": self.ci[1],
+               f"{prefix}/{self.name}/maj@{self.n}": self.maj,
                f"{prefix}/{self.name}/response_length_mean": self.mean_length,
                f"{prefix}/{self.name}/truncated_frac": self.truncated_frac}
         for k, v in self.pass_at.items():
@@ -133,11 +135,14 @@ class EvalResult:
         return out
 
 
-def evaluate(engine, encode, examples, pool, *, name: str, n: int, temperature: float, top_p: float,
-             max_new_tokens: int, seed: int, grader: str = "auto", progress=None) -> EvalResult:
-    """Sample n responses per problem, grade them (raw correctness, no shaping) and summarise."""
-    from dapo.rewards import grader_for
+def evaluate(engine, encode, examples, pool, sampling: SamplingParams, *, name: str, grader: str = "auto",
+             progress=None) -> EvalResult:
+    """Sample ``sampling.n`` responses per problem, grade them (raw correctness, no shaping) and summarise.
 
+    ``encode(example)`` gives the prompt ids; ``progress(k)``, if given, hears of every k samples graded."""
+    from dapo.rewards import graders_for
+
+    n, seed = sampling.n, sampling.seed
     ks = [k for k in (2 ** i for i in range(20)) if k <= n]
     accs: list[bool] = []
     preds: list[str] = []
@@ -146,11 +151,9 @@ def evaluate(engine, encode, examples, pool, *, name: str, n: int, temperature: 
     chunk = max(1, 4096 // n)  # problems per generate call, so progress moves and memory stays flat
     for start in range(0, len(examples), chunk):
         part = examples[start : start + chunk]
-        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed + start)
-        gen = engine.generate([encode(ex) for ex in part], params)
+        gen = engine.generate([encode(ex) for ex in part], replace(sampling, seed=seed + start))
         rows = [ex for ex in part for _ in range(n)]
-        graders = [grader_for(ex.data_source) if grader == "auto" else grader for ex in rows]
-        result = pool.score(gen.texts, [ex.ground_truth for ex in rows], graders)
+        result = pool.score(gen.texts, [ex.ground_truth for ex in rows], graders_for([ex.data_source for ex in rows], grader))
         accs += [g.acc for g in result.grades]
         preds += [g.pred for g in result.grades]
         lengths += [len(r) for r in gen.response_ids]

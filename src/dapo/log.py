@@ -8,12 +8,15 @@ beside a dashboard of the reference recipe.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
+import warnings
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 
@@ -66,6 +69,19 @@ VERL_SUMS: dict[str, tuple[str, ...]] = {"actor/pg_clipfrac": ("actor/clipfrac_h
 _EVAL_AVG = re.compile(r"^eval/(?P<bench>.+)/avg@(?P<n>\d+)$")
 
 
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl (given the run directory or the file); [] before the first."""
+    path = Path(run_dir)
+    path = path if path.suffix == ".jsonl" else path / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def held_out_keys(rows: dict | list[dict]) -> list[str]:
+    """The held-out accuracy keys (``eval/<benchmark>/avg@<n>``) in a row or rows, sorted."""
+    rows = [rows] if isinstance(rows, dict) else rows
+    return sorted({k for r in rows for k in r if _EVAL_AVG.match(k)})
+
+
 def with_verl_names(metrics: dict) -> dict:
     """``metrics`` plus each quantity verl logs under another name (the project's names stay)."""
     out = dict(metrics)
@@ -82,9 +98,42 @@ def with_verl_names(metrics: dict) -> dict:
     return out
 
 
+def _held_out(row: dict, key: str) -> str:
+    ci = f" [{100 * row[key + '_ci_low']:.1f}, {100 * row[key + '_ci_high']:.1f}]" if key + "_ci_low" in row else ""
+    return f"{100 * row[key]:.1f}%{ci}"
+
+
+def held_out_line(row: dict) -> str:
+    """``arith avg@4 45.1% [40.2, 50.0]`` for each held-out benchmark in a logged row."""
+    return ", ".join(f"{_EVAL_AVG.match(k)['bench']} avg@{_EVAL_AVG.match(k)['n']} {_held_out(row, k)}"
+                     for k in held_out_keys(row))
+
+
+def run_summary(rows: list[dict], *, wall_s: float, run_dir: Path, plot: Path | None = None) -> list[str]:
+    """The lines a finished run ends with: held-out accuracy before and after (95% bootstrap interval
+    over problems), wall time, where the files are."""
+    evals = [r for r in rows if held_out_keys(r)]
+    lines = [f"run directory: {run_dir}  (metrics.jsonl, config.yaml, tensorboard/, samples/, checkpoints/)"]
+    if plot is not None:
+        lines.append(f"plot: {plot}")
+    lines.append(f"wall time: {wall_s:.0f} s")
+    if not evals:
+        lines.append("held-out accuracy: not measured (eval.benchmarks is empty)")
+    for key in held_out_keys(evals):
+        first, last = [r for r in evals if key in r][0], [r for r in evals if key in r][-1]
+        name = f"{_EVAL_AVG.match(key)['bench']} avg@{_EVAL_AVG.match(key)['n']}"
+        if first["step"] == 0 and last["step"] > 0:
+            lines.append(f"held-out accuracy: {name} {_held_out(first, key)} before -> {_held_out(last, key)} "
+                         f"after step {last['step']}  (95% CI)")
+        else:
+            lines.append(f"held-out accuracy: {name} {_held_out(last, key)} at step {last['step']}  (95% CI)")
+    return lines
+
+
 class RunLogger:
+    # (metric, column label, format); LEGEND says what each column is, once per run
     SUMMARY = (
-        ("rollout/acc_mean", "acc", "{:.3f}"),
+        ("rollout/acc_mean", "train acc", "{:.3f}"),
         ("reward/score_mean", "reward", "{:+.3f}"),
         ("rollout/response_length_mean", "len", "{:.1f}"),
         ("actor/entropy", "ent", "{:.3f}"),
@@ -92,6 +141,10 @@ class RunLogger:
         ("sampling/gen_rounds", "rounds", "{:.0f}"),
         ("perf/time_step_s", "s", "{:.1f}"),
     )
+    LEGEND = ("columns: train acc = share of this step's sampled responses graded right (training prompts, not the "
+              "held-out set) | reward = mean reward of the trained groups (+1/-1 plus the overlong penalty) | len = mean "
+              "response tokens | ent = mean token entropy | clip+ = share of tokens clipped at 1 + eps_high | rounds = "
+              "generation rounds dynamic sampling needed | s = seconds for the step")
 
     def __init__(self, run_dir: Path, *, total_steps: int, start_step: int = 0, tensorboard: bool = True,
                  progress: bool = True, console: Console | None = None):
@@ -100,6 +153,7 @@ class RunLogger:
         (self.run_dir / "samples").mkdir(exist_ok=True)
         self.console = console or Console(highlight=False)
         self.metrics_path = self.run_dir / "metrics.jsonl"
+        self._legend_shown = False
         self._truncate_after(start_step)
         self.tb = None
         if tensorboard:
@@ -139,6 +193,9 @@ class RunLogger:
         return row
 
     def step_line(self, step: int, total: int, row: dict) -> None:
+        if not self._legend_shown:
+            self.console.print(self.LEGEND, style="dim", soft_wrap=True)
+            self._legend_shown = True
         parts = [f"step {step}/{total}"]
         for key, label, fmt in self.SUMMARY:
             if key in row:
@@ -149,6 +206,24 @@ class RunLogger:
 
     def info(self, text: str) -> None:
         self.console.print(text)
+
+    def held_out(self, step: int, row: dict) -> None:
+        """An evaluation on the console as it happens (every metric of it is in metrics.jsonl)."""
+        if held_out_keys(row):
+            self.console.print(f"held-out at step {step}: {held_out_line(row)}", soft_wrap=True)
+
+    def warn(self, text: str) -> None:
+        self.console.print(f"[yellow]{escape(text)}[/]")
+
+    @contextlib.contextmanager
+    def warnings_of(self, step: int):
+        """Python warnings raised inside the block (e.g. dynamic sampling's round cap), printed once
+        each with the step they belong to instead of going to stderr unattributed."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RuntimeWarning)
+            yield
+        for w in caught:
+            self.warn(f"warning (step {step}): {w.message}")
 
     def write_samples(self, step: int, records: list[dict]) -> None:
         lines = [f"# step {step}\n"]
@@ -177,6 +252,18 @@ class NullLogger:
 
     def info(self, text: str) -> None:
         pass
+
+    def held_out(self, step: int, row: dict) -> None:
+        pass
+
+    def warn(self, text: str) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def warnings_of(self, step: int):
+        with warnings.catch_warnings(record=True):  # rank 0 reports them
+            warnings.simplefilter("always", RuntimeWarning)
+            yield
 
     def write_samples(self, step: int, records: list[dict]) -> None:
         pass

@@ -9,6 +9,8 @@ import matplotlib
 matplotlib.use("Agg")  # no display on servers and CI
 import matplotlib.pyplot as plt  # noqa: E402
 
+from dapo.log import held_out_keys  # noqa: E402
+
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     pts = [(r["step"], r[key]) for r in rows if key in r]
@@ -17,7 +19,7 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 def plot_training(rows: list[dict], out: Path, title: str = "") -> Path:
     """Reward, held-out accuracy, entropy and response length against training steps."""
-    eval_keys = sorted({k for r in rows for k in r if k.startswith("eval/") and "/avg@" in k})
+    eval_keys = held_out_keys(rows)
     panels = [
         ("reward (trained batch)", ["reward/score_mean", "rollout/acc_mean"]),
         ("held-out accuracy", eval_keys),
@@ -96,7 +98,7 @@ def plot_ablation(data: dict, labels: dict, out_dir: Path, smooth: int = 5) -> l
         curves = []
         for rows_ in row_data.values():
             if key == "eval":
-                k = next((k for r in rows_ for k in r if k.startswith("eval/") and "/avg@" in k), None)
+                k = next(iter(held_out_keys(rows_)), None)
                 pts = [(r["step"], r[k]) for r in rows_ if k and k in r]
             else:
                 # a step where nothing was clipped at the top has no up-clipped probability (logged as 0)

@@ -4,7 +4,7 @@ worker pool that grades untrusted model output under a per-call time limit.
 Imports only the standard library here; math-verify is loaded on the first `math` grade.
 """
 
-from dapo.rewards.graders import GRADERS, Grade, grade, grader_for
+from dapo.rewards.graders import GRADERS, Grade, grade, grader_for, graders_for
 from dapo.rewards.pool import PoolResult, RewardPool
 
-__all__ = ["GRADERS", "Grade", "grade", "grader_for", "PoolResult", "RewardPool"]
+__all__ = ["GRADERS", "Grade", "grade", "grader_for", "graders_for", "PoolResult", "RewardPool"]

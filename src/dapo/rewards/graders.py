@@ -113,3 +113,8 @@ def grader_for(data_source: str, default: str = "dapo") -> str:
     if key.startswith("arith"):
         return "arith"
     return default
+
+
+def graders_for(data_sources: list[str], grader: str = "auto") -> list[str]:
+    """The grader of each row: ``grader`` for all, or with ``auto`` each row's by its data source."""
+    return [grader_for(s) for s in data_sources] if grader == "auto" else [grader] * len(data_sources)

@@ -1,4 +1,5 @@
-"""Rollout engines. ``make_rollout`` is the only place that chooses a backend."""
+"""Rollout engines. This module is the only place that chooses a backend (``make_rollout``) and
+decides how a training run's ranks share the engines (``make_training_engine``)."""
 
 from __future__ import annotations
 
@@ -38,4 +39,32 @@ def make_rollout(cfg, model, tokenizer, *, max_model_len: int | None = None) -> 
     raise ValueError(f"rollout.backend={cfg.backend!r}: choose hf or vllm")
 
 
-__all__ = ["Generation", "RolloutEngine", "SamplingParams", "ShardedRollout", "make_rollout", "resolve_backend"]
+def make_training_engine(rollout_cfg, model_cfg, policy_model, tokenizer, dist, *, max_model_len: int) -> RolloutEngine:
+    """The rollout engine of a training run. Alone it shares the policy's model. Under FSDP every rank
+    holds a full copy in model.dtype (rows finish at different lengths, so generating with the sharded
+    model would make the ranks wait on each other) and samples its share of the prompts; with vLLM and
+    rollout.tensor_parallel_size = k, each group of k ranks holds one copy, split over them.
+
+    ``max_model_len``: the longest prompt + response the run asks for; vLLM sizes its KV cache and
+    scheduler for this, not for the model's whole context."""
+    if not dist.sharded:
+        return make_rollout(rollout_cfg, policy_model, tokenizer, max_model_len=max_model_len)
+    from dapo.config import ConfigError
+    from dapo.models import load_model_and_tokenizer, weightless_model
+
+    backend = resolve_backend(rollout_cfg.backend)
+    k = rollout_cfg.tensor_parallel_size if backend == "vllm" else 1
+    if dist.world_size % k:
+        raise ConfigError(f"rollout.tensor_parallel_size={k} does not divide the {dist.world_size} trainer ranks; "
+                          "pick a divisor (one vLLM engine per group of that many ranks)")
+    trust = model_cfg.trust_remote_code
+    if backend == "vllm":  # vLLM reads the checkpoint itself: a full copy here would cost every GPU the whole model
+        model = weightless_model(model_cfg.path, model_cfg.dtype, trust_remote_code=trust)
+    else:
+        model, _ = load_model_and_tokenizer(model_cfg.path, model_cfg.dtype, dist.device, trust_remote_code=trust)
+    return ShardedRollout(make_rollout(rollout_cfg, model, tokenizer, max_model_len=max_model_len), dist,
+                          tensor_parallel_size=k)
+
+
+__all__ = ["Generation", "RolloutEngine", "SamplingParams", "ShardedRollout", "make_rollout", "make_training_engine",
+           "resolve_backend"]

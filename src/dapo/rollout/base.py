@@ -34,6 +34,8 @@ class Generation:
 
 
 class RolloutEngine(Protocol):
+    backend: str  # "hf" or "vllm": what the run's saved config records
+
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generation:
         """Sample params.n responses for every prompt; reproducible for a given params.seed."""
 
@@ -66,6 +68,7 @@ class ShardedRollout:
 
     def __init__(self, engine: RolloutEngine, d, tensor_parallel_size: int = 1):
         self.engine, self.d, self.k = engine, d, tensor_parallel_size
+        self.backend = engine.backend
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generation:
         from dapo import parallel

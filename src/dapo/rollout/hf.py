@@ -16,6 +16,8 @@ from dapo.rollout.base import Generation, SamplingParams, split_response
 
 
 class HFRolloutEngine:
+    backend = "hf"
+
     def __init__(self, model, tokenizer, *, max_batch_size: int = 512):
         self.model = model
         self.tokenizer = tokenizer

@@ -103,6 +103,8 @@ def _whole_prefill_settings(max_model_len: int) -> dict:
 
 
 class VLLMRolloutEngine:
+    backend = "vllm"
+
     def __init__(self, cfg, model, tokenizer, *, owner: bool | None = None, max_model_len: int | None = None):
         """cfg: RolloutConfig; model: the trainer's HF model (its directory and dtype are used).
 
