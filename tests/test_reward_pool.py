@@ -28,7 +28,7 @@ def _pids(pool: RewardPool) -> list[int]:
     return [w.process.pid for w in pool._workers]
 
 
-def _gone(pid: int, within_s: float = 5.0) -> bool:
+def _gone(pid: int, within_s: float = 20.0) -> bool:
     """Whether process `pid` has exited (and been reaped) within `within_s`."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:

@@ -176,7 +176,8 @@ def test_demo_split_sizes_and_over_asking():
     test = arith.make_examples("test", n_test)
     assert {e.prompt for e in train} | {e.prompt for e in test} == set(space)
     assert len(train) == n_train and len(test) == n_test
-    with pytest.raises(ValueError, match=rf"'demo' train split has only {n_train} distinct problems, {n_train + 1} were asked"):
+    too_many = rf"'demo' train split has only {n_train} distinct problems, {n_train + 1} were asked"
+    with pytest.raises(ValueError, match=too_many):
         arith.make_examples("train", n_train + 1)
     with pytest.raises(ValueError, match=rf"'demo' test split has only {n_test} distinct problems"):
         arith.make_examples("test", n_test + 1)

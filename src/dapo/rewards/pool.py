@@ -13,6 +13,9 @@ How it works
   use SIGALRM as a first, softer limit (it raises GradingTimeout: the item scores "[TIMEOUT]",
   counts as a time-out, and the worker stays).
 - Responses are cut to the tail each grader reads before they cross the pipe.
+- Graders: the built-in ones (graders.RAW_GRADERS), plus any the caller names as import paths
+  ("package.module:function") in `extra_graders`; workers import those with importlib. Names in a
+  `score` call are only looked up, so a data row cannot make a worker import anything.
 """
 
 from __future__ import annotations
@@ -283,7 +286,9 @@ class RewardPool:
             _resolve(path)
         self._ctx = _context()
         self._lock = threading.Lock()
-        self._workers: list[_Worker] = [_Worker(self._ctx, memory_limit_mb, self.extra_graders) for _ in range(num_workers)]
+        self._workers: list[_Worker] = [
+            _Worker(self._ctx, memory_limit_mb, self.extra_graders) for _ in range(num_workers)
+        ]
         self._startup_failures = 0
         self._closed = False
         self._finalizer = weakref.finalize(self, _stop_all, self._workers)
