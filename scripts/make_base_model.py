@@ -8,6 +8,9 @@ The model ends up knowing the procedure (greedy decoding is mostly right) while 
 probability on slips: sampling at temperature 1.0 reproduces them, and a correctness reward has
 something real to remove.
 
+Held-out accuracy (base_model_eval.json) is measured as training measures it: samples from the
+package's HF rollout engine, graded by the `arith` grader.
+
 Deterministic for a given seed and thread count; under three minutes on two idle CPU cores:
 
     python scripts/make_base_model.py                 # writes assets/arith-base/
@@ -38,7 +41,6 @@ import argparse
 import json
 import math
 import random
-import re
 import sys
 import time
 from pathlib import Path
@@ -46,10 +48,12 @@ from pathlib import Path
 import torch
 
 from dapo import tiny
+from dapo.rewards import grade
+from dapo.rollout.base import SamplingParams
+from dapo.rollout.hf import HFRolloutEngine
 from dapo.tasks import arith
 
 REPO = Path(__file__).resolve().parent.parent
-_ANSWER_RE = re.compile(r"Answer:\s*(-?\d+)\s*$")
 
 
 def parse_args(argv=None):
@@ -118,30 +122,16 @@ def ramble(response: str, rng: random.Random, rate: float) -> str:
     return "\n".join(working + [answer])
 
 
-def answer_of(response: str) -> int | None:
-    lines = response.strip().splitlines()
-    if not lines:
-        return None
-    m = _ANSWER_RE.search(lines[-1])
-    return int(m.group(1)) if m else None
-
-
-@torch.no_grad()
 def accuracy(model, tokenizer, examples, *, samples: int, do_sample: bool, max_new_tokens: int, seed: int) -> float:
-    """Share of responses whose final ``Answer:`` equals the ground truth."""
-    model.eval()
-    prompts = [e.prompt for e in examples for _ in range(samples)]
-    truths = [int(e.ground_truth) for e in examples for _ in range(samples)]
-    correct = 0
-    torch.manual_seed(seed)
-    for start in range(0, len(prompts), 256):
-        chunk = prompts[start : start + 256]
-        enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False)
-        kwargs = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0) if do_sample else dict(do_sample=False)
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, **kwargs)
-        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-        correct += sum(answer_of(t) == y for t, y in zip(texts, truths[start : start + 256]))
-    return correct / len(prompts)
+    """Share of responses the `arith` grader scores right, sampled by the package's rollout engine
+    (the trainer's own sampling and grading path)."""
+    engine = HFRolloutEngine(model, tokenizer)
+    prompt_ids = [tokenizer(e.prompt, add_special_tokens=False)["input_ids"] for e in examples]
+    params = SamplingParams(n=samples, temperature=1.0 if do_sample else 0.0, top_p=1.0, top_k=0,
+                            max_new_tokens=max_new_tokens, seed=seed)
+    gen = engine.generate(prompt_ids, params)
+    truths = [e.ground_truth for e in examples for _ in range(samples)]  # prompt-major, as gen's rows
+    return sum(grade(text, truth, "arith").acc for text, truth in zip(gen.texts, truths)) / len(truths)
 
 
 def main(argv=None) -> int:

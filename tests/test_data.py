@@ -390,7 +390,10 @@ def test_real_aime_dapo_file_dedups_to_30_already_templated():
 @pytest.mark.skipif(not DAPO_17K.exists(), reason="data/dapo_math_17k/dapo_math_17k.parquet not present")
 def test_real_dapo_17k_gets_template_and_dedups():
     ex = load_examples(DAPO_17K)
-    assert len(ex) == 17290
+    # 17917 rows, some the same problem more than once: one example per distinct problem text
+    rows = pq.read_table(DAPO_17K, columns=["prompt"]).to_pylist()
+    distinct = {m["content"] for row in rows for m in row["prompt"] if m["role"] == "user"}
+    assert len(ex) == len(distinct) < len(rows)
     assert all(e.text().startswith(DAPO_PROMPT_PREFIX) for e in ex[:100])
     assert {e.data_source for e in ex} == {"DAPO-17k"}
     assert all(e.ground_truth.lstrip("-").isdigit() for e in ex)

@@ -48,6 +48,7 @@ def test_shipped_files_are_all_there():
         "dapo_math_17k/dapo_math_17k.parquet",
     ]
     assert [p for p in expected if not (DATA / p).is_file()] == []
+    # the row counts data/SOURCES.md lists: GSM8K's published test/train sizes, the SvS parquet's rows
     assert len(_jsonl("gsm8k/test.jsonl")) == 1319 and len(_jsonl("gsm8k/train.jsonl")) == 7473
     assert pq.read_metadata(DATA / "dapo_math_17k/dapo_math_17k.parquet").num_rows == 17917
 

@@ -8,18 +8,27 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
+from hostile_graders import HOSTILE_GRADERS
 
 from dapo.rewards import Grade, RewardPool, grade
+from dapo.rewards import pool as pool_module
+
+LIMIT_S = 1.0
+# "Never stalls", checked without timing the pool: a call that hangs on an answer sleeping far
+# longer than this bound fails here; how fast a time-out really is lives in
+# benchmarks/reward_pool_latency.py.
+NEVER_STALLS_S = 20 * LIMIT_S
 
 
 def _pids(pool: RewardPool) -> list[int]:
     return [w.process.pid for w in pool._workers]
 
 
-def _gone(pid: int, within_s: float = 5.0) -> bool:
+def _gone(pid: int, within_s: float = 20.0) -> bool:
     """Whether process `pid` has exited (and been reaped) within `within_s`."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
@@ -31,9 +40,20 @@ def _gone(pid: int, within_s: float = 5.0) -> bool:
     return False
 
 
+def _score_returns(pool: RewardPool, *args, within_s: float = NEVER_STALLS_S):
+    """pool.score(*args) run in a thread; fails if it has not returned after `within_s`."""
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(pool.score(*args)), daemon=True)
+    thread.start()
+    thread.join(within_s)
+    assert not thread.is_alive(), f"score() still running after {within_s:.0f} s: a hung grader stalled the pool"
+    assert out, "score() raised in its thread"
+    return out[0]
+
+
 @pytest.fixture(scope="module")
 def pool():
-    with RewardPool(num_workers=2, timeout_s=1.0) as p:
+    with RewardPool(num_workers=2, timeout_s=LIMIT_S, extra_graders=HOSTILE_GRADERS) as p:
         yield p
 
 
@@ -64,31 +84,36 @@ def test_timeout_scores_wrong_replaces_worker_and_grades_the_rest(pool):
     responses = [f"Answer: {i}" for i in range(40)]
     truths = [str(i) for i in range(40)]
     graders = ["dapo"] * 40
-    graders[5], truths[5] = "_test_sleep", "30"  # sleeps 30 s; the limit is 1 s
-    t0 = time.monotonic()
-    result = pool.score(responses, truths, graders)
-    elapsed = time.monotonic() - t0
+    graders[5], truths[5] = "_test_sleep", "60"  # sleeps 60 s, three times NEVER_STALLS_S; the limit is 1 s
+    result = _score_returns(pool, responses, truths, graders)
     assert result.grades[5] == Grade(-1.0, False, "[TIMEOUT]")
     assert result.num_timeouts == 1 and result.num_crashes == 0
     assert all(g.acc for i, g in enumerate(result.grades) if i != 5)
-    assert elapsed < 5.0  # one 1 s limit plus a worker restart, not the 30 s sleep
     after = set(_pids(pool))
     assert len(before - after) == 1  # exactly one worker was replaced
     assert all(_gone(pid) for pid in before - after)
+    # and the pool, with its new worker, answers the next call correctly
+    again = _score_returns(pool, ["Answer: 7", "Answer: 8"], ["7", "9"], "dapo")
+    assert [g.acc for g in again.grades] == [True, False] and again.num_timeouts == 0
+    assert set(_pids(pool)) == after
 
 
-def test_back_to_back_timeouts_in_one_chunk(pool):
+def test_back_to_back_timeouts_in_one_chunk(pool, monkeypatch):
     # 40 items go out in chunks of 5: items 6 and 7 share a chunk, so the second timeout happens
     # in the re-sent remainder of the first one's chunk.
     n = 40
+    replaced: list[int] = []
+    real_replace = RewardPool._replace
+    monkeypatch.setattr(RewardPool, "_replace", lambda self, slot: (replaced.append(slot), real_replace(self, slot)))
     graders, truths = ["arith"] * n, [str(i) for i in range(n)]
     for i in (6, 7, 30):
-        graders[i], truths[i] = "_test_sleep", "30"
-    result = pool.score([f"Answer: {i}" for i in range(n)], truths, graders)
+        graders[i], truths[i] = "_test_sleep", "60"
+    result = _score_returns(pool, [f"Answer: {i}" for i in range(n)], truths, graders)
     assert [i for i, g in enumerate(result.grades) if g.pred == "[TIMEOUT]"] == [6, 7, 30]
     assert all(g.acc for i, g in enumerate(result.grades) if i not in (6, 7, 30))
     assert result.num_timeouts == 3
-    assert result.seconds < 10.0
+    assert len(replaced) == 3  # one worker killed and replaced per time-out, no more
+    assert len(set(_pids(pool))) == 2
 
 
 @pytest.mark.parametrize("crasher", ["_test_crash", "_test_segfault", "_test_memory"])
@@ -174,11 +199,24 @@ def test_long_responses_are_cut_before_grading(pool):
     assert [g.acc for g in result.grades] == [True, True]
 
 
-def test_throughput_is_not_pathological(pool):
-    # Not a benchmark (see benchmarks/grading_throughput.py): catches a per-item round trip.
+def test_items_travel_in_chunks_not_one_round_trip_each(pool, monkeypatch):
+    # How fast is benchmarks/grading_throughput.py's business; what is checked here is that
+    # 5000 items cost a few dozen pipe round trips, not 5000.
     n = 5000
+    sent: list[int] = []
+    real_dispatch = pool_module._Run._dispatch
+
+    def counting_dispatch(self):
+        waiting = len(self.pending)
+        real_dispatch(self)
+        sent.append(waiting - len(self.pending))
+
+    monkeypatch.setattr(pool_module._Run, "_dispatch", counting_dispatch)
     result = pool.score([f"Reasoning...\nAnswer: {i % 97}" for i in range(n)], ["5"] * n, "dapo")
-    assert result.seconds < 5.0, f"{n / result.seconds:.0f} responses/s"
+    assert [g.acc for g in result.grades] == [i % 97 == 5 for i in range(n)]
+    # chunk size = min(_MAX_CHUNK=256, ceil(5000 / (2 workers * 4 chunks per worker)) = 625) = 256,
+    # so ceil(5000 / 256) = 20 chunks, each sent once (no worker died)
+    assert sum(sent) == 20
 
 
 def test_repeated_create_and_close():
@@ -233,3 +271,20 @@ def test_bad_arguments():
     for unbounded in (float("inf"), float("nan")):  # no limit at all: one answer could hold a worker forever
         with pytest.raises(ValueError, match="timeout_s must be a finite number > 0"):
             RewardPool(timeout_s=unbounded)
+    with pytest.raises(ValueError, match="not an import path"):
+        RewardPool(extra_graders={"mine": "hostile_graders.sleep"})
+    with pytest.raises(ValueError, match="must be a new"):
+        RewardPool(extra_graders={"dapo": "hostile_graders:sleep"})
+    with pytest.raises(ValueError, match="has no function 'nope'"):
+        RewardPool(extra_graders={"mine": "hostile_graders:nope"})
+
+
+def test_graders_by_name_are_only_those_the_pool_was_given():
+    # A grader name in a score call (which may come from a data row) is looked up, never imported.
+    with RewardPool(num_workers=1, timeout_s=LIMIT_S, extra_graders={"mine": "hostile_graders:raise_error"}) as p:
+        with pytest.raises(ValueError, match="unknown grader 'hostile_graders:sleep'"):
+            p.score(["x"], ["1"], "hostile_graders:sleep")
+        with pytest.raises(ValueError, match="unknown grader '_test_sleep'"):
+            p.score(["x"], ["1"], "_test_sleep")
+        result = p.score(["Answer: 1", "x"], ["1", "1"], ["dapo", "mine"])
+        assert [g.pred for g in result.grades] == ["1", "[CRASH]"] and result.num_crashes == 1

@@ -86,3 +86,34 @@ def test_samples_come_from_the_full_distribution(tiny_model_dir):
     assert (empirical - probs).abs().sum() < 0.35  # total variation of 3000 samples over ~258 outcomes
     limited = engine.generate([prompt], SamplingParams(n=500, top_k=5, max_new_tokens=1, seed=0))
     assert len({r[0] for r in limited.response_ids}) <= 5
+
+
+def test_eos_ids_on_the_real_smollm2_tokenizer(tiny_model_dir):
+    """Both engines stop on eos_token_ids(model, tokenizer): generation_config's id(s), else the
+    tokenizer's EOS. SmolLM2's tokenizer: <|im_end|> = 2 is EOS and pad, <|endoftext|> = 0."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from dapo.rollout.base import eos_token_ids
+    from dapo.rollout.hf import HFRolloutEngine
+
+    smol = AutoTokenizer.from_pretrained(Path(__file__).parent / "assets" / "smollm2-tokenizer")
+    im_end, endoftext = smol.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    assert (im_end, endoftext) == (2, 0) and smol.eos_token_id == smol.pad_token_id == im_end
+
+    def model(eos):
+        return SimpleNamespace(generation_config=GenerationConfig(eos_token_id=eos))
+
+    assert eos_token_ids(model([im_end, endoftext]), smol) == {2, 0}  # a list, as instruct models ship it
+    assert eos_token_ids(model((endoftext,)), smol) == {0}
+    assert eos_token_ids(model(endoftext), smol) == {0}  # the model's choice wins over the tokenizer's
+    assert eos_token_ids(model(None), smol) == {2}  # none set: the tokenizer's
+    assert eos_token_ids(SimpleNamespace(generation_config=None), smol) == {2}
+    # the HF engine takes exactly these (the vLLM engine calls the same function)
+    tiny, tok = load_model_and_tokenizer(tiny_model_dir)
+    tiny.generation_config.eos_token_id = [im_end, endoftext]
+    assert HFRolloutEngine(tiny, smol).eos_ids == {2, 0}
+    tiny.generation_config.eos_token_id = None
+    assert HFRolloutEngine(tiny, smol).eos_ids == {2} and HFRolloutEngine(tiny, tok).eos_ids == {tok.eos_token_id}

@@ -1,3 +1,4 @@
+import itertools
 import random
 import re
 
@@ -145,12 +146,41 @@ def test_plausible_mistakes_are_close_or_one_digit_off():
             assert abs(wrong - value) <= 2 or (len(str(wrong)) == len(str(value)) and digits_differ == 1)
 
 
+def _demo_space() -> list[str]:
+    """Every "demo" problem, enumerated here without the task's code: three operands 1..9, two of
+    + - *, kept when each value the worked solution writes (multiplication first, else left to
+    right) stays within 0..99."""
+    out = []
+    for a, b, c in itertools.product(range(1, 10), repeat=3):
+        for op1, op2 in itertools.product("+-*", repeat=2):
+            if op2 == "*" and op1 != "*":  # b*c first, then a op1 (b*c)
+                first = b * c
+                values = [first, independent_value(f"{a}{op1}{first}=")]
+            else:  # a op1 b first, then (a op1 b) op2 c
+                first = independent_value(f"{a}{op1}{b}=")
+                values = [first, independent_value(f"{first}{op2}{c}=")]
+            if all(0 <= v <= 99 for v in values):
+                out.append(f"{a}{op1}{b}{op2}{c}=")
+    return out
+
+
 def test_demo_split_sizes_and_over_asking():
-    train = arith.make_examples("train", 3627)
-    test = arith.make_examples("test", 900)
-    assert len({e.prompt for e in train}) == 3627 and len({e.prompt for e in test}) == 900
-    with pytest.raises(ValueError, match=r"'demo' train split has only 3627 distinct problems, 3628 were asked"):
-        arith.make_examples("train", 3628)
+    # The split sizes are counts of the enumerated space, split by the problem-text hash that
+    # defines the splits (split_of; its disjointness is tested above).
+    space = _demo_space()
+    assert len(space) == len(set(space)) > 9**3  # most of the 9^3 * 3^2 = 6561 candidates pass
+    n_train = sum(arith.split_of(p) == "train" for p in space)
+    n_test = len(space) - n_train
+    assert 0.7 < n_train / len(space) < 0.9  # one hash bucket of five is "test"
+    train = arith.make_examples("train", n_train)
+    test = arith.make_examples("test", n_test)
+    assert {e.prompt for e in train} | {e.prompt for e in test} == set(space)
+    assert len(train) == n_train and len(test) == n_test
+    too_many = rf"'demo' train split has only {n_train} distinct problems, {n_train + 1} were asked"
+    with pytest.raises(ValueError, match=too_many):
+        arith.make_examples("train", n_train + 1)
+    with pytest.raises(ValueError, match=rf"'demo' test split has only {n_test} distinct problems"):
+        arith.make_examples("test", n_test + 1)
 
 
 def test_bad_input_is_refused_clearly():

@@ -2,10 +2,8 @@
 
 import math
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -298,32 +296,44 @@ def _weights(model_dir):
 
 
 @pytest.mark.slow
-def test_sigkill_then_restart_continues_from_last_checkpoint(tiny_model_dir, tmp_path):
-    args = [f"model.path={tiny_model_dir}", "run.name=k", "run.progress=false", "run.tensorboard=false",
-            "train.total_steps=4", "run.save_every=1", "train.prompts_per_step=4", "train.mini_batch_prompts=2",
-            "rollout.group_size=4", "rollout.max_response_tokens=16", "algo.overlong_buffer_tokens=4",
-            "algo.dynamic_sampling=false", "eval.before_train=false", "eval.num_problems=4", "eval.n=1",
-            "reward.num_workers=1", "train.lr=1e-3", "train.warmup_steps=0"]
-    cmd = [sys.executable, "-m", "dapo.cli", "train", "configs/demo.yaml"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    subprocess.run(cmd + args + [f"run.dir={tmp_path / 'ref'}"], cwd=REPO, env=env, check=True, capture_output=True)
-    run_dir = tmp_path / "killed" / "k"
-    proc = subprocess.Popen(cmd + args + [f"run.dir={tmp_path / 'killed'}"], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 240
-    while not (run_dir / "checkpoints" / "step_000002").exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its reward workers, mid-run
-    proc.wait()
-    done = subprocess.run(cmd + args + [f"run.dir={tmp_path / 'killed'}"], cwd=REPO, env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    if "resumed from" not in done.stdout:  # the first run may already have finished: still a valid outcome
-        assert (run_dir / "checkpoints" / "step_000004").exists()
-    ref = _weights(tmp_path / "ref" / "k" / "checkpoints" / "step_000004" / "model")
-    got = _weights(run_dir / "checkpoints" / "step_000004" / "model")
-    assert ref.keys() == got.keys()
-    assert all(torch.equal(ref[k], got[k]) for k in ref)
-    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
+def test_hard_exit_after_a_checkpoint_then_resume_matches_an_uninterrupted_run(tiny_model_dir, tmp_path):
+    """A run dies (os._exit) right after checkpoint 1 of 3 is written; a fresh process resumes it
+    from there, without re-running step 1, and ends with the weights of a run never interrupted.
+    Dynamic sampling is on, so the sampler, the held-over groups and the RNG state must all resume."""
+    k, total = 1, 3
+    extra = ["train.total_steps=3", "run.save_every=1", "algo.dynamic_sampling=true", "algo.filter_metric=reward",
+             "algo.max_gen_rounds=3", "algo.oversample=3.0", "algo.buffer_max_groups=8"]
+    driver = [sys.executable, str(REPO / "tests" / "train_until_checkpoint.py")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
+           "COLUMNS": "500"}  # the console's lines unwrapped
+    saves = tmp_path / "saves.txt"
+
+    def run(run_dir, tag, kill_after):
+        return subprocess.run(driver + [str(run_dir), str(tiny_model_dir), str(saves), tag, str(kill_after), *extra],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+    ref = run(tmp_path / "ref", "ref", 0)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    killed = run(tmp_path / "b", "killed", k)
+    assert killed.returncode == 1, killed.stderr[-3000:]  # the hard exit, not an error or a finished run
+    run_dir = tmp_path / "b" / "t"
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_000001"]
+    resumed = run(tmp_path / "b", "resumed", 0)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    # (a) it resumed from checkpoint k and trained only the steps after it
+    assert saves.read_text().split("\n")[:-1] == [f"ref {s}" for s in range(1, total + 1)] + ["killed 1"] + [
+        f"resumed {s}" for s in range(k + 1, total + 1)]
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_000001'} (step {k})" in resumed.stdout, resumed.stdout
+    steps = [r["step"] for r in read_metrics(run_dir)]
+    assert steps[-2:] == [2, 3] and steps.count(1) <= 1  # step 1 logged at most once, by the killed run
+    ref_metrics = {r["step"]: r for r in read_metrics(tmp_path / "ref" / "t")}
+    assert ref_metrics[2]["sampling/prompts_from_buffer"] > 0  # step 2 trained groups held over from step 1
+    # (b) the final weights are those of the uninterrupted run, tensor for tensor
+    want = _weights(tmp_path / "ref" / "t" / "checkpoints" / "step_000003" / "model")
+    got = _weights(run_dir / "checkpoints" / "step_000003" / "model")
+    assert want.keys() == got.keys()
+    assert [name for name in want if not torch.equal(want[name], got[name])] == []
 
 
 def test_demo_command_prints_before_and_after(tmp_path, capsys):

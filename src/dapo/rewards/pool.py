@@ -13,12 +13,16 @@ How it works
   use SIGALRM as a first, softer limit (it raises GradingTimeout: the item scores "[TIMEOUT]",
   counts as a time-out, and the worker stays).
 - Responses are cut to the tail each grader reads before they cross the pipe.
+- Graders: the built-in ones (graders.RAW_GRADERS), plus any the caller names as import paths
+  ("package.module:function") in `extra_graders`; workers import those with importlib. Names in a
+  `score` call are only looked up, so a data row cannot make a worker import anything.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import logging
 import math
 import multiprocessing as mp
@@ -31,7 +35,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_for
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from dapo.rewards.graders import RAW_GRADERS, TAIL_CHARS, TIMEOUT_PRED, Grade, GradingTimeout, check_inputs
 
@@ -60,45 +64,28 @@ class PoolResult:
 
 
 # ----------------------------------------------------------------------------------------------
-# Graders that exist only to prove the pool's guarantees in tests (never routed to by dataset).
+# Graders given by the caller as import paths ("package.module:function").
 
 
-def _test_sleep(response: str, ground_truth: str) -> tuple[float, bool, str]:
-    time.sleep(float(ground_truth or 10))
-    return 1.0, True, "slept"
+def _resolve(path: str) -> Callable[[str, str], tuple[float, bool, str]]:
+    """The function an import path "package.module:function" names (imported with importlib)."""
+    module_name, _, attr = path.partition(":")
+    fn = getattr(importlib.import_module(module_name), attr, None)
+    if not callable(fn):
+        raise ValueError(f"extra grader {path!r}: {module_name} has no function {attr!r}")
+    return fn
 
 
-def _test_crash(response: str, ground_truth: str) -> tuple[float, bool, str]:
-    os._exit(1)
-
-
-def _test_segfault(response: str, ground_truth: str) -> tuple[float, bool, str]:
-    ctypes.string_at(0)  # reads address 0: SIGSEGV
-    raise AssertionError("unreachable")
-
-
-def _test_memory(response: str, ground_truth: str) -> tuple[float, bool, str]:
-    blob = bytearray(1 << 40)  # 1 TiB: MemoryError under the worker's address-space limit
-    return 1.0, True, str(len(blob))
-
-
-def _test_raise(response: str, ground_truth: str) -> tuple[float, bool, str]:
-    raise RuntimeError("grader bug")
-
-
-def _test_own_timeout(response: str, ground_truth: str) -> tuple[float, bool, str]:
-    raise GradingTimeout("as the math grader's own limit does")
-
-
-_TEST_GRADERS: dict[str, Callable[[str, str], tuple[float, bool, str]]] = {
-    "_test_sleep": _test_sleep,
-    "_test_crash": _test_crash,
-    "_test_segfault": _test_segfault,
-    "_test_memory": _test_memory,
-    "_test_raise": _test_raise,
-    "_test_own_timeout": _test_own_timeout,
-}
-_ALL_GRADERS = {**RAW_GRADERS, **_TEST_GRADERS}
+def _check_extra_graders(extra: Mapping[str, str] | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for name, path in (extra or {}).items():
+        if not isinstance(name, str) or not name or name in RAW_GRADERS:
+            raise ValueError(f"extra grader name {name!r}: must be a new, non-empty name (built-ins: "
+                             f"{', '.join(sorted(RAW_GRADERS))})")
+        if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
+            raise ValueError(f"extra grader {name!r}: {path!r} is not an import path 'package.module:function'")
+        out[name] = path
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -138,10 +125,11 @@ def _limit_memory(extra_mb: int | None) -> None:
         pass  # no address-space limit on this platform: the time limit still holds
 
 
-def _worker_main(conn, progress, memory_limit_mb: int | None) -> None:
+def _worker_main(conn, progress, memory_limit_mb: int | None, extra_graders: dict[str, str]) -> None:
     """Grade chunks until the pipe closes. progress = [index in progress, its start time]."""
     _die_with_parent()
     _limit_memory(memory_limit_mb)
+    grader_fns = {**RAW_GRADERS, **{name: _resolve(path) for name, path in extra_graders.items()}}
     # math-verify logs every timeout with the offending text; workers stay quiet.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     # Warm up (sympy, antlr and regex caches) so the first real item is not charged for it.
@@ -163,7 +151,7 @@ def _worker_main(conn, progress, memory_limit_mb: int | None) -> None:
             progress[1] = clock()  # start time first, index second: the parent reads index twice
             progress[0] = i
             try:
-                score, acc, pred = _ALL_GRADERS[name](response, truth)
+                score, acc, pred = grader_fns[name](response, truth)
                 out.append((i, score, acc, pred, None))
             except GradingTimeout:  # the grader's own, softer limit: counted as a time-out, worker stays
                 out.append((i, -1.0, False, TIMEOUT_PRED, "timeout"))
@@ -221,12 +209,12 @@ def _main_module_hidden():
 class _Worker:
     """One worker process and the parent's view of it."""
 
-    def __init__(self, ctx, memory_limit_mb: int | None):
+    def __init__(self, ctx, memory_limit_mb: int | None, extra_graders: dict[str, str]):
         self.progress = ctx.RawArray(ctypes.c_double, 2)
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         self.process = ctx.Process(
             target=_worker_main,
-            args=(child_conn, self.progress, memory_limit_mb),
+            args=(child_conn, self.progress, memory_limit_mb, extra_graders),
             daemon=True,
             name="dapo-reward-worker",
         )
@@ -269,9 +257,23 @@ class RewardPool:
     and at interpreter exit. Not for concurrent use from several threads (calls are serialised).
     """
 
-    def __init__(self, num_workers: int = 2, timeout_s: float = 5.0, *, memory_limit_mb: int | None = 2048):
+    def __init__(
+        self,
+        num_workers: int = 2,
+        timeout_s: float = 5.0,
+        *,
+        memory_limit_mb: int | None = 2048,
+        extra_graders: Mapping[str, str] | None = None,
+    ):
         """num_workers processes; timeout_s per grading call; memory_limit_mb: address space a
-        worker may add after start-up (None: unlimited)."""
+        worker may add after start-up (None: unlimited).
+
+        extra_graders: name -> "package.module:function", graders besides the built-in ones that
+        `score` may then be asked for by name. Each function takes (response, ground_truth) and
+        returns (score, acc, pred); workers import it with importlib, so its module must be
+        importable there (on sys.path when the pool starts). Only this argument adds graders:
+        names passed to `score` are looked up, never imported.
+        """
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if not (timeout_s > 0 and math.isfinite(timeout_s)):  # inf would let one answer hold a worker forever
@@ -279,9 +281,14 @@ class RewardPool:
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
         self.memory_limit_mb = memory_limit_mb
+        self.extra_graders = _check_extra_graders(extra_graders)
+        for path in self.extra_graders.values():  # fail here, in one line, not in every worker
+            _resolve(path)
         self._ctx = _context()
         self._lock = threading.Lock()
-        self._workers: list[_Worker] = [_Worker(self._ctx, memory_limit_mb) for _ in range(num_workers)]
+        self._workers: list[_Worker] = [
+            _Worker(self._ctx, memory_limit_mb, self.extra_graders) for _ in range(num_workers)
+        ]
         self._startup_failures = 0
         self._closed = False
         self._finalizer = weakref.finalize(self, _stop_all, self._workers)
@@ -321,14 +328,13 @@ class RewardPool:
 
     # -- internals ------------------------------------------------------------------------------
 
-    @staticmethod
-    def _payload(responses, ground_truths, graders) -> list[tuple[str, str, str]]:
+    def _payload(self, responses, ground_truths, graders) -> list[tuple[str, str, str]]:
         checked: set[tuple[str, str]] = set()
         payload = []
         for i, (response, truth, name) in enumerate(zip(responses, ground_truths, graders)):
             if (truth, name) not in checked:  # each distinct (truth, grader) once: groups share truths
                 try:
-                    if name in _TEST_GRADERS:
+                    if name in self.extra_graders:
                         if not isinstance(truth, str):
                             raise TypeError(f"ground_truth must be str, got {type(truth).__name__}")
                     else:
@@ -344,7 +350,7 @@ class RewardPool:
 
     def _replace(self, slot: int) -> None:
         self._workers[slot].stop()
-        self._workers[slot] = _Worker(self._ctx, self.memory_limit_mb)
+        self._workers[slot] = _Worker(self._ctx, self.memory_limit_mb, self.extra_graders)
 
 
 class _Run:

@@ -49,6 +49,15 @@ class RolloutEngine(Protocol):
         """Undo sleep() before generating."""
 
 
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """The ids that end a response: the model's generation_config.eos_token_id (one id or a list,
+    as several instruct models ship it), else the tokenizer's EOS. Every engine stops on these."""
+    config = getattr(model, "generation_config", None)
+    eos = config.eos_token_id if config is not None else None
+    eos = eos if eos is not None else tokenizer.eos_token_id
+    return set(eos) if isinstance(eos, (list, tuple)) else {eos}
+
+
 def split_response(tokens: list[int], eos_ids: set[int], max_new_tokens: int) -> tuple[list[int], bool]:
     """Cut generated ids after the first EOS; (ids incl. EOS, truncated?)."""
     for i, tok in enumerate(tokens):

@@ -12,7 +12,7 @@ from typing import Iterable
 import torch
 from transformers import GenerationConfig
 
-from dapo.rollout.base import Generation, SamplingParams, split_response
+from dapo.rollout.base import Generation, SamplingParams, eos_token_ids, split_response
 
 
 class HFRolloutEngine:
@@ -23,9 +23,7 @@ class HFRolloutEngine:
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
-        eos = eos if eos is not None else tokenizer.eos_token_id
-        self.eos_ids = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+        self.eos_ids = eos_token_ids(model, tokenizer)
 
     @property
     def device(self) -> torch.device:

@@ -41,7 +41,7 @@ from vllm.inputs import TokensPrompt
 from vllm.platforms import current_platform
 
 from dapo.parallel import full_tensors
-from dapo.rollout.base import Generation, SamplingParams, split_response
+from dapo.rollout.base import Generation, SamplingParams, eos_token_ids, split_response
 
 SLEEP_LEVEL = 2  # discard weights and KV cache: update_weights after wake() refills the weights
 
@@ -118,9 +118,7 @@ class VLLMRolloutEngine:
 
         self.tokenizer = tokenizer
         self.tensor_parallel_size = cfg.tensor_parallel_size
-        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
-        eos = eos if eos is not None else tokenizer.eos_token_id
-        self.eos_ids = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+        self.eos_ids = eos_token_ids(model, tokenizer)
         self.owner = True if owner is None else owner
         # one engine over each group of tensor_parallel_size consecutive ranks of the trainer's world
         self.external_launcher = dist.is_initialized() and dist.get_world_size() > 1 and cfg.tensor_parallel_size > 1
