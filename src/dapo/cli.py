@@ -16,9 +16,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import typing
 from pathlib import Path
 
-from dapo.config import ConfigError, load_config
+from dapo.config import ConfigError, Dtype, load_config
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs"
 
@@ -116,7 +117,7 @@ def cmd_eval(args) -> int:
     model, tokenizer = load_model_and_tokenizer(model_dir, args.dtype, pick_device(args.device),
                                                 trust_remote_code=args.trust_remote_code)
     benches = [load_benchmark(name, template=args.template, num_problems=args.num_problems) for name in args.benchmarks]
-    longest = max(args.max_tokens or bench.max_response_tokens for bench, _ in benches)
+    longest = max(args.max_tokens or bench.max_response_tokens or RolloutConfig().max_response_tokens for bench, _ in benches)
     engine = make_rollout(RolloutConfig(backend=args.backend), model, tokenizer,
                           max_model_len=args.max_prompt_tokens + longest)
     encode = make_encoder(tokenizer, args.max_prompt_tokens)
@@ -129,7 +130,7 @@ def cmd_eval(args) -> int:
                 engine, encode, examples, pool, name=bench.name, n=n,
                 temperature=bench.temperature if args.temperature is None else args.temperature,
                 top_p=bench.top_p if args.top_p is None else args.top_p,
-                max_new_tokens=args.max_tokens or bench.max_response_tokens, seed=args.seed, grader=args.grader,
+                max_new_tokens=args.max_tokens or bench.max_response_tokens or RolloutConfig().max_response_tokens, seed=args.seed, grader=args.grader,
                 progress=lambda k, t=task: progress.advance(t, k),
             )
             results.append(res)
@@ -162,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("import-model", help="convert a GGUF model file into a Hugging Face model directory")
     p.add_argument("src", help="a .gguf file of an architecture transformers reads (Llama, Qwen2, Mistral, ...)")
     p.add_argument("out_dir", help="where to write the model (safetensors, config, generation config, tokenizer)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+    p.add_argument("--dtype", default="float32", choices=typing.get_args(Dtype),
                    help="dtype of the written weights (default: float32; the GGUF's quantised blocks are de-quantised)")
     p.set_defaults(func=cmd_import_model)
 

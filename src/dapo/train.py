@@ -83,7 +83,7 @@ def make_engine(cfg: Config, policy: Policy, d: parallel.Dist):
     would make the ranks wait on each other) and samples its share of the prompts; with vLLM and
     rollout.tensor_parallel_size = k, each group of k ranks holds one copy, split over them."""
     # the longest sequence the run asks for: vLLM sizes its KV cache and scheduler for this, not the model's context
-    max_model_len = cfg.data.max_prompt_tokens + max(cfg.rollout.max_response_tokens, cfg.eval.max_response_tokens)
+    max_model_len = cfg.data.max_prompt_tokens + max(cfg.rollout.max_response_tokens, cfg.eval.max_response_tokens or 0)
     if not d.sharded:
         return make_rollout(cfg.rollout, policy.model, policy.tokenizer, max_model_len=max_model_len)
     k = cfg.rollout.tensor_parallel_size if cfg.rollout.backend == "vllm" else 1
@@ -192,13 +192,13 @@ def step_metrics(batch: RolloutBatch, cstats: CollectStats, update: dict, times:
     return m
 
 
-def importance_weights(batch: RolloutBatch, cap: float) -> dict:
+def importance_weights(batch: RolloutBatch, cap: float | None) -> dict:
     """Truncated importance sampling on the engine's log-probs (algo.truncated_is_weights): sets
-    ``batch.is_weights`` and returns its statistics; nothing when ``cap`` is 0 (off, the reference)."""
-    if cap <= 0:
+    ``batch.is_weights`` and returns its statistics; nothing when ``cap`` is None (off, the reference)."""
+    if cap is None:
         return {}
     if not batch.rollout_logp:
-        raise ValueError("algo.rollout_is_cap > 0 needs the rollout engine's log-probs; this batch has none")
+        raise ValueError("algo.rollout_is_cap needs the rollout engine's log-probs; this batch has none")
     T = batch.old_logp.shape[1]
     batch.is_weights, stats = algo.truncated_is_weights(
         batch.old_logp, batch.padded_logp(batch.rollout_logp, T), batch.response_mask(width=T), cap=cap)  # (N, T)
@@ -233,7 +233,7 @@ def train(cfg: Config, *, console=None) -> dict:
     engine = make_engine(cfg, policy, d)
     encode = make_encoder(policy.tokenizer, cfg.data.max_prompt_tokens)
     from dapo.data import PromptSampler
-    from dapo.evaluate import evaluate, load_benchmark
+    from dapo.evaluate import evaluate, load_benchmark, sampling_settings
 
     sampler = PromptSampler(load_train_examples(cfg), seed=cfg.data.seed)
     eval_sets = [load_benchmark(b, template=cfg.data.template, num_problems=cfg.eval.num_problems,
@@ -264,11 +264,10 @@ def train(cfg: Config, *, console=None) -> dict:
         scorer = Scorer(pool, grader=cfg.reward.grader, algo_cfg=a, max_response_tokens=r.max_response_tokens)
 
         def run_eval() -> dict:
-            e, out = cfg.eval, {}
+            out = {}
             for bench, examples in eval_sets:
-                res = evaluate(engine, encode, examples, pool, name=bench.name, n=e.n, temperature=e.temperature,
-                               top_p=e.top_p, max_new_tokens=e.max_response_tokens or r.max_response_tokens,
-                               seed=e.seed, grader=cfg.reward.grader)
+                res = evaluate(engine, encode, examples, pool, name=bench.name, seed=cfg.eval.seed,
+                               grader=cfg.reward.grader, **sampling_settings(bench, cfg, in_training=True))
                 out.update(res.metrics())
             return out
 
@@ -292,7 +291,7 @@ def train(cfg: Config, *, console=None) -> dict:
                 record_behaviour_logp(state.buffer, policy.compute_logprobs, source=a.buffer_logp)
             batch.old_logp, batch.entropy = policy.compute_logprobs(batch, with_entropy=True)  # (N, T)
             batch.old_logp = batch.behaviour_old_logp(batch.old_logp)  # held-over groups: the weights that sampled them
-            is_stats = importance_weights(batch, a.rollout_is_cap)  # engine vs trainer sampling; off unless cap > 0
+            is_stats = importance_weights(batch, a.rollout_is_cap)  # engine vs trainer sampling; off unless a cap is set
             if policy.ref_model is not None:
                 batch.ref_logp, _ = policy.compute_logprobs(batch, model=policy.ref_model)  # (N, T)
             t1 = time.perf_counter()
