@@ -238,6 +238,36 @@ def _settings(cfg, bench_name, **kw):
     return sampling_settings(BENCHMARKS[bench_name], cfg, **kw)
 
 
+def test_dapo_eval_without_a_preset_is_aime_2024_as_the_paper_samples_it():
+    from dapo.cli import eval_config
+
+    cfg = eval_config(None, None, [])
+    assert cfg.eval.benchmarks == ["aime2024"] and cfg.rollout.backend == "hf" and cfg.reward.grader == "auto"
+    assert _settings(cfg, "aime2024") == {"n": 32, "temperature": 1.0, "top_p": 0.7, "max_new_tokens": 20480}
+    cfg = eval_config(None, None, ["eval.n=4", "eval.max_response_tokens=512", "eval.benchmarks=[aime2024,math500]",
+                                   "reward.num_workers=1", "model.dtype=bfloat16"])
+    assert _settings(cfg, "aime2024") == {"n": 4, "temperature": 1.0, "top_p": 0.7, "max_new_tokens": 512}
+    assert cfg.eval.benchmarks == ["aime2024", "math500"] and cfg.reward.num_workers == 1
+    assert cfg.model.dtype == "bfloat16"
+
+
+def test_dapo_eval_reads_the_run_then_the_preset_then_the_overrides(tmp_path):
+    from dapo.cli import eval_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(dump_yaml(load_config("configs/demo.yaml", ["eval.n=6", "data.template=raw"])))
+    cfg = eval_config(None, run, [])
+    assert cfg.eval.benchmarks == ["arith"] and cfg.eval.n == 6 and cfg.data.template == "raw"
+    assert _settings(cfg, "arith") == {"n": 6, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 48}
+    cfg = eval_config("configs/smollm2_135m.yaml", run, ["eval.temperature=0.5"])
+    assert cfg.eval.benchmarks == ["word"] and cfg.eval.n == 4 and cfg.eval.temperature == 0.5
+    assert cfg.data.template == "raw"  # the run's, which the preset leaves alone
+    assert eval_config("demo.yaml", None, []).eval.benchmarks == ["arith"]  # a preset by name, as for train
+    with pytest.raises(ConfigError, match="eval.n=0"):
+        eval_config(None, run, ["eval.n=0"])
+
+
 @pytest.mark.parametrize("preset", PRESETS, ids=str)
 def test_evaluation_during_training_samples_as_the_preset_says(preset):
     """Unset eval.* take the benchmark's own setting; the shipped presets set what differs from it, so
