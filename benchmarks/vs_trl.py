@@ -92,11 +92,11 @@ def run_ours(args, overrides: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(ROOT / "configs/demo.yaml", [
             f"model.path={ROOT / 'assets/arith-base'}", f"run.dir={tmp}", "run.name=bench", "run.progress=false",
-            "run.tensorboard=false", "run.save_every=0", "run.resume=false", "run.samples_per_step=0",
+            "run.tensorboard=false", "run.save_every=null", "run.resume=false", "run.samples_per_step=0",
             "model.device=cpu", f"rollout.group_size={G}", f"rollout.max_response_tokens={MAX_NEW}",
             f"train.lr={LR}", f"train.prompts_per_step={PROMPTS}", f"train.mini_batch_prompts={PROMPTS // UPDATES}",
             f"train.warmup_steps={WARMUP}", f"train.total_steps={args.total}",
-            f"eval.every_steps={args.eval_every}", "eval.before_train=false", f"eval.num_problems={EVAL_PROBLEMS}",
+            f"eval.every_steps={args.eval_every or 'null'}", "eval.before_train=false", f"eval.num_problems={EVAL_PROBLEMS}",
             f"eval.n={EVAL_N}", f"eval.seed={EVAL_SEED}", *overrides,
         ])
         t0 = time.perf_counter()

@@ -1,8 +1,31 @@
 """Config errors fail at start and name the key."""
 
+import copy
+import dataclasses
+import typing
+from pathlib import Path
+
 import pytest
 
-from dapo.config import ConfigError, config_from_dict, load_config
+from dapo import config as config_module
+from dapo.config import ConfigError, config_from_dict, dump_yaml, load_config, validate
+
+PRESETS = sorted(str(p) for p in Path("configs").glob("*.yaml")) + [
+    ["configs/ablation/base.yaml", str(p)] for p in sorted(Path("configs/ablation").glob("[0-9]_*.yaml"))]
+
+
+def _fields(predicate):
+    """(dotted key, annotation) of every setting whose resolved annotation satisfies ``predicate``."""
+    out = []
+    for section in dataclasses.fields(config_module.Config):
+        hints = typing.get_type_hints(section.type if isinstance(section.type, type) else
+                                      getattr(config_module, section.type))
+        out += [(f"{section.name}.{name}", tp) for name, tp in hints.items() if predicate(tp)]
+    return out
+
+
+LITERAL_FIELDS = _fields(lambda tp: typing.get_origin(tp) is typing.Literal)
+OPTIONAL_FIELDS = _fields(lambda tp: type(None) in typing.get_args(tp))
 
 
 def test_presets_load():
@@ -13,7 +36,7 @@ def test_presets_load():
     assert cfg.algo.overlong_buffer_tokens == 4096 and cfg.algo.kl_coef == 0.0
     assert (cfg.eval.n, cfg.eval.top_p, cfg.train.lr, cfg.train.warmup_steps) == (32, 0.7, 1e-6, 20)
     assert cfg.rollout.tensor_parallel_size == 4  # the reference's gen_tp: 1/4 of the bf16 weights per GPU
-    assert cfg.algo.buffer_max_groups == 0 and cfg.algo.rollout_is_cap == 0.0 and cfg.reward.grader == "dapo"
+    assert cfg.algo.buffer_max_groups == 0 and cfg.algo.rollout_is_cap is None and cfg.reward.grader == "dapo"
     assert load_config("configs/dapo_qwen2.5_7b.yaml").rollout.tensor_parallel_size == 1
     grpo = load_config("configs/grpo_baseline.yaml")  # inherits the paper preset through `base:`
     assert grpo.algo.eps_high == 0.2 and grpo.algo.loss_agg == "seq-mean-token-mean" and grpo.algo.kl_coef > 0
@@ -112,3 +135,147 @@ def test_settings_that_would_switch_a_limit_off_are_refused(override, key):
     with pytest.raises(ConfigError) as err:
         load_config("configs/demo.yaml", [override])
     assert str(err.value).startswith(key) and "\n" not in str(err.value)
+
+
+def test_every_choice_setting_is_found_by_its_type():
+    keys = {key for key, _ in LITERAL_FIELDS}
+    assert {"algo.loss_agg", "reward.grader", "model.dtype", "data.template", "rollout.backend", "algo.kl_kind",
+            "algo.filter_metric", "algo.on_max_gen_rounds", "algo.buffer_logp", "train.pack_sequences",
+            "model.device", "data.task_difficulty"} <= keys
+
+
+@pytest.mark.parametrize("key, tp", LITERAL_FIELDS, ids=[k for k, _ in LITERAL_FIELDS])
+def test_a_choice_setting_refuses_other_values_and_lists_its_choices(key, tp):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"{key}=no-such-choice"])
+    msg = str(err.value)
+    assert msg.startswith(f"{key}='no-such-choice': choose ") and "\n" not in msg
+    assert all(choice in msg for choice in typing.get_args(tp))
+    for choice in typing.get_args(tp):  # and takes each of its choices
+        section, name = key.split(".")
+        extra = ["rollout.backend=vllm"] if (key, choice) == ("algo.buffer_logp", "engine") else []
+        assert getattr(getattr(load_config(None, [f"{key}={choice}", *extra]), section), name) == choice
+
+
+def test_a_choice_setting_built_in_code_is_checked_too():
+    cfg = config_module.Config()
+    cfg.algo.loss_agg = "mean"
+    with pytest.raises(ConfigError, match="algo.loss_agg='mean': choose token-mean, seq-mean-token-mean or "
+                                          "seq-mean-token-sum-norm"):
+        validate(cfg)
+
+
+@pytest.mark.parametrize("raw, expected", [("true", "true"), ("false", "false"), ("True", "true"), ("auto", "auto")])
+def test_pack_sequences_takes_yaml_booleans_as_their_spelling(raw, expected, tmp_path):
+    assert load_config(None, [f"train.pack_sequences={raw}"]).train.pack_sequences == expected
+    preset = tmp_path / "p.yaml"
+    preset.write_text(f"train:\n  pack_sequences: {raw}\n")
+    assert load_config(preset).train.pack_sequences == expected
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=str)
+def test_validate_leaves_the_config_as_it_is(preset):
+    cfg = load_config(preset)
+    before = copy.deepcopy(cfg)
+    validate(cfg)
+    assert cfg == before
+    cfg.train.pack_sequences = "TRUE"  # no longer lower-cased in place: refused
+    with pytest.raises(ConfigError, match="train.pack_sequences='TRUE': choose auto, true or false"):
+        validate(cfg)
+    assert cfg.train.pack_sequences == "TRUE"
+
+
+def test_unset_settings_round_trip_through_the_saved_config(tmp_path):
+    keys = [key for key, _ in OPTIONAL_FIELDS]
+    assert {"rollout.top_k", "rollout.kv_cache_gib", "algo.max_gen_rounds", "algo.rollout_is_cap",
+            "train.micro_batch_size", "eval.every_steps", "eval.num_problems", "eval.max_response_tokens",
+            "eval.n", "eval.temperature", "eval.top_p", "run.save_every", "algo.dual_clip"} <= set(keys)
+    unset = load_config("configs/demo.yaml", [f"{key}=null" for key in keys])
+    saved = tmp_path / "config.yaml"
+    saved.write_text(dump_yaml(unset))
+    again = load_config(saved)
+    assert again == unset and all(getattr(getattr(again, k.split(".")[0]), k.split(".")[1]) is None for k in keys)
+    set_ = load_config("configs/demo.yaml", ["rollout.top_k=5", "rollout.kv_cache_gib=0.5", "eval.every_steps=3"])
+    saved.write_text(dump_yaml(set_))
+    assert load_config(saved) == set_
+
+
+@pytest.mark.parametrize("key", ["rollout.top_k", "rollout.kv_cache_gib", "algo.max_gen_rounds", "train.micro_batch_size",
+                                 "eval.every_steps", "eval.num_problems", "eval.max_response_tokens", "eval.n",
+                                 "run.save_every"])
+def test_zero_is_not_a_way_to_say_unset(key):
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/demo.yaml", [f"{key}=0"])
+    assert str(err.value).startswith(f"{key}=0") and ": must be > 0, or null (" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_a_kept_surplus_of_zero_groups_is_a_count():
+    # buffer_max_groups is not an unset-able setting: 0 keeps no surplus group (the reference's behaviour)
+    assert config_module.AlgoConfig().buffer_max_groups == 0
+    assert load_config(None, ["algo.buffer_max_groups=0"]).algo.buffer_max_groups == 0
+
+
+def test_code_that_acts_on_a_choice_knows_exactly_its_choices():
+    from dapo import algo, cli, data
+    from dapo.policy import DTYPES
+    from dapo.rewards.graders import GRADERS
+    from dapo.tasks.arith import DIFFICULTIES
+
+    assert tuple(DTYPES) == typing.get_args(config_module.Dtype)
+    assert set(GRADERS) | {"auto"} == set(typing.get_args(config_module.Grader))
+    assert set(DIFFICULTIES) == set(typing.get_args(config_module.TaskDifficulty))
+    assert algo.LOSS_AGG_MODES == typing.get_args(config_module.LossAgg)
+    assert algo.KL_KINDS == typing.get_args(config_module.KlKind)
+    assert data._templates() == typing.get_args(config_module.Template)
+    sub = next(a for a in cli.build_parser()._actions if a.dest == "command").choices["import-model"]
+    assert tuple(next(a for a in sub._actions if a.dest == "dtype").choices) == typing.get_args(config_module.Dtype)
+
+
+def _settings(cfg, bench_name, **kw):
+    from dapo.evaluate import BENCHMARKS, sampling_settings
+
+    return sampling_settings(BENCHMARKS[bench_name], cfg, **kw)
+
+
+def test_dapo_eval_without_a_preset_is_aime_2024_as_the_paper_samples_it():
+    from dapo.cli import eval_config
+
+    cfg = eval_config(None, None, [])
+    assert cfg.eval.benchmarks == ["aime2024"] and cfg.rollout.backend == "hf" and cfg.reward.grader == "auto"
+    assert _settings(cfg, "aime2024") == {"n": 32, "temperature": 1.0, "top_p": 0.7, "max_new_tokens": 20480}
+    cfg = eval_config(None, None, ["eval.n=4", "eval.max_response_tokens=512", "eval.benchmarks=[aime2024,math500]",
+                                   "reward.num_workers=1", "model.dtype=bfloat16"])
+    assert _settings(cfg, "aime2024") == {"n": 4, "temperature": 1.0, "top_p": 0.7, "max_new_tokens": 512}
+    assert cfg.eval.benchmarks == ["aime2024", "math500"] and cfg.reward.num_workers == 1
+    assert cfg.model.dtype == "bfloat16"
+
+
+def test_dapo_eval_reads_the_run_then_the_preset_then_the_overrides(tmp_path):
+    from dapo.cli import eval_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(dump_yaml(load_config("configs/demo.yaml", ["eval.n=6", "data.template=raw"])))
+    cfg = eval_config(None, run, [])
+    assert cfg.eval.benchmarks == ["arith"] and cfg.eval.n == 6 and cfg.data.template == "raw"
+    assert _settings(cfg, "arith") == {"n": 6, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 48}
+    cfg = eval_config("configs/smollm2_135m.yaml", run, ["eval.temperature=0.5"])
+    assert cfg.eval.benchmarks == ["word"] and cfg.eval.n == 4 and cfg.eval.temperature == 0.5
+    assert cfg.data.template == "raw"  # the run's, which the preset leaves alone
+    assert eval_config("demo.yaml", None, []).eval.benchmarks == ["arith"]  # a preset by name, as for train
+    with pytest.raises(ConfigError, match="eval.n=0"):
+        eval_config(None, run, ["eval.n=0"])
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=str)
+def test_evaluation_during_training_samples_as_the_preset_says(preset):
+    """Unset eval.* take the benchmark's own setting; the shipped presets set what differs from it, so
+    their in-training evaluation is sampled as before (and never beyond the rollout engine's lengths)."""
+    cfg = load_config(preset)
+    for name in cfg.eval.benchmarks:
+        got = _settings(cfg, name, in_training=True)
+        expected = {"n": cfg.eval.n or 4, "temperature": 1.0 if cfg.eval.temperature is None else cfg.eval.temperature,
+                    "top_p": 1.0 if cfg.eval.top_p is None else cfg.eval.top_p,
+                    "max_new_tokens": cfg.eval.max_response_tokens or cfg.rollout.max_response_tokens}
+        assert got == expected

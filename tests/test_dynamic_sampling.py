@@ -65,7 +65,7 @@ def run(examples, *, num_prompts, buffer=None, max_buffer_groups=0, **algo):
 def test_refills_until_batch_is_full_and_keeps_prompt_major_groups():
     kinds = ["mixed", "all", "none", "mixed"]  # half the prompts are informative
     examples = [Ex(str(i), kinds[i % 4]) for i in range(100)]
-    batch, stats, buffer, engine = run(examples, num_prompts=5, max_gen_rounds=0)
+    batch, stats, buffer, engine = run(examples, num_prompts=5, max_gen_rounds=None)
     assert batch.num_groups == 5 and len(batch) == 20
     # each round asks for exactly the missing prompts: 5 (0, 3, 4 kept), then 2
     assert engine.calls[:2] == [5, 2]
@@ -80,7 +80,7 @@ def test_refills_until_batch_is_full_and_keeps_prompt_major_groups():
 
 def test_surplus_groups_are_discarded_by_default_as_the_reference_does():
     examples = [Ex(str(i), "mixed") for i in range(100)]
-    batch, stats, buffer, _ = run(examples, num_prompts=3, max_gen_rounds=0, oversample=2.0)
+    batch, stats, buffer, _ = run(examples, num_prompts=3, max_gen_rounds=None, oversample=2.0)
     assert batch.num_groups == 3 and buffer == []  # generated 6 informative groups, trained the first 3
     assert batch.example_uids[::4] == ["0", "1", "2"] and stats.groups_kept == 3
     assert AlgoConfig().buffer_max_groups == 0
@@ -88,7 +88,7 @@ def test_surplus_groups_are_discarded_by_default_as_the_reference_does():
 
 def test_surplus_groups_go_to_the_buffer_and_are_used_first():
     examples = [Ex(str(i), "mixed") for i in range(100)]
-    cfg = dict(max_gen_rounds=0, oversample=2.0, max_buffer_groups=2)
+    cfg = dict(max_gen_rounds=None, oversample=2.0, max_buffer_groups=2)
     batch, stats, buffer, _ = run(examples, num_prompts=3, **cfg)
     assert batch.num_groups == 3 and len(buffer) == 2  # generated 6, kept all, buffered the newest 2
     assert batch.example_uids[::4] == ["0", "1", "2"]

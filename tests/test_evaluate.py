@@ -49,8 +49,9 @@ def test_dapo_eval_end_to_end(tiny_model_dir, tmp_path):
     rows = [{"problem": "2+3=", "answer": "5"}, {"problem": "4*2=", "answer": "8"}, {"problem": "9-1=", "answer": "8"}]
     bench.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
-    code = main(["eval", "--model", str(tiny_model_dir), "--benchmarks", str(bench), "--n", "4", "--template", "raw",
-                 "--grader", "arith", "--max-tokens", "8", "--workers", "1", "--out", str(out), "--device", "cpu"])
+    code = main(["eval", "--model", str(tiny_model_dir), f"eval.benchmarks=[{bench}]", "eval.n=4", "data.template=raw",
+                 "reward.grader=arith", "eval.max_response_tokens=8", "reward.num_workers=1", "--out", str(out),
+                 "model.device=cpu"])
     assert code == 0
     summary = json.loads((out / "eval.json").read_text())["mini"]
     assert summary["n"] == 4 and summary["num_problems"] == 3
@@ -65,6 +66,24 @@ def test_dapo_eval_end_to_end(tiny_model_dir, tmp_path):
 def test_dapo_eval_rejects_missing_model(tmp_path, capsys):
     from dapo.cli import main
 
-    assert main(["eval", "--model", str(tmp_path / "nothing"), "--benchmarks", "arith"]) == 2
+    assert main(["eval", "--model", str(tmp_path / "nothing"), "eval.benchmarks=[arith]"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "config.json" in err and err.count("\n") == 1
+
+
+def test_dapo_eval_of_a_run_reads_its_config_and_reports_beside_its_checkpoints(tiny_model_dir, tmp_path):
+    from dapo.cli import main
+    from dapo.config import dump_yaml, load_config
+
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "step_000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "model").symlink_to(tiny_model_dir, target_is_directory=True)
+    (ckpt / "trainer_state.pt").write_bytes(b"")  # what marks a complete checkpoint
+    saved = load_config("configs/demo.yaml", ["eval.num_problems=3", "eval.n=2", "reward.num_workers=1",
+                                              "model.device=cpu", "eval.max_response_tokens=8"])
+    (run / "config.yaml").write_text(dump_yaml(saved))
+    assert main(["eval", "--run", str(run), "eval.n=3"]) == 0
+    summary = json.loads((run / "eval" / "step_000002" / "eval.json").read_text())["arith"]
+    assert summary["n"] == 3 and summary["num_problems"] == 3 and summary["mean_length"] <= 8
+    assert not (ckpt / "eval").exists()  # checkpoint rotation would delete it

@@ -130,7 +130,7 @@ def test_aime2024_files_agree_once_spelling_is_ignored():
     for a in padded:
         assert grade(f"Answer: {a}", str(int(a)), "dapo_relaxed").acc
         assert grade(f"Answer: {a}", str(int(a)), "dapo").acc == (not a.startswith("0"))
-    # the DAPO file (what `dapo eval --benchmarks aime2024` grades against) stores plain integers,
+    # the DAPO file (what `dapo eval` grades AIME 2024 against) stores plain integers,
     # which an answer written the usual way matches under the exact grader
     assert all(grade(f"Answer: {int(t)}", t, "dapo").acc for t in plain)
 

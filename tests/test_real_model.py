@@ -272,7 +272,7 @@ def test_steps_without_informative_groups_still_log_evaluate_and_save(tmp_path, 
     from dapo.train import train
 
     cfg = small_config(tmp_path, tiny_model_dir, "train.total_steps=4", "algo.dynamic_sampling=true",
-                       "algo.max_gen_rounds=1", "run.save_every=0")
+                       "algo.max_gen_rounds=1", "run.save_every=null")
     out = io.StringIO()
     train(cfg, console=Console(file=out, width=400))
     rows = read_metrics(cfg.run_dir)

@@ -184,7 +184,7 @@ def test_truncated_importance_sampling_weights_each_tokens_loss(tiny_model_dir, 
                          truncated=torch.zeros(2, dtype=torch.bool), texts=["", ""], example_uids=["a", "a"],
                          ground_truths=["0", "0"], rollout_logp=[[-1.0, -2.0], [-3.0, -1.0, -2.0]])
     batch.old_logp = torch.tensor([[-1.0, -2.0 + math.log(2), 0.0], [-3.0 + math.log(4), -1.0 - math.log(2), -2.0 + math.log(3)]])
-    assert importance_weights(batch, 0.0) == {} and batch.is_weights is None  # off: the reference
+    assert importance_weights(batch, None) == {} and batch.is_weights is None  # off: the reference
     stats = importance_weights(batch, 2.5)
     assert torch.allclose(batch.is_weights, torch.tensor([[1.0, 2.0, 0.0], [2.5, 0.5, 2.5]]), atol=1e-5)
     assert stats["rollout/is_weight_mean"].item() == pytest.approx((1 + 2 + 2.5 + 0.5 + 2.5) / 5, abs=1e-5)

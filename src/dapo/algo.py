@@ -19,10 +19,14 @@ Beyond the paper: truncated_is_weights corrects for the rollout engine's samplin
 
 from __future__ import annotations
 
+import typing
+
 import torch
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_KINDS = ("k1", "k2", "k3")
+from dapo.config import KlKind, LossAgg
+
+LOSS_AGG_MODES = typing.get_args(LossAgg)
+KL_KINDS = typing.get_args(KlKind)
 
 
 def group_advantages(

@@ -36,7 +36,7 @@ class RolloutBatch:
     old_logp: torch.Tensor | None = None  # (N, T) under the policy before this step's updates
     ref_logp: torch.Tensor | None = None  # (N, T) under the initial policy (KL baselines only)
     entropy: torch.Tensor | None = None  # (N, T)
-    is_weights: torch.Tensor | None = None  # (N, T) truncated importance-sampling weights (algo.rollout_is_cap > 0)
+    is_weights: torch.Tensor | None = None  # (N, T) truncated importance-sampling weights (with algo.rollout_is_cap set)
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -148,7 +148,7 @@ def pad_rows(rows: list[list[int]], pad_id: int, width: int | None = None) -> to
     return out
 
 
-def plan_micro_batches(lengths: list[int], max_tokens: int, *, packed: bool = False, max_rows: int = 0) -> list[list[int]]:
+def plan_micro_batches(lengths: list[int], max_tokens: int, *, packed: bool = False, max_rows: int | None = None) -> list[list[int]]:
     """Split rows into micro-batches whose cost stays within ``max_tokens``, with costs balanced.
 
     The cost of a micro-batch is what the forward pass computes: rows x its longest row when rows

@@ -6,7 +6,7 @@
     dapo launch-ray configs/dapo_qwen2.5_32b.yaml --nodes 16 --gpus-per-node 8     # FSDP across nodes
     dapo export runs/dapo_qwen2.5_32b/checkpoints/step_000100 /models/dapo-step100
     dapo import-model SmolLM2-135M-Instruct.Q4_1.gguf ~/.cache/dapo/models/SmolLM2-135M-Instruct
-    dapo eval --model runs/demo/checkpoints/step_000060/model --benchmarks arith aime2024 --n 8
+    dapo eval --run runs/demo eval.benchmarks=[arith,aime2024] eval.n=8
     dapo demo
     dapo ablate --seeds 5 --jobs 2 --out runs/ablation
 """
@@ -17,9 +17,10 @@ import argparse
 import os
 import sys
 import time
+import typing
 from pathlib import Path
 
-from dapo.config import ConfigError, load_config, resolve_preset
+from dapo.config import Config, ConfigError, Dtype, load_config, resolve_preset
 
 def cmd_train(args) -> int:
     from dapo.train import train
@@ -89,18 +90,26 @@ def cmd_launch_ray(args) -> int:
     return 0
 
 
+def eval_config(preset: str | None, run: Path | None, overrides: list[str]) -> Config:
+    """What `dapo eval` reads: the run's saved config.yaml (with --run), then the preset, then the
+    dotted overrides; with neither a run nor a preset, the defaults with AIME 2024 as the benchmark."""
+    layers = [run / "config.yaml"] if run is not None and (run / "config.yaml").exists() else []
+    layers += [resolve_preset(preset)] if preset else []
+    return load_config(layers, ([] if layers else ["eval.benchmarks=[aime2024]"]) + overrides)
+
+
 def cmd_eval(args) -> int:
     from rich.progress import Progress
 
     from dapo.checkpoint import latest_checkpoint
-    from dapo.evaluate import BENCHMARKS, evaluate, load_benchmark, write_report
+    from dapo.evaluate import BENCHMARKS, evaluate, load_benchmark, sampling_settings, write_report
     from dapo.policy import load_model_and_tokenizer, pick_device
     from dapo.rewards import RewardPool
-    from dapo.config import RolloutConfig
-    from dapo.rollout import SamplingParams, make_rollout
     from dapo.data import make_encoder
+    from dapo.rollout import SamplingParams, make_rollout
 
-    model_dir = Path(args.model).expanduser() if args.model else None
+    preset = args.items[0] if args.items and "=" not in args.items[0] else None
+    cfg = eval_config(preset, Path(args.run) if args.run else None, args.items[1 if preset else 0:])
     if args.run:
         ckpt = latest_checkpoint(Path(args.run))
         if ckpt is None:
@@ -108,28 +117,30 @@ def cmd_eval(args) -> int:
         model_dir = ckpt / "model"
         if not model_dir.is_dir():
             raise SystemExit(f"error: {ckpt} is sharded; run `dapo export {ckpt} OUT_DIR` and evaluate --model OUT_DIR")
-    if model_dir is None:
+        # beside the checkpoints, not inside one: rotation deletes old checkpoints with all they hold
+        default_out = Path(args.run) / "eval" / ckpt.name
+    elif args.model:
+        model_dir = Path(args.model).expanduser()
+        default_out = Path("eval") / model_dir.resolve().name
+    else:
         raise SystemExit("error: give --model DIR (a Hugging Face model directory) or --run RUN_DIR")
-    model, tokenizer = load_model_and_tokenizer(model_dir, args.dtype, pick_device(args.device),
-                                                trust_remote_code=args.trust_remote_code)
-    benches = [load_benchmark(name, template=args.template, num_problems=args.num_problems) for name in args.benchmarks]
-    longest = max(args.max_tokens or bench.max_response_tokens for bench, _ in benches)
-    engine = make_rollout(RolloutConfig(backend=args.backend), model, tokenizer,
-                          max_model_len=args.max_prompt_tokens + longest)
-    encode = make_encoder(tokenizer, args.max_prompt_tokens)
+    m, d, e = cfg.model, cfg.data, cfg.eval
+    model, tokenizer = load_model_and_tokenizer(model_dir, m.dtype, pick_device(m.device),
+                                                trust_remote_code=m.trust_remote_code)
+    benches = [load_benchmark(name, template=d.template, num_problems=e.num_problems, max_row_chars=d.max_row_chars)
+               for name in e.benchmarks]
+    settings = [sampling_settings(bench, cfg) for bench, _ in benches]
+    engine = make_rollout(cfg.rollout, model, tokenizer,
+                          max_model_len=d.max_prompt_tokens + max(s["max_new_tokens"] for s in settings))
+    encode = make_encoder(tokenizer, d.max_prompt_tokens)
     results = []
-    with RewardPool(num_workers=args.workers, timeout_s=args.timeout_s) as pool, Progress() as progress:
-        for bench, examples in benches:
-            n = args.n or bench.n
-            task = progress.add_task(f"{bench.name}: samples", total=n * len(examples))
-            sampling = SamplingParams(
-                n=n, temperature=bench.temperature if args.temperature is None else args.temperature,
-                top_p=bench.top_p if args.top_p is None else args.top_p,
-                max_new_tokens=args.max_tokens or bench.max_response_tokens, seed=args.seed)
-            res = evaluate(engine, encode, examples, pool, sampling, name=bench.name, grader=args.grader,
-                           progress=lambda k, t=task: progress.advance(t, k))
-            results.append(res)
-    out_dir = Path(args.out) if args.out else model_dir.parent / "eval"
+    with RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) as pool, Progress() as progress:
+        for (bench, examples), setting in zip(benches, settings):
+            task = progress.add_task(f"{bench.name}: samples", total=setting["n"] * len(examples))
+            results.append(evaluate(engine, encode, examples, pool, SamplingParams(**setting, seed=e.seed),
+                                    name=bench.name, grader=cfg.reward.grader,
+                                    progress=lambda k, t=task: progress.advance(t, k)))
+    out_dir = Path(args.out) if args.out else default_out
     table = write_report(results, out_dir)
     print(table.read_text())
     print(f"written: {out_dir}/eval.json, eval.md, <benchmark>.problems.jsonl  (known benchmarks: {', '.join(BENCHMARKS)})")
@@ -158,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("import-model", help="convert a GGUF model file into a Hugging Face model directory")
     p.add_argument("src", help="a .gguf file of an architecture transformers reads (Llama, Qwen2, Mistral, ...)")
     p.add_argument("out_dir", help="where to write the model (safetensors, config, generation config, tokenizer)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+    p.add_argument("--dtype", default="float32", choices=typing.get_args(Dtype),
                    help="dtype of the written weights (default: float32; the GGUF's quantised blocks are de-quantised)")
     p.set_defaults(func=cmd_import_model)
 
@@ -181,33 +192,42 @@ def build_parser() -> argparse.ArgumentParser:
     ablate.add_arguments(p)
     p.set_defaults(func=ablate.main_args)
 
-    p = sub.add_parser("eval", help="avg@n, pass@k, maj@n on benchmarks for a model directory or a run")
-    p.add_argument("--model", help="Hugging Face model directory")
-    p.add_argument("--run", help="run directory: evaluates its latest checkpoint")
-    p.add_argument("--benchmarks", nargs="+", default=["aime2024"], help="names (aime2024, math500, arith, ...) or files")
-    p.add_argument("--n", type=int, default=0, help="samples per problem (default: the benchmark's)")
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--max-tokens", type=int, default=0, help="generation limit (default: the benchmark's)")
-    p.add_argument("--num-problems", type=int, default=0, help="evaluate only the first K problems")
-    p.add_argument("--template", default="dapo", choices=["dapo", "raw"])
-    p.add_argument("--grader", default="auto", choices=["auto", "dapo", "dapo_relaxed", "math", "gsm8k", "arith"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--timeout-s", type=float, default=5.0)
-    p.add_argument("--max-prompt-tokens", type=int, default=2048)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--backend", default="hf", choices=["hf", "vllm", "auto"],
-                   help="sampler: hf (transformers generate, default), vllm, or auto (vllm where installed)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--out", help="output directory (default: next to the model)")
-    p.add_argument("--trust-remote-code", action="store_true", help="run Python files shipped in the model directory")
+    p = sub.add_parser(
+        "eval", help="avg@n, pass@k, maj@n on benchmarks for a model directory or a run",
+        usage="dapo eval [PRESET] (--model DIR | --run RUN_DIR) [--out DIR] [key=value ...]",
+        formatter_class=argparse.RawDescriptionHelpFormatter, description="""\
+Evaluate a model on the benchmarks in eval.benchmarks. Settings come from the run's saved
+config.yaml (with --run), then PRESET, then dotted overrides as for `dapo train`; the keys read
+are eval.* (benchmarks, n, temperature, top_p, max_response_tokens, num_problems, seed),
+data.template, data.max_prompt_tokens, reward.grader/num_workers/timeout_s, rollout.backend
+(hf unless the config says otherwise) and model.dtype/device/trust_remote_code.
+
+With neither --run nor PRESET the benchmark is AIME 2024, sampled as the DAPO paper reports it:
+n=32 samples per problem, temperature 1.0, top-p 0.7, up to 20,480 tokens each. That takes hours
+on a CPU; eval.num_problems=5 eval.n=4 eval.max_response_tokens=512 is a quick look. eval.n,
+eval.temperature, eval.top_p and eval.max_response_tokens left null take each benchmark's own
+setting (a data file: n=4, temperature 1.0, top-p 1.0, rollout.max_response_tokens).
+
+  dapo eval --model ~/models/SmolLM2-135M-Instruct eval.benchmarks=[word] data.template=raw
+  dapo eval --run runs/demo eval.n=8 rollout.backend=vllm""")
+    p.add_argument("items", nargs="*", metavar="[PRESET] [key=value ...]",
+                   help="a YAML preset (optional), then dotted overrides, e.g. eval.benchmarks=[arith,aime2024]")
+    p.add_argument("--model", help="Hugging Face model directory; the report goes to ./eval/<its name>/")
+    p.add_argument("--run", help="run directory: evaluates its latest checkpoint with the run's config; "
+                                 "the report goes to RUN_DIR/eval/step_NNNNNN/")
+    p.add_argument("--out", help="output directory instead")
     p.set_defaults(func=cmd_eval)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # `dapo eval --model DIR eval.n=8`: overrides may follow the flags, which one positional list cannot take
+    args, extra = parser.parse_known_args(argv)
+    if extra and (args.command != "eval" or any(x.startswith("-") for x in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.items += extra
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # per-file load/save bars would drown the per-step lines

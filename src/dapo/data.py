@@ -20,6 +20,7 @@ import math
 import os
 import random
 import sys
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
@@ -30,7 +31,6 @@ DAPO_PROMPT_PREFIX = (
 )
 DAPO_PROMPT_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
 
-TEMPLATES = ("dapo", "raw")
 # A row's size limit, in characters. The longest row of the data sets in data/ has about 10k; a
 # million keeps any real problem and stops a hostile or broken row before it costs memory and time.
 DEFAULT_MAX_ROW_CHARS = 1_000_000
@@ -94,7 +94,13 @@ def apply_template(problem: str, template: str) -> str:
         if DAPO_PROMPT_PREFIX.strip() in problem:
             return problem
         return DAPO_PROMPT_PREFIX + problem + DAPO_PROMPT_SUFFIX
-    raise ValueError(f"unknown prompt template {template!r}; choose one of {list(TEMPLATES)}")
+    raise ValueError(f"unknown prompt template {template!r}; choose one of {list(_templates())}")
+
+
+def _templates() -> tuple[str, ...]:
+    from dapo.config import Template  # here, not at the top: dapo.config imports this module
+
+    return typing.get_args(Template)
 
 
 def render_prompt(example: Example, tokenizer) -> str:
@@ -154,8 +160,8 @@ def load_examples(
     earlier row's are dropped. ``limit`` keeps the first ``limit`` examples after de-duplication.
     A row of more than ``max_row_chars`` characters (its JSON line, or its parquet text) is an error.
     """
-    if template not in TEMPLATES:
-        raise ValueError(f"unknown prompt template {template!r}; choose one of {list(TEMPLATES)}")
+    if template not in _templates():
+        raise ValueError(f"unknown prompt template {template!r}; choose one of {list(_templates())}")
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
         raise ValueError(f"limit must be a positive integer or None, got {limit!r}")
     path = Path(path)
@@ -530,7 +536,6 @@ def dedup_examples(examples: Iterable[Example]) -> list[Example]:
 __all__ = [
     "DAPO_PROMPT_PREFIX",
     "DAPO_PROMPT_SUFFIX",
-    "TEMPLATES",
     "DataError",
     "Example",
     "Message",

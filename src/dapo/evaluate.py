@@ -22,12 +22,14 @@ INVALID_PREDS = {"[INVALID]", "[TIMEOUT]", "[CRASH]", ""}
 
 @dataclass(frozen=True)
 class Benchmark:
+    """A benchmark and how it is sampled unless eval.* says otherwise."""
+
     name: str
     path: str | None  # relative to the repo's data/; None for the built-in task
     n: int = 32
     temperature: float = 1.0
     top_p: float = 0.7
-    max_response_tokens: int = 20480
+    max_response_tokens: int | None = 20480  # None: rollout.max_response_tokens
 
 
 BENCHMARKS = {
@@ -44,7 +46,7 @@ BENCHMARKS = {
 }
 
 
-def load_benchmark(name_or_path: str, *, template: str = "dapo", num_problems: int = 0,
+def load_benchmark(name_or_path: str, *, template: str = "dapo", num_problems: int | None = None,
                    max_row_chars: int = DEFAULT_MAX_ROW_CHARS):
     """(Benchmark, examples) for a registered name, the built-in task, or a .jsonl/.parquet file."""
     from dapo.data import load_examples
@@ -66,12 +68,25 @@ def load_benchmark(name_or_path: str, *, template: str = "dapo", num_problems: i
             raise FileNotFoundError(
                 f"benchmark {name_or_path!r} is neither a known name ({', '.join(BENCHMARKS)}) nor an existing file"
             )
-        bench = Benchmark(path.stem, str(path))
+        # a data file has no settings of its own: it is sampled as the training run samples it
+        bench = Benchmark(path.stem, str(path), n=4, top_p=1.0, max_response_tokens=None)
         source = path.stem
     examples = load_examples(path, template=template, data_source=source, max_row_chars=max_row_chars)
     if num_problems:
         examples = examples[:num_problems]
     return bench, examples
+
+
+def sampling_settings(bench: Benchmark, cfg, *, in_training: bool = False) -> dict:
+    """n, temperature, top_p and max_new_tokens for ``bench`` under ``cfg`` (a Config): eval.* where
+    set, else the benchmark's own. In training the length limit falls back to
+    rollout.max_response_tokens instead, as the rollout engine is sized for the run's lengths."""
+    e = cfg.eval
+    own_limit = None if in_training else bench.max_response_tokens
+    return {"n": bench.n if e.n is None else e.n,
+            "temperature": bench.temperature if e.temperature is None else e.temperature,
+            "top_p": bench.top_p if e.top_p is None else e.top_p,
+            "max_new_tokens": e.max_response_tokens or own_limit or cfg.rollout.max_response_tokens}
 
 
 # ---- the statistics --------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from dapo.batch import RolloutBatch
 from dapo.config import Config, dump_yaml, load_config
 from dapo.data import PromptSampler, make_encoder
 from dapo.dynamic_sampling import BatchCollector, CollectStats, Scorer, record_behaviour_logp
-from dapo.evaluate import evaluate, load_benchmark
+from dapo.evaluate import evaluate, load_benchmark, sampling_settings
 from dapo.log import NullLogger, RunLogger
 from dapo.models import pick_device
 from dapo.policy import Policy, ReferenceModel
@@ -134,7 +134,7 @@ def old_logprobs(batch: RolloutBatch, run: "Run") -> dict:
     batch.old_logp = batch.behaviour_old_logp(old_logp)  # held-over groups: the weights that sampled them
     if run.reference is not None:
         batch.ref_logp = run.reference.logprobs(batch)  # (N, T)
-    return importance_weights(batch, a.rollout_is_cap)  # engine vs trainer sampling; off unless cap > 0
+    return importance_weights(batch, a.rollout_is_cap)  # engine vs trainer sampling; off unless a cap is set
 
 
 def sampling_metrics(cstats: CollectStats, state: TrainState) -> dict:
@@ -204,13 +204,13 @@ def step_metrics(batch: RolloutBatch, cstats: CollectStats, update: dict, times:
     return m
 
 
-def importance_weights(batch: RolloutBatch, cap: float) -> dict:
+def importance_weights(batch: RolloutBatch, cap: float | None) -> dict:
     """Truncated importance sampling on the engine's log-probs (algo.truncated_is_weights): sets
-    ``batch.is_weights`` and returns its statistics; nothing when ``cap`` is 0 (off, the reference)."""
-    if cap <= 0:
+    ``batch.is_weights`` and returns its statistics; nothing when ``cap`` is None (off, the reference)."""
+    if cap is None:
         return {}
     if not batch.rollout_logp:
-        raise ValueError("algo.rollout_is_cap > 0 needs the rollout engine's log-probs; this batch has none")
+        raise ValueError("algo.rollout_is_cap needs the rollout engine's log-probs; this batch has none")
     T = batch.old_logp.shape[1]
     batch.is_weights, stats = algo.truncated_is_weights(
         batch.old_logp, batch.padded_logp(batch.rollout_logp, T), batch.response_mask(width=T), cap=cap)  # (N, T)
@@ -252,8 +252,7 @@ class Run:
     def evaluate(self) -> dict:
         e, out = self.cfg.eval, {}
         for bench, examples in self.eval_sets:
-            sampling = SamplingParams(n=e.n, temperature=e.temperature, top_p=e.top_p, seed=e.seed,
-                                      max_new_tokens=e.max_response_tokens or self.cfg.rollout.max_response_tokens)
+            sampling = SamplingParams(**sampling_settings(bench, self.cfg, in_training=True), seed=e.seed)
             res = evaluate(self.engine, self.encode, examples, self.pool, sampling, name=bench.name,
                            grader=self.cfg.reward.grader)
             out.update(res.metrics())
@@ -294,7 +293,7 @@ def start(cfg: Config, stack: contextlib.ExitStack, console=None) -> Run:
     device = d.device if d.sharded else pick_device(cfg.model.device)
     policy = Policy(cfg.model, cfg.train, d, device=device, temperature=r.temperature)
     reference = ReferenceModel(cfg.model, cfg.train, d, device=device, temperature=r.temperature) if a.kl_coef > 0 else None
-    max_model_len = cfg.data.max_prompt_tokens + max(r.max_response_tokens, cfg.eval.max_response_tokens)
+    max_model_len = cfg.data.max_prompt_tokens + max(r.max_response_tokens, cfg.eval.max_response_tokens or 0)
     engine = make_training_engine(r, cfg.model, policy.model, policy.tokenizer, d, max_model_len=max_model_len)
     # the saved config says which engine ran ("auto" resolved)
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(r, backend=engine.backend))

@@ -13,7 +13,7 @@ class SamplingParams:
     n: int = 1  # samples per prompt
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
-    top_k: int = 0  # 0 disables top-k
+    top_k: int | None = None  # None (or 0): no top-k
     max_new_tokens: int = 64
     seed: int = 0
 

@@ -71,7 +71,7 @@ class HFRolloutEngine:
         return GenerationConfig(
             max_new_tokens=params.max_new_tokens, min_new_tokens=0, do_sample=not greedy,
             temperature=None if greedy else params.temperature, top_p=None if greedy else params.top_p,
-            top_k=None if greedy else params.top_k,  # 0 disables top-k
+            top_k=None if greedy else params.top_k or 0,  # None here would mean generate's default (50); 0 is off
             repetition_penalty=1.0, num_beams=1, num_return_sequences=1, use_cache=True,
             pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids),
         )

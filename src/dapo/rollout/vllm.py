@@ -182,7 +182,7 @@ class VLLMRolloutEngine:
         requests = [VLLMSamplingParams(
             n=1, seed=(params.seed * 1_000_003 + i) % 2**63, max_tokens=params.max_new_tokens, min_tokens=0,
             temperature=0.0 if greedy else params.temperature, top_p=1.0 if greedy else params.top_p,
-            top_k=0 if greedy or params.top_k <= 0 else params.top_k,
+            top_k=0 if greedy or not params.top_k else params.top_k,
             repetition_penalty=1.0, stop_token_ids=sorted(self.eos_ids), ignore_eos=False,
             logprobs=0, detokenize=False,
         ) for i in range(len(rows))]
