@@ -9,7 +9,7 @@ import torch
 from dapo.batch import RolloutBatch
 from dapo.dynamic_sampling import CollectStats
 from dapo.log import VERL_NAMES, VERL_SUMS, with_verl_names
-from dapo.train import sampling_metrics, step_metrics
+from dapo.metrics import sampling_metrics, step_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,7 +30,7 @@ def hand_made_batch():
 
 def test_step_metrics_hand_computed_with_verl_names():
     cstats = CollectStats(rounds=3)
-    m = {**sampling_metrics(cstats, 0),
+    m = {**sampling_metrics(cstats, buffer_groups=0, gen_rounds_total=3),
          **step_metrics(hand_made_batch(), cstats, {"clipfrac_high": 0.02, "clipfrac_low": 0.03},
                         {"old_logprob": 1.0, "update": 1.0}, max_prompt_tokens=6, max_response_tokens=5)}
     row = {k: float(v) for k, v in with_verl_names(m).items()}

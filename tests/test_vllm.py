@@ -79,7 +79,7 @@ def test_rollout_logp_travel_with_their_rows_and_give_the_metric():
     assert RolloutBatch.concat([b, batch([[1], [2]], [], [[0.0], [0.0]])]).rollout_logp == []  # hf rows: no metric
     assert RolloutBatch.from_state(b.state()).rollout_logp == b.rollout_logp
     from dapo.dynamic_sampling import CollectStats
-    from dapo.train import step_metrics
+    from dapo.metrics import step_metrics
 
     m = step_metrics(b, CollectStats(), {}, {"update": 1.0, "old_logprob": 1.0})
     # |diffs| 0, 0.5, 0 on row 0 and 0.25 on row 1; the padding (old_logp 9.0) is not a response token

@@ -34,6 +34,7 @@ from dapo.data import PromptSampler, make_encoder
 from dapo.dynamic_sampling import BatchCollector, CollectStats, Scorer, record_behaviour_logp
 from dapo.evaluate import evaluate, load_benchmark, sampling_settings
 from dapo.log import NullLogger, RunLogger
+from dapo.metrics import no_signal_advice, sample_records, sampling_metrics, step_metrics
 from dapo.models import pick_device
 from dapo.policy import Policy, ReferenceModel
 from dapo.rollout import SamplingParams, make_training_engine
@@ -137,73 +138,6 @@ def old_logprobs(batch: RolloutBatch, run: "Run") -> dict:
     return importance_weights(batch, a.rollout_is_cap)  # engine vs trainer sampling; off unless a cap is set
 
 
-def sampling_metrics(cstats: CollectStats, state: TrainState) -> dict:
-    """What generation produced this step, trained on or not."""
-    return {
-        "reward/timeouts": cstats.timeouts,
-        "reward/worker_crashes": cstats.worker_crashes,
-        "rollout/acc_mean": cstats.acc_sum / max(cstats.samples_generated, 1),
-        "sampling/gen_rounds": cstats.rounds,
-        "sampling/prompts_generated": cstats.prompts_generated,
-        "sampling/groups_kept": cstats.groups_kept,
-        "sampling/groups_dropped": cstats.groups_dropped,
-        "sampling/groups_from_buffer": cstats.groups_from_buffer,
-        "sampling/all_correct_frac": cstats.groups_all_correct / max(cstats.prompts_generated, 1),
-        "sampling/all_wrong_frac": cstats.groups_all_wrong / max(cstats.prompts_generated, 1),
-        "sampling/samples_generated": cstats.samples_generated,
-        "sampling/dropped_gen_time_frac": cstats.seconds_dropped / max(cstats.seconds_generate, 1e-9),
-        "sampling/buffer_groups": len(state.buffer),
-        "sampling/gen_rounds_total": state.gen_rounds,
-        "sampling/cap_hit": float(cstats.cap_hit),
-        "perf/time_generate_s": cstats.seconds_generate,
-        "perf/time_reward_s": cstats.seconds_reward,
-        "perf/gen_tokens_per_s": cstats.tokens_generated / max(cstats.seconds_generate, 1e-9),
-        "perf/reward_samples_per_s": cstats.samples_generated / max(cstats.seconds_reward, 1e-9),
-    }
-
-
-def step_metrics(batch: RolloutBatch, cstats: CollectStats, update: dict, times: dict, *,
-                 max_prompt_tokens: int = 0, max_response_tokens: int = 0) -> dict:
-    """What the update trained on and how it went."""
-    lengths = batch.response_lengths.float()  # (N,)
-    prompt_lengths = torch.tensor([len(p) for p in batch.prompt_ids], dtype=torch.float32)  # (N,)
-    mask = batch.response_mask()
-    samples_trained = len(batch)
-    adv_tokens = batch.adv.repeat_interleave(batch.response_lengths)  # every response token, as verl's data metrics
-    m = {
-        "reward/score_mean": batch.reward.mean(),
-        "reward/score_max": batch.reward.max(),
-        "reward/score_min": batch.reward.min(),
-        "reward/acc_mean": batch.acc.mean(),
-        "reward/overlong_penalty_mean": batch.overlong_penalty.mean(),
-        "rollout/response_length_mean": lengths.mean(),
-        "rollout/response_length_max": lengths.max(),
-        "rollout/response_length_min": lengths.min(),
-        "rollout/response_length_clip_frac": (lengths == max_response_tokens).float().mean(),  # at the limit, EOS or not
-        "rollout/prompt_length_mean": prompt_lengths.mean(),
-        "rollout/prompt_length_max": prompt_lengths.max(),
-        "rollout/prompt_length_min": prompt_lengths.min(),
-        "rollout/prompt_length_clip_frac": (prompt_lengths == max_prompt_tokens).float().mean(),  # cut from the left
-        "rollout/truncated_frac": batch.truncated.float().mean(),
-        "actor/entropy": (batch.entropy[:, : mask.shape[1]] * mask).sum() / mask.sum().clamp(min=1),
-        "actor/adv_abs_mean": batch.adv.abs().mean(),
-        "actor/adv_token_mean": adv_tokens.mean(),
-        "actor/adv_token_max": adv_tokens.max(),
-        "actor/adv_token_min": adv_tokens.min(),
-        "sampling/samples_per_trained_sample": cstats.samples_generated / max(samples_trained, 1),
-        "sampling/tokens_per_trained_token": cstats.tokens_generated / max(float(mask.sum()), 1.0),
-        "perf/train_tokens_per_s": float(mask.sum()) / max(times["update"], 1e-9),
-        "perf/old_logprob_tokens_per_s": float(lengths.sum()) / max(times["old_logprob"], 1e-9),
-    }
-    if batch.rollout_logp:  # the engine's log-probs of its own samples vs the trainer's: numerics (and buffer staleness)
-        T = batch.old_logp.shape[1]
-        rollout_logp = batch.padded_logp(batch.rollout_logp, T)  # (N, T)
-        diff = (rollout_logp - batch.old_logp).abs()[torch.arange(T)[None, :] < batch.response_lengths[:, None]]
-        m["rollout/logprob_abs_diff_mean"], m["rollout/logprob_abs_diff_max"] = diff.mean(), diff.max()
-    m.update({f"actor/{k}": v for k, v in update.items()})
-    return m
-
-
 def importance_weights(batch: RolloutBatch, cap: float | None) -> dict:
     """Truncated importance sampling on the engine's log-probs (algo.truncated_is_weights): sets
     ``batch.is_weights`` and returns its statistics; nothing when ``cap`` is None (off, the reference)."""
@@ -215,19 +149,6 @@ def importance_weights(batch: RolloutBatch, cap: float | None) -> dict:
     batch.is_weights, stats = algo.truncated_is_weights(
         batch.old_logp, batch.padded_logp(batch.rollout_logp, T), batch.response_mask(width=T), cap=cap)  # (N, T)
     return {f"rollout/{k}": v for k, v in stats.items()}
-
-
-def no_signal_advice(streak: int, cstats: CollectStats, cfg: Config) -> str:
-    """One line for a run whose groups keep coming back all right or all wrong."""
-    wrong = cstats.groups_all_wrong / max(cstats.prompts_generated, 1)
-    right = cstats.groups_all_correct / max(cstats.prompts_generated, 1)
-    if wrong >= right:
-        fix = (f"the data is too hard for this model: use easier problems, a larger group (rollout.group_size="
-               f"{cfg.rollout.group_size}) or longer responses (rollout.max_response_tokens={cfg.rollout.max_response_tokens})")
-    else:
-        fix = "the data is too easy for this model: use harder problems"
-    return (f"no informative group for {streak} steps in a row: {100 * wrong:.0f}% of groups all wrong, "
-            f"{100 * right:.0f}% all right; {fix}")
 
 
 @dataclass
@@ -280,7 +201,9 @@ class Run:
         if batch is None:
             self.logger.info(f"step {step}: no informative group was generated; nothing to train on")
         if self.no_signal == NO_SIGNAL_STREAK:
-            self.logger.warn(no_signal_advice(self.no_signal, cstats, self.cfg))
+            r = self.cfg.rollout
+            self.logger.warn(no_signal_advice(self.no_signal, cstats, group_size=r.group_size,
+                                              max_response_tokens=r.max_response_tokens))
 
 
 def start(cfg: Config, stack: contextlib.ExitStack, console=None) -> Run:
@@ -332,7 +255,7 @@ def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
                                                   round_seed=state.round_seed(cfg.rollout.seed),
                                                   keep_rate_estimate=state.keep_rate if cfg.algo.adaptive_oversample else 1.0)
         state.observe(cstats)
-        metrics = sampling_metrics(cstats, state)
+        metrics = sampling_metrics(cstats, buffer_groups=len(state.buffer), gen_rounds_total=state.gen_rounds)
         run.note_signal(batch, cstats, step)
         if batch is not None:
             assign_advantages(batch, cfg.algo, cfg.rollout.group_size)
@@ -372,15 +295,6 @@ def train(cfg: Config, *, console=None) -> dict:
             if batch is not None:
                 run.logger.write_samples(step, sample_records(batch, run.policy.tokenizer, cfg.run.samples_per_step))
     return last
-
-
-def sample_records(batch: RolloutBatch, tokenizer, k: int) -> list[dict]:
-    rows = list(range(0, len(batch), max(1, len(batch) // max(k, 1))))[:k]
-    return [{
-        "prompt": tokenizer.decode(batch.prompt_ids[i], skip_special_tokens=True), "response": batch.texts[i],
-        "reward": float(batch.reward[i]), "acc": float(batch.acc[i]), "pred": batch.preds[i] if batch.preds else "",
-        "ground_truth": batch.ground_truths[i], "length": len(batch.response_ids[i]), "truncated": bool(batch.truncated[i]),
-    } for i in rows]
 
 
 if __name__ == "__main__":  # one run in its own process, as the ablation runner starts them: python -m dapo.train PRESET [key=value ...]
