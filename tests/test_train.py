@@ -246,7 +246,7 @@ def test_bf16_compute_updates_float32_master_weights_like_a_float32_update(tiny_
 
 def test_two_step_smoke_trains_every_parameter(tiny_model_dir, tmp_path):
     cfg = small_config(tmp_path, tiny_model_dir, "algo.overlong_filtering=true", "algo.kl_coef=0.01")
-    from dapo.policy import load_model_and_tokenizer
+    from dapo.models import load_model_and_tokenizer
 
     initial, _ = load_model_and_tokenizer(tiny_model_dir)
     last = train(cfg)

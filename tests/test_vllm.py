@@ -19,7 +19,8 @@ import torch
 from conftest import small_config
 from dapo import algo
 from dapo.batch import RolloutBatch
-from dapo.policy import Policy, load_model_and_tokenizer
+from dapo.models import load_model_and_tokenizer
+from dapo.policy import Policy
 from dapo.rollout import Generation, SamplingParams, make_rollout
 from dapo.train import read_metrics, train
 
@@ -56,7 +57,7 @@ def logp_abs_diff(policy, gen, group_size) -> torch.Tensor:
 
 
 def test_hf_runs_never_import_vllm():
-    code = ("import sys; from dapo.config import RolloutConfig; from dapo.policy import load_model_and_tokenizer;"
+    code = ("import sys; from dapo.config import RolloutConfig; from dapo.models import load_model_and_tokenizer;"
             "from dapo.rollout import make_rollout; import dapo.train;"
             f"m, t = load_model_and_tokenizer({str(MODEL)!r}); make_rollout(RolloutConfig(backend='hf'), m, t);"
             "assert 'vllm' not in sys.modules, 'vllm imported'")

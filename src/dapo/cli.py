@@ -97,7 +97,7 @@ def cmd_eval(args) -> int:
 
     from dapo.checkpoint import latest_checkpoint
     from dapo.evaluate import BENCHMARKS, evaluate, load_benchmark, write_report
-    from dapo.policy import load_model_and_tokenizer, pick_device
+    from dapo.models import load_model_and_tokenizer, pick_device
     from dapo.rewards import RewardPool
     from dapo.config import RolloutConfig
     from dapo.rollout import make_rollout

@@ -6,42 +6,13 @@ Nothing here decides anything about the algorithm: the loss comes from ``dapo.al
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dapo import algo, parallel
 from dapo.batch import RolloutBatch, pad_rows, plan_micro_batches
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("model.device=cuda but no CUDA device is visible; use model.device=cpu")
-    return torch.device(name)
-
-
-def load_model_and_tokenizer(path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu", *,
-                             trust_remote_code: bool = False):
-    """A model directory's tokenizer and causal LM. Python files it ships (config.json's auto_map) run
-    only with ``trust_remote_code``; said explicitly, because left unset transformers asks on the
-    terminal, where a stray 'y' (or a pipe) runs them."""
-    path = Path(path).expanduser()
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(
-            f"model.path={str(path)!r} is not a Hugging Face model directory (no config.json); "
-            "give a local directory (nothing is downloaded)"
-        )
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
-    return model.to(device), tokenizer
+from dapo.models import DTYPES, load_model_and_tokenizer
 
 
 @dataclass

@@ -31,7 +31,8 @@ from dapo.batch import RolloutBatch
 from dapo.config import Config, ConfigError, dump_yaml
 from dapo.dynamic_sampling import CollectStats, Scorer, collect_batch, record_behaviour_logp
 from dapo.log import NullLogger, RunLogger
-from dapo.policy import DTYPES, Policy, load_model_and_tokenizer, pick_device
+from dapo.models import load_model_and_tokenizer, pick_device, weightless_model
+from dapo.policy import Policy
 from dapo.rollout import SamplingParams, ShardedRollout, make_rollout, resolve_backend
 
 
@@ -97,20 +98,6 @@ def make_engine(cfg: Config, policy: Policy, d: parallel.Dist):
         model, _ = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, d.device, trust_remote_code=trust)
     return ShardedRollout(make_rollout(cfg.rollout, model, policy.tokenizer, max_model_len=max_model_len), d,
                           tensor_parallel_size=k)
-
-
-def weightless_model(path, dtype: str, *, trust_remote_code: bool = False):
-    """The model on the meta device: vLLM reads the checkpoint itself and needs only its directory,
-    dtype and generation config (a full copy here would cost every GPU the whole model)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
-    path = Path(path).expanduser()
-    with torch.device("meta"):
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
-    if (Path(path) / "generation_config.json").exists():
-        model.generation_config = GenerationConfig.from_pretrained(path)
-    return model
 
 
 @contextlib.contextmanager
