@@ -99,14 +99,17 @@ class ResponseLogProbs(nn.Module):
             logps.append(logp)
             if with_entropy:
                 entropies.append(log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1))
+        # scattered straight into (B, T): a view of a flat buffer as the output would make FSDP warn
+        # that an in-place op on it could skip its pre-backward hook
+        out_at = torch.unravel_index(mb.out_index, (mb.num_rows, mb.width))
         flat = torch.cat(logps)  # (n,)
-        logp = flat.new_zeros(mb.num_rows * mb.width).index_put((mb.out_index,), flat).view(mb.num_rows, mb.width)
+        logp = flat.new_zeros(mb.num_rows, mb.width).index_put(out_at, flat)
         entropy = None
         if with_entropy:
             if torch.is_grad_enabled():
                 raise ValueError("entropy is computed without gradients; call under torch.no_grad()")
             ent = torch.cat(entropies)
-            entropy = ent.new_zeros(mb.num_rows * mb.width).index_put((mb.out_index,), ent).view(mb.num_rows, mb.width)
+            entropy = ent.new_zeros(mb.num_rows, mb.width).index_put(out_at, ent)
         return logp, entropy
 
 
