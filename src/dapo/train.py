@@ -17,6 +17,7 @@ holds the same batch and computes log-probs and gradients for its share of the r
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 import time
 import warnings
@@ -28,11 +29,11 @@ from rich.markup import escape
 
 from dapo import algo, checkpoint, parallel
 from dapo.batch import RolloutBatch
-from dapo.config import Config, ConfigError, dump_yaml
+from dapo.config import AlgoConfig, Config, ConfigError, dump_yaml
 from dapo.dynamic_sampling import CollectStats, Scorer, collect_batch, record_behaviour_logp
 from dapo.log import NullLogger, RunLogger
 from dapo.models import load_model_and_tokenizer, pick_device, weightless_model
-from dapo.policy import Policy
+from dapo.policy import LossFn, Policy, ReferenceModel
 from dapo.rollout import SamplingParams, ShardedRollout, make_rollout, resolve_backend
 
 
@@ -42,6 +43,15 @@ class TrainState:
     gen_rounds: int = 0  # generation rounds done (several per step with dynamic sampling)
     keep_rate: float = 1.0  # running estimate of the share of groups dynamic sampling keeps
     buffer: list[RolloutBatch] = field(default_factory=list)  # surplus kept groups, used first next step
+
+
+def make_loss_fn(algo_cfg: AlgoConfig, max_response_tokens: int) -> LossFn:
+    """The loss ``Policy.update`` minimises: the clipped surrogate as ``algo_cfg`` sets it, with the KL
+    term to the reference model when ``algo_cfg.kl_coef`` > 0 (``max_response_tokens``: Dr. GRPO's
+    constant length)."""
+    a = algo_cfg
+    return functools.partial(algo.actor_loss, eps_low=a.eps_low, eps_high=a.eps_high, loss_agg=a.loss_agg,
+                             norm_length=max_response_tokens, dual_clip=a.dual_clip, kl_coef=a.kl_coef, kl_kind=a.kl_kind)
 
 
 def load_train_examples(cfg: Config):
@@ -216,7 +226,11 @@ def train(cfg: Config, *, console=None) -> dict:
     torch.manual_seed(cfg.train.seed)
     d = parallel.init(cfg.model.device)  # WORLD_SIZE > 1 (torchrun, Ray): FSDP over the ranks
     checkpoint.prepare_run_dir(run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite, dist=d)
-    policy = Policy(cfg, d.device if d.sharded else pick_device(cfg.model.device), d)
+    device = d.device if d.sharded else pick_device(cfg.model.device)
+    policy = Policy(cfg.model, cfg.train, d, temperature=cfg.rollout.temperature, device=device)
+    reference = (ReferenceModel(cfg.model, cfg.train, d, temperature=cfg.rollout.temperature, device=device)
+                 if cfg.algo.kl_coef > 0 else None)
+    loss_fn = make_loss_fn(cfg.algo, cfg.rollout.max_response_tokens)
     engine = make_engine(cfg, policy, d)
     encode = make_encoder(policy.tokenizer, cfg.data.max_prompt_tokens)
     from dapo.data import PromptSampler
@@ -280,10 +294,10 @@ def train(cfg: Config, *, console=None) -> dict:
             batch.old_logp, batch.entropy = policy.compute_logprobs(batch, with_entropy=True)  # (N, T)
             batch.old_logp = batch.behaviour_old_logp(batch.old_logp)  # held-over groups: the weights that sampled them
             is_stats = importance_weights(batch, a.rollout_is_cap)  # engine vs trainer sampling; off unless cap > 0
-            if policy.ref_model is not None:
-                batch.ref_logp, _ = policy.compute_logprobs(batch, model=policy.ref_model)  # (N, T)
+            if reference is not None:
+                batch.ref_logp = reference.logprobs(batch)  # (N, T)
             t1 = time.perf_counter()
-            update = policy.update(batch)
+            update = policy.update(batch, loss_fn)
             t2 = time.perf_counter()
             engine.wake()
             engine.update_weights(policy.named_weights())
