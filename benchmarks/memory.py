@@ -77,6 +77,7 @@ def point(args) -> dict:
     from dapo.policy import Policy
     from dapo.tasks import arith
     from dapo.data import make_encoder
+    from dapo.train import make_loss_fn
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -86,7 +87,9 @@ def point(args) -> dict:
         f"rollout.group_size={G}", f"rollout.max_response_tokens={L}", "algo.soft_overlong_punishment=false",
         f"train.prompts_per_step={B // G}", f"train.mini_batch_prompts={B // G}", args.micro_batching,
     ])
-    policy = Policy(cfg, torch.device(cfg.model.device if cfg.model.device != "auto" else "cpu"))
+    policy = Policy(cfg.model, cfg.train, temperature=cfg.rollout.temperature,
+                    device=torch.device(cfg.model.device if cfg.model.device != "auto" else "cpu"))
+    loss_fn = make_loss_fn(cfg.algo, cfg.rollout.max_response_tokens)
     encode = make_encoder(policy.tokenizer, 64)
     gen = torch.Generator().manual_seed(0)
 
@@ -103,7 +106,7 @@ def point(args) -> dict:
 
     def training_phase(batch: RolloutBatch) -> None:
         batch.old_logp, batch.entropy = policy.compute_logprobs(batch, with_entropy=True)
-        policy.update(batch)
+        policy.update(batch, loss_fn)
 
     # a small pass first: library buffers, kernels and optimizer state are set up once per process
     training_phase(make_batch(G, 16))

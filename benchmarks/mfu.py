@@ -36,6 +36,7 @@ from dapo.rollout.base import SamplingParams
 from dapo.rollout.hf import HFRolloutEngine
 from dapo.tasks import arith
 from dapo.data import make_encoder
+from dapo.train import make_loss_fn
 
 ROOT = Path(__file__).resolve().parents[1]
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
@@ -116,7 +117,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cfg = load_config(args.config, [f"model.path={ROOT / 'assets/arith-base'}", "model.device=cpu", *args.overrides])
-    policy = Policy(cfg, torch.device("cpu"))
+    policy = Policy(cfg.model, cfg.train, temperature=cfg.rollout.temperature, device=torch.device("cpu"))
+    loss_fn = make_loss_fn(cfg.algo, cfg.rollout.max_response_tokens)
     batch = rollout_batch(policy, cfg)
     n_params = sum(p.numel() for p in policy.model.parameters())
     tokens = sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
@@ -129,7 +131,7 @@ def main() -> None:
         t0 = time.process_time()
         batch.old_logp, batch.entropy = policy.compute_logprobs(batch, with_entropy=True)
         t1 = time.process_time()
-        policy.update(batch)
+        policy.update(batch, loss_fn)
         t2 = time.process_time()
         if it == 0:
             continue  # warm-up: first-call allocations, optimizer state
@@ -142,7 +144,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        policy.update(batch)
+        policy.update(batch, loss_fn)
     events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     total_self = sum(e.self_cpu_time_total for e in events)
     matmul = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS)

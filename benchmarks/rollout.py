@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from dapo.policy import load_model_and_tokenizer
+from dapo.models import load_model_and_tokenizer
 from dapo.rollout.base import SamplingParams
 from dapo.rollout.hf import HFRolloutEngine
 from dapo.tasks import arith

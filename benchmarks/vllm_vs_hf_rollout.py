@@ -13,7 +13,7 @@ import time
 import torch
 
 from dapo.config import RolloutConfig
-from dapo.policy import load_model_and_tokenizer
+from dapo.models import load_model_and_tokenizer
 from dapo.rollout import SamplingParams, make_rollout
 from dapo.tasks import arith
 from dapo.data import make_encoder

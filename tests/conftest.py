@@ -29,3 +29,19 @@ SMALL_OVERRIDES = [
 def small_config(run_dir, model_dir, *extra):
     """A training config that runs a step in about a second on 2 CPU cores."""
     return load_config("configs/demo.yaml", [f"model.path={model_dir}", f"run.dir={run_dir}", *SMALL_OVERRIDES, *extra])
+
+
+def make_policy(cfg, device="cpu", dist=None):
+    """The policy a training run with ``cfg`` trains, on ``device``."""
+    import torch
+
+    from dapo.policy import Policy
+
+    return Policy(cfg.model, cfg.train, dist, temperature=cfg.rollout.temperature, device=torch.device(device))
+
+
+def loss_fn_of(cfg):
+    """The loss a training run with ``cfg`` gives ``Policy.update``."""
+    from dapo.train import make_loss_fn
+
+    return make_loss_fn(cfg.algo, cfg.rollout.max_response_tokens)

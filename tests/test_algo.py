@@ -239,3 +239,21 @@ def test_kl_estimators_hand_computed():
 def test_unknown_loss_agg_is_rejected():
     with pytest.raises(ValueError, match="loss_agg"):
         algo.policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1), loss_agg="mean")
+
+
+def test_actor_loss_is_policy_loss_plus_the_weighted_kl_term():
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(3, 4, generator=g) - 0.1
+    old, ref = logp + 0.1 * torch.randn(3, 4, generator=g), logp - 0.2 * torch.rand(3, 4, generator=g)
+    adv, mask = torch.tensor([1.0, -0.5, 2.0]), torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    common = dict(num_tokens=12.0, num_seqs=3.0, loss_agg="seq-mean-token-mean", dual_clip=10.0)
+    pg, pg_stats = algo.policy_loss(logp, old, adv, mask, **common)
+    loss, stats = algo.actor_loss(logp, old, adv, mask, **common)  # kl_coef 0: DAPO's loss, no reference needed
+    assert torch.equal(loss, pg) and torch.equal(stats["pg_loss"], pg) and "kl_loss" not in stats
+    assert all(torch.equal(stats[k], v) for k, v in pg_stats.items())
+    loss, stats = algo.actor_loss(logp, old, adv, mask, ref_logp=ref, kl_coef=0.5, kl_kind="k2", **common)
+    kl = (0.5 * (logp - ref).square() * mask).sum(-1) / mask.sum(-1)  # k2, each sequence's token mean
+    assert stats["kl_loss"].item() == pytest.approx(kl.sum().item() / 3, rel=1e-6)
+    assert loss.item() == pytest.approx(pg.item() + 0.5 * stats["kl_loss"].item(), rel=1e-6)
+    with pytest.raises(ValueError, match="ref_logp"):
+        algo.actor_loss(logp, old, adv, mask, kl_coef=0.5)

@@ -178,7 +178,7 @@ def remote_code_model_dir(tiny_model_dir: Path, root: Path, marker: Path) -> Pat
 
 def load_answering_yes(model_dir: Path, **kwargs) -> subprocess.CompletedProcess:
     """Load the directory in a fresh process whose stdin answers 'y' to any question."""
-    code = ("import sys; from dapo.policy import load_model_and_tokenizer\n"
+    code = ("import sys; from dapo.models import load_model_and_tokenizer\n"
             f"load_model_and_tokenizer({str(model_dir)!r}, **{kwargs!r})")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
     return subprocess.run([sys.executable, "-c", code], input="y\n" * 10, capture_output=True, text=True,

@@ -267,8 +267,8 @@ def test_nul_characters_are_refused(tmp_path, row, field):
 
 
 def test_a_huge_prompt_is_cut_before_it_is_tokenised(tiny_model_dir):
-    from dapo.policy import load_model_and_tokenizer
     from dapo.data import make_encoder
+    from dapo.models import load_model_and_tokenizer
 
     _, tokenizer = load_model_and_tokenizer(tiny_model_dir)
     seen: list[int] = []

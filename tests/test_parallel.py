@@ -19,10 +19,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import SMALL_OVERRIDES, small_config  # noqa: E402
+from conftest import SMALL_OVERRIDES, loss_fn_of, make_policy, small_config  # noqa: E402
 
 from dapo import checkpoint, cli, parallel  # noqa: E402
-from dapo.policy import Policy  # noqa: E402
 from dapo.rollout import SamplingParams  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -164,7 +163,7 @@ def one_update(d, model_dir, batch_file, out_file, run_dir, overrides, uneven) -
     from dapo.train import make_engine
 
     cfg = small_config(run_dir, model_dir, *EQUIV_OVERRIDES, *overrides)
-    policy = Policy(cfg, torch.device("cpu"), d)
+    policy = make_policy(cfg, "cpu", d)
     policy.optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)
     if uneven and d.rank == 0:
         policy.micro_batches = lambda batch, rows: [[r] for r in rows]
@@ -174,7 +173,7 @@ def one_update(d, model_dir, batch_file, out_file, run_dir, overrides, uneven) -
     counts = parallel.all_gather_object(len(policy.micro_batches(batch, share)), d)  # micro-batches per rank
     old_logp, entropy = policy.compute_logprobs(batch, with_entropy=True)
     before = {k: v.clone() for k, v in policy.named_weights()}
-    stats = policy.update(batch)
+    stats = policy.update(batch, loss_fn_of(cfg))
     after = {k: v.clone() for k, v in policy.named_weights()}
     engine.update_weights(policy.named_weights())
     checkpoint.save_checkpoint(Path(run_dir), 1, model=policy.model, tokenizer=policy.tokenizer,
@@ -203,12 +202,12 @@ def two_rank_update(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("equiv")
     cfg = small_config(tmp / "single", tiny_model_dir, *EQUIV_OVERRIDES)
     torch.manual_seed(0)
-    policy = Policy(cfg, torch.device("cpu"))
+    policy = make_policy(cfg)
     policy.optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)
     batch = sampled_batch(policy)  # 3 prompts x 4 samples, old log-probs from this single process
     torch.save(batch, tmp / "batch.pt")
     before = {k: v.clone() for k, v in policy.named_weights()}
-    stats = {k: float(v) for k, v in policy.update(batch).items()}
+    stats = {k: float(v) for k, v in policy.update(batch, loss_fn_of(cfg)).items()}
     single = {"old_logp": batch.old_logp, "entropy": batch.entropy, "stats": stats,
               "delta": {k: v - before[k] for k, v in policy.named_weights()}}
     t0 = time.perf_counter()

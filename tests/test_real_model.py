@@ -106,7 +106,7 @@ def test_eos_equal_to_pad_is_kept_once_and_trained():
 def test_hf_rollout_on_real_tokenizer_masks_by_length_not_by_pad(tmp_path):
     """A tiny Llama with the real tokenizer, made to stop early: every stopped row ends with exactly
     one EOS, truncated rows have none, and the mask covers each row's tokens, EOS included."""
-    from dapo.policy import load_model_and_tokenizer
+    from dapo.models import load_model_and_tokenizer
     from dapo.rollout.hf import HFRolloutEngine
 
     model, tok = load_model_and_tokenizer(build_tiny("llama", tmp_path / "m"))
@@ -129,7 +129,7 @@ def test_hf_rollout_on_real_tokenizer_masks_by_length_not_by_pad(tmp_path):
 
 
 def test_eos_comes_from_generation_config_else_tokenizer(tmp_path):
-    from dapo.policy import load_model_and_tokenizer
+    from dapo.models import load_model_and_tokenizer
     from dapo.rollout.hf import HFRolloutEngine
 
     model, tok = load_model_and_tokenizer(build_tiny("qwen2", tmp_path / "m"))

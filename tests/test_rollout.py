@@ -2,7 +2,7 @@
 
 import torch
 
-from dapo.policy import load_model_and_tokenizer
+from dapo.models import load_model_and_tokenizer
 from dapo.rollout import SamplingParams, make_rollout
 from dapo.config import RolloutConfig
 

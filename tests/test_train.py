@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import small_config
+from conftest import loss_fn_of, make_policy, small_config
 from dapo import algo
 from dapo.batch import RolloutBatch, plan_micro_batches
 from dapo.dynamic_sampling import record_behaviour_logp
-from dapo.policy import Policy, make_micro_batch, token_logprobs
+from dapo.policy import make_micro_batch, token_logprobs
 from dapo.rollout import SamplingParams
 from dapo.rollout.hf import HFRolloutEngine
 from dapo.log import read_metrics
@@ -37,7 +37,7 @@ def sampled_batch(policy, group_size=4, prompts=("1+2=", "3*4-5=", "6+7*2=")):
 
 
 def test_token_logprobs_match_full_forward(tiny_model_dir, tmp_path):
-    policy = Policy(small_config(tmp_path, tiny_model_dir), torch.device("cpu"))
+    policy = make_policy(small_config(tmp_path, tiny_model_dir))
     batch = sampled_batch(policy)
     rows = list(range(len(batch)))
     mb = make_micro_batch(batch, rows, policy.pad_id, "cpu")
@@ -54,7 +54,7 @@ def test_token_logprobs_match_full_forward(tiny_model_dir, tmp_path):
 
 
 def test_packed_micro_batch_gives_the_padded_log_probs(tiny_model_dir, tmp_path):
-    policy = Policy(small_config(tmp_path, tiny_model_dir), torch.device("cpu"))
+    policy = make_policy(small_config(tmp_path, tiny_model_dir))
     batch = sampled_batch(policy)
     rows = [5, 0, 7, 2]  # any order: results come back per row
     padded = make_micro_batch(batch, rows, policy.pad_id, "cpu")
@@ -69,7 +69,7 @@ def test_packed_micro_batch_gives_the_padded_log_probs(tiny_model_dir, tmp_path)
 
 
 def test_chunked_head_gradient_matches_full_logits(tiny_model_dir, tmp_path):
-    policy = Policy(small_config(tmp_path, tiny_model_dir), torch.device("cpu"))
+    policy = make_policy(small_config(tmp_path, tiny_model_dir))
     batch = sampled_batch(policy)
     rows = list(range(len(batch)))
     mb = make_micro_batch(batch, rows, policy.pad_id, "cpu")
@@ -122,7 +122,7 @@ def test_update_is_invariant_to_micro_batching(tiny_model_dir, tmp_path, loss_ag
                            "train.mini_batch_prompts=3",
                            "train.prompts_per_step=3", f"algo.loss_agg={loss_agg}")
         torch.manual_seed(0)
-        policy = Policy(cfg, torch.device("cpu"))
+        policy = make_policy(cfg)
         # plain SGD makes the weight change the (clipped) gradient itself; Adam's first step would
         # turn float noise in near-zero gradients into full-size sign flips
         policy.optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)
@@ -130,7 +130,7 @@ def test_update_is_invariant_to_micro_batching(tiny_model_dir, tmp_path, loss_ag
         before = torch.cat([p.detach().flatten() for p in policy.model.parameters()])
         batch = sampled_batch(policy)
         passes = len(policy.micro_batches(batch, list(range(len(batch)))))
-        stats = policy.update(batch)
+        stats = policy.update(batch, loss_fn_of(cfg))
         after = torch.cat([p.detach().flatten() for p in policy.model.parameters()])
         results.append((after - before, stats, passes))
     (w0, s0, n0), *rest = results
@@ -144,12 +144,12 @@ def test_update_is_invariant_to_micro_batching(tiny_model_dir, tmp_path, loss_ag
 
 def test_a_buffered_groups_first_update_ratio_is_against_the_policy_that_sampled_it(tiny_model_dir, tmp_path, monkeypatch):
     cfg = small_config(tmp_path, tiny_model_dir, "train.prompts_per_step=2", "train.mini_batch_prompts=2")
-    policy = Policy(cfg, torch.device("cpu"))
+    policy = make_policy(cfg)
     first = sampled_batch(policy)  # three groups sampled by pi_sampling
     held = [first.select_groups([2])]  # a surplus group, buffered at this step
     record_behaviour_logp(held, policy.compute_logprobs, source="trainer")
     logp_sampling, _ = policy.compute_logprobs(held[0])  # (G, T)
-    policy.update(first.select_groups([0, 1]))  # this step's update: the weights move to pi_theta
+    policy.update(first.select_groups([0, 1]), loss_fn_of(cfg))  # this step's update: the weights move to pi_theta
     logp_theta, _ = policy.compute_logprobs(held[0])
     assert (logp_theta - logp_sampling).abs().max() > 1e-2
 
@@ -166,7 +166,7 @@ def test_a_buffered_groups_first_update_ratio_is_against_the_policy_that_sampled
 
     monkeypatch.setattr(algo, "policy_loss", spy)
     [rows] = policy.micro_batches(nxt, list(range(len(nxt))))  # one pass, rows in the update's order
-    policy.update(nxt)
+    policy.update(nxt, loss_fn_of(cfg))
     ratio = seen[0]  # (8, T) in the order of `rows`
     for k, i in enumerate(rows):
         n = len(nxt.response_ids[i])
@@ -176,6 +176,113 @@ def test_a_buffered_groups_first_update_ratio_is_against_the_policy_that_sampled
             expected = (logp_theta[i - 4, :n] - logp_sampling[i - 4, :n]).exp()
             assert torch.allclose(ratio[k, :n], expected, atol=1e-5)
     assert max((ratio[k] - 1).abs().max().item() for k, i in enumerate(rows) if i >= 4) > 1e-2
+
+
+def sgd(policy) -> None:
+    """Plain SGD at lr 1: an update moves the weights by minus the (unclipped) gradient."""
+    policy.optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)
+    policy.scheduler = torch.optim.lr_scheduler.LambdaLR(policy.optimizer, lambda step: 1.0)
+
+
+def test_update_minimises_the_loss_fn_it_is_given_with_the_documented_arguments(tiny_model_dir, tmp_path):
+    cfg = small_config(tmp_path, tiny_model_dir, "train.prompts_per_step=3", "train.mini_batch_prompts=3",
+                       "train.max_tokens_per_micro_batch=60", "train.grad_clip=1e9")
+    torch.manual_seed(0)
+    policy = make_policy(cfg)
+    sgd(policy)
+    batch = sampled_batch(policy)
+    calls = []
+
+    def loss_fn(logp, old_logp, adv, mask, *, num_tokens, num_seqs, is_weights, ref_logp):
+        calls.append((logp.shape, old_logp.shape, adv.shape, mask.shape, float(num_tokens), float(num_seqs),
+                      is_weights, ref_logp, logp._base))
+        zero = torch.zeros(())
+        stats = {k: zero for k in ("clipfrac_high", "clipfrac_low", "clipfrac_dual", "approx_kl", "token_prob_mean",
+                                   "up_clipped_prob_mean", "up_clipped_prob_max", "num_up_clipped")}
+        loss = -3.0 * (logp * mask).sum()  # a hand-made objective: 3 x the summed log-likelihood
+        return loss, {**stats, "pg_loss": loss.detach()}
+
+    # the expected step: 3 x the gradient of the batch's log-likelihood in one pass, however update splits the rows
+    mb = make_micro_batch(batch, list(range(len(batch))), policy.pad_id, "cpu")
+    logp, _ = token_logprobs(policy.model.train(), mb, temperature=cfg.rollout.temperature)
+    (3.0 * (logp * batch.response_mask()).sum()).backward()
+    expected = [p.grad.clone() for p in policy.model.parameters()]
+    policy.model.zero_grad(set_to_none=True)
+    before = [p.detach().clone() for p in policy.model.parameters()]
+    stats = policy.update(batch, loss_fn)
+    tokens = float(batch.response_mask().sum())
+    assert len(calls) > 1  # several micro-batches
+    for logp_shape, old_shape, adv_shape, mask_shape, num_tokens, num_seqs, is_weights, ref_logp, base in calls:
+        assert logp_shape == old_shape == mask_shape and adv_shape == logp_shape[:1]
+        assert (num_tokens, num_seqs) == (tokens, len(batch))  # the whole mini-batch's counts
+        assert is_weights is None and ref_logp is None  # the batch carries neither
+        assert base is None  # a tensor of its own, not a view (FSDP's pre-backward hook sits on it)
+    for p, b, g in zip(policy.model.parameters(), before, expected):
+        assert torch.allclose(p.detach() - b, g, atol=1e-5)
+    assert max(g.abs().max() for g in expected) > 1e-2
+    assert stats["pg_loss"].item() == pytest.approx(-3.0 * (logp * batch.response_mask()).sum().item(), rel=1e-5)
+
+
+def test_update_statistics_are_the_token_weighted_micro_batch_ones_synced_once(tiny_model_dir, tmp_path, monkeypatch):
+    from dapo import parallel
+
+    cfg = small_config(tmp_path, tiny_model_dir, "train.prompts_per_step=3", "train.mini_batch_prompts=1",
+                       "train.max_tokens_per_micro_batch=40", "algo.kl_coef=0.1", "algo.eps_high=0.01")
+    torch.manual_seed(0)
+    policy = make_policy(cfg)
+    batch = sampled_batch(policy)
+    batch.ref_logp = batch.old_logp - 0.1
+    batch.old_logp = batch.old_logp + 0.05 * torch.randn(batch.old_logp.shape, generator=torch.Generator().manual_seed(0))
+    real_loss, seen = loss_fn_of(cfg), []
+
+    def spy(logp, old_logp, adv, mask, **kwargs):
+        loss, stats = real_loss(logp, old_logp, adv, mask, **kwargs)
+        seen.append((len(gathers), mask.sum() / kwargs["num_tokens"], stats))  # which update, its token share, stats
+        return loss, stats
+
+    real_gather, gathers = parallel.all_gather, []
+    monkeypatch.setattr(parallel, "all_gather", lambda t, d: gathers.append(t) or real_gather(t, d))
+    real_cpu, transfers = torch.Tensor.cpu, []
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **k: transfers.append(t.shape) or real_cpu(t, *a, **k))
+    out = policy.update(batch, spy)
+    monkeypatch.undo()
+
+    assert len(gathers) == 3 and len(seen) > 3  # one collective per optimizer update, not one per micro-batch
+    assert len(transfers) == 2 * 3  # per update: the statistics once, the gradient norm once
+    per_update = []
+    for u in range(3):
+        micro = [(w, s) for k, w, s in seen if k == u]
+        up_n = sum(s["num_up_clipped"] for _, s in micro)
+        per_update.append({
+            "pg_loss": sum(s["pg_loss"] for _, s in micro), "kl_loss": sum(s["kl_loss"] for _, s in micro),
+            **{k: sum(w * s[k] for w, s in micro) for k in ("clipfrac_high", "clipfrac_low", "clipfrac_dual",
+                                                           "approx_kl", "token_prob_mean")},
+            "up_clipped_prob_mean": sum(s["up_clipped_prob_mean"] * s["num_up_clipped"] for _, s in micro) / max(up_n, 1),
+            "up_clipped_prob_max": max(s["up_clipped_prob_max"] for _, s in micro),
+        })
+    assert set(out) == {*per_update[0], "grad_norm", "lr", "skipped_updates"}
+    assert out["clipfrac_high"] > 0 and out["up_clipped_prob_max"] > 0 and out["kl_loss"] > 0
+    for k in per_update[0]:
+        expected = (max if k.endswith("_max") else lambda v: sum(v) / 3)([u[k] for u in per_update])
+        assert out[k].item() == pytest.approx(float(expected), abs=1e-7), k
+
+
+def test_reference_model_gives_the_initial_policys_log_probs(tiny_model_dir, tmp_path):
+    from dapo.policy import ReferenceModel
+
+    cfg = small_config(tmp_path, tiny_model_dir, "algo.kl_coef=0.05", "rollout.temperature=0.8",
+                       "train.max_tokens_per_micro_batch=60")
+    policy = make_policy(cfg)
+    reference = ReferenceModel(cfg.model, cfg.train, temperature=cfg.rollout.temperature, device=torch.device("cpu"))
+    assert not hasattr(policy, "ref_model")
+    assert not any(p.requires_grad for p in reference.model.parameters())
+    batch = sampled_batch(policy)
+    ref_logp = reference.logprobs(batch)  # (N, T)
+    assert torch.equal(ref_logp, policy.compute_logprobs(batch)[0])
+    batch.ref_logp = ref_logp
+    policy.update(batch, loss_fn_of(cfg))
+    assert torch.equal(reference.logprobs(batch), ref_logp)  # frozen
+    assert (policy.compute_logprobs(batch)[0] - ref_logp).abs().max() > 1e-3
 
 
 def test_truncated_importance_sampling_weights_each_tokens_loss(tiny_model_dir, tmp_path):
@@ -196,14 +303,14 @@ def test_truncated_importance_sampling_weights_each_tokens_loss(tiny_model_dir, 
         cfg = small_config(tmp_path, tiny_model_dir, "train.prompts_per_step=3", "train.mini_batch_prompts=3",
                            "train.grad_clip=1e9")
         torch.manual_seed(0)
-        policy = Policy(cfg, torch.device("cpu"))
+        policy = make_policy(cfg)
         policy.optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)
         policy.scheduler = torch.optim.lr_scheduler.LambdaLR(policy.optimizer, lambda step: 1.0)
         sampled = sampled_batch(policy)
         if weight is not None:
             sampled.is_weights = torch.full_like(sampled.old_logp, weight)
         before = torch.cat([p.detach().flatten() for p in policy.model.parameters()])
-        policy.update(sampled)
+        policy.update(sampled, loss_fn_of(cfg))
         deltas.append(torch.cat([p.detach().flatten() for p in policy.model.parameters()]) - before)
     assert deltas[0].abs().max() > 1e-3
     assert torch.allclose(deltas[1], 2 * deltas[0], atol=1e-6)
@@ -216,13 +323,13 @@ def test_bf16_compute_updates_float32_master_weights_like_a_float32_update(tiny_
     for dtype in ("float32", "bfloat16"):
         cfg = small_config(tmp_path, tiny_model_dir, f"model.dtype={dtype}", "train.lr=1e-6",
                            "train.prompts_per_step=3", "train.mini_batch_prompts=3")
-        policy = Policy(cfg, torch.device("cpu"))
+        policy = make_policy(cfg)
         batch = batch or sampled_batch(policy)  # the same samples for both
         batch.old_logp, _ = policy.compute_logprobs(batch)  # each under its own compute dtype: ratio 1
         trained = policy.master if dtype == "bfloat16" else list(policy.model.parameters())
         assert all(p.dtype == torch.float32 for p in trained) and len(trained) == len(list(policy.model.parameters()))
         before = torch.cat([p.detach().flatten() for p in trained])
-        policy.update(batch)
+        policy.update(batch, loss_fn_of(cfg))
         after = torch.cat([p.detach().flatten() for p in trained])
         deltas[dtype] = after - before
         if dtype == "bfloat16":
@@ -237,7 +344,7 @@ def test_bf16_compute_updates_float32_master_weights_like_a_float32_update(tiny_
     assert (torch.sign(d16) == torch.sign(d32)).float().mean() > 0.98  # a few near-zero gradients flip sign
     assert (d16 - d32).abs().sum() / d32.abs().sum() < 0.03
     # a checkpoint's trainer state carries the masters, so a resumed run continues from them, not from bf16
-    restored = Policy(cfg, torch.device("cpu"))
+    restored = make_policy(cfg)
     restored.load_trainer_state(policy.trainer_state())
     assert all(torch.equal(a, b) for a, b in zip(restored.master, policy.master))
     assert all(torch.equal(a, b) for a, b in zip(restored.model.parameters(), policy.model.parameters()))
@@ -245,7 +352,7 @@ def test_bf16_compute_updates_float32_master_weights_like_a_float32_update(tiny_
 
 def test_two_step_smoke_trains_every_parameter(tiny_model_dir, tmp_path):
     cfg = small_config(tmp_path, tiny_model_dir, "algo.overlong_filtering=true", "algo.kl_coef=0.01")
-    from dapo.policy import load_model_and_tokenizer
+    from dapo.models import load_model_and_tokenizer
 
     initial, _ = load_model_and_tokenizer(tiny_model_dir)
     last = train(cfg)

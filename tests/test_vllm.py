@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import small_config
+from conftest import loss_fn_of, make_policy, small_config
 from dapo import algo
 from dapo.batch import RolloutBatch
-from dapo.policy import Policy, load_model_and_tokenizer
+from dapo.models import load_model_and_tokenizer
 from dapo.rollout import Generation, SamplingParams, make_rollout
 from dapo.log import read_metrics
 from dapo.train import train
@@ -36,7 +36,7 @@ LOGP_TOL_MEAN, LOGP_TOL_MAX = 1e-4, 1e-3  # float32 on both sides; measured abou
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     cfg = small_config(tmp_path_factory.mktemp("vllm"), MODEL, *VLLM_OVERRIDES, "rollout.temperature=0.7")
-    policy = Policy(cfg, torch.device("cpu"))
+    policy = make_policy(cfg)
     engine = make_rollout(cfg.rollout, policy.model, policy.tokenizer)
     # a well-formed problem (answered in 19 tokens) and two odd ones that ramble on
     prompts = [policy.tokenizer(p)["input_ids"] for p in ("2+7*4=", "9=", "7-")]
@@ -57,7 +57,7 @@ def logp_abs_diff(policy, gen, group_size) -> torch.Tensor:
 
 
 def test_hf_runs_never_import_vllm():
-    code = ("import sys; from dapo.config import RolloutConfig; from dapo.policy import load_model_and_tokenizer;"
+    code = ("import sys; from dapo.config import RolloutConfig; from dapo.models import load_model_and_tokenizer;"
             "from dapo.rollout import make_rollout; import dapo.train;"
             f"m, t = load_model_and_tokenizer({str(MODEL)!r}); make_rollout(RolloutConfig(backend='hf'), m, t);"
             "assert 'vllm' not in sys.modules, 'vllm imported'")
@@ -174,7 +174,7 @@ def test_tensor_parallel_engine_over_two_ranks(setup, tmp_path):
     lp_alone = torch.tensor([x for row in alone.logprobs for x in row])
     assert (lp_tp - lp_alone).abs().max() < LOGP_TOL_MAX
 
-    pushed = Policy(cfg, torch.device("cpu"))
+    pushed = make_policy(cfg)
     perturb(pushed.model)
     gen = Generation(prompt_ids=[p for p in prompts for _ in range(PARAMS.n)], response_ids=after["response_ids"],
                      truncated=torch.zeros(len(after["response_ids"]), dtype=torch.bool), texts=[""] * len(after["response_ids"]),
@@ -210,7 +210,7 @@ def test_weight_push_after_a_training_step(setup):
     batch.old_logp, _ = policy.compute_logprobs(batch)
     for group in policy.optimizer.param_groups:
         group["lr"] = 1e-2  # a step big enough to change samples
-    policy.update(batch)
+    policy.update(batch, loss_fn_of(cfg))
     stale = logp_abs_diff(policy, engine.generate(prompts, params), 4)
     assert stale.mean() > 1e-2  # the trainer moved; the engine has not been told yet
 

@@ -51,8 +51,9 @@ def logp_gap(policy, gen, group_size: int) -> torch.Tensor:
     return torch.cat([(logp[i, : len(lp)] - torch.tensor(lp)).abs() for i, lp in enumerate(gen.logprobs)])
 
 
-def one_update(policy, gen, group_size: int) -> None:
+def one_update(policy, gen, group_size: int, cfg) -> None:
     """A real optimizer update on these samples, with made-up rewards."""
+    from conftest import loss_fn_of
     from dapo import algo
 
     batch = as_batch(gen, group_size)
@@ -60,7 +61,7 @@ def one_update(policy, gen, group_size: int) -> None:
     batch.acc = (batch.reward > 0).float()
     batch.adv = algo.group_advantages(batch.reward, group_size)
     batch.old_logp, batch.entropy = policy.compute_logprobs(batch, with_entropy=True)
-    policy.update(batch)
+    policy.update(batch, loss_fn_of(cfg))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -70,12 +71,12 @@ def test_seeded_batch_past_the_prefill_budget_then_push_then_again(tmp_path, arc
     or 7; after a real update and a weight push the same batch samples again and its log-probs
     are the trainer's."""
     from conftest import small_config
-    from dapo.policy import Policy
+    from conftest import make_policy
 
     model_dir = build_tiny(arch, tmp_path / "m", hidden=64, layers=2, seed=1)
     cfg = small_config(tmp_path, model_dir, "rollout.backend=vllm", "rollout.kv_cache_gib=0.25", "model.device=cpu",
                        "rollout.temperature=1.0", "train.lr=1e-2", "train.max_tokens_per_micro_batch=8192")
-    policy = Policy(cfg, torch.device("cpu"))
+    policy = make_policy(cfg)
     engine = make_rollout(cfg.rollout, policy.model, policy.tokenizer, max_model_len=512)
     _, prompts = word_prompts(policy.tokenizer, 64, pad_sentences=8)
     assert min(map(len, prompts)) >= 150 and sum(map(len, prompts)) > 8192
@@ -87,7 +88,7 @@ def test_seeded_batch_past_the_prefill_budget_then_push_then_again(tmp_path, arc
     assert logp_gap(policy, first, 4).mean().item() < LOGP_TOL_MEAN
 
     before = {k: v.clone() for k, v in policy.named_weights()}
-    one_update(policy, first, 4)
+    one_update(policy, first, 4, cfg)
     assert any((v - before[k]).abs().max() > 0 for k, v in policy.named_weights())
     engine.update_weights(policy.named_weights())
     second = engine.generate(prompts, params)
@@ -137,18 +138,18 @@ def test_real_smollm2_logprob_gap_after_push(tmp_path):
     """SmolLM2-135M-Instruct, 64 word problems x 4 samples (past the prefill budget), a real
     update, the push, the same batch again: vLLM's log-probs stay within 1e-3 of the trainer's."""
     from conftest import small_config
-    from dapo.policy import Policy
+    from conftest import make_policy
 
     cfg = small_config(tmp_path, SMOL_MODEL, "rollout.backend=vllm", "rollout.kv_cache_gib=0.25", "model.device=cpu",
                        "rollout.temperature=0.7", "train.lr=2e-5", "train.max_tokens_per_micro_batch=4096")
-    policy = Policy(cfg, torch.device("cpu"))
+    policy = make_policy(cfg)
     engine = make_rollout(cfg.rollout, policy.model, policy.tokenizer, max_model_len=352)
     _, prompts = word_prompts(policy.tokenizer, 64, pad_sentences=3)
     assert min(map(len, prompts)) >= 100 and len(prompts) == 64
     params = SamplingParams(n=4, temperature=0.7, max_new_tokens=6, seed=5)
     first = engine.generate(prompts, params)
     gap_before = logp_gap(policy, first, 4)
-    one_update(policy, first, 4)
+    one_update(policy, first, 4, cfg)
     engine.update_weights(policy.named_weights())
     second = engine.generate(prompts, params)
     gap_after = logp_gap(policy, second, 4)

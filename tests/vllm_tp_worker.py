@@ -7,11 +7,10 @@ import os
 import sys
 
 import torch
-from conftest import small_config
+from conftest import make_policy, small_config
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dapo import parallel
-from dapo.policy import Policy
 from dapo.rollout import SamplingParams
 from dapo.train import make_engine
 
@@ -33,7 +32,7 @@ def main(model_dir: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     d = parallel.init("cpu")
     cfg = small_config(out_dir, model_dir, *OVERRIDES, "rollout.tensor_parallel_size=2")
-    policy = Policy(cfg, d.device, d)
+    policy = make_policy(cfg, d.device, d)
     engine = make_engine(cfg, policy, d)
     prompts = [policy.tokenizer(p)["input_ids"] for p in PROMPTS]
     before = engine.generate(prompts, PARAMS)

@@ -215,6 +215,46 @@ def policy_loss(
     return loss, stats
 
 
+def actor_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    num_tokens: torch.Tensor | float | None = None,
+    num_seqs: torch.Tensor | float | None = None,
+    is_weights: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    loss_agg: str = "token-mean",
+    norm_length: float | None = None,
+    dual_clip: float | None = None,
+    kl_coef: float = 0.0,
+    kl_kind: str = "k3",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The actor's whole loss: policy_loss, plus with ``kl_coef`` > 0 the KL penalty to the reference
+    policy (kl_penalty on ``ref_logp`` (N, T)) aggregated like the loss and weighted by ``kl_coef``
+    (GRPO's KL loss; DAPO has none).
+
+    Returns the loss and policy_loss's statistics with ``pg_loss`` (the clipped surrogate alone) and,
+    with the KL term, ``kl_loss`` (the aggregated penalty before weighting), both detached.
+    """
+    loss, stats = policy_loss(
+        logp, old_logp, adv, response_mask, eps_low=eps_low, eps_high=eps_high, loss_agg=loss_agg,
+        num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length, dual_clip=dual_clip, is_weights=is_weights,
+    )
+    stats["pg_loss"] = loss.detach()
+    if kl_coef > 0:
+        if ref_logp is None:
+            raise ValueError("kl_coef > 0 needs ref_logp, the reference policy's log-probs of the same tokens")
+        kl_loss = aggregate(kl_penalty(logp, ref_logp, kl_kind), response_mask, loss_agg,
+                            num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
+        stats["kl_loss"] = kl_loss.detach()
+        loss = loss + kl_coef * kl_loss
+    return loss, stats
+
+
 def truncated_is_weights(
     old_logp: torch.Tensor, rollout_logp: torch.Tensor, response_mask: torch.Tensor, *, cap: float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

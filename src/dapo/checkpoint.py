@@ -198,7 +198,7 @@ def load_policy_weights(policy, path: Path) -> None:
     the model and the optimizer."""
     shards = policy.sharded_state()
     if shards is None:
-        load_model_weights(policy.model, path, trust_remote_code=policy.cfg.model.trust_remote_code)
+        load_model_weights(policy.model, path, trust_remote_code=policy.model_cfg.trust_remote_code)
     else:
         policy.load_sharded_state(load_shards(path, shards))
 

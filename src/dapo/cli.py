@@ -103,7 +103,7 @@ def cmd_eval(args) -> int:
 
     from dapo.checkpoint import latest_checkpoint
     from dapo.evaluate import BENCHMARKS, evaluate, load_benchmark, sampling_settings, write_report
-    from dapo.policy import load_model_and_tokenizer, pick_device
+    from dapo.models import load_model_and_tokenizer, pick_device
     from dapo.rewards import RewardPool
     from dapo.data import make_encoder
     from dapo.rollout import SamplingParams, make_rollout

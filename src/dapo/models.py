@@ -1,9 +1,11 @@
-"""Bringing pretrained models in: GGUF files to plain Hugging Face model directories.
+"""Models in and out of the project: loading Hugging Face model directories, and GGUF files to them.
 
+``load_model_and_tokenizer`` reads a local model directory (nothing is downloaded);
+``weightless_model`` builds its architecture without weights, for an engine that reads them itself.
 ``dapo import-model SRC.gguf OUT_DIR`` reads any GGUF whose architecture transformers can load
 (Llama, Qwen2, Mistral, ...) with transformers' own GGUF reader, de-quantises it, and writes a
 directory every other part of the project (and vLLM) reads: safetensors weights, config,
-generation config, tokenizer and chat template. Nothing is downloaded.
+generation config, tokenizer and chat template.
 """
 
 from __future__ import annotations
@@ -15,7 +17,49 @@ from pathlib import Path
 
 import torch
 
-from dapo.policy import DTYPES
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("model.device=cuda but no CUDA device is visible; use model.device=cpu")
+    return torch.device(name)
+
+
+def load_model_and_tokenizer(path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu", *,
+                             trust_remote_code: bool = False):
+    """A model directory's tokenizer and causal LM. Python files it ships (config.json's auto_map) run
+    only with ``trust_remote_code``; said explicitly, because left unset transformers asks on the
+    terminal, where a stray 'y' (or a pipe) runs them."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path).expanduser()
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"model.path={str(path)!r} is not a Hugging Face model directory (no config.json); "
+            "give a local directory (nothing is downloaded)"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+    return model.to(device), tokenizer
+
+
+def weightless_model(path, dtype: str, *, trust_remote_code: bool = False):
+    """The model on the meta device: vLLM reads the checkpoint itself and needs only its directory,
+    dtype and generation config (a full copy here would cost every GPU the whole model)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    path = Path(path).expanduser()
+    with torch.device("meta"):
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+    if (Path(path) / "generation_config.json").exists():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return model
 
 
 def import_gguf(src: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "float32") -> Path:

@@ -156,11 +156,15 @@ def all_reduce(t: torch.Tensor, d: Dist, op: str = "sum") -> torch.Tensor:
     return x.to(t.device, t.dtype)
 
 
-def all_reduce_dict(values: dict, d: Dist) -> dict:
-    """Sum a dict of scalars over ranks in one collective (keys are the same on every rank)."""
-    keys = sorted(values)
-    summed = all_reduce(torch.stack([torch.as_tensor(values[k], dtype=torch.float32) for k in keys]), d)
-    return dict(zip(keys, summed.unbind()))
+def all_gather(t: torch.Tensor, d: Dist) -> torch.Tensor:
+    """Every rank's ``t`` stacked in rank order, (world_size, *t.shape), on ``t``'s device; ``t[None]``
+    when alone. One collective for values that are reduced in different ways (sums beside a max)."""
+    if not d.sharded:
+        return t[None]
+    x = t.detach().to(d.device).contiguous()
+    parts = [torch.empty_like(x) for _ in range(d.world_size)]
+    dist.all_gather(parts, x)
+    return torch.stack(parts).to(t.device)
 
 
 def broadcast_object(obj, d: Dist, src: int = 0):

@@ -1,47 +1,22 @@
-"""The policy: a Hugging Face causal LM, its optimizer, log-probs and the clipped-surrogate update.
+"""The policy and the reference model: Hugging Face causal LMs, their log-probs, and the update.
 
-Nothing here decides anything about the algorithm: the loss comes from ``dapo.algo``.
+Nothing here decides anything about the algorithm: the loss arrives as a function (``LossFn``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dapo import algo, parallel
+from dapo import parallel
 from dapo.batch import RolloutBatch, pad_rows, plan_micro_batches
+from dapo.models import DTYPES, load_model_and_tokenizer
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("model.device=cuda but no CUDA device is visible; use model.device=cpu")
-    return torch.device(name)
-
-
-def load_model_and_tokenizer(path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu", *,
-                             trust_remote_code: bool = False):
-    """A model directory's tokenizer and causal LM. Python files it ships (config.json's auto_map) run
-    only with ``trust_remote_code``; said explicitly, because left unset transformers asks on the
-    terminal, where a stray 'y' (or a pipe) runs them."""
-    path = Path(path).expanduser()
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(
-            f"model.path={str(path)!r} is not a Hugging Face model directory (no config.json); "
-            "give a local directory (nothing is downloaded)"
-        )
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
-    return model.to(device), tokenizer
+if TYPE_CHECKING:
+    from dapo.config import ModelConfig, TrainConfig
 
 
 @dataclass
@@ -128,14 +103,17 @@ class ResponseLogProbs(nn.Module):
             logps.append(logp)
             if with_entropy:
                 entropies.append(log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1))
+        # scattered straight into (B, T): a view of a flat buffer as the output would make FSDP warn
+        # that an in-place op on it could skip its pre-backward hook
+        out_at = torch.unravel_index(mb.out_index, (mb.num_rows, mb.width))
         flat = torch.cat(logps)  # (n,)
-        logp = flat.new_zeros(mb.num_rows * mb.width).index_put((mb.out_index,), flat).view(mb.num_rows, mb.width)
+        logp = flat.new_zeros(mb.num_rows, mb.width).index_put(out_at, flat)
         entropy = None
         if with_entropy:
             if torch.is_grad_enabled():
                 raise ValueError("entropy is computed without gradients; call under torch.no_grad()")
             ent = torch.cat(entropies)
-            entropy = ent.new_zeros(mb.num_rows * mb.width).index_put((mb.out_index,), ent).view(mb.num_rows, mb.width)
+            entropy = ent.new_zeros(mb.num_rows, mb.width).index_put(out_at, ent)
         return logp, entropy
 
 
@@ -149,8 +127,8 @@ def token_logprobs(
     logits for more than one chunk never exist at once, in forward or backward. ``model`` is a
     causal LM or its ``ResponseLogProbs`` (the sharded one under FSDP).
     """
-    scorer = model if isinstance(model, ResponseLogProbs) else ResponseLogProbs(model)
-    return scorer(mb, temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens)
+    logprob_pass = model if isinstance(model, ResponseLogProbs) else ResponseLogProbs(model)
+    return logprob_pass(mb, temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens)
 
 
 def uses_varlen_attention(model) -> bool:
@@ -169,22 +147,198 @@ def _grad_into(master: torch.Tensor):
     return hook
 
 
-class Policy:
-    def __init__(self, cfg, device: torch.device, dist: parallel.Dist | None = None):
-        self.cfg = cfg
-        self.device = device
-        self.dist = dist or parallel.Dist(device=device)
-        # under FSDP each rank loads on CPU and keeps only its shard on the device (see _log_probs_of)
-        load_on = "cpu" if self.dist.sharded else device
-        self.model, self.tokenizer = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, load_on,
-                                                              trust_remote_code=cfg.model.trust_remote_code)
-        if cfg.model.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
-        self.model.config.use_cache = False  # training forward passes never need the KV cache
-        self.scorer = self._log_probs_of(self.model)
-        self.pad_id = self.tokenizer.pad_token_id
+class LossFn(Protocol):
+    """The loss ``Policy.update`` minimises, called once per micro-batch (B rows, T its longest response):
+
+      logp        (B, T) log-probs of the response tokens under the weights being trained (with gradient)
+      old_logp    (B, T) under the weights that sampled them
+      adv         (B,)   advantages
+      mask        (B, T) 1 on the tokens trained on
+      num_tokens, num_seqs   valid tokens and sequences of the whole mini-batch (every micro-batch, every
+                  rank): dividing by these makes the micro-batch losses add up to the mini-batch's
+      is_weights  (B, T) per-token loss weights, or None
+      ref_logp    (B, T) under the reference model, or None when the batch has none
+
+    It returns the loss and detached scalar statistics: ``pg_loss`` (its policy-gradient part, normalised
+    like the loss), ``kl_loss`` only when it has a KL term, and ``dapo.algo.policy_loss``'s per-token
+    means (clipfrac_high, clipfrac_low, clipfrac_dual, approx_kl, token_prob_mean) and top-clip
+    statistics (up_clipped_prob_mean, up_clipped_prob_max, num_up_clipped).
+    """
+
+    def __call__(self, logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *,
+                 num_tokens: torch.Tensor, num_seqs: torch.Tensor, is_weights: torch.Tensor | None,
+                 ref_logp: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+
+TOKEN_MEANS = ("clipfrac_high", "clipfrac_low", "clipfrac_dual", "approx_kl", "token_prob_mean")
+
+
+@dataclass
+class UpdateStats:
+    """One optimizer update's statistics, summed on the device over its micro-batches.
+
+    The losses come normalised by the whole mini-batch, so they add up as they are; the per-token
+    means are weighted by each micro-batch's share of the mini-batch's tokens; the top-clipped
+    tokens' probability is kept as a sum and a count, so its mean is over the tokens themselves.
+    ``summary`` combines the ranks' records in one collective and moves them to the CPU once.
+    """
+
+    pg_loss: torch.Tensor
+    token_means: torch.Tensor  # (len(TOKEN_MEANS),) token-weighted sums
+    up_clipped_prob_sum: torch.Tensor
+    num_up_clipped: torch.Tensor
+    up_clipped_prob_max: torch.Tensor
+    kl_loss: torch.Tensor | None = None  # only from a loss with a KL term
+    passes: int = 0  # micro-batches added
+
+    @classmethod
+    def zeros(cls, device) -> UpdateStats:
+        zero = torch.zeros((), device=device)
+        return cls(zero, torch.zeros(len(TOKEN_MEANS), device=device), zero, zero, zero)
+
+    def add(self, stats: dict[str, torch.Tensor], token_share: torch.Tensor) -> None:
+        """One micro-batch's loss statistics; ``token_share``: its valid tokens / the mini-batch's."""
+        self.pg_loss = self.pg_loss + stats["pg_loss"]
+        if "kl_loss" in stats:
+            self.kl_loss = stats["kl_loss"] if self.kl_loss is None else self.kl_loss + stats["kl_loss"]
+        self.token_means = self.token_means + torch.stack([stats[k] for k in TOKEN_MEANS]) * token_share
+        self.up_clipped_prob_sum = self.up_clipped_prob_sum + stats["up_clipped_prob_mean"] * stats["num_up_clipped"]
+        self.num_up_clipped = self.num_up_clipped + stats["num_up_clipped"]
+        self.up_clipped_prob_max = torch.maximum(self.up_clipped_prob_max, stats["up_clipped_prob_max"])
+        self.passes += 1
+
+    def summary(self, dist: parallel.Dist) -> dict[str, torch.Tensor]:
+        """The mini-batch's statistics over every rank, on the CPU, by their names in the metrics."""
+        sums = {"pg_loss": self.pg_loss, **dict(zip(TOKEN_MEANS, self.token_means.unbind())),
+                "up_clipped_prob_sum": self.up_clipped_prob_sum, "num_up_clipped": self.num_up_clipped}
+        if self.kl_loss is not None:  # every rank runs the same loss: all of them have it or none
+            sums["kl_loss"] = self.kl_loss
+        per_rank = parallel.all_gather(torch.stack([*sums.values(), self.up_clipped_prob_max]), dist)  # (ranks, K)
+        values = torch.cat([per_rank[:, :-1].sum(0), per_rank[:, -1:].amax(0)]).cpu()
+        total = dict(zip(sums, values.unbind()))
+        out = {"kl_loss": total["kl_loss"]} if "kl_loss" in total else {}
+        if self.passes or dist.sharded:  # a mini-batch whose rows were all filtered out trained on nothing
+            out["pg_loss"] = total["pg_loss"]
+            out.update({k: total[k] for k in TOKEN_MEANS})
+        out["up_clipped_prob_mean"] = total["up_clipped_prob_sum"] / total["num_up_clipped"].clamp(min=1)
+        out["up_clipped_prob_max"] = values[-1]
+        return out
+
+
+class LogProbModel:
+    """A causal LM's log-probs of a rollout batch's response tokens: rows split into micro-batches by
+    the token budget (packed where the attention kernels allow), and under FSDP each rank computing
+    its share of the rows with the sharded log-prob pass."""
+
+    def __init__(self, lm, pad_id: int, model_cfg: ModelConfig, train_cfg: TrainConfig, dist: parallel.Dist, *,
+                 temperature: float, device: torch.device):
+        self.model = lm
+        self.pad_id = pad_id
+        self.model_cfg, self.train_cfg = model_cfg, train_cfg
+        self.dist, self.device = dist, device
+        self.temperature = temperature  # log-probs are of the distribution that sampled: at its temperature
+        self.logprob_pass = self._sharded_logprob_pass(lm)
+
+    def _sharded_logprob_pass(self, lm) -> ResponseLogProbs:
+        """The model's log-prob pass; under FSDP sharded across ranks (one unit per decoder layer),
+        float32 master weights, forward and backward in model.dtype."""
+        logprob_pass = ResponseLogProbs(lm)
+        return parallel.wrap(logprob_pass, list(logprob_pass.decoder.layers), self.dist,
+                             compute_dtype=DTYPES[self.model_cfg.dtype], cpu_offload=self.train_cfg.cpu_offload)
+
+    def _rank_rows(self, batch: RolloutBatch, rows: list[int]) -> list[int]:
+        """This rank's share of a mini-batch's rows, balanced by sequence tokens (all of them when alone)."""
+        costs = [len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in rows]
+        return parallel.rank_share(rows, costs, self.dist)
+
+    # ---- micro-batches --------------------------------------------------------------------
+    @property
+    def packed(self) -> bool:
+        mode = self.train_cfg.pack_sequences
+        return mode == "true" or (mode == "auto" and uses_varlen_attention(self.model))
+
+    def micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[list[int]]:
+        """``rows`` split by the token budget; returns lists of batch row indices."""
+        lengths = [len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in rows]
+        t = self.train_cfg
+        plan = plan_micro_batches(lengths, t.max_tokens_per_micro_batch, packed=self.packed, max_rows=t.micro_batch_size)
+        return [[rows[j] for j in chunk] for chunk in plan]
+
+    def _make_micro_batch(self, batch: RolloutBatch, rows: list[int]) -> MicroBatch:
+        return make_micro_batch(batch, rows, self.pad_id, self.device, packed=self.packed)
+
+    # ---- log-probs ------------------------------------------------------------------------
+    @torch.no_grad()
+    def compute_logprobs(self, batch: RolloutBatch, *, with_entropy: bool = False):
+        """(N, T) log-probs of the sampled tokens (and entropy) under this model."""
+        was_training = self.model.training
+        self.model.train(False)
+        T = batch.max_response_len
+        logp = torch.zeros(len(batch), T)
+        entropy = torch.zeros(len(batch), T) if with_entropy else None
+        rows = list(range(len(batch)))
+        if self.dist.sharded:  # the rows this rank trains on; the others' come with the all-reduce below
+            per_update = self.train_cfg.mini_batch_prompts * batch.group_size
+            rows = [i for s in range(0, len(batch), per_update) for i in self._rank_rows(batch, rows[s : s + per_update])]
+        for micro in parallel.same_count(self.micro_batches(batch, rows), self.dist):
+            mb = self._make_micro_batch(batch, micro or [0])  # None: a pass only to join the collectives
+            lp, ent = token_logprobs(self.logprob_pass, mb, temperature=self.temperature, with_entropy=with_entropy)
+            if micro is None:
+                continue
+            logp[micro, : mb.width] = lp.float().cpu()
+            if with_entropy:
+                entropy[micro, : mb.width] = ent.float().cpu()
+        self.model.train(was_training)
+        if self.dist.sharded:  # every row was filled by exactly one rank
+            logp = parallel.all_reduce(logp, self.dist)
+            entropy = parallel.all_reduce(entropy, self.dist) if with_entropy else None
+        return logp, entropy
+
+
+def _placement(dist: parallel.Dist | None, device: torch.device | None) -> tuple[parallel.Dist, torch.device, str | torch.device]:
+    """The process group, the device computed on, and where the weights are loaded: under FSDP each
+    rank loads on CPU and keeps only its shard on the device."""
+    dist = dist or parallel.Dist(device=device or torch.device("cpu"))
+    device = dist.device if device is None else device
+    return dist, device, "cpu" if dist.sharded else device
+
+
+class ReferenceModel(LogProbModel):
+    """The initial weights, frozen: log-probs under pi_ref for a KL penalty (GRPO's; DAPO has none)."""
+
+    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, dist: parallel.Dist | None = None, *,
+                 temperature: float, device: torch.device | None = None):
+        dist, device, load_on = _placement(dist, device)
+        lm, tokenizer = load_model_and_tokenizer(model_cfg.path, model_cfg.dtype, load_on,
+                                                 trust_remote_code=model_cfg.trust_remote_code)
+        lm.requires_grad_(False).train(False)
+        super().__init__(lm, tokenizer.pad_token_id, model_cfg, train_cfg, dist, temperature=temperature, device=device)
+
+    def logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """(N, T) log-probs of the sampled tokens under the reference weights."""
+        return self.compute_logprobs(batch)[0]
+
+
+class Policy(LogProbModel):
+    """The policy being trained: the model and tokenizer from ``model_cfg``, AdamW and its schedule from
+    ``train_cfg``, float32 master weights below float32, sharded with FSDP over ``dist``'s ranks.
+
+    ``update`` runs the optimizer updates of one rollout batch on a loss it is given (``LossFn``);
+    ``temperature`` is the sampling temperature, at which every log-prob is computed.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, dist: parallel.Dist | None = None, *,
+                 temperature: float, device: torch.device | None = None):
+        dist, device, load_on = _placement(dist, device)
+        lm, self.tokenizer = load_model_and_tokenizer(model_cfg.path, model_cfg.dtype, load_on,
+                                                      trust_remote_code=model_cfg.trust_remote_code)
+        if model_cfg.gradient_checkpointing:
+            lm.gradient_checkpointing_enable()
+        lm.config.use_cache = False  # training forward passes never need the KV cache
+        super().__init__(lm, self.tokenizer.pad_token_id, model_cfg, train_cfg, dist,
+                         temperature=temperature, device=device)
         self.master = self._master_weights()  # float32 copies in one process below float32; None otherwise
-        t = cfg.train
+        t = train_cfg
         self.optimizer = torch.optim.AdamW(
             self.master or [p for p in self.model.parameters() if p.requires_grad],
             lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
@@ -194,12 +348,6 @@ class Policy:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
         )
-        self.ref_model = None
-        if cfg.algo.kl_coef > 0:
-            self.ref_model, _ = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, load_on,
-                                                         trust_remote_code=cfg.model.trust_remote_code)
-            self.ref_model.requires_grad_(False).train(False)
-            self.ref_scorer = self._log_probs_of(self.ref_model)
         self.skipped_updates = 0
 
     def _master_weights(self) -> list[nn.Parameter] | None:
@@ -213,7 +361,7 @@ class Policy:
         and after every optimizer step the model takes the copies rounded to bf16 (``_sync_from_master``).
         Under FSDP (sharded) the parameters are already float32 masters.
         """
-        if self.dist.sharded or DTYPES[self.cfg.model.dtype] == torch.float32:
+        if self.dist.sharded or DTYPES[self.model_cfg.dtype] == torch.float32:
             return None
         masters = []
         for p in self.model.parameters():
@@ -230,81 +378,25 @@ class Policy:
             for p, master in zip([p for p in self.model.parameters() if p.requires_grad], self.master):
                 p.copy_(master)  # round to the compute dtype
 
-    def _log_probs_of(self, model) -> ResponseLogProbs:
-        """The model's log-prob pass; under FSDP sharded across ranks (one unit per decoder layer),
-        float32 master weights, forward and backward in model.dtype."""
-        scorer = ResponseLogProbs(model)
-        return parallel.wrap(scorer, list(scorer.decoder.layers), self.dist, compute_dtype=DTYPES[self.cfg.model.dtype],
-                             cpu_offload=self.cfg.train.cpu_offload)
-
-    def _rank_rows(self, batch: RolloutBatch, rows: list[int]) -> list[int]:
-        """This rank's share of a mini-batch's rows, balanced by sequence tokens (all of them when alone)."""
-        costs = [len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in rows]
-        return parallel.rank_share(rows, costs, self.dist)
-
-    # ---- micro-batches --------------------------------------------------------------------
-    @property
-    def packed(self) -> bool:
-        mode = self.cfg.train.pack_sequences
-        return mode == "true" or (mode == "auto" and uses_varlen_attention(self.model))
-
-    def micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[list[int]]:
-        """``rows`` split by the token budget; returns lists of batch row indices."""
-        lengths = [len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in rows]
-        t = self.cfg.train
-        plan = plan_micro_batches(lengths, t.max_tokens_per_micro_batch, packed=self.packed, max_rows=t.micro_batch_size)
-        return [[rows[j] for j in chunk] for chunk in plan]
-
-    def _make_micro_batch(self, batch: RolloutBatch, rows: list[int]) -> MicroBatch:
-        return make_micro_batch(batch, rows, self.pad_id, self.device, packed=self.packed)
-
-    # ---- log-probs ------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def compute_logprobs(self, batch: RolloutBatch, *, model=None, with_entropy: bool = False):
-        """(N, T) log-probs of the sampled tokens (and entropy) under ``model`` (default: the policy)."""
-        model = self.model if model is None else model
-        scorer = self.scorer if model is self.model else self.ref_scorer if model is self.ref_model else model
-        was_training = model.training
-        model.train(False)
-        T = batch.max_response_len
-        logp = torch.zeros(len(batch), T)
-        entropy = torch.zeros(len(batch), T) if with_entropy else None
-        rows = list(range(len(batch)))
-        if self.dist.sharded:  # the rows this rank trains on; the others' come with the all-reduce below
-            per_update = self.cfg.train.mini_batch_prompts * batch.group_size
-            rows = [i for s in range(0, len(batch), per_update) for i in self._rank_rows(batch, rows[s : s + per_update])]
-        for micro in parallel.same_count(self.micro_batches(batch, rows), self.dist):
-            mb = self._make_micro_batch(batch, micro or [0])  # None: a pass only to join the collectives
-            lp, ent = token_logprobs(scorer, mb, temperature=self.cfg.rollout.temperature, with_entropy=with_entropy)
-            if micro is None:
-                continue
-            logp[micro, : mb.width] = lp.float().cpu()
-            if with_entropy:
-                entropy[micro, : mb.width] = ent.float().cpu()
-        model.train(was_training)
-        if self.dist.sharded:  # every row was filled by exactly one rank
-            logp = parallel.all_reduce(logp, self.dist)
-            entropy = parallel.all_reduce(entropy, self.dist) if with_entropy else None
-        return logp, entropy
-
     # ---- the update -----------------------------------------------------------------------
-    def update(self, batch: RolloutBatch) -> dict[str, torch.Tensor]:
-        """Several optimizer updates over one rollout batch (mini-batches of whole groups).
+    def update(self, batch: RolloutBatch, loss_fn: LossFn) -> dict[str, torch.Tensor]:
+        """Several optimizer updates over one rollout batch (mini-batches of whole groups), each
+        minimising ``loss_fn`` summed over its micro-batches.
 
-        Each mini-batch's loss is normalised by the valid tokens (or samples) of the whole
-        mini-batch, so splitting it into micro-batches leaves the gradient unchanged.
+        ``loss_fn`` gets the whole mini-batch's token and sequence counts, so splitting it into
+        micro-batches (or over ranks) leaves the gradient unchanged. Returns the statistics averaged
+        over the updates (``_max`` ones: their maximum), the learning rate and the skipped updates.
         """
-        cfg, a = self.cfg.train, self.cfg.algo
+        t = self.train_cfg
         self.model.train()
         g = batch.group_size
         groups = list(range(batch.num_groups))
-        per_update = max(1, cfg.mini_batch_prompts)
+        per_update = max(1, t.mini_batch_prompts)
         totals: dict[str, list[torch.Tensor]] = {}
-        for _epoch in range(cfg.ppo_epochs):
+        for _epoch in range(t.ppo_epochs):
             for start in range(0, len(groups), per_update):
                 rows = [i * g + j for i in groups[start : start + per_update] for j in range(g)]
-                stats = self._mini_batch_update(batch, rows, a)
+                stats = self._mini_batch_update(batch, rows, loss_fn)
                 for k, v in stats.items():
                     totals.setdefault(k, []).append(v)
         self.scheduler.step()
@@ -313,16 +405,14 @@ class Policy:
         out["skipped_updates"] = torch.tensor(float(self.skipped_updates))
         return out
 
-    def _mini_batch_update(self, batch: RolloutBatch, rows: list[int], a) -> dict[str, torch.Tensor]:
+    def _mini_batch_update(self, batch: RolloutBatch, rows: list[int], loss_fn: LossFn) -> dict[str, torch.Tensor]:
         rows = self._rank_rows(batch, rows)
         width = max((len(batch.response_ids[i]) for i in rows), default=0)
         mask_all = batch.response_mask(torch.tensor(rows, dtype=torch.long), width=width)  # (n, T_mb)
         # the divisor counts the whole mini-batch on every rank (DAPO eq. 12 over the step, not the shard)
-        num_tokens_cpu = parallel.all_reduce(mask_all.sum(), self.dist)
-        num_tokens = num_tokens_cpu.to(self.device)
+        num_tokens = parallel.all_reduce(mask_all.sum(), self.dist).to(self.device)
         num_seqs = parallel.all_reduce((mask_all.sum(-1) > 0).sum(), self.dist).to(self.device)
-        sums: dict[str, torch.Tensor] = {}
-        up_max = torch.zeros(())
+        stats = UpdateStats.zeros(self.device)
         for micro in parallel.same_count(self.micro_batches(batch, rows), self.dist):
             mb = self._make_micro_batch(batch, micro or [0])  # None: a pass only to join the collectives
             idx = torch.tensor(micro or [0])
@@ -330,49 +420,24 @@ class Policy:
             if mask_cpu.sum() == 0 and not self.dist.sharded:  # every row filtered out (overlong filtering)
                 continue
             mask = mask_cpu.to(self.device)
-            logp, _ = token_logprobs(self.scorer, mb, temperature=self.cfg.rollout.temperature)
-            old_logp = batch.old_logp[idx, : mb.width].to(self.device)
-            adv = batch.adv[idx].to(self.device)
-            is_weights = None if batch.is_weights is None else batch.is_weights[idx, : mb.width].to(self.device)
-            loss, stats = algo.policy_loss(
-                logp, old_logp, adv, mask,
-                eps_low=a.eps_low, eps_high=a.eps_high, loss_agg=a.loss_agg,
-                num_tokens=num_tokens, num_seqs=num_seqs,
-                norm_length=self.cfg.rollout.max_response_tokens, dual_clip=a.dual_clip, is_weights=is_weights,
-            )
-            pg_loss = loss.detach()
-            if self.ref_model is not None and a.kl_coef > 0:
-                ref_logp = batch.ref_logp[idx, : mb.width].to(self.device)
-                kl = algo.kl_penalty(logp, ref_logp, a.kl_kind)  # (B, T)
-                kl_loss = algo.aggregate(kl, mask, a.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
-                                         norm_length=self.cfg.rollout.max_response_tokens)
-                loss = loss + a.kl_coef * kl_loss
-                sums["kl_loss"] = sums.get("kl_loss", 0) + kl_loss.detach().cpu()
+            logp, _ = token_logprobs(self.logprob_pass, mb, temperature=self.temperature)
+            on_device = lambda x: None if x is None else x[idx, : mb.width].to(self.device)  # noqa: E731
+            loss, loss_stats = loss_fn(logp, on_device(batch.old_logp), batch.adv[idx].to(self.device), mask,
+                                       num_tokens=num_tokens, num_seqs=num_seqs,
+                                       is_weights=on_device(batch.is_weights), ref_logp=on_device(batch.ref_logp))
             loss.backward()
-            weight = mask_cpu.sum() / num_tokens_cpu.clamp(min=1)  # this micro-batch's share of tokens
-            sums["pg_loss"] = sums.get("pg_loss", 0) + pg_loss.cpu()
-            for k in ("clipfrac_high", "clipfrac_low", "clipfrac_dual", "approx_kl", "token_prob_mean"):
-                sums[k] = sums.get(k, 0) + stats[k].cpu() * weight
-            up_max = torch.maximum(up_max, stats["up_clipped_prob_max"].cpu())
-            sums["_up_sum"] = sums.get("_up_sum", 0) + (stats["up_clipped_prob_mean"] * stats["num_up_clipped"]).cpu()
-            sums["_up_n"] = sums.get("_up_n", 0) + stats["num_up_clipped"].cpu()
-        if self.dist.sharded:  # per-rank sums of the statistics -> the mini-batch's
-            sums = parallel.all_reduce_dict(sums, self.dist)
-            up_max = parallel.all_reduce(up_max, self.dist, op="max")
+            stats.add(loss_stats, token_share=mask.sum() / num_tokens.clamp(min=1))
+        summary = stats.summary(self.dist)
         trained = self.master or self.model.parameters()
-        grad_norm = parallel.clip_grad_norm(trained, self.cfg.train.grad_clip)
+        grad_norm = parallel.clip_grad_norm(trained, self.train_cfg.grad_clip)
         if torch.isfinite(grad_norm):
             self.optimizer.step()
             self._sync_from_master()
         else:
             self.skipped_updates += 1  # one bad batch must not poison the weights
         self.optimizer.zero_grad(set_to_none=True)
-        out = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in sums.items() if not k.startswith("_")}
-        up_n = sums.get("_up_n", torch.zeros(()))
-        out["up_clipped_prob_mean"] = torch.as_tensor(sums.get("_up_sum", 0.0)) / torch.as_tensor(up_n).clamp(min=1)
-        out["up_clipped_prob_max"] = up_max
-        out["grad_norm"] = grad_norm.detach().float().cpu()
-        return out
+        summary["grad_norm"] = grad_norm.detach().float().cpu()
+        return summary
 
     # ---- state -----------------------------------------------------------------------------
     def named_weights(self):

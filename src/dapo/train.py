@@ -29,14 +29,14 @@ import torch
 
 from dapo import algo, checkpoint, parallel
 from dapo.batch import RolloutBatch
-from dapo.config import Config, dump_yaml, load_config
+from dapo.config import AlgoConfig, Config, dump_yaml, load_config
 from dapo.data import PromptSampler, make_encoder
 from dapo.dynamic_sampling import BatchCollector, CollectStats, Scorer, record_behaviour_logp
 from dapo.evaluate import evaluate, load_benchmark, sampling_settings
 from dapo.log import NullLogger, RunLogger
 from dapo.metrics import no_signal_advice, sample_records, sampling_metrics, step_metrics
 from dapo.models import pick_device
-from dapo.policy import Policy, ReferenceModel
+from dapo.policy import LossFn, Policy, ReferenceModel
 from dapo.rollout import SamplingParams, make_training_engine
 from dapo.tasks import load_train_examples
 
@@ -91,15 +91,13 @@ class Timer:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
 
 
-def make_loss_fn(a, max_response_tokens: int):
-    """The per-micro-batch loss ``Policy.update`` runs: DAPO's clipped surrogate, plus the KL term
-    to the reference model for the baselines that have one."""
-    policy_loss = functools.partial(algo.policy_loss, eps_low=a.eps_low, eps_high=a.eps_high, loss_agg=a.loss_agg,
-                                    norm_length=max_response_tokens, dual_clip=a.dual_clip)
-    if a.kl_coef <= 0:
-        return policy_loss
-    return functools.partial(algo.with_kl_loss, policy_loss, kl_coef=a.kl_coef, kl_kind=a.kl_kind, loss_agg=a.loss_agg,
-                             norm_length=max_response_tokens)
+def make_loss_fn(algo_cfg: AlgoConfig, max_response_tokens: int) -> LossFn:
+    """The loss ``Policy.update`` minimises: the clipped surrogate as ``algo_cfg`` sets it, with the KL
+    term to the reference model when ``algo_cfg.kl_coef`` > 0 (``max_response_tokens``: Dr. GRPO's
+    constant length)."""
+    a = algo_cfg
+    return functools.partial(algo.actor_loss, eps_low=a.eps_low, eps_high=a.eps_high, loss_agg=a.loss_agg,
+                             norm_length=max_response_tokens, dual_clip=a.dual_clip, kl_coef=a.kl_coef, kl_kind=a.kl_kind)
 
 
 @contextlib.contextmanager
