@@ -82,7 +82,7 @@ FLOORS = [
     ("dapo.rewards", lambda n: not n.startswith("dapo.rewards")),
     ("dapo.batch", lambda n: n.startswith("dapo.")),
     ("dapo.data", lambda n: n not in ("dapo.tasks", "dapo.tasks.arith")),
-    ("dapo.policy", lambda n: n in ("dapo.config", "dapo.train", "dapo.dynamic_sampling", "dapo.rollout", "dapo.evaluate")),
+    ("dapo.policy", lambda n: n in ("dapo.train", "dapo.dynamic_sampling", "dapo.rollout", "dapo.evaluate", "dapo.algo")),
     ("dapo.rollout", lambda n: n in ("dapo.train", "dapo.policy", "dapo.dynamic_sampling", "dapo.evaluate")),
 ]
 

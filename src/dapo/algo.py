@@ -19,14 +19,12 @@ Beyond the paper: truncated_is_weights corrects for the rollout engine's samplin
 
 from __future__ import annotations
 
-import typing
-
 import torch
 
-from dapo.config import KlKind, LossAgg
-
-LOSS_AGG_MODES = typing.get_args(LossAgg)
-KL_KINDS = typing.get_args(KlKind)
+# what the loss functions below implement; config.py's LossAgg and KlKind offer exactly these (a test
+# checks), and this module stays free of config objects
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_KINDS = ("k1", "k2", "k3")
 
 
 def group_advantages(

@@ -20,7 +20,7 @@ from typing import Literal
 
 import yaml
 
-from dapo.data import DEFAULT_MAX_ROW_CHARS
+from dapo.data import DEFAULT_MAX_ROW_CHARS, Template
 
 
 class ConfigError(ValueError):
@@ -31,7 +31,6 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 Task = Literal["arith"]
 TaskDifficulty = Literal["demo", "hard", "long"]
-Template = Literal["dapo", "raw"]
 Backend = Literal["hf", "vllm", "auto"]
 Grader = Literal["auto", "dapo", "dapo_relaxed", "math", "gsm8k", "arith"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]

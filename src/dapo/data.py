@@ -23,7 +23,7 @@ import sys
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Literal, Sequence
 
 DAPO_PROMPT_PREFIX = (
     "Solve the following math problem step by step. The last line of your response should be of "
@@ -31,6 +31,7 @@ DAPO_PROMPT_PREFIX = (
 )
 DAPO_PROMPT_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
 
+Template = Literal["dapo", "raw"]  # prompt templates: the paper's, or the problem text as it is
 # A row's size limit, in characters. The longest row of the data sets in data/ has about 10k; a
 # million keeps any real problem and stops a hostile or broken row before it costs memory and time.
 DEFAULT_MAX_ROW_CHARS = 1_000_000
@@ -98,8 +99,6 @@ def apply_template(problem: str, template: str) -> str:
 
 
 def _templates() -> tuple[str, ...]:
-    from dapo.config import Template  # here, not at the top: dapo.config imports this module
-
     return typing.get_args(Template)
 
 
