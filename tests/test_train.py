@@ -435,7 +435,7 @@ def test_hard_exit_after_a_checkpoint_then_resume_matches_an_uninterrupted_run(t
     steps = [r["step"] for r in read_metrics(run_dir)]
     assert steps[-2:] == [2, 3] and steps.count(1) <= 1  # step 1 logged at most once, by the killed run
     ref_metrics = {r["step"]: r for r in read_metrics(tmp_path / "ref" / "t")}
-    assert ref_metrics[2]["sampling/prompts_from_buffer"] > 0  # step 2 trained groups held over from step 1
+    assert ref_metrics[2]["sampling/groups_from_buffer"] > 0  # step 2 trained groups held over from step 1
     # (b) the final weights are those of the uninterrupted run, tensor for tensor
     want = _weights(tmp_path / "ref" / "t" / "checkpoints" / "step_000003" / "model")
     got = _weights(run_dir / "checkpoints" / "step_000003" / "model")
@@ -450,7 +450,7 @@ def test_demo_command_prints_before_and_after(tmp_path, capsys):
             "run.progress=false", "run.tensorboard=false", "reward.num_workers=1"]
     assert main(args) == 0
     out = capsys.readouterr().out.strip().splitlines()
-    assert out[-2].startswith("held-out accuracy: arith avg@2 ") and "% before -> " in out[-2], out
+    assert out[-2].startswith("held-out accuracy: arith avg@2 ") and "] before -> " in out[-2], out
     assert " after step 2  (95% CI)" in out[-2]
     assert (tmp_path / "demo" / "plots" / "training.png").stat().st_size > 10_000
     # run again: the finished run is reported again from its metrics, not retrained
