@@ -27,6 +27,101 @@ def library_logging():
     close_library_logging()
 
 
+# ---- library logging -------------------------------------------------------------------------------
+def test_library_info_goes_to_the_run_log_and_warnings_also_to_the_console(tmp_path, capsys, library_logging,
+                                                                            monkeypatch):
+    monkeypatch.setenv("DAPO_VERBOSE", "0")  # and restored after: --verbose sets it
+    path = library_logging(tmp_path, "warning")
+    assert path == tmp_path / "train.log"
+    log = logging.getLogger("vllm.engine.x")
+    log.info("kv cache sized")
+    log.warning("the GPU ran out of memory")
+    log.warning("Chat template warmup failed")  # provoked on purpose by skip_tokenizer_init: file only
+    logging.getLogger("transformers.modeling_utils").info("loading weights")
+    logging.getLogger("torch.distributed.c10d").info("rendezvous done")
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["WARNING (vllm.engine.x): the GPU ran out of memory"]
+    text = path.read_text()
+    for message in ("kv cache sized", "the GPU ran out of memory", "Chat template warmup failed", "loading weights",
+                    "rendezvous done"):
+        assert message in text
+
+
+def test_verbose_and_log_level_bring_library_messages_back(tmp_path, capsys, library_logging, monkeypatch):
+    monkeypatch.setenv("DAPO_VERBOSE", "0")  # and restored after: --verbose sets it
+    library_logging(tmp_path, "info")
+    logging.getLogger("ray.x").info("node started")
+    assert "node started" in capsys.readouterr().err
+    monkeypatch.setenv("DAPO_VERBOSE", "1")
+    library_logging(tmp_path, "warning")
+    logging.getLogger("vllm.x").warning("Chat template warmup failed")
+    logging.getLogger("vllm.x").info("kv cache sized")
+    err = capsys.readouterr().err
+    assert "Chat template warmup failed" in err and "kv cache sized" in err
+
+
+def test_a_library_that_prints_through_its_own_handler_is_routed_too(tmp_path, capsys, library_logging, monkeypatch):
+    monkeypatch.setenv("DAPO_VERBOSE", "0")  # and restored after: --verbose sets it
+    own = logging.getLogger("vllm")  # as vLLM configures itself when VLLM_CONFIGURE_LOGGING=1
+    own.addHandler(logging.StreamHandler(sys.stdout))
+    own.propagate = False
+    library_logging(tmp_path, "warning")
+    own.info("quiet")
+    out = capsys.readouterr()
+    assert "quiet" not in out.out + out.err and "quiet" in (tmp_path / "train.log").read_text()
+    assert own.propagate and not own.handlers
+
+
+def test_log_level_is_checked():
+    with pytest.raises(ConfigError, match=r"run.log_level='loud': choose debug, info, warning or error"):
+        load_config("configs/demo.yaml", ["run.log_level=loud"])
+
+
+# ---- errors in one line, nothing left behind ------------------------------------------------------
+def test_a_missing_model_is_one_line_exit_2_and_leaves_no_run_directory(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    code = cli.main(["train", "configs/demo.yaml", f"model.path={tmp_path / 'nope'}", f"run.dir={runs}",
+                     *SMALL_OVERRIDES])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: model.path="), err
+    assert not runs.exists()
+
+
+def test_a_failed_start_keeps_an_earlier_runs_directory(tmp_path, capsys):
+    run_dir = tmp_path / "t"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("mine")
+    code = cli.main(["train", "configs/demo.yaml", f"model.path={tmp_path / 'nope'}", f"run.dir={tmp_path}",
+                     *SMALL_OVERRIDES])
+    assert code == 2 and capsys.readouterr().err.count("\n") == 1
+    assert (run_dir / "notes.txt").read_text() == "mine"
+
+
+def test_resuming_a_sharded_run_in_one_process_is_one_line(tiny_model_dir, tmp_path, capsys):
+    step = tmp_path / "t" / "checkpoints" / "step_000001"
+    (step / "shards").mkdir(parents=True)
+    torch.save({"step": 1}, step / "trainer_state.pt")
+    code = cli.main(["train", "configs/demo.yaml", f"model.path={tiny_model_dir}", f"run.dir={tmp_path}",
+                     *SMALL_OVERRIDES])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "is sharded" in err and "dapo export" in err
+    assert (step / "trainer_state.pt").exists()  # the earlier run is untouched
+
+
+def test_errors_of_the_package_are_one_line_and_faults_of_libraries_are_not():
+    from dapo.train import load_train_examples
+
+    with pytest.raises(ValueError) as ours:
+        load_train_examples(load_config("configs/demo.yaml", ["data.task=chess"]))
+    assert cli.user_error(ours.value) == f"error: {ours.value}"
+    with pytest.raises(ValueError) as theirs:
+        int("x")
+    assert cli.user_error(theirs.value) is None
+    assert cli.user_error(FileNotFoundError("a\n  b")) == "error: a b"
+    assert cli.user_error(KeyError("k")) is None
+
+
 # ---- file modes ------------------------------------------------------------------------------------
 @pytest.fixture
 def umask_022():

@@ -19,6 +19,7 @@ step_* is always whole; a crash mid-write leaves only a .tmp_* directory, remove
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -79,6 +80,26 @@ def prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, dist: paral
             print(f"run.overwrite=true: moved the earlier run {run_dir} to {aside}")
         run_dir.mkdir(parents=True, exist_ok=True)
     parallel.barrier(d)
+
+
+@contextlib.contextmanager
+def removed_if_start_fails(run_dir: Path):
+    """Around a run's start: when it fails before anything of value was written (no checkpoint, no
+    metrics row), remove the run directory, and the parents it made, if this run created them. An
+    earlier run's directory is never touched."""
+    run_dir = Path(run_dir)
+    created = [p for p in (run_dir, *run_dir.parents) if not p.exists()]  # innermost first
+    try:
+        yield
+    except BaseException:
+        metrics = run_dir / "metrics.jsonl"
+        results = any(checkpoint_dir(run_dir).glob("step_*")) or (metrics.exists() and metrics.stat().st_size > 0)
+        if created and run_dir.is_dir() and not results:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            for parent in created[1:]:
+                with contextlib.suppress(OSError):
+                    parent.rmdir()  # only while empty
+        raise
 
 
 def umask() -> int:

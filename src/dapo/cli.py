@@ -33,18 +33,23 @@ def _preset(path: str) -> Path:
 def cmd_train(args) -> int:
     from dapo.train import train
 
+    from dapo.checkpoint import removed_if_start_fails
+
     cfg = load_config(_preset(args.config), args.overrides)
-    train(cfg)
+    with removed_if_start_fails(cfg.run_dir):
+        train(cfg)
     return 0
 
 
 def cmd_demo(args) -> int:
+    from dapo.checkpoint import removed_if_start_fails
     from dapo.plots import plot_training
     from dapo.train import read_metrics, train
 
     cfg = load_config(_preset("configs/demo.yaml"), args.overrides)
     t0 = time.perf_counter()
-    train(cfg)
+    with removed_if_start_fails(cfg.run_dir):
+        train(cfg)
     rows = read_metrics(cfg.run_dir)
     png = plot_training(rows, cfg.run_dir / "plots" / "training.png", title="DAPO on the built-in arithmetic task")
     evals = [r for r in rows if any(k.startswith("eval/") and "/avg@" in k for k in r)]
@@ -70,11 +75,7 @@ def cmd_export(args) -> int:
 def cmd_import_model(args) -> int:
     from dapo.models import import_gguf
 
-    try:
-        out = import_gguf(Path(args.src).expanduser(), Path(args.out_dir).expanduser(), dtype=args.dtype)
-    except (FileExistsError, ValueError, ImportError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    out = import_gguf(Path(args.src).expanduser(), Path(args.out_dir).expanduser(), dtype=args.dtype)
     print(f"written: {out} (Hugging Face model directory; use it as model.path={out})")
     return 0
 
@@ -210,20 +211,51 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# errors a user causes (config, data, paths, checkpoints) and whose message says what to change
+ONE_LINE = ("ConfigError", "DataError", "GenerationCapError", "CheckpointError", "FileNotFoundError",
+            "FileExistsError", "NotADirectoryError", "IsADirectoryError", "PermissionError")
+
+
+def user_error(err: BaseException) -> str | None:
+    """The one line ``error: ...`` for an error the user can fix, or None for a fault to show in full.
+    A ValueError, RuntimeError or ImportError counts when this package raised it (its messages name
+    the setting and the fix); from inside a library it is a fault."""
+    known = any(t.__name__ in ONE_LINE for t in type(err).__mro__)
+    if not known and isinstance(err, (ValueError, RuntimeError, ImportError)) and not isinstance(err, NotImplementedError):
+        tb = err.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next  # the frame that raised it
+        known = tb is not None and tb.tb_frame.f_globals.get("__name__", "").split(".")[0] == "dapo"
+    if not known:
+        return None
+    return "error: " + (" ".join(str(err).split()) or type(err).__name__)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import os
+
     args = build_parser().parse_args(argv)
+    verbose = getattr(args, "verbose", False)
+    if verbose:
+        os.environ["DAPO_VERBOSE"] = "1"  # worker processes (ablate, Ray) inherit it
     from transformers.utils import logging as hf_logging
 
+    from dapo.log import setup_library_logging
+
+    setup_library_logging()  # library messages: warnings only on the console, until a run adds its train.log
     hf_logging.disable_progress_bar()  # per-file load/save bars would drown the per-step lines
     try:
         return args.func(args)
     except Exception as err:
-        # bad input (config, data, paths) is reported in one line; anything else keeps its traceback
-        one_line = ("DataError", "GenerationCapError", "CheckpointError")
-        if isinstance(err, (ConfigError, FileNotFoundError)) or type(err).__name__ in one_line:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        raise
+        line = user_error(err)
+        if line is None:
+            raise
+        if verbose:
+            import traceback
+
+            traceback.print_exc()
+        print(line, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

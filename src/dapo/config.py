@@ -139,6 +139,7 @@ class RunConfig:
     samples_per_step: int = 4  # decoded responses written to samples/ each step
     tensorboard: bool = True
     progress: bool = True  # console progress bar
+    log_level: str = "warning"  # library messages (vLLM, Ray, transformers) on the console: debug, info, warning or error; train.log has them all
 
 
 @dataclass
@@ -382,6 +383,8 @@ def validate(cfg: Config) -> None:
     _check(e.n >= 1 and e.every_steps >= 0 and e.num_problems >= 0, "eval.n >= 1, eval.every_steps >= 0, eval.num_problems >= 0")
     _check(0 < e.top_p <= 1.0 and e.temperature >= 0, "eval.top_p in (0, 1] and eval.temperature >= 0 (0 = greedy)")
     _check(cfg.run.save_every >= 0 and cfg.run.keep_checkpoints >= 1, "run.save_every >= 0 and run.keep_checkpoints >= 1")
+    _check(cfg.run.log_level in ("debug", "info", "warning", "error"),
+           f"run.log_level={cfg.run.log_level!r}: choose debug, info, warning or error")
     name = cfg.run.name
     # the run lives in run.dir/run.name: '..', '/x' or 'a/b' would write into (or over) another directory
     _check(name not in ("", ".", "..") and Path(name).name == name and not any(c in name for c in "/\\\0"),

@@ -30,7 +30,7 @@ from dapo import algo, checkpoint, parallel
 from dapo.batch import RolloutBatch
 from dapo.config import Config, ConfigError, dump_yaml
 from dapo.dynamic_sampling import CollectStats, Scorer, collect_batch, record_behaviour_logp
-from dapo.log import NullLogger, RunLogger
+from dapo.log import NullLogger, RunLogger, setup_library_logging
 from dapo.policy import DTYPES, Policy, load_model_and_tokenizer, pick_device
 from dapo.rollout import SamplingParams, ShardedRollout, make_rollout, resolve_backend
 
@@ -229,6 +229,7 @@ def train(cfg: Config, *, console=None) -> dict:
     torch.manual_seed(cfg.train.seed)
     d = parallel.init(cfg.model.device)  # WORLD_SIZE > 1 (torchrun, Ray): FSDP over the ranks
     checkpoint.prepare_run_dir(run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite, dist=d)
+    setup_library_logging(run_dir, cfg.run.log_level, rank=d.rank)  # vLLM, Ray, transformers: train.log
     policy = Policy(cfg, d.device if d.sharded else pick_device(cfg.model.device), d)
     engine = make_engine(cfg, policy, d)
     encode = make_encoder(policy.tokenizer, cfg.data.max_prompt_tokens)

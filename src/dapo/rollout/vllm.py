@@ -35,13 +35,18 @@ from typing import Iterable
 
 import numpy as np
 import torch
-from vllm import LLM
-from vllm import SamplingParams as VLLMSamplingParams
-from vllm.inputs import TokensPrompt
-from vllm.platforms import current_platform
 
-from dapo.parallel import full_tensors
-from dapo.rollout.base import Generation, SamplingParams, split_response
+# vLLM configures its logger (a handler on stdout) when imported unless told not to; the run's
+# logging setup (dapo.log) then sends its records to train.log and its warnings to the console
+os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+
+from vllm import LLM  # noqa: E402
+from vllm import SamplingParams as VLLMSamplingParams  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+from vllm.platforms import current_platform  # noqa: E402
+
+from dapo.parallel import full_tensors  # noqa: E402
+from dapo.rollout.base import Generation, SamplingParams, split_response  # noqa: E402
 
 SLEEP_LEVEL = 2  # discard weights and KV cache: update_weights after wake() refills the weights
 
