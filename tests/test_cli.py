@@ -109,6 +109,14 @@ def test_resuming_a_sharded_run_in_one_process_is_one_line(tiny_model_dir, tmp_p
     assert (step / "trainer_state.pt").exists()  # the earlier run is untouched
 
 
+def test_verbose_adds_the_traceback(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("DAPO_VERBOSE", "0")  # and restored after: --verbose sets it
+    code = cli.main(["train", "configs/demo.yaml", f"model.path={tmp_path / 'nope'}", f"run.dir={tmp_path / 'r'}",
+                     *SMALL_OVERRIDES, "--verbose"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" in err and err.splitlines()[-1].startswith("error: model.path=")
+
+
 def test_errors_of_the_package_are_one_line_and_faults_of_libraries_are_not():
     from dapo.train import load_train_examples
 
@@ -120,6 +128,33 @@ def test_errors_of_the_package_are_one_line_and_faults_of_libraries_are_not():
     assert cli.user_error(theirs.value) is None
     assert cli.user_error(FileNotFoundError("a\n  b")) == "error: a b"
     assert cli.user_error(KeyError("k")) is None
+
+
+# ---- --help ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("command, expected", [
+    ("ablate", ["(default: 5)", "(default: runs/ablation)", "(default: configs/ablation/base.yaml)",
+                "8 rows x 5 seeds", "about 30 minutes", "name (grpo)"]),
+    ("launch-ray", ["(default: auto)", "(default: 1)", "--address local", "1 for CPU workers"]),
+    ("import-model", ["(default: float32)"]),
+    ("train", ["--verbose", "runs/"]),
+    ("demo", ["--verbose", "minutes"]),
+    ("export", ["--trust-remote-code", "--verbose"]),
+])
+def test_help_says_the_defaults(command, expected, capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for piece in expected:
+        assert piece in text, (piece, text)
+
+
+def test_rows_by_short_name_number_or_file_stem():
+    rows_dir = REPO / "configs" / "ablation"
+    assert ablate.find_rows(rows_dir, ["grpo"]) == [rows_dir / "1_grpo.yaml"]
+    assert ablate.find_rows(rows_dir, ["3", "3_clip_higher", "no_kl"]) == [
+        rows_dir / "3_clip_higher.yaml", rows_dir / "3_clip_higher.yaml", rows_dir / "7_no_kl.yaml"]
+    with pytest.raises(ConfigError, match=r"--rows dapo: no such row; .*grpo, overlong_filtering"):
+        ablate.find_rows(rows_dir, ["dapo"])
 
 
 # ---- file modes ------------------------------------------------------------------------------------

@@ -141,36 +141,63 @@ def cmd_eval(args) -> int:
     return 0
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default (none for flags and options without one)."""
+
+    def _get_help_string(self, action):
+        if any(action.default is x for x in (None, False, argparse.SUPPRESS)) or "default" in (action.help or ""):
+            return action.help
+        if action.nargs in ("*", "?") and action.option_strings == []:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dapo", description="DAPO reinforcement learning for language models")
     sub = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--verbose", action="store_true",
+                        help="show every library message (vLLM, Ray, transformers) and the traceback of an error")
 
-    p = sub.add_parser("train", help="train (or resume) a run from a YAML preset plus dotted overrides")
+    def add(name: str, **kw) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], formatter_class=_Help, **kw)
+
+    p = add("train", help="train (or resume) a run from a YAML preset plus dotted overrides",
+            description="Train (or resume) a run. It lives in <run.dir>/<run.name> (runs/<preset name>): "
+                        "metrics.jsonl, train.log, samples/, checkpoints/. The preset says the cost: "
+                        "configs/demo.yaml is minutes on 2 CPU cores; the Qwen2.5 presets need GPUs.")
     p.add_argument("config", help="YAML preset, e.g. configs/demo.yaml")
     p.add_argument("overrides", nargs="*", help="key=value, e.g. algo.eps_high=0.28")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("demo", help="train a tiny model on the built-in task on CPU; print before/after accuracy")
+    p = add("demo", help="train a tiny model on the built-in task on CPU; print before/after accuracy",
+            description="Train the ~1M-parameter model in assets/arith-base on the built-in arithmetic task "
+                        "(configs/demo.yaml: 60 steps, a few minutes on 2 CPU cores) into runs/demo, and print "
+                        "held-out accuracy before and after.")
     p.add_argument("overrides", nargs="*", help="key=value overrides of configs/demo.yaml")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("export", help="turn a checkpoint (sharded or not) into one Hugging Face model directory")
+    p = add("export", help="turn a checkpoint (sharded or not) into one Hugging Face model directory")
     p.add_argument("checkpoint", help="a checkpoint directory, e.g. runs/NAME/checkpoints/step_000100")
     p.add_argument("out_dir", help="where to write the model (config, safetensors, tokenizer)")
     p.add_argument("--trust-remote-code", action="store_true", help="run Python files shipped in the checkpoint")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("import-model", help="convert a GGUF model file into a Hugging Face model directory")
+    p = add("import-model", help="convert a GGUF model file into a Hugging Face model directory")
     p.add_argument("src", help="a .gguf file of an architecture transformers reads (Llama, Qwen2, Mistral, ...)")
     p.add_argument("out_dir", help="where to write the model (safetensors, config, generation config, tokenizer)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="dtype of the written weights (default: float32; the GGUF's quantised blocks are de-quantised)")
+                   help="dtype of the written weights (the GGUF's quantised blocks are de-quantised)")
     p.set_defaults(func=cmd_import_model)
 
-    p = sub.add_parser("launch-ray", help="train with one Ray worker per GPU across a Ray cluster (FSDP)")
+    p = add("launch-ray", help="train with one Ray worker per GPU across a Ray cluster (FSDP)",
+            description="Train with one Ray worker per rank (FSDP). A first try on one machine, without a "
+                        "cluster: dapo launch-ray configs/demo.yaml --address local --cpu-workers-per-node 2")
     p.add_argument("config", help="YAML preset")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
-    p.add_argument("--address", default="auto", help="Ray cluster address; 'local' starts a private one-machine cluster")
+    p.add_argument("--address", default="auto",
+                   help="Ray cluster address ('auto': the one `ray start --head` runs on this machine); "
+                        "'local' starts a private one-machine cluster for this run")
     p.add_argument("--nodes", type=int, default=1, help="machines to spread the ranks over")
     p.add_argument("--gpus-per-node", type=int, default=0, help="ranks per machine, one GPU each")
     p.add_argument("--cpu-workers-per-node", type=int, default=0, help="CPU-only ranks per machine (gloo), without GPUs")
@@ -182,7 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     from dapo import ablate
 
-    p = sub.add_parser("ablate", help="the paper's ablation: every row x seed trained, evaluated and reported")
+    rows = len(ablate.find_rows(PRESET_DIR / "ablation"))
+    p = add("ablate", help="the paper's ablation: every row x seed trained, evaluated and reported",
+            description=f"The paper's ablation: every row (configs/ablation/<k>_<name>.yaml) x seed is one "
+                        f"training run, then evaluated and reported. Bare, it runs all {rows} rows x 5 seeds "
+                        f"({5 * rows} runs and one base-model evaluation) into runs/ablation: about 30 minutes on "
+                        "2 CPU cores (docs/ablation.md). A quick look: dapo ablate --rows grpo no_overlong_filtering --seeds 1")
     ablate.add_arguments(p)
     p.set_defaults(func=ablate.main_args)
 
