@@ -84,8 +84,9 @@ def cmd_launch_ray(args) -> int:
     from dapo.cluster import Placement, launch
 
     cfg = load_config(_preset(args.config), args.overrides)
+    cpus = args.cpus_per_worker if args.cpus_per_worker is not None else (4.0 if args.gpus_per_node else 1.0)
     placement = Placement(nodes=args.nodes, workers_per_node=args.gpus_per_node or args.cpu_workers_per_node,
-                          gpus_per_worker=1.0 if args.gpus_per_node else 0.0, cpus_per_worker=args.cpus_per_worker)
+                          gpus_per_worker=1.0 if args.gpus_per_node else 0.0, cpus_per_worker=cpus)
     if placement.world_size < 1:
         raise ConfigError("launch-ray: give --gpus-per-node N (GPU workers) or --cpu-workers-per-node N (CPU workers)")
     ray_init = {"num_cpus": args.num_cpus} if args.address == "local" and args.num_cpus else {}
@@ -201,8 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=1, help="machines to spread the ranks over")
     p.add_argument("--gpus-per-node", type=int, default=0, help="ranks per machine, one GPU each")
     p.add_argument("--cpu-workers-per-node", type=int, default=0, help="CPU-only ranks per machine (gloo), without GPUs")
-    p.add_argument("--cpus-per-worker", type=float, default=4.0, help="CPU slots reserved for each rank")
-    p.add_argument("--num-cpus", type=int, default=0, help="with --address local: CPU slots of the private cluster")
+    p.add_argument("--cpus-per-worker", type=float, default=None,
+                   help="CPU slots reserved for each rank (default: 4 with --gpus-per-node, 1 for CPU workers)")
+    p.add_argument("--num-cpus", type=int, default=0,
+                   help="with --address local: CPU slots of the private cluster (0: the machine's cores)")
     p.add_argument("--insecure", action="store_true",
                    help="join (or start) a Ray cluster without token authentication: anyone who reaches its ports runs code")
     p.set_defaults(func=cmd_launch_ray)
