@@ -72,6 +72,17 @@ def test_a_library_that_prints_through_its_own_handler_is_routed_too(tmp_path, c
     assert own.propagate and not own.handlers
 
 
+def test_a_console_sent_to_train_log_gets_each_warning_once(tmp_path):
+    """`dapo ablate` sends a run's console to its train.log, where the library log goes too."""
+    code = ("import logging, sys; from pathlib import Path; from dapo.log import setup_library_logging\n"
+            "setup_library_logging(Path(sys.argv[1]), 'warning')\n"
+            "logging.getLogger('vllm.x').warning('the GPU ran out of memory')\n")
+    with open(tmp_path / "train.log", "a") as log:
+        subprocess.run([sys.executable, "-c", code, str(tmp_path)], stdout=log, stderr=subprocess.STDOUT, check=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO / "src"), "DAPO_VERBOSE": "0"})
+    assert (tmp_path / "train.log").read_text().count("the GPU ran out of memory") == 1
+
+
 def test_log_level_is_checked():
     with pytest.raises(ConfigError, match=r"run.log_level='loud': choose debug, info, warning or error"):
         load_config("configs/demo.yaml", ["run.log_level=loud"])

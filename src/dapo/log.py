@@ -136,6 +136,11 @@ def setup_library_logging(run_dir: Path | None = None, console_level: str = "war
     file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     setattr(file, _TAG, True)
     root.addHandler(file)
+    try:  # `dapo ablate` sends each run's console to its train.log: the file has the warnings already
+        if os.path.samestat(os.fstat(sys.stderr.fileno()), os.stat(path)):
+            root.removeHandler(console)
+    except (AttributeError, OSError, ValueError):  # a stderr without a file (captured, closed)
+        pass
     return path
 
 

@@ -171,6 +171,7 @@ class VLLMRolloutEngine:
                 model=str(model.name_or_path),
                 dtype=str(model.dtype).removeprefix("torch."),
                 skip_tokenizer_init=True,  # prompts arrive as ids; responses are decoded with the trainer's tokenizer
+                use_tqdm_on_load=False,  # no progress bar on the console for a load of a second or two
                 generation_config="vllm",  # the checkpoint's sampling defaults must not leak into RL samples
                 logprobs_mode="processed_logprobs",  # log-probs of the distribution actually sampled from
                 tensor_parallel_size=cfg.tensor_parallel_size,
