@@ -51,6 +51,7 @@ HARMLESS = (
     ("vllm", "libiomp is not found", "as above"),
     ("vllm", "CPU backend doesn't allow to use `torch.set_num_threads`",
      "the thread count is set before the engine is built (rollout/vllm.py)"),
+    # (matched by category, in _ConsoleFilter)
     ("py.warnings", "", "deprecation notices inside the libraries (FutureWarning, DeprecationWarning)"),
 )
 _TAG = "_dapo_handler"
@@ -62,7 +63,7 @@ class _ConsoleFilter(logging.Filter):
             text = str(record.args[0]) if record.args else record.getMessage()
             return "FutureWarning" not in text and "DeprecationWarning" not in text
         message = record.getMessage()
-        return not any((record.name == name or record.name.startswith(name + ".")) and prefix and message.startswith(prefix)
+        return not any(prefix and message.startswith(prefix) and (record.name + ".").startswith(name + ".")
                        for name, prefix, _ in HARMLESS)
 
 
@@ -107,8 +108,9 @@ def setup_library_logging(run_dir: Path | None = None, console_level: str = "war
     # hand their records to the root logger instead
     for name, lg in list(logging.Logger.manager.loggerDict.items()):
         if isinstance(lg, logging.Logger) and name.split(".")[0] in LIBRARIES:
-            for h in [h for h in lg.handlers if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]:
-                lg.removeHandler(h)
+            for h in lg.handlers[:]:
+                if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+                    lg.removeHandler(h)
             lg.propagate = True
     try:
         from transformers.utils import logging as hf_logging
