@@ -65,17 +65,20 @@ class Run:
 
 
 def find_rows(rows_dir: Path, select: list[str] | None = None) -> list[Path]:
-    """Row files in order; ``select`` picks by number (``3``) or name (``3_clip_higher``)."""
+    """Row files in order; ``select`` picks by number (``3``), short name (``clip_higher``) or file
+    stem (``3_clip_higher``)."""
     found = sorted((p for p in Path(rows_dir).glob("*.yaml") if ROW_FILE.match(p.name)),
                    key=lambda p: int(ROW_FILE.match(p.name).group(1)))
     if not found:
         raise ConfigError(f"--rows-dir {rows_dir}: no row files named <k>_<name>.yaml")
     if not select:
         return found
-    by_key = {**{p.stem: p for p in found}, **{ROW_FILE.match(p.name).group(1): p for p in found}}
+    by_key = {**{p.stem.split("_", 1)[1]: p for p in found}, **{p.stem: p for p in found},
+              **{ROW_FILE.match(p.name).group(1): p for p in found}}
     missing = [s for s in select if s not in by_key]
     if missing:
-        raise ConfigError(f"--rows {' '.join(missing)}: no such row; rows are {', '.join(p.stem for p in found)}")
+        raise ConfigError(f"--rows {' '.join(missing)}: no such row; give a number, a name or a file stem: "
+                          f"{', '.join(p.stem.split('_', 1)[1] for p in found)} (or 1..{len(found)})")
     return [by_key[s] for s in select]
 
 
@@ -319,10 +322,11 @@ def write_report(out: Path, runs: list[Run], *, command: str = "", wall_s: float
 def add_arguments(p) -> None:
     p.add_argument("overrides", nargs="*", help="key=value overrides applied to every run, e.g. train.lr=1e-4")
     p.add_argument("--base", default="configs/ablation/base.yaml", help="the preset that holds the scale")
-    p.add_argument("--rows-dir", default=None, help="where the row files are (default: configs/ablation next to --base's repo)")
-    p.add_argument("--rows", nargs="*", default=None, help="rows to run, by number or name (default: all)")
-    p.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 per row")
-    p.add_argument("--steps", type=int, default=None, help="override train.total_steps")
+    p.add_argument("--rows-dir", default=None, help="where the row files are (default: the project's configs/ablation)")
+    p.add_argument("--rows", nargs="*", default=None,
+                   help="rows to run, by number (1), name (grpo) or file stem (1_grpo) (default: all)")
+    p.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 per row; every seed is one run per row")
+    p.add_argument("--steps", type=int, default=None, help="override train.total_steps (default: the preset's)")
     p.add_argument("--out", default="runs/ablation", help="study directory")
     p.add_argument("--jobs", type=int, default=0, help="runs in parallel (default: one per CPU core, 1 on a GPU)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per run (default: CPU cores / jobs)")

@@ -19,6 +19,7 @@ step_* is always whole; a crash mid-write leaves only a .tmp_* directory, remove
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -81,6 +82,52 @@ def prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, dist: paral
     parallel.barrier(d)
 
 
+@contextlib.contextmanager
+def removed_if_start_fails(run_dir: Path):
+    """Around a run's start: when it fails before anything of value was written (no checkpoint, no
+    metrics row), remove the run directory, and the parents it made, if this run created them. An
+    earlier run's directory is never touched."""
+    run_dir = Path(run_dir)
+    created = [p for p in (run_dir, *run_dir.parents) if not p.exists()]  # innermost first
+    try:
+        yield
+    except BaseException:
+        metrics = run_dir / "metrics.jsonl"
+        results = any(checkpoint_dir(run_dir).glob("step_*")) or (metrics.exists() and metrics.stat().st_size > 0)
+        if created and run_dir.is_dir() and not results:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            for parent in created[1:]:
+                with contextlib.suppress(OSError):
+                    parent.rmdir()  # only while empty
+        raise
+
+
+def umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def readable_as_umask(paths) -> None:
+    """Give files and directories the modes the user's umask asks for (0644 and 0755 under umask 022).
+    save_pretrained writes its weights 0600 and mkdtemp makes 0700: a model meant for sharing would be
+    readable by its owner only."""
+    mask = umask()
+    for p in paths:
+        p = Path(p)
+        if p.is_symlink():
+            continue
+        if p.is_dir():
+            p.chmod(0o777 & ~mask)
+        elif p.is_file():
+            executable = p.stat().st_mode & 0o100
+            p.chmod((0o777 if executable else 0o666) & ~mask)
+
+
+def _tree(path: Path) -> list[Path]:
+    return [Path(path), *Path(path).rglob("*")]
+
+
 def rng_state() -> dict:
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -121,6 +168,7 @@ def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state
     tokenizer.save_pretrained(model_dir)
     torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / "trainer_state.pt")
     (tmp / "config.yaml").write_text(config_yaml)
+    readable_as_umask(_tree(tmp))
     _fsync_tree(tmp)
     if final.exists():  # same step saved twice (e.g. end of run right after a periodic save)
         shutil.rmtree(final)
@@ -154,8 +202,15 @@ def export_hf(path: Path, out_dir: Path, *, trust_remote_code: bool = False) -> 
 
     path, out_dir = Path(path), Path(out_dir)
     refuse_links(path)
+    before = set(_tree(out_dir)) if out_dir.exists() else set()
     if (path / "model" / "config.json").exists():  # single-process checkpoints already hold one
+        mode = out_dir.stat().st_mode & 0o7777 if before else None
         shutil.copytree(path / "model", out_dir, dirs_exist_ok=True)
+        # what was copied (and the directory, if made here); the rest of an existing directory keeps its modes
+        readable_as_umask([out_dir / p.relative_to(path / "model") for p in (path / "model").rglob("*")]
+                          + ([] if before else [out_dir]))
+        if mode is not None:
+            out_dir.chmod(mode)  # copytree gave it the checkpoint's
         return out_dir
     if not is_sharded(path):
         raise FileNotFoundError(f"{path} is not a checkpoint directory (no model/ or shards/); give runs/<name>/checkpoints/step_NNNNNN")
@@ -167,6 +222,7 @@ def export_hf(path: Path, out_dir: Path, *, trust_remote_code: bool = False) -> 
     model.to(dtype)  # the dtype the model was given in; training kept float32 masters
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(path / "model_meta", trust_remote_code=trust_remote_code).save_pretrained(out_dir)
+    readable_as_umask([p for p in _tree(out_dir) if p not in before or p.name.endswith(".safetensors")])  # ours
     return out_dir
 
 

@@ -25,19 +25,24 @@ from dapo.config import Config, ConfigError, Dtype, load_config, resolve_preset
 def cmd_train(args) -> int:
     from dapo.train import train
 
+    from dapo.checkpoint import removed_if_start_fails
+
     cfg = load_config(resolve_preset(args.config), args.overrides)
     t0 = time.perf_counter()
-    train(cfg)
+    with removed_if_start_fails(cfg.run_dir):
+        train(cfg)
     closing_summary(cfg, time.perf_counter() - t0, title=cfg.run.name)
     return 0
 
 
 def cmd_demo(args) -> int:
+    from dapo.checkpoint import removed_if_start_fails
     from dapo.train import train
 
     cfg = load_config(resolve_preset("configs/demo.yaml"), args.overrides)
     t0 = time.perf_counter()
-    train(cfg)
+    with removed_if_start_fails(cfg.run_dir):
+        train(cfg)
     closing_summary(cfg, time.perf_counter() - t0, title="DAPO on the built-in arithmetic task")
     print(f"(delete {cfg.run_dir} to train from scratch again)")
     return 0
@@ -66,11 +71,7 @@ def cmd_export(args) -> int:
 def cmd_import_model(args) -> int:
     from dapo.models import import_gguf
 
-    try:
-        out = import_gguf(Path(args.src).expanduser(), Path(args.out_dir).expanduser(), dtype=args.dtype)
-    except (FileExistsError, ValueError, ImportError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    out = import_gguf(Path(args.src).expanduser(), Path(args.out_dir).expanduser(), dtype=args.dtype)
     print(f"written: {out} (Hugging Face model directory; use it as model.path={out})")
     return 0
 
@@ -79,8 +80,9 @@ def cmd_launch_ray(args) -> int:
     from dapo.cluster import Placement, launch
 
     cfg = load_config(resolve_preset(args.config), args.overrides)
+    cpus = args.cpus_per_worker if args.cpus_per_worker is not None else (4.0 if args.gpus_per_node else 1.0)
     placement = Placement(nodes=args.nodes, workers_per_node=args.gpus_per_node or args.cpu_workers_per_node,
-                          gpus_per_worker=1.0 if args.gpus_per_node else 0.0, cpus_per_worker=args.cpus_per_worker)
+                          gpus_per_worker=1.0 if args.gpus_per_node else 0.0, cpus_per_worker=cpus)
     if placement.world_size < 1:
         raise ConfigError("launch-ray: give --gpus-per-node N (GPU workers) or --cpu-workers-per-node N (CPU workers)")
     ray_init = {"num_cpus": args.num_cpus} if args.address == "local" and args.num_cpus else {}
@@ -147,53 +149,87 @@ def cmd_eval(args) -> int:
     return 0
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default (none for flags and options without one)."""
+
+    def _get_help_string(self, action):
+        if any(action.default is x for x in (None, False, argparse.SUPPRESS)) or "default" in (action.help or ""):
+            return action.help
+        if action.nargs in ("*", "?") and action.option_strings == []:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dapo", description="DAPO reinforcement learning for language models")
     sub = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--verbose", action="store_true",
+                        help="show every library message (vLLM, Ray, transformers) and the traceback of an error")
 
-    p = sub.add_parser("train", help="train (or resume) a run from a YAML preset plus dotted overrides")
+    def add(name: str, **kw) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], formatter_class=_Help, **kw)
+
+    p = add("train", help="train (or resume) a run from a YAML preset plus dotted overrides",
+            description="Train (or resume) a run. It lives in <run.dir>/<run.name> (runs/<preset name>): "
+                        "metrics.jsonl, train.log, samples/, checkpoints/. The preset says the cost: "
+                        "configs/demo.yaml is minutes on 2 CPU cores; the Qwen2.5 presets need GPUs.")
     p.add_argument("config", help="YAML preset, e.g. configs/demo.yaml")
     p.add_argument("overrides", nargs="*", help="key=value, e.g. algo.eps_high=0.28")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("demo", help="train a tiny model on the built-in task on CPU; print before/after accuracy")
+    p = add("demo", help="train a tiny model on the built-in task on CPU; print before/after accuracy",
+            description="Train the ~1M-parameter model in assets/arith-base on the built-in arithmetic task "
+                        "(configs/demo.yaml: 60 steps, a few minutes on 2 CPU cores) into runs/demo, and print "
+                        "held-out accuracy before and after.")
     p.add_argument("overrides", nargs="*", help="key=value overrides of configs/demo.yaml")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("export", help="turn a checkpoint (sharded or not) into one Hugging Face model directory")
+    p = add("export", help="turn a checkpoint (sharded or not) into one Hugging Face model directory")
     p.add_argument("checkpoint", help="a checkpoint directory, e.g. runs/NAME/checkpoints/step_000100")
     p.add_argument("out_dir", help="where to write the model (config, safetensors, tokenizer)")
     p.add_argument("--trust-remote-code", action="store_true", help="run Python files shipped in the checkpoint")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("import-model", help="convert a GGUF model file into a Hugging Face model directory")
+    p = add("import-model", help="convert a GGUF model file into a Hugging Face model directory")
     p.add_argument("src", help="a .gguf file of an architecture transformers reads (Llama, Qwen2, Mistral, ...)")
     p.add_argument("out_dir", help="where to write the model (safetensors, config, generation config, tokenizer)")
     p.add_argument("--dtype", default="float32", choices=typing.get_args(Dtype),
-                   help="dtype of the written weights (default: float32; the GGUF's quantised blocks are de-quantised)")
+                   help="dtype of the written weights (the GGUF's quantised blocks are de-quantised)")
     p.set_defaults(func=cmd_import_model)
 
-    p = sub.add_parser("launch-ray", help="train with one Ray worker per GPU across a Ray cluster (FSDP)")
+    p = add("launch-ray", help="train with one Ray worker per GPU across a Ray cluster (FSDP)",
+            description="Train with one Ray worker per rank (FSDP). A first try on one machine, without a "
+                        "cluster: dapo launch-ray configs/demo.yaml --address local --cpu-workers-per-node 2")
     p.add_argument("config", help="YAML preset")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
-    p.add_argument("--address", default="auto", help="Ray cluster address; 'local' starts a private one-machine cluster")
+    p.add_argument("--address", default="auto",
+                   help="Ray cluster address ('auto': the one `ray start --head` runs on this machine); "
+                        "'local' starts a private one-machine cluster for this run")
     p.add_argument("--nodes", type=int, default=1, help="machines to spread the ranks over")
     p.add_argument("--gpus-per-node", type=int, default=0, help="ranks per machine, one GPU each")
     p.add_argument("--cpu-workers-per-node", type=int, default=0, help="CPU-only ranks per machine (gloo), without GPUs")
-    p.add_argument("--cpus-per-worker", type=float, default=4.0, help="CPU slots reserved for each rank")
-    p.add_argument("--num-cpus", type=int, default=0, help="with --address local: CPU slots of the private cluster")
+    p.add_argument("--cpus-per-worker", type=float, default=None,
+                   help="CPU slots reserved for each rank (default: 4 with --gpus-per-node, 1 for CPU workers)")
+    p.add_argument("--num-cpus", type=int, default=0,
+                   help="with --address local: CPU slots of the private cluster (0: the machine's cores)")
     p.add_argument("--insecure", action="store_true",
                    help="join (or start) a Ray cluster without token authentication: anyone who reaches its ports runs code")
     p.set_defaults(func=cmd_launch_ray)
 
     from dapo import ablate
 
-    p = sub.add_parser("ablate", help="the paper's ablation: every row x seed trained, evaluated and reported")
+    rows = len(ablate.find_rows(PRESET_DIR / "ablation"))
+    p = add("ablate", help="the paper's ablation: every row x seed trained, evaluated and reported",
+            description=f"The paper's ablation: every row (configs/ablation/<k>_<name>.yaml) x seed is one "
+                        f"training run, then evaluated and reported. Bare, it runs all {rows} rows x 5 seeds "
+                        f"({5 * rows} runs and one base-model evaluation) into runs/ablation: about 30 minutes on "
+                        "2 CPU cores (docs/ablation.md). A quick look: dapo ablate --rows grpo no_overlong_filtering --seeds 1")
     ablate.add_arguments(p)
     p.set_defaults(func=ablate.main_args)
 
     p = sub.add_parser(
-        "eval", help="avg@n, pass@k, maj@n on benchmarks for a model directory or a run",
+        "eval", help="avg@n, pass@k, maj@n on benchmarks for a model directory or a run", parents=[common],
         usage="dapo eval [PRESET] (--model DIR | --run RUN_DIR) [--out DIR] [key=value ...]",
         formatter_class=argparse.RawDescriptionHelpFormatter, description="""\
 Evaluate a model on the benchmarks in eval.benchmarks. Settings come from the run's saved
@@ -220,6 +256,26 @@ setting (a data file: n=4, temperature 1.0, top-p 1.0, rollout.max_response_toke
     return parser
 
 
+# errors a user causes (config, data, paths, checkpoints) and whose message says what to change
+ONE_LINE = ("ConfigError", "DataError", "GenerationCapError", "CheckpointError", "FileNotFoundError",
+            "FileExistsError", "NotADirectoryError", "IsADirectoryError", "PermissionError")
+
+
+def user_error(err: BaseException) -> str | None:
+    """The one line ``error: ...`` for an error the user can fix, or None for a fault to show in full.
+    A ValueError, RuntimeError or ImportError counts when this package raised it (its messages name
+    the setting and the fix); from inside a library it is a fault."""
+    known = any(t.__name__ in ONE_LINE for t in type(err).__mro__)
+    if not known and isinstance(err, (ValueError, RuntimeError, ImportError)) and not isinstance(err, NotImplementedError):
+        tb = err.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next  # the frame that raised it
+        known = tb is not None and tb.tb_frame.f_globals.get("__name__", "").split(".")[0] == "dapo"
+    if not known:
+        return None
+    return "error: " + (" ".join(str(err).split()) or type(err).__name__)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # `dapo eval --model DIR eval.n=8`: overrides may follow the flags, which one positional list cannot take
@@ -228,18 +284,27 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.items += extra
+    verbose = getattr(args, "verbose", False)
+    if verbose:
+        os.environ["DAPO_VERBOSE"] = "1"  # worker processes (ablate, Ray) inherit it
     from transformers.utils import logging as hf_logging
 
+    from dapo.log import setup_library_logging
+
+    setup_library_logging()  # library messages: warnings only on the console, until a run adds its train.log
     hf_logging.disable_progress_bar()  # per-file load/save bars would drown the per-step lines
     try:
         return args.func(args)
     except Exception as err:
-        # bad input (config, data, paths) is reported in one line; anything else keeps its traceback
-        one_line = ("DataError", "GenerationCapError", "CheckpointError")
-        if isinstance(err, (ConfigError, FileNotFoundError)) or type(err).__name__ in one_line:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        raise
+        line = user_error(err)
+        if line is None:
+            raise
+        if verbose:
+            import traceback
+
+            traceback.print_exc()
+        print(line, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ class Placement:
     nodes: int = 1  # machines
     workers_per_node: int = 8  # ranks per machine
     gpus_per_worker: float = 1.0  # 0: CPU-only workers (gloo), as in the tests
-    cpus_per_worker: float = 4.0  # CPU slots reserved per rank (tokenising, grading on rank 0)
+    cpus_per_worker: float = 4.0  # CPU slots reserved per rank (tokenising, grading on rank 0); the CLI: 1 for CPU workers
 
     @property
     def world_size(self) -> int:
@@ -104,6 +104,30 @@ def require_token_auth(gcs_address: str) -> None:
                       "one token (RAY_AUTH_TOKEN_PATH) everywhere, see docs/security.md; or pass --insecure")
 
 
+def check_fits(p: Placement, nodes: list[dict], *, local: bool = False) -> None:
+    """Stop, saying what to change, when the cluster (``nodes``: each alive node's resources) can never
+    hold the placement; Ray itself would wait forever for the resources."""
+    asked = {"CPU": p.world_size * p.cpus_per_worker, "GPU": p.world_size * p.gpus_per_worker}
+    have = {k: sum(n.get(k, 0.0) for n in nodes) for k in asked}
+    per = {"CPU": p.cpus_per_worker, "GPU": p.gpus_per_worker}
+    biggest = {k: max((n.get(k, 0.0) for n in nodes), default=0.0) for k in asked}
+    ranks = (f"{p.nodes} node(s) x {p.workers_per_node} worker(s)" if p.nodes > 1 else f"{p.world_size} worker(s)")
+    for k, flag in (("CPU", "--cpus-per-worker"), ("GPU", "--gpus-per-node")):
+        if asked[k] <= have[k] and per[k] <= biggest[k]:
+            continue
+        need = f"{ranks} x {per[k]:g} {k}s = {asked[k]:g} {k}s"
+        if k == "GPU":
+            fix = ("use fewer GPU workers (--gpus-per-node, --nodes), or CPU workers (--cpu-workers-per-node N) "
+                   "where the cluster has no GPU")
+        else:
+            fit = max(have[k] // max(p.world_size, 1), 0)
+            fix = f"lower {flag} (to {fit:g} or less)" if fit >= 1 else "use fewer workers"
+            fix += (", or give the private cluster more slots with --num-cpus" if local
+                    else ", or add nodes to the cluster")
+        raise ConfigError(f"launch-ray: the placement needs {need}, the Ray cluster has {have[k]:g} "
+                          f"(at most {biggest[k]:g} on one node); {fix}")
+
+
 def launch(cfg, placement: Placement, train_fn, *, address: str = "auto", ray_init: dict | None = None,
            insecure: bool = False) -> dict:
     """Run ``train_fn(cfg)`` (``dapo.train.train``, passed in so this module stays below the loop) on
@@ -119,9 +143,16 @@ def launch(cfg, placement: Placement, train_fn, *, address: str = "auto", ray_in
 
     if not ray.is_initialized():
         try:
-            ray.init(address=None if address == "local" else address, **(ray_init or {}))
+            from dapo.log import verbose
+
+            quiet = {} if verbose() else {"logging_level": "warning"}  # Ray's INFO lines on the driver's console
+            ray.init(address=None if address == "local" else address, **{**quiet, **(ray_init or {})})
         except (ray.exceptions.AuthenticationError, ConnectionError) as err:  # a token cluster refuses one without
             why = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else type(err).__name__
+            if "Could not find any running Ray instance" in str(err):
+                raise ConfigError(f"launch-ray: no Ray cluster is running at --address {address}; start one with "
+                                  "`ray start --head` (token authentication: docs/security.md), or try on this "
+                                  "machine alone with --address local") from None
             raise ConfigError(f"launch-ray: cannot join the Ray cluster at {address} ({why}); with token authentication "
                               "export RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH=<the cluster's token file> first "
                               "(docs/security.md)") from None
@@ -132,6 +163,11 @@ def launch(cfg, placement: Placement, train_fn, *, address: str = "auto", ray_in
             ray.shutdown()
             raise
     p = placement
+    try:
+        check_fits(p, [n["Resources"] for n in ray.nodes() if n.get("Alive")], local=address == "local")
+    except ConfigError:
+        ray.shutdown()
+        raise
     bundle = {"CPU": p.cpus_per_worker, **({"GPU": p.gpus_per_worker} if p.gpus_per_worker else {})}
     # PACK fills a node before the next, so consecutive ranks share a machine (and its NVLink)
     pg = placement_group([dict(bundle) for _ in range(p.world_size)], strategy="PACK")

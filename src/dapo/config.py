@@ -39,6 +39,7 @@ FilterMetric = Literal["acc", "reward"]
 OnMaxGenRounds = Literal["train", "fail"]
 BufferLogp = Literal["trainer", "engine"]
 PackSequences = Literal["auto", "true", "false"]
+LogLevel = Literal["debug", "info", "warning", "error"]
 
 
 @dataclass
@@ -162,6 +163,7 @@ class RunConfig:
     samples_per_step: int = 4  # decoded responses written to samples/ each step
     tensorboard: bool = True
     progress: bool = True  # console progress bar
+    log_level: LogLevel = "warning"  # library messages (vLLM, Ray, transformers) on the console: debug, info, warning or error; train.log has them all
 
 
 @dataclass

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from dapo.checkpoint import readable_as_umask
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -115,9 +117,8 @@ def import_gguf(src: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: st
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the model directory follows the user's umask
+        # mkdtemp makes the directory private and save_pretrained its weights: the model follows the user's umask
+        readable_as_umask([tmp, *tmp.rglob("*")])
         if out_dir.exists():
             out_dir.rmdir()  # empty (checked above)
         os.replace(tmp, out_dir)

@@ -33,7 +33,7 @@ from dapo.config import AlgoConfig, Config, dump_yaml, load_config
 from dapo.data import PromptSampler, make_encoder
 from dapo.dynamic_sampling import BatchCollector, CollectStats, Scorer, record_behaviour_logp
 from dapo.evaluate import evaluate, load_benchmark, sampling_settings
-from dapo.log import NullLogger, RunLogger
+from dapo.log import NullLogger, RunLogger, setup_library_logging
 from dapo.metrics import no_signal_advice, sample_records, sampling_metrics, step_metrics
 from dapo.models import pick_device
 from dapo.policy import LossFn, Policy, ReferenceModel
@@ -210,6 +210,7 @@ def start(cfg: Config, stack: contextlib.ExitStack, console=None) -> Run:
     torch.manual_seed(cfg.train.seed)
     d = parallel.init(cfg.model.device)  # WORLD_SIZE > 1 (torchrun, Ray): FSDP over the ranks
     checkpoint.prepare_run_dir(cfg.run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite, dist=d)
+    setup_library_logging(cfg.run_dir, cfg.run.log_level, rank=d.rank)  # vLLM, Ray, transformers: train.log
     r, a = cfg.rollout, cfg.algo
     device = d.device if d.sharded else pick_device(cfg.model.device)
     policy = Policy(cfg.model, cfg.train, d, device=device, temperature=r.temperature)

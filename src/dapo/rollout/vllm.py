@@ -35,13 +35,18 @@ from typing import Iterable
 
 import numpy as np
 import torch
-from vllm import LLM
-from vllm import SamplingParams as VLLMSamplingParams
-from vllm.inputs import TokensPrompt
-from vllm.platforms import current_platform
 
-from dapo.parallel import full_tensors
-from dapo.rollout.base import Generation, SamplingParams, eos_token_ids, split_response
+# vLLM configures its logger (a handler on stdout) when imported unless told not to; the run's
+# logging setup (dapo.log) then sends its records to train.log and its warnings to the console
+os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+
+from vllm import LLM  # noqa: E402
+from vllm import SamplingParams as VLLMSamplingParams  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+from vllm.platforms import current_platform  # noqa: E402
+
+from dapo.parallel import full_tensors  # noqa: E402
+from dapo.rollout.base import Generation, SamplingParams, eos_token_ids, split_response  # noqa: E402
 
 SLEEP_LEVEL = 2  # discard weights and KV cache: update_weights after wake() refills the weights
 
@@ -63,7 +68,9 @@ class WeightSync:
     def dapo_begin_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        initialize_layerwise_reload(self.model_runner.get_model())
+        model = self.model_runner.get_model()
+        self.dapo_tied_head = _tied_head(model)  # asked before the reload moves the weights to the meta device
+        initialize_layerwise_reload(model)
 
     def dapo_load_weights(self, named_tensors) -> None:
         self.model_runner.get_model().load_weights(named_tensors)
@@ -72,16 +79,38 @@ class WeightSync:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
         model = self.model_runner.get_model()
+        head = getattr(self, "dapo_tied_head", None)
+        for layer in model.modules():
+            # Two kinds of layer receive no tensor, rightly, and vLLM would warn "<Layer>: Failed to load
+            # weights" for each at every push before putting its old tensors back, which is correct for them:
+            # - a tied LM head: the model's load_weights skips lm_head.weight (sent or not); its weight is
+            #   the embedding's storage, which the reload has just refreshed in place;
+            # - a layer with buffers only (RotaryEmbedding's cos/sin cache): computed from the config, in no
+            #   checkpoint, unchanged by training.
+            # Saying they had nothing to load puts the same tensors back without the false alarm; a layer
+            # with parameters of its own that received nothing still warns.
+            info = get_layerwise_info(layer)
+            if info.can_load() and info.load_numel == 0 and info.kernel_tensors is not None:
+                params, _ = info.kernel_tensors
+                if layer is head or not params:
+                    info.load_numel_total = 0
         with set_current_vllm_config(self.vllm_config):
             finalize_layerwise_reload(model, self.vllm_config.model_config)
             # A tied LM head shares the embedding's weight but on CPU keeps its own packed copy of it,
             # which the layerwise reload never refreshes (no tensor is loaded under lm_head's name).
-            head = getattr(model, "lm_head", None)
-            weight = getattr(head, "weight", None)
-            tied = weight is not None and any(m is not head and getattr(m, "weight", None) is weight for m in model.modules())
-            if tied and current_platform.is_cpu():
+            if head is not None and current_platform.is_cpu():
                 head.quant_method.process_weights_after_loading(head)
+
+
+def _tied_head(model):
+    """The model's LM head when it shares its weight with another module (tied embeddings), else None."""
+    head = getattr(model, "lm_head", None)
+    weight = getattr(head, "weight", None)
+    tied = weight is not None and any(m is not head and getattr(m, "weight", None) is weight for m in model.modules())
+    return head if tied else None
 
 
 def _whole_prefill_settings(max_model_len: int) -> dict:
@@ -142,6 +171,7 @@ class VLLMRolloutEngine:
                 model=str(model.name_or_path),
                 dtype=str(model.dtype).removeprefix("torch."),
                 skip_tokenizer_init=True,  # prompts arrive as ids; responses are decoded with the trainer's tokenizer
+                use_tqdm_on_load=False,  # no progress bar on the console for a load of a second or two
                 generation_config="vllm",  # the checkpoint's sampling defaults must not leak into RL samples
                 logprobs_mode="processed_logprobs",  # log-probs of the distribution actually sampled from
                 tensor_parallel_size=cfg.tensor_parallel_size,

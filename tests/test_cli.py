@@ -1,0 +1,255 @@
+"""What a newcomer meets first: the console (library messages in train.log), one-line errors that leave
+nothing behind, --help with its defaults, launch-ray's checks before it waits, files others can read."""
+
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import SMALL_OVERRIDES
+
+from dapo import ablate, checkpoint, cli
+from dapo.cluster import Placement, check_fits
+from dapo.config import ConfigError, load_config
+from dapo.log import close_library_logging, setup_library_logging
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def library_logging():
+    yield setup_library_logging
+    close_library_logging()
+
+
+# ---- library logging -------------------------------------------------------------------------------
+def test_library_info_goes_to_the_run_log_and_warnings_also_to_the_console(tmp_path, capsys, library_logging,
+                                                                            monkeypatch):
+    monkeypatch.setenv("DAPO_VERBOSE", "0")  # and restored after: --verbose sets it
+    path = library_logging(tmp_path, "warning")
+    assert path == tmp_path / "train.log"
+    log = logging.getLogger("vllm.engine.x")
+    log.info("kv cache sized")
+    log.warning("the GPU ran out of memory")
+    log.warning("Chat template warmup failed")  # provoked on purpose by skip_tokenizer_init: file only
+    logging.getLogger("transformers.modeling_utils").info("loading weights")
+    logging.getLogger("torch.distributed.c10d").info("rendezvous done")
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["WARNING (vllm.engine.x): the GPU ran out of memory"]
+    text = path.read_text()
+    for message in ("kv cache sized", "the GPU ran out of memory", "Chat template warmup failed", "loading weights",
+                    "rendezvous done"):
+        assert message in text
+
+
+def test_verbose_and_log_level_bring_library_messages_back(tmp_path, capsys, library_logging, monkeypatch):
+    monkeypatch.setenv("DAPO_VERBOSE", "0")  # and restored after: --verbose sets it
+    library_logging(tmp_path, "info")
+    logging.getLogger("ray.x").info("node started")
+    assert "node started" in capsys.readouterr().err
+    monkeypatch.setenv("DAPO_VERBOSE", "1")
+    library_logging(tmp_path, "warning")
+    logging.getLogger("vllm.x").warning("Chat template warmup failed")
+    logging.getLogger("vllm.x").info("kv cache sized")
+    err = capsys.readouterr().err
+    assert "Chat template warmup failed" in err and "kv cache sized" in err
+
+
+def test_a_library_that_prints_through_its_own_handler_is_routed_too(tmp_path, capsys, library_logging, monkeypatch):
+    monkeypatch.setenv("DAPO_VERBOSE", "0")  # and restored after: --verbose sets it
+    own = logging.getLogger("vllm")  # as vLLM configures itself when VLLM_CONFIGURE_LOGGING=1
+    own.addHandler(logging.StreamHandler(sys.stdout))
+    own.propagate = False
+    library_logging(tmp_path, "warning")
+    own.info("quiet")
+    out = capsys.readouterr()
+    assert "quiet" not in out.out + out.err and "quiet" in (tmp_path / "train.log").read_text()
+    assert own.propagate and not own.handlers
+
+
+def test_a_console_sent_to_train_log_gets_each_warning_once(tmp_path):
+    """`dapo ablate` sends a run's console to its train.log, where the library log goes too."""
+    code = ("import logging, sys; from pathlib import Path; from dapo.log import setup_library_logging\n"
+            "setup_library_logging(Path(sys.argv[1]), 'warning')\n"
+            "logging.getLogger('vllm.x').warning('the GPU ran out of memory')\n")
+    with open(tmp_path / "train.log", "a") as log:
+        subprocess.run([sys.executable, "-c", code, str(tmp_path)], stdout=log, stderr=subprocess.STDOUT, check=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO / "src"), "DAPO_VERBOSE": "0"})
+    assert (tmp_path / "train.log").read_text().count("the GPU ran out of memory") == 1
+
+
+def test_log_level_is_checked():
+    with pytest.raises(ConfigError, match=r"run.log_level='loud': choose debug, info, warning or error"):
+        load_config("configs/demo.yaml", ["run.log_level=loud"])
+
+
+# ---- errors in one line, nothing left behind ------------------------------------------------------
+def test_a_missing_model_is_one_line_exit_2_and_leaves_no_run_directory(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    code = cli.main(["train", "configs/demo.yaml", f"model.path={tmp_path / 'nope'}", f"run.dir={runs}",
+                     *SMALL_OVERRIDES])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: model.path="), err
+    assert not runs.exists()
+
+
+def test_a_failed_start_keeps_an_earlier_runs_directory(tmp_path, capsys):
+    run_dir = tmp_path / "t"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("mine")
+    code = cli.main(["train", "configs/demo.yaml", f"model.path={tmp_path / 'nope'}", f"run.dir={tmp_path}",
+                     *SMALL_OVERRIDES])
+    assert code == 2 and capsys.readouterr().err.count("\n") == 1
+    assert (run_dir / "notes.txt").read_text() == "mine"
+
+
+def test_resuming_a_sharded_run_in_one_process_is_one_line(tiny_model_dir, tmp_path, capsys):
+    step = tmp_path / "t" / "checkpoints" / "step_000001"
+    (step / "shards").mkdir(parents=True)
+    torch.save({"step": 1}, step / "trainer_state.pt")
+    code = cli.main(["train", "configs/demo.yaml", f"model.path={tiny_model_dir}", f"run.dir={tmp_path}",
+                     *SMALL_OVERRIDES])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "is sharded" in err and "dapo export" in err
+    assert (step / "trainer_state.pt").exists()  # the earlier run is untouched
+
+
+def test_verbose_adds_the_traceback(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("DAPO_VERBOSE", "0")  # and restored after: --verbose sets it
+    code = cli.main(["train", "configs/demo.yaml", f"model.path={tmp_path / 'nope'}", f"run.dir={tmp_path / 'r'}",
+                     *SMALL_OVERRIDES, "--verbose"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" in err and err.splitlines()[-1].startswith("error: model.path=")
+
+
+def test_errors_of_the_package_are_one_line_and_faults_of_libraries_are_not():
+    from dapo.train import load_train_examples
+
+    with pytest.raises(ValueError) as ours:
+        load_train_examples(load_config("configs/demo.yaml", ["data.task=chess"]))
+    assert cli.user_error(ours.value) == f"error: {ours.value}"
+    with pytest.raises(ValueError) as theirs:
+        int("x")
+    assert cli.user_error(theirs.value) is None
+    assert cli.user_error(FileNotFoundError("a\n  b")) == "error: a b"
+    assert cli.user_error(KeyError("k")) is None
+
+
+# ---- --help ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("command, expected", [
+    ("ablate", ["(default: 5)", "(default: runs/ablation)", "(default: configs/ablation/base.yaml)",
+                "8 rows x 5 seeds", "about 30 minutes", "name (grpo)"]),
+    ("launch-ray", ["(default: auto)", "(default: 1)", "--address local", "1 for CPU workers"]),
+    ("import-model", ["(default: float32)"]),
+    ("train", ["--verbose", "runs/"]),
+    ("demo", ["--verbose", "minutes"]),
+    ("export", ["--trust-remote-code", "--verbose"]),
+])
+def test_help_says_the_defaults(command, expected, capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for piece in expected:
+        assert piece in text, (piece, text)
+
+
+def test_rows_by_short_name_number_or_file_stem():
+    rows_dir = REPO / "configs" / "ablation"
+    assert ablate.find_rows(rows_dir, ["grpo"]) == [rows_dir / "1_grpo.yaml"]
+    assert ablate.find_rows(rows_dir, ["3", "3_clip_higher", "no_kl"]) == [
+        rows_dir / "3_clip_higher.yaml", rows_dir / "3_clip_higher.yaml", rows_dir / "7_no_kl.yaml"]
+    with pytest.raises(ConfigError, match=r"--rows dapo: no such row; .*grpo, overlong_filtering"):
+        ablate.find_rows(rows_dir, ["dapo"])
+
+
+# ---- launch-ray ------------------------------------------------------------------------------------
+def test_a_placement_larger_than_the_cluster_says_what_to_change():
+    two_cores = [{"CPU": 2.0}]
+    check_fits(Placement(nodes=1, workers_per_node=2, gpus_per_worker=0.0, cpus_per_worker=1.0), two_cores)
+    with pytest.raises(ConfigError, match=r"2 worker\(s\) x 4 CPUs = 8 CPUs, the Ray cluster has 2 .*"
+                                          r"lower --cpus-per-worker \(to 1 or less\), or give the private cluster "
+                                          r"more slots with --num-cpus"):
+        check_fits(Placement(nodes=1, workers_per_node=2, gpus_per_worker=0.0, cpus_per_worker=4.0), two_cores,
+                   local=True)
+    with pytest.raises(ConfigError, match=r"8 GPUs, the Ray cluster has 0 .*--cpu-workers-per-node"):
+        check_fits(Placement(nodes=1, workers_per_node=8, gpus_per_worker=1.0, cpus_per_worker=1.0), [{"CPU": 64.0}])
+    with pytest.raises(ConfigError, match=r"add nodes"):  # 3 CPUs, but on no single node
+        check_fits(Placement(nodes=1, workers_per_node=1, gpus_per_worker=0.0, cpus_per_worker=3.0),
+                   [{"CPU": 2.0}, {"CPU": 2.0}])
+
+
+def _env(tmp_path, ray_tmp):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "DAPO_VERBOSE"}
+    return {**env, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "HOME": str(tmp_path),
+            "RAY_TMPDIR": ray_tmp, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
+
+
+def test_launch_ray_without_a_cluster_says_how_to_start_one(tmp_path):
+    pytest.importorskip("ray")
+    ray_tmp = tempfile.mkdtemp(prefix="dray", dir="/tmp")
+    try:
+        out = subprocess.run([sys.executable, "-m", "dapo.cli", "launch-ray", "configs/demo.yaml",
+                              "--cpu-workers-per-node", "1"], cwd=REPO, env={**_env(tmp_path, ray_tmp),
+                              "RAY_ADDRESS": ""}, capture_output=True, text=True, timeout=120)
+    finally:
+        subprocess.run(["rm", "-rf", ray_tmp])
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-2000:]
+    assert "no Ray cluster is running" in out.stderr and "ray start --head" in out.stderr
+    assert "--address local" in out.stderr
+
+
+def test_launch_ray_local_refuses_a_placement_the_machine_cannot_hold(tmp_path):
+    """Checked against the private cluster's resources before any worker starts (Ray would wait forever)."""
+    pytest.importorskip("ray")
+    ray_tmp = tempfile.mkdtemp(prefix="dray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    try:
+        out = subprocess.run([sys.executable, "-m", "dapo.cli", "launch-ray", "configs/demo.yaml",
+                              f"run.dir={tmp_path / 'runs'}", "--address", "local", "--num-cpus", "2",
+                              "--cpu-workers-per-node", "2", "--cpus-per-worker", "4"],
+                             cwd=REPO, env=_env(tmp_path, ray_tmp), capture_output=True, text=True, timeout=200)
+    finally:
+        subprocess.run(["rm", "-rf", ray_tmp])
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-3000:]
+    assert "needs 2 worker(s) x 4 CPUs = 8 CPUs, the Ray cluster has 2" in out.stderr
+    assert "--cpus-per-worker (to 1 or less)" in out.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+# ---- file modes ------------------------------------------------------------------------------------
+@pytest.fixture
+def umask_022():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def _mode(p: Path) -> int:
+    return p.stat().st_mode & 0o777
+
+
+def test_checkpoints_and_exports_follow_the_umask(tiny_model_dir, tmp_path, umask_022):
+    from dapo.policy import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(tiny_model_dir)
+    step = checkpoint.save_checkpoint(tmp_path / "run", 1, model=model, tokenizer=tokenizer, trainer_state={},
+                                      config_yaml="{}\n", keep=1)
+    assert _mode(step) == 0o755 and _mode(step / "model") == 0o755
+    assert _mode(step / "model" / "model.safetensors") == 0o644
+    assert {_mode(p) for p in step.rglob("*") if p.is_file()} == {0o644}
+    out = checkpoint.export_hf(step, tmp_path / "exported")
+    assert _mode(out) == 0o755 and _mode(out / "model.safetensors") == 0o644
+    # into a directory of the user's: what was written follows the umask, the rest keeps its mode
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    mine.chmod(0o700)
+    (mine / "secret.txt").write_text("x")
+    (mine / "secret.txt").chmod(0o600)
+    checkpoint.export_hf(step, mine)
+    assert _mode(mine) == 0o700 and _mode(mine / "secret.txt") == 0o600
+    assert _mode(mine / "model.safetensors") == 0o644
