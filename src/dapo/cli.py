@@ -20,7 +20,7 @@ import time
 import typing
 from pathlib import Path
 
-from dapo.config import Config, ConfigError, Dtype, load_config, resolve_preset
+from dapo.config import PRESET_DIR, Config, ConfigError, Dtype, load_config, resolve_preset
 
 def cmd_train(args) -> int:
     from dapo.train import train
