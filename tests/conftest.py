@@ -40,6 +40,14 @@ def make_policy(cfg, device="cpu", dist=None):
     return Policy(cfg.model, cfg.train, dist, temperature=cfg.rollout.temperature, device=torch.device(device))
 
 
+def training_engine(cfg, policy, dist):
+    """The rollout engine a training run with ``cfg`` builds for ``policy`` (None: only the checks)."""
+    from dapo.rollout import make_training_engine
+
+    return make_training_engine(cfg.rollout, cfg.model, policy and policy.model, policy and policy.tokenizer, dist,
+                                max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens)
+
+
 def loss_fn_of(cfg):
     """The loss a training run with ``cfg`` gives ``Policy.update``."""
     from dapo.train import make_loss_fn

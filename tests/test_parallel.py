@@ -61,11 +61,11 @@ def test_balanced_partition_by_tokens():
 
 def test_tensor_parallel_size_must_divide_the_ranks(tmp_path, tiny_model_dir):
     from dapo.config import ConfigError
-    from dapo.train import make_engine
+    from conftest import training_engine
 
     cfg = small_config(tmp_path, tiny_model_dir, "rollout.backend=vllm", "rollout.tensor_parallel_size=2")
     with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size=2 does not divide the 3 trainer ranks"):
-        make_engine(cfg, None, parallel.Dist(rank=0, world_size=3))  # checked before vLLM or any model loads
+        training_engine(cfg, None, parallel.Dist(rank=0, world_size=3))  # checked before vLLM or any model loads
 
 
 def test_sharded_rollout_gives_each_tensor_parallel_group_one_share(monkeypatch):
@@ -160,14 +160,14 @@ def equivalence_worker(model_dir: str, batch_file: str, out_dir: str) -> None:
 
 
 def one_update(d, model_dir, batch_file, out_file, run_dir, overrides, uneven) -> None:
-    from dapo.train import make_engine
+    from conftest import training_engine
 
     cfg = small_config(run_dir, model_dir, *EQUIV_OVERRIDES, *overrides)
     policy = make_policy(cfg, "cpu", d)
     policy.optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)
     if uneven and d.rank == 0:
         policy.micro_batches = lambda batch, rows: [[r] for r in rows]
-    engine = make_engine(cfg, policy, d)
+    engine = training_engine(cfg, policy, d)
     batch = torch.load(batch_file, weights_only=False)
     share = policy._rank_rows(batch, list(range(len(batch))))  # the batch is one mini-batch here
     counts = parallel.all_gather_object(len(policy.micro_batches(batch, share)), d)  # micro-batches per rank

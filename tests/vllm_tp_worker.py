@@ -1,5 +1,5 @@
 """torchrun worker for tests/test_vllm.py: two gloo ranks train with FSDP and share one vLLM engine
-(rollout.tensor_parallel_size=2, external_launcher), built by ``train.make_engine`` as a training run
+(rollout.tensor_parallel_size=2, external_launcher), built by ``rollout.make_training_engine`` as a training run
 builds it. Writes, per rank, the samples before and after a weight push from the sharded trainer."""
 
 import json
@@ -7,12 +7,11 @@ import os
 import sys
 
 import torch
-from conftest import make_policy, small_config
+from conftest import make_policy, small_config, training_engine
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dapo import parallel
 from dapo.rollout import SamplingParams
-from dapo.train import make_engine
 
 PARAMS = SamplingParams(n=2, temperature=0.7, max_new_tokens=24, seed=5)  # temperature as in test_vllm's config
 OVERRIDES = ("rollout.backend=vllm", "rollout.kv_cache_gib=0.0625", "model.device=cpu", "rollout.temperature=0.7")
@@ -33,7 +32,7 @@ def main(model_dir: str, out_dir: str) -> None:
     d = parallel.init("cpu")
     cfg = small_config(out_dir, model_dir, *OVERRIDES, "rollout.tensor_parallel_size=2")
     policy = make_policy(cfg, d.device, d)
-    engine = make_engine(cfg, policy, d)
+    engine = training_engine(cfg, policy, d)
     prompts = [policy.tokenizer(p)["input_ids"] for p in PROMPTS]
     before = engine.generate(prompts, PARAMS)
     perturb(policy.model)
