@@ -77,7 +77,10 @@ class ShardedRollout:
 
     def __init__(self, engine: RolloutEngine, d, tensor_parallel_size: int = 1):
         self.engine, self.d, self.k = engine, d, tensor_parallel_size
-        self.backend = engine.backend
+
+    @property
+    def backend(self) -> str:
+        return self.engine.backend
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generation:
         from dapo import parallel
