@@ -140,6 +140,7 @@ def run_ours(args, overrides: list[str]) -> dict:
             f"train.warmup_steps={st.warmup}", f"train.total_steps={args.total}",
             f"eval.every_steps={args.eval_every or 'null'}", f"eval.before_train={str(bool(args.eval_every)).lower()}",
             f"eval.num_problems={st.eval_problems}", f"eval.n={st.eval_n}", f"eval.seed={st.eval_seed}", *real, *overrides,
+            *([] if args.eval_every else ["eval.benchmarks=[]"]),  # timing runs: no evaluation after the last step
         ])
         t0 = time.perf_counter()
         cpu["marks"].append((0, time.process_time(), 0.0))

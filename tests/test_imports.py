@@ -102,3 +102,15 @@ def test_rewards_never_import_torch():
         names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         assert not any(n == "torch" or n.startswith("torch.") for n in names), path.name
+
+
+def test_the_architecture_doc_points_at_the_current_lines():
+    """docs/architecture.md is rendered from scripts/architecture.in.md; rerender it after moving code."""
+    import subprocess
+    import sys
+
+    root = SRC.parents[1]
+    out = subprocess.run([sys.executable, str(root / "scripts/architecture_lines.py"), str(root / "scripts/architecture.in.md")],
+                         capture_output=True, text=True, check=True).stdout
+    assert out == (root / "docs/architecture.md").read_text(), (
+        "run: python scripts/architecture_lines.py scripts/architecture.in.md > docs/architecture.md")
