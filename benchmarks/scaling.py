@@ -1,0 +1,73 @@
+"""How a real-model step grows with G, prompts per step and response length.
+
+    python benchmarks/scaling.py [--steps 2]            # make smollm2 first; about 20 minutes on 2 cores
+
+Each point is `python -m dapo.train configs/smollm2_135m.yaml` in its own process with dynamic
+sampling off (every step trains exactly P x G responses), no evaluation, vLLM rollout, the
+preset's token budget per forward/backward pass (train.max_tokens_per_micro_batch=4096). From the
+last step's metrics: seconds per step (checkpoint excluded) and its phases, generation's share,
+tokens trained; and the process's peak resident memory (os.wait4), which holds vLLM's 0.5 GiB KV
+cache and weights beside the trainer's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = Path("~/.cache/dapo/models/SmolLM2-135M-Instruct").expanduser()
+BASE = {"G": 8, "P": 8, "L": 96}
+POINTS = [BASE, {**BASE, "G": 4}, {**BASE, "G": 16}, {**BASE, "P": 4}, {**BASE, "P": 16}, {**BASE, "L": 48},
+          {**BASE, "L": 192}]
+
+
+def run_point(point: dict, steps: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        overrides = [
+            f"rollout.group_size={point['G']}", f"train.prompts_per_step={point['P']}",
+            f"train.mini_batch_prompts={point['P'] // 2}", f"rollout.max_response_tokens={point['L']}",
+            f"algo.overlong_buffer_tokens={point['L'] // 4}", "algo.dynamic_sampling=false", "rollout.backend=vllm",
+            "eval.benchmarks=[]", "eval.before_train=false", "run.save_every=null", f"train.total_steps={steps}",
+            f"run.dir={tmp}", "run.name=p", "run.progress=false", "run.tensorboard=false",
+        ]
+        with open(Path(tmp) / "stderr.txt", "w+") as err:
+            proc = subprocess.Popen([sys.executable, "-m", "dapo.train", str(ROOT / "configs/smollm2_135m.yaml"), *overrides],
+                                    cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err,
+                                    env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+            _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak memory
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            err.seek(0)
+            if proc.returncode:
+                sys.exit(f"{point} failed:\n{err.read()[-3000:]}")
+        rows = [json.loads(line) for line in (Path(tmp) / "p" / "metrics.jsonl").read_text().splitlines()]
+    return {"row": rows[-1], "peak_gb": usage.ru_maxrss / 2**20}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=2, help="steps per point; the last is reported")
+    args = ap.parse_args()
+    if not (MODEL / "config.json").exists():
+        sys.exit(f"needs {MODEL}: run `make smollm2` once")
+    print(f"{'G':>3s} {'P':>3s} {'L':>4s} {'rows':>5s} {'s/step':>7s} {'generate':>9s} {'gen %':>6s} {'old logp':>9s} "
+          f"{'update':>7s} {'push':>5s} {'trained tok':>11s} {'peak RSS GB':>11s}", flush=True)
+    for point in POINTS:
+        res = run_point(point, args.steps)
+        r = res["row"]
+        step = r["perf/time_step_s"] - r.get("perf/time_checkpoint_s", 0.0)
+        gen = r["perf/time_generate_s"]
+        tokens = r["sampling/samples_generated"] / max(r["sampling/samples_per_trained_sample"], 1e-9) * \
+            r["rollout/response_length_mean"]
+        print(f"{point['G']:3d} {point['P']:3d} {point['L']:4d} {point['G'] * point['P']:5d} {step:7.1f} {gen:9.1f} "
+              f"{100 * gen / step:5.0f}% {r.get('perf/time_old_logprob_s', 0):9.1f} {r.get('perf/time_update_s', 0):7.1f} "
+              f"{r.get('perf/time_weight_sync_s', 0):5.2f} {tokens:11.0f} {res['peak_gb']:11.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
