@@ -158,6 +158,11 @@ class RunConfig:
     dir: str = "runs"  # the run lives in <dir>/<name>
     save_every: int | None = 20  # checkpoint every N steps (and at the end); null: only at the end
     keep_checkpoints: int = 2  # newest checkpoints kept
+    # write single-process checkpoints in a background thread: the step's end only copies the weights, AdamW
+    # state and trainer state to reused CPU buffers; the directory still appears under its name only when whole,
+    # the next save and the end of the run wait for the write and raise its error. false: write before going on.
+    # Under FSDP (several ranks) checkpoints are always written synchronously.
+    async_checkpoint: bool = True
     resume: bool = True  # continue from the run directory's latest checkpoint
     overwrite: bool = False  # with resume=false: move an earlier run in the directory aside (<name>.<date-time>) first
     samples_per_step: int = 4  # decoded responses written to samples/ each step
