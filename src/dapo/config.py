@@ -158,10 +158,10 @@ class RunConfig:
     dir: str = "runs"  # the run lives in <dir>/<name>
     save_every: int | None = 20  # checkpoint every N steps (and at the end); null: only at the end
     keep_checkpoints: int = 2  # newest checkpoints kept
-    # write single-process checkpoints in a background thread: the step's end only copies the weights, AdamW
-    # state and trainer state to reused CPU buffers; the directory still appears under its name only when whole,
-    # the next save and the end of the run wait for the write and raise its error. false: write before going on.
-    # Under FSDP (several ranks) checkpoints are always written synchronously.
+    # write single-process checkpoints in a background thread: at the step's end the loop only copies the weights,
+    # AdamW state and trainer state into CPU buffers kept between saves (host memory the size of all three); the
+    # directory still appears under its name only when whole, and the next save and the end of the run wait for
+    # the write and raise its error. false: write before going on. Under FSDP (several ranks): always synchronous.
     async_checkpoint: bool = True
     resume: bool = True  # continue from the run directory's latest checkpoint
     overwrite: bool = False  # with resume=false: move an earlier run in the directory aside (<name>.<date-time>) first
