@@ -15,6 +15,8 @@ Every rank must see the same directory (one filesystem shared by the nodes).
 
 A checkpoint is written under a temporary name and renamed when complete, so a directory named
 step_* is always whole; a crash mid-write leaves only a .tmp_* directory, removed on the next save.
+A single process writes it in a background thread (``CheckpointWriter``, run.async_checkpoint): the
+training loop waits only for a copy of what is saved, taken when save_checkpoint is called.
 """
 
 from __future__ import annotations
@@ -171,7 +173,8 @@ def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state
     tmp = root / f".tmp_step_{step:06d}"
     state = {**trainer_state, "step": step, "rng": rng_state()}  # the RNG as the step left it
     if shards is None:
-        files = {**writer.tokenizer_files(tokenizer), "config.yaml": config_yaml.encode()}
+        files = {**{f"model/{name}": data for name, data in writer.tokenizer_files(tokenizer).items()},
+                 "config.yaml": config_yaml.encode()}
         if writer.asynchronous:
             weights, state = writer.snapshot((model.state_dict(), state))
             writer.start(final, lambda: _write(run_dir, tmp, final, model, weights, files, state, keep))
@@ -199,13 +202,14 @@ def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state
 def _write(run_dir: Path, tmp: Path, final: Path, model, weights: dict | None, files: dict[str, bytes],
            state: dict, keep: int) -> None:
     """A single-process checkpoint: the model in Hugging Face format (``weights``: the state dict to
-    write, None: the model's own), the tokenizer's and other ``files``, the trainer state; then renamed."""
+    write, None: the model's own), ``files`` (path in the checkpoint: content), the trainer state; then renamed."""
     tmp.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     model.save_pretrained(tmp / "model", state_dict=weights)  # tied weights, format: as the model saves itself
     for name, data in files.items():
-        target = tmp / ("config.yaml" if name == "config.yaml" else Path("model", name))
+        target = tmp / name
+        target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data)
     torch.save(state, tmp / "trainer_state.pt")
     _complete(run_dir, tmp, final, keep)
@@ -244,14 +248,13 @@ class CheckpointWriter:
         self._buffers: dict = {}
         self._tokenizer: tuple | None = None  # (tokenizer, its files)
         self.write_s: float | None = None  # how long the last finished background write took
-        self.written: Path | None = None  # the checkpoint it wrote
 
     def tokenizer_files(self, tokenizer) -> dict[str, bytes]:
         """The files ``tokenizer.save_pretrained`` writes, made once per tokenizer (they do not change)."""
         if self._tokenizer is None or self._tokenizer[0] is not tokenizer:
             with tempfile.TemporaryDirectory() as tmp:
                 tokenizer.save_pretrained(tmp)
-                files = {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+                files = {str(p.relative_to(tmp)): p.read_bytes() for p in sorted(Path(tmp).rglob("*")) if p.is_file()}
             self._tokenizer = (tokenizer, files)
         return self._tokenizer[1]
 
@@ -293,7 +296,7 @@ class CheckpointWriter:
             except BaseException as err:  # kept for the main thread: a failed write is never silent
                 self._error = err
             else:
-                self.write_s, self.written = time.perf_counter() - t0, target
+                self.write_s = time.perf_counter() - t0
                 log.info("checkpoint %s written in %.2f s (in the background)", target, self.write_s)
 
         self._thread = threading.Thread(target=run, name=f"dapo-checkpoint-{target.name}")
