@@ -343,8 +343,8 @@ def test_training_raises_a_failed_last_checkpoint_write(tiny_model_dir, tmp_path
         return real_write(run_dir, tmp, final, *args)
 
     monkeypatch.setattr(checkpoint, "_write", failing)
-    cfg = small_config(tmp_path, tiny_model_dir, "train.total_steps=2", "run.save_every=1", "eval.before_train=false")
-    assert cfg.run.async_checkpoint  # the default
+    cfg = small_config(tmp_path, tiny_model_dir, "train.total_steps=2", "run.save_every=1", "eval.before_train=false",
+                       "run.async_checkpoint=true")
     with pytest.raises(checkpoint.CheckpointError, match="step_000002 failed"):
         train(cfg)
     assert [p.name for p in checkpoint.list_checkpoints(cfg.run_dir)] == ["step_000001"]

@@ -403,11 +403,12 @@ def _weights(model_dir):
 
 
 HARD_EXIT_OVERRIDES = ["train.total_steps=3", "run.save_every=1", "algo.dynamic_sampling=true", "algo.filter_metric=reward",
-                       "algo.max_gen_rounds=3", "algo.oversample=3.0", "algo.buffer_max_groups=8"]
+                       "algo.max_gen_rounds=3", "algo.oversample=3.0", "algo.buffer_max_groups=8",
+                       "run.async_checkpoint=true"]
 
 
 def run_driver(run_dir, model_dir, saves, tag, kill_after):
-    """tests/train_until_checkpoint.py in a process of its own (checkpoints asynchronous, the default)."""
+    """tests/train_until_checkpoint.py in a process of its own (checkpoints written in the background)."""
     driver = [sys.executable, str(REPO / "tests" / "train_until_checkpoint.py")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
            "COLUMNS": "500"}  # the console's lines unwrapped

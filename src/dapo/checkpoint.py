@@ -234,8 +234,8 @@ class CheckpointWriter:
     """Writes single-process checkpoints, in a background thread when ``asynchronous``, one at a time.
 
     ``snapshot`` copies the tensors to save into CPU buffers kept from one save to the next (a copy
-    into memory already mapped costs a fraction of a fresh clone: about 0.1 s for a 135M model and its
-    AdamW state on a CPU), so the training loop can go on changing the live ones. ``start`` runs the
+    into memory already mapped costs a fraction of a fresh clone, whose page faults dominate), so the
+    training loop can go on changing the live ones. ``start`` runs the
     write in a thread; ``wait`` (called by the next save, and at the end of training) joins it and raises
     its error, if it failed. The thread is not a daemon: an interpreter that exits normally waits for it.
     """
