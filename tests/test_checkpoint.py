@@ -4,6 +4,8 @@ export` copies no symlinked file, a model directory's own Python files run only 
 model.trust_remote_code says so, and a fresh start never writes into an earlier run."""
 
 import json
+import random
+import threading
 import os
 import pickle
 import shutil
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import make_policy, small_config
 from dapo import checkpoint, cli, parallel
 
 
@@ -203,3 +206,145 @@ def test_trust_remote_code_is_a_setting(tiny_model_dir, tmp_path):
     assert small_config(tmp_path, model_dir, "model.trust_remote_code=true").model.trust_remote_code
     load_answering_yes(model_dir, trust_remote_code=True)  # fails later (no modeling_x.py): the code did run
     assert marker.exists()
+
+
+# ---- asynchronous checkpoints -------------------------------------------------------------------
+def trained_policy(tiny_model_dir, tmp_path, dtype="bfloat16"):
+    """A policy after one AdamW step (so the optimizer has state; bf16: float32 masters too)."""
+    policy = make_policy(small_config(tmp_path, tiny_model_dir, f"model.dtype={dtype}"))
+    for p in policy.master or policy.model.parameters():
+        p.grad = torch.randn_like(p)
+    policy.optimizer.step()
+    policy._sync_from_master()
+    return policy
+
+
+def save(policy, run_dir, step, writer=None, **state):
+    return checkpoint.save_checkpoint(run_dir, step, model=policy.model, tokenizer=policy.tokenizer,
+                                      trainer_state={"policy": policy.trainer_state(), **state},
+                                      config_yaml="run: {}\n", keep=2, writer=writer)
+
+
+def files_of(step_dir: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(step_dir)): p.read_bytes() for p in sorted(step_dir.rglob("*")) if p.is_file()}
+
+
+def assert_same_state(a, b):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same_state(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same_state(x, y)
+    else:
+        assert a == b
+
+
+def test_async_and_sync_checkpoints_are_the_same_files(tiny_model_dir, tmp_path):
+    policy = trained_policy(tiny_model_dir, tmp_path)
+    state = {"sampler": {"epoch": 1, "pos": 5}, "buffer": [{"ids": torch.arange(4), "rewards": [1.0, -1.0]}]}
+    rng = random.getstate(), torch.get_rng_state()
+    sync = save(policy, tmp_path / "sync", 1, **state)  # no writer: written before the call returns
+    random.setstate(rng[0]), torch.set_rng_state(rng[1])  # the RNG state is saved too: the same for both
+    writer = checkpoint.CheckpointWriter(asynchronous=True)
+    for step in (1, 2):  # the second save reuses the first one's buffers
+        asynchronous = save(policy, tmp_path / "async", step, writer, **state)
+        writer.wait()
+        random.setstate(rng[0]), torch.set_rng_state(rng[1])
+        a, b = files_of(sync), files_of(asynchronous)
+        assert a.keys() == b.keys() and "model/model.safetensors" in a and "model/tokenizer.json" in a
+        assert [name for name in a if a[name] != b[name] and name != "trainer_state.pt"] == []
+        sa, sb = (checkpoint.load_trainer_state(p) for p in (sync, asynchronous))
+        assert sb.pop("step") == step and sa.pop("step") == 1
+        assert_same_state(sa, sb)  # tensor for tensor: AdamW state, float32 masters, RNG, sampler, buffer
+    assert len(sa["policy"]["master_weights"]) > 0 and sa["policy"]["optimizer"]["state"]
+    # what the model directory holds loads as the model was: tied embeddings saved once, as save_pretrained does
+    restored = make_policy(small_config(tmp_path, tiny_model_dir, "model.dtype=bfloat16"))
+    checkpoint.load_model_weights(restored.model, asynchronous)
+    assert all(torch.equal(p, q) for p, q in zip(restored.model.parameters(), policy.model.parameters()))
+
+
+def test_an_async_checkpoint_holds_the_state_of_the_call(tiny_model_dir, tmp_path, monkeypatch):
+    """The training loop changes the weights, the AdamW state and its own state while the write runs;
+    the checkpoint holds them as they were when save_checkpoint was called, and is renamed only when whole."""
+    policy = trained_policy(tiny_model_dir, tmp_path, dtype="float32")
+    release, real_write = threading.Event(), checkpoint._write
+    monkeypatch.setattr(checkpoint, "_write", lambda *args: (release.wait(), real_write(*args)))
+    weights = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    moments = [s["exp_avg"].clone() for s in policy.optimizer.state.values()]
+    buffer = [{"ids": torch.arange(4), "logp": [-0.5, -1.5]}]
+    rng = torch.get_rng_state()
+    writer = checkpoint.CheckpointWriter(asynchronous=True)
+    path = save(policy, tmp_path / "run", 1, writer, buffer=buffer)
+    # the next step: weights and optimizer change in place, the buffer's contents too, the RNG moves on
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(1.0)
+    for s in policy.optimizer.state.values():
+        s["exp_avg"].mul_(3.0)
+    buffer[0]["ids"].add_(10)
+    buffer[0]["logp"].append(0.0)
+    torch.rand(3)
+    assert not path.exists()  # still being written: nothing under the final name
+    release.set()
+    writer.wait()
+    assert checkpoint.list_checkpoints(tmp_path / "run") == [path]
+    assert not list((tmp_path / "run" / "checkpoints").glob(".tmp_*"))
+    from safetensors.torch import load_file
+
+    saved = load_file(str(path / "model" / "model.safetensors"))
+    assert saved.keys() and all(torch.equal(saved[k], weights[k]) for k in saved)
+    state = checkpoint.load_trainer_state(path)
+    assert all(torch.equal(s["exp_avg"], m) for s, m in zip(state["policy"]["optimizer"]["state"].values(), moments))
+    assert torch.equal(state["buffer"][0]["ids"], torch.arange(4)) and state["buffer"][0]["logp"] == [-0.5, -1.5]
+    assert torch.equal(state["rng"]["torch"], rng)
+
+
+def test_a_failed_background_write_is_raised_and_the_previous_checkpoint_kept(tiny_model_dir, tmp_path, monkeypatch):
+    policy = trained_policy(tiny_model_dir, tmp_path, dtype="float32")
+    run_dir = tmp_path / "run"
+    writer = checkpoint.CheckpointWriter(asynchronous=True)
+    first = save(policy, run_dir, 1, writer)
+    writer.wait()
+    real_save = torch.save
+
+    def disk_full(obj, f, *args, **kwargs):
+        if ".tmp_step_000002" in str(f):
+            raise OSError(28, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.torch, "save", disk_full)
+    save(policy, run_dir, 2, writer)  # returns: the write fails in the background ...
+    with pytest.raises(checkpoint.CheckpointError, match=r"step_000002 failed \(OSError: .*No space left"):
+        save(policy, run_dir, 3, writer)  # ... and the next save raises it, before writing anything
+    assert checkpoint.list_checkpoints(run_dir) == [first]  # the previous checkpoint is whole and still there
+    assert (run_dir / "checkpoints" / ".tmp_step_000002" / "model" / "model.safetensors").exists()  # the partial one
+    checkpoint.load_model_weights(make_policy(small_config(tmp_path, tiny_model_dir)).model, first)
+    monkeypatch.setattr(checkpoint.torch, "save", real_save)
+    writer.wait()  # raised once
+    third = save(policy, run_dir, 3, writer)
+    writer.wait()
+    assert checkpoint.list_checkpoints(run_dir) == [first, third]
+    assert not list((run_dir / "checkpoints").glob(".tmp_*"))  # the partial one removed by the next whole save
+
+
+def test_training_raises_a_failed_last_checkpoint_write(tiny_model_dir, tmp_path, monkeypatch):
+    from dapo.train import train
+
+    real_write = checkpoint._write
+
+    def failing(run_dir, tmp, final, *args):
+        if final.name == "step_000002":
+            raise OSError(5, "Input/output error")
+        return real_write(run_dir, tmp, final, *args)
+
+    monkeypatch.setattr(checkpoint, "_write", failing)
+    cfg = small_config(tmp_path, tiny_model_dir, "train.total_steps=2", "run.save_every=1", "eval.before_train=false",
+                       "run.async_checkpoint=true")
+    with pytest.raises(checkpoint.CheckpointError, match="step_000002 failed"):
+        train(cfg)
+    assert [p.name for p in checkpoint.list_checkpoints(cfg.run_dir)] == ["step_000001"]

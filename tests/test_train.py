@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import loss_fn_of, make_policy, small_config
-from dapo import algo
+from dapo import algo, checkpoint
 from dapo.batch import RolloutBatch, plan_micro_batches
 from dapo.dynamic_sampling import record_behaviour_logp
 from dapo.policy import make_micro_batch, token_logprobs
@@ -402,45 +402,78 @@ def _weights(model_dir):
     return load_file(str(model_dir / "model.safetensors"))
 
 
-@pytest.mark.slow
-def test_hard_exit_after_a_checkpoint_then_resume_matches_an_uninterrupted_run(tiny_model_dir, tmp_path):
-    """A run dies (os._exit) right after checkpoint 1 of 3 is written; a fresh process resumes it
-    from there, without re-running step 1, and ends with the weights of a run never interrupted.
-    Dynamic sampling is on, so the sampler, the held-over groups and the RNG state must all resume."""
-    k, total = 1, 3
-    extra = ["train.total_steps=3", "run.save_every=1", "algo.dynamic_sampling=true", "algo.filter_metric=reward",
-             "algo.max_gen_rounds=3", "algo.oversample=3.0", "algo.buffer_max_groups=8"]
+HARD_EXIT_OVERRIDES = ["train.total_steps=3", "run.save_every=1", "algo.dynamic_sampling=true", "algo.filter_metric=reward",
+                       "algo.max_gen_rounds=3", "algo.oversample=3.0", "algo.buffer_max_groups=8",
+                       "run.async_checkpoint=true"]
+
+
+def run_driver(run_dir, model_dir, saves, tag, kill_after):
+    """tests/train_until_checkpoint.py in a process of its own (checkpoints written in the background)."""
     driver = [sys.executable, str(REPO / "tests" / "train_until_checkpoint.py")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
            "COLUMNS": "500"}  # the console's lines unwrapped
-    saves = tmp_path / "saves.txt"
+    return subprocess.run(driver + [str(run_dir), str(model_dir), str(saves), tag, str(kill_after), *HARD_EXIT_OVERRIDES],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
-    def run(run_dir, tag, kill_after):
-        return subprocess.run(driver + [str(run_dir), str(tiny_model_dir), str(saves), tag, str(kill_after), *extra],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
-    ref = run(tmp_path / "ref", "ref", 0)
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model_dir, tmp_path_factory):
+    """The run directory of the hard-exit tests' run, never interrupted."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    ref = run_driver(root, tiny_model_dir, root / "saves.txt", "ref", 0)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    killed = run(tmp_path / "b", "killed", k)
-    assert killed.returncode == 1, killed.stderr[-3000:]  # the hard exit, not an error or a finished run
-    run_dir = tmp_path / "b" / "t"
-    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_000001"]
-    resumed = run(tmp_path / "b", "resumed", 0)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (root / "saves.txt").read_text().split() == ["ref", "1", "ref", "2", "ref", "3"]
+    assert [p.name for p in checkpoint.list_checkpoints(root / "t")] == ["step_000002", "step_000003"]
+    return root / "t"
 
-    # (a) it resumed from checkpoint k and trained only the steps after it
-    assert saves.read_text().split("\n")[:-1] == [f"ref {s}" for s in range(1, total + 1)] + ["killed 1"] + [
-        f"resumed {s}" for s in range(k + 1, total + 1)]
-    assert f"resumed from {run_dir / 'checkpoints' / 'step_000001'} (step {k})" in resumed.stdout, resumed.stdout
-    steps = [r["step"] for r in read_metrics(run_dir)]
-    assert steps[-2:] == [2, 3] and steps.count(1) <= 1  # step 1 logged at most once, by the killed run
-    ref_metrics = {r["step"]: r for r in read_metrics(tmp_path / "ref" / "t")}
+
+def assert_resumed_as_uninterrupted(resumed, run_dir, ref_dir, k):
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{k:06d}'} (step {k})" in resumed.stdout, resumed.stdout
+    ref_metrics = {r["step"]: r for r in read_metrics(ref_dir)}
     assert ref_metrics[2]["sampling/groups_from_buffer"] > 0  # step 2 trained groups held over from step 1
-    # (b) the final weights are those of the uninterrupted run, tensor for tensor
-    want = _weights(tmp_path / "ref" / "t" / "checkpoints" / "step_000003" / "model")
+    # the final weights are those of the uninterrupted run, tensor for tensor
+    want = _weights(ref_dir / "checkpoints" / "step_000003" / "model")
     got = _weights(run_dir / "checkpoints" / "step_000003" / "model")
     assert want.keys() == got.keys()
     assert [name for name in want if not torch.equal(want[name], got[name])] == []
+
+
+@pytest.mark.slow
+def test_hard_exit_after_a_checkpoint_then_resume_matches_an_uninterrupted_run(uninterrupted, tiny_model_dir, tmp_path):
+    """A run dies (os._exit) right after checkpoint 1 of 3 is written; a fresh process resumes it
+    from there, without re-running step 1, and ends with the weights of a run never interrupted.
+    Dynamic sampling is on, so the sampler, the held-over groups and the RNG state must all resume."""
+    k, saves = 1, tmp_path / "saves.txt"
+    killed = run_driver(tmp_path / "b", tiny_model_dir, saves, "killed", k)
+    assert killed.returncode == 1, killed.stderr[-3000:]  # the hard exit, not an error or a finished run
+    run_dir = tmp_path / "b" / "t"
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_000001"]
+    resumed = run_driver(tmp_path / "b", tiny_model_dir, saves, "resumed", 0)
+    # it resumed from checkpoint k and trained only the steps after it
+    assert saves.read_text().split("\n")[:-1] == ["killed 1"] + [f"resumed {s}" for s in range(k + 1, 4)]
+    steps = [r["step"] for r in read_metrics(run_dir)]
+    assert steps[-2:] == [2, 3] and steps.count(1) <= 1  # step 1 logged at most once, by the killed run
+    assert_resumed_as_uninterrupted(resumed, run_dir, uninterrupted, k)
+
+
+@pytest.mark.slow
+def test_a_crash_mid_write_leaves_the_previous_checkpoint_and_resumes_from_it(uninterrupted, tiny_model_dir, tmp_path):
+    """The process dies (os._exit in the writer's thread) while checkpoint 2 is being written in the
+    background, its files in the temporary directory but not yet renamed, the training loop already on
+    step 3: checkpoint 1 is whole, nothing is named step_000002, and a fresh process resumes from
+    checkpoint 1 to the weights of the uninterrupted run."""
+    saves = tmp_path / "saves.txt"
+    killed = run_driver(tmp_path / "b", tiny_model_dir, saves, "killed", "2:mid")
+    assert killed.returncode == 1, killed.stderr[-3000:]
+    ckpts = tmp_path / "b" / "t" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == [".tmp_step_000002", "step_000001"]
+    assert (ckpts / ".tmp_step_000002" / "trainer_state.pt").exists()  # written all but the rename
+    assert saves.read_text().split("\n")[:2] == ["killed 1", "killed 2"]  # the save call had returned
+    resumed = run_driver(tmp_path / "b", tiny_model_dir, saves, "resumed", 0)
+    assert saves.read_text().split("\n")[-3:] == ["resumed 2", "resumed 3", ""]
+    assert not list(ckpts.glob(".tmp_*"))
+    assert_resumed_as_uninterrupted(resumed, tmp_path / "b" / "t", uninterrupted, 1)
 
 
 def test_demo_command_prints_before_and_after(tmp_path, capsys):

@@ -1,10 +1,13 @@
 """Test driver: train the small test config in this process, recording every checkpoint written,
-and optionally exit hard (os._exit, no clean-up of any kind) right after checkpoint K is written.
+and optionally exit hard (os._exit, no clean-up of any kind) at checkpoint K.
 
     python tests/train_until_checkpoint.py RUN_DIR MODEL_DIR LOG_FILE TAG KILL_AFTER [override ...]
 
-KILL_AFTER = 0: never. Each checkpoint appends "TAG STEP" to LOG_FILE (flushed and fsynced before
-any exit). The package is not changed: dapo.checkpoint.save_checkpoint is wrapped from here.
+KILL_AFTER = 0: never. K: right after checkpoint K is written (a background write is waited for
+first, so the checkpoint is whole). K:mid: in the middle of checkpoint K's write, once its files are
+in its temporary directory and before the rename, as a power cut would (the writer's thread calls
+os._exit while the training loop has gone on). Each save call appends "TAG STEP" to LOG_FILE (flushed
+and fsynced before any exit). The package is not changed: dapo.checkpoint's functions are wrapped from here.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import sys
 
 def main() -> None:
     run_dir, model_dir, log_file, tag, kill_after, *overrides = sys.argv[1:]
+    kill_after, _, mid_write = kill_after.partition(":")
     kill_after = int(kill_after)
 
     from conftest import small_config  # tests/ is this script's directory, so it is on sys.path
@@ -22,19 +26,28 @@ def main() -> None:
     import dapo.train
     from dapo import checkpoint
 
-    real_save = checkpoint.save_checkpoint
+    real_save, real_complete = checkpoint.save_checkpoint, checkpoint._complete
 
     def save_then_maybe_die(run_dir, step, **kwargs):
         path = real_save(run_dir, step, **kwargs)
+        if step == kill_after and not mid_write and kwargs.get("writer") is not None:
+            kwargs["writer"].wait()  # the checkpoint is whole on disk
         with open(log_file, "a") as f:
             f.write(f"{tag} {step}\n")
             f.flush()
             os.fsync(f.fileno())
-        if step == kill_after:
+        if step == kill_after and not mid_write:
             os._exit(1)  # as a power cut would: no finally blocks, no atexit, no flushing
         return path
 
+    def die_before_the_rename(run_dir, tmp, final, keep):
+        if final.name == f"step_{kill_after:06d}":
+            os._exit(1)
+        return real_complete(run_dir, tmp, final, keep)
+
     checkpoint.save_checkpoint = save_then_maybe_die
+    if mid_write:
+        checkpoint._complete = die_before_the_rename
     if hasattr(dapo.train, "save_checkpoint"):  # should train.py ever import the name itself
         dapo.train.save_checkpoint = save_then_maybe_die
     dapo.train.train(small_config(run_dir, model_dir, *overrides))

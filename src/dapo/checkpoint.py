@@ -15,15 +15,21 @@ Every rank must see the same directory (one filesystem shared by the nodes).
 
 A checkpoint is written under a temporary name and renamed when complete, so a directory named
 step_* is always whole; a crash mid-write leaves only a .tmp_* directory, removed on the next save.
+A single process writes it in a background thread (``CheckpointWriter``, run.async_checkpoint): the
+training loop waits only for a copy of what is saved, taken when save_checkpoint is called.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy as copy_module
+import logging
 import os
 import random
 import re
 import shutil
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -31,6 +37,8 @@ import torch
 
 from dapo import parallel
 from dapo.parallel import CheckpointError
+
+log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
@@ -147,39 +155,168 @@ def _as_tuple(x):
 
 
 def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state: dict, config_yaml: str, keep: int,
-                    shards: dict | None = None, dist: parallel.Dist | None = None) -> Path:
-    """Write a checkpoint; with ``shards`` (FSDP) every rank calls this and writes its own part."""
+                    shards: dict | None = None, dist: parallel.Dist | None = None,
+                    writer: CheckpointWriter | None = None) -> Path:
+    """Write the checkpoint of ``step`` (its final path is returned); with ``shards`` (FSDP) every rank
+    calls this and writes its own part, synchronously.
+
+    With an asynchronous ``writer`` the call returns once what must be saved is copied (the model's
+    tensors and the trainer state, the RNG included, as they are now); a background thread writes the
+    copy. The directory appears under its final name only when whole, as in the synchronous case: a
+    process killed mid-write leaves the previous checkpoint and a .tmp_* directory. Without a writer
+    the checkpoint is written before the call returns."""
     d = dist or parallel.Dist()
+    writer = writer or CheckpointWriter(asynchronous=False)
+    writer.wait()  # one write in flight at most; an error of the previous write is raised here
     root = checkpoint_dir(run_dir)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}"
+    state = {**trainer_state, "step": step, "rng": rng_state()}  # the RNG as the step left it
+    if shards is None:
+        files = {**{f"model/{name}": data for name, data in writer.tokenizer_files(tokenizer).items()},
+                 "config.yaml": config_yaml.encode()}
+        if writer.asynchronous:
+            weights, state = writer.snapshot((model.state_dict(), state))
+            writer.start(final, lambda: _write(run_dir, tmp, final, model, weights, files, state, keep))
+        else:
+            _write(run_dir, tmp, final, model, None, files, state, keep)
+        return final
     if d.is_main:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-    if shards is not None:
-        parallel.barrier(d)
-        parallel.save_shards(shards, tmp / "shards")
-        if not d.is_main:
-            parallel.barrier(d)  # rank 0 renames the directory before anyone goes on
-            return final
-    model_dir = tmp / ("model" if shards is None else "model_meta")
-    (model if shards is None else model.config).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / "trainer_state.pt")
+    parallel.barrier(d)
+    parallel.save_shards(shards, tmp / "shards")
+    if not d.is_main:
+        parallel.barrier(d)  # rank 0 renames the directory before anyone goes on
+        return final
+    model.config.save_pretrained(tmp / "model_meta")
+    tokenizer.save_pretrained(tmp / "model_meta")
+    torch.save(state, tmp / "trainer_state.pt")
     (tmp / "config.yaml").write_text(config_yaml)
+    _complete(run_dir, tmp, final, keep)
+    parallel.barrier(d)
+    return final
+
+
+def _write(run_dir: Path, tmp: Path, final: Path, model, weights: dict | None, files: dict[str, bytes],
+           state: dict, keep: int) -> None:
+    """A single-process checkpoint: the model in Hugging Face format (``weights``: the state dict to
+    write, None: the model's own), ``files`` (path in the checkpoint: content), the trainer state; then renamed."""
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    model.save_pretrained(tmp / "model", state_dict=weights)  # tied weights, format: as the model saves itself
+    for name, data in files.items():
+        target = tmp / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    torch.save(state, tmp / "trainer_state.pt")
+    _complete(run_dir, tmp, final, keep)
+
+
+def _complete(run_dir: Path, tmp: Path, final: Path, keep: int) -> None:
+    """Modes, fsync, rename: from here ``final`` is a whole checkpoint; then the rotation."""
+    root = tmp.parent
     readable_as_umask(_tree(tmp))
     _fsync_tree(tmp)
     if final.exists():  # same step saved twice (e.g. end of run right after a periodic save)
         shutil.rmtree(final)
     os.replace(tmp, final)
+    _fsync_dir(root)  # the rename itself reaches the disk
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob(".tmp_step_*"):
         shutil.rmtree(stale, ignore_errors=True)
-    if shards is not None:
-        parallel.barrier(d)
-    return final
+
+
+class CheckpointWriter:
+    """Writes single-process checkpoints, in a background thread when ``asynchronous``, one at a time.
+
+    ``snapshot`` copies the tensors to save into CPU buffers kept from one save to the next (a copy
+    into memory already mapped costs a fraction of a fresh clone, whose page faults dominate), so the
+    training loop can go on changing the live ones. ``start`` runs the
+    write in a thread; ``wait`` (called by the next save, and at the end of training) joins it and raises
+    its error, if it failed. The thread is not a daemon: an interpreter that exits normally waits for it.
+    """
+
+    def __init__(self, asynchronous: bool = True):
+        self.asynchronous = asynchronous
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._target: Path | None = None
+        self._buffers: dict = {}
+        self._tokenizer: tuple | None = None  # (tokenizer, its files)
+        self.write_s: float | None = None  # how long the last finished background write took
+
+    def tokenizer_files(self, tokenizer) -> dict[str, bytes]:
+        """The files ``tokenizer.save_pretrained`` writes, made once per tokenizer (they do not change)."""
+        if self._tokenizer is None or self._tokenizer[0] is not tokenizer:
+            with tempfile.TemporaryDirectory() as tmp:
+                tokenizer.save_pretrained(tmp)
+                files = {str(p.relative_to(tmp)): p.read_bytes() for p in sorted(Path(tmp).rglob("*")) if p.is_file()}
+            self._tokenizer = (tokenizer, files)
+        return self._tokenizer[1]
+
+    def snapshot(self, obj):
+        """``obj`` (dicts, lists, tuples of tensors and plain values) with every tensor copied to the CPU,
+        into this writer's reused buffers; tensors that share memory (tied weights) share their copy."""
+        old, new, seen = self._buffers, {}, {}
+
+        def copy(x, key):
+            if isinstance(x, torch.Tensor):
+                alias = (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype,
+                         x.device)
+                if x.numel() and alias in seen:
+                    return seen[alias]
+                buf = old.get(key)
+                if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
+                    buf = torch.empty(x.shape, dtype=x.dtype, device="cpu")
+                buf.copy_(x.detach())
+                new[key] = seen[alias] = buf
+                return buf
+            if isinstance(x, dict):
+                return {k: copy(v, (*key, k)) for k, v in x.items()}
+            if isinstance(x, (list, tuple)):
+                return type(x)(copy(v, (*key, i)) for i, v in enumerate(x))
+            return copy_module.deepcopy(x)
+
+        out = copy(obj, ())
+        self._buffers = new
+        return out
+
+    def start(self, target: Path, write) -> None:
+        self.wait()
+        self._target = target
+
+        def run():
+            t0 = time.perf_counter()
+            try:
+                write()
+            except BaseException as err:  # kept for the main thread: a failed write is never silent
+                self._error = err
+            else:
+                self.write_s = time.perf_counter() - t0
+                log.info("checkpoint %s written in %.2f s (in the background)", target, self.write_s)
+
+        self._thread = threading.Thread(target=run, name=f"dapo-checkpoint-{target.name}")
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Until the write in flight is done; raises CheckpointError if it failed (once)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise CheckpointError(f"writing checkpoint {self._target} failed ({type(err).__name__}: {err}); the "
+                                  f"checkpoints before it are whole, and a resumed run starts from the latest "
+                                  f"of them") from err
+
+    def take_write_s(self) -> float | None:
+        """The duration of the last finished background write, once (None: none since the last call)."""
+        s, self.write_s = self.write_s, None
+        return s
 
 
 def is_sharded(path: Path) -> bool:
@@ -275,7 +412,18 @@ def load_model_weights(model, path: Path, *, trust_remote_code: bool = False) ->
 
 
 def _fsync_tree(path: Path) -> None:
-    for p in Path(path).rglob("*"):
+    """Every file's data and every directory's entries (the names of what was written) to the disk."""
+    for p in _tree(path):
         if p.is_file():
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
+        elif p.is_dir():
+            _fsync_dir(p)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

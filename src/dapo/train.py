@@ -166,6 +166,7 @@ class Run:
     eval_sets: list
     state: TrainState
     logger: RunLogger | NullLogger
+    writer: checkpoint.CheckpointWriter = field(default_factory=lambda: checkpoint.CheckpointWriter(asynchronous=False))
     no_signal: int = 0  # steps in a row without an informative group
 
     def evaluate(self) -> dict:
@@ -182,7 +183,14 @@ class Run:
         trainer_state = {"policy": policy.trainer_state(), "sampler": self.sampler.state_dict(), **self.state.state_dict()}
         checkpoint.save_checkpoint(cfg.run_dir, self.state.step, model=policy.model, tokenizer=policy.tokenizer,
                                    trainer_state=trainer_state, config_yaml=dump_yaml(cfg),
-                                   keep=cfg.run.keep_checkpoints, shards=policy.sharded_state(), dist=d)
+                                   keep=cfg.run.keep_checkpoints, shards=policy.sharded_state(), dist=d,
+                                   writer=self.writer)
+
+    def finish_saves(self) -> dict:
+        """Wait for the checkpoint being written (raising its error); the last write's duration, if new."""
+        self.writer.wait()
+        write_s = self.writer.take_write_s()
+        return {} if write_s is None else {"perf/checkpoint_write_s": write_s}
 
     def resume(self, path) -> None:
         saved = checkpoint.load_trainer_state(path)
@@ -229,7 +237,8 @@ def start(cfg: Config, stack: contextlib.ExitStack, console=None) -> Run:
                               max_new_tokens=r.max_response_tokens)
     collector = BatchCollector(engine=engine, sampler=sampler, scorer=scorer, encode=encode, sampling=sampling, algo_cfg=a)
     run = Run(cfg, d, policy, reference, engine, encode, sampler, collector, pool, make_loss_fn(a, r.max_response_tokens),
-              eval_sets, TrainState(), NullLogger())
+              eval_sets, TrainState(), NullLogger(),
+              checkpoint.CheckpointWriter(asynchronous=cfg.run.async_checkpoint and not d.sharded))
     resume_from = checkpoint.latest_checkpoint(cfg.run_dir) if cfg.run.resume else None
     if resume_from is not None:
         run.resume(resume_from)
@@ -239,6 +248,7 @@ def start(cfg: Config, stack: contextlib.ExitStack, console=None) -> Run:
                                tensorboard=cfg.run.tensorboard, progress=cfg.run.progress, console=console)
     stack.callback(parallel.shutdown, d)
     stack.callback(run.logger.close)
+    stack.callback(run.writer.wait)  # first of these: a run that stops (an error, Ctrl-C) still completes its write
     if resume_from is not None:
         run.logger.info(f"resumed from {resume_from} (step {run.state.step})")
     return run
@@ -272,8 +282,9 @@ def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
             with timer("eval"):
                 metrics |= run.evaluate()
         state.step = step
-        with timer("checkpoint"):
+        with timer("checkpoint"):  # the time the loop waits: with run.async_checkpoint, the copy alone
             if step == cfg.train.total_steps or (cfg.run.save_every and step % cfg.run.save_every == 0):
+                metrics |= run.finish_saves()  # the previous save's background write (perf/checkpoint_write_s)
                 run.save()
     return metrics | {f"perf/time_{k}_s": v for k, v in timer.seconds.items()}, batch
 
@@ -293,6 +304,7 @@ def train(cfg: Config, *, console=None) -> dict:
             run.logger.held_out(step, last)
             if batch is not None:
                 run.logger.write_samples(step, sample_records(batch, run.policy.tokenizer, cfg.run.samples_per_step))
+        run.finish_saves()  # the last checkpoint is whole on disk before train returns (train.log has how long it took)
     return last
 
 
