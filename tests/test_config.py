@@ -70,6 +70,8 @@ def test_dotted_overrides_and_types():
     ("algo.rollout_is_cap=0.5", "algo.rollout_is_cap"),          # below 1
     ("algo.rollout_is_cap=2", "algo.rollout_is_cap"),            # needs vllm's log-probs
     ("algo.truncated_in_group_stats=false", "algo.truncated_in_group_stats"),  # without overlong filtering
+    ("algo.old_logp=engine", "algo.old_logp"),                   # the hf engine reports no log-probs
+    ("algo.old_logp=latest", "algo.old_logp"),
     ("reward.grader=minerva", "reward.grader"),
 ])
 def test_bad_values_name_the_key(override, key):
@@ -153,7 +155,7 @@ def test_a_choice_setting_refuses_other_values_and_lists_its_choices(key, tp):
     assert all(choice in msg for choice in typing.get_args(tp))
     for choice in typing.get_args(tp):  # and takes each of its choices
         section, name = key.split(".")
-        extra = ["rollout.backend=vllm"] if (key, choice) == ("algo.buffer_logp", "engine") else []
+        extra = ["rollout.backend=vllm"] if (key, choice) in (("algo.buffer_logp", "engine"), ("algo.old_logp", "engine")) else []
         assert getattr(getattr(load_config(None, [f"{key}={choice}", *extra]), section), name) == choice
 
 
@@ -208,6 +210,22 @@ def test_zero_is_not_a_way_to_say_unset(key):
         load_config("configs/demo.yaml", [f"{key}=0"])
     assert str(err.value).startswith(f"{key}=0") and ": must be > 0, or null (" in str(err.value)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, fix", [
+    (["algo.old_logp=engine", "rollout.backend=vllm", "model.dtype=bfloat16"], "use float32"),
+    (["algo.old_logp=engine", "rollout.backend=vllm", "rollout.top_p=0.7"], "use top_p 1.0"),
+    (["algo.old_logp=engine", "rollout.backend=vllm", "rollout.top_k=20"], "use top_p 1.0"),
+    (["algo.old_logp=first_update", "rollout.backend=vllm", "algo.rollout_is_cap=2"], "use recompute"),
+    (["algo.old_logp=engine", "rollout.backend=vllm", "algo.rollout_is_cap=2"], "use recompute"),
+])
+def test_old_logp_sources_refuse_what_would_make_them_inexact(overrides, fix):
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/demo.yaml", overrides)
+    assert str(err.value).startswith("algo.old_logp=") and fix in str(err.value) and "\n" not in str(err.value)
+    assert load_config("configs/demo.yaml", ["algo.old_logp=engine", "rollout.backend=auto"]).algo.old_logp == "engine"
+    assert load_config("configs/demo.yaml", ["algo.old_logp=first_update", "train.ppo_epochs=2"]).algo.old_logp == "first_update"
+    assert config_module.AlgoConfig().old_logp == "recompute"  # the reference
 
 
 def test_a_kept_surplus_of_zero_groups_is_a_count():

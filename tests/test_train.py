@@ -51,6 +51,12 @@ def test_token_logprobs_match_full_forward(tiny_model_dir, tmp_path):
             assert logp[i, t].item() == pytest.approx(full[i, p + t - 1, tok].item(), abs=1e-5)
             probs = full[i, p + t - 1].exp()
             assert ent[i, t].item() == pytest.approx(-(probs * full[i, p + t - 1]).sum().item(), abs=1e-4)
+    # with gradients on (the update's checkpointed head) the same numbers, the entropy detached, each
+    # chunk's computed once: backward's recomputation of a chunk appends nothing
+    logp_g, ent_g = token_logprobs(policy.model, mb, temperature=0.7, with_entropy=True, chunk_tokens=7)
+    assert logp_g.requires_grad and not ent_g.requires_grad
+    logp_g.sum().backward()
+    assert torch.allclose(logp_g.detach(), logp, atol=1e-6) and torch.equal(ent_g, ent)
 
 
 def test_packed_micro_batch_gives_the_padded_log_probs(tiny_model_dir, tmp_path):
@@ -182,6 +188,103 @@ def sgd(policy) -> None:
     """Plain SGD at lr 1: an update moves the weights by minus the (unclipped) gradient."""
     policy.optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)
     policy.scheduler = torch.optim.lr_scheduler.LambdaLR(policy.optimizer, lambda step: 1.0)
+
+
+def traced_update(cfg, *, old_logp: str, ppo_epochs: int = 1, engine_logp_from=None):
+    """One step's old-log-prob phase and update (train.old_logprobs, Policy.update) with ``algo.old_logp``
+    on three groups, one per mini-batch, under SGD: returns the batch as the update left it, the
+    phase's result, each loss call's (old_logp, logp, loss) and each optimizer step's gradients and
+    the weights after the update."""
+    from types import SimpleNamespace
+
+    from dapo.config import load_config
+    from dapo.train import TrainState, old_logprobs
+
+    torch.manual_seed(0)
+    policy = make_policy(cfg)
+    sgd(policy)
+    batch = sampled_batch(policy)  # recomputed old_logp and entropy: the reference's, kept to compare
+    reference_old, reference_entropy = batch.old_logp.clone(), batch.entropy.clone()
+    batch.old_logp = batch.entropy = None
+    if engine_logp_from is not None:  # what vLLM in float32 reports: the trainer's own numbers
+        batch.rollout_logp = [engine_logp_from[i, : len(r)].tolist() for i, r in enumerate(batch.response_ids)]
+    run_cfg = load_config(None, [f"algo.old_logp={old_logp}", "rollout.backend=vllm"])
+    policy.train_cfg.ppo_epochs = ppo_epochs
+    phase = old_logprobs(batch, SimpleNamespace(cfg=run_cfg, state=TrainState(), policy=policy, reference=None))
+    before_update = batch.old_logp.clone(), batch.entropy.clone()
+    real_loss, calls, grads = loss_fn_of(cfg), [], []
+
+    def spy(logp, old, *args, **kwargs):
+        loss, stats = real_loss(logp, old, *args, **kwargs)
+        calls.append((old.clone(), logp.detach().clone(), loss.detach()))
+        return loss, stats
+
+    policy.optimizer.register_step_pre_hook(lambda *_: grads.append([p.grad.clone() for p in policy.model.parameters()]))
+    policy.update(batch, spy, **phase.from_update)
+    weights = torch.cat([p.detach().flatten() for p in policy.model.parameters()])
+    return SimpleNamespace(batch=batch, phase=phase, before_update=before_update, calls=calls, grads=grads,
+                           weights=weights, reference_old=reference_old, reference_entropy=reference_entropy)
+
+
+@pytest.mark.parametrize("ppo_epochs", [1, 2])
+def test_first_update_takes_the_first_mini_batchs_old_logp_from_the_updates_own_forward(tiny_model_dir, tmp_path, ppo_epochs):
+    cfg = small_config(tmp_path, tiny_model_dir, "train.prompts_per_step=3", "train.mini_batch_prompts=1")
+    rec = traced_update(cfg, old_logp="recompute", ppo_epochs=ppo_epochs)
+    first = traced_update(cfg, old_logp="first_update", ppo_epochs=ppo_epochs)
+    lengths = first.batch.response_lengths
+    # the old-log-prob pass ran over groups 2 and 3 only; group 1's rows were left to the update
+    assert first.phase.tokens_computed == int(lengths[4:].sum()) and rec.phase.tokens_computed == int(lengths.sum())
+    assert torch.equal(first.phase.from_update["old_logp_rows"], torch.arange(12) < 4)
+    old_before, entropy_before = first.before_update
+    assert old_before[:4].abs().max() == 0 and entropy_before[:4].abs().max() == 0
+    assert torch.allclose(old_before[4:], rec.reference_old[4:], atol=1e-6)
+    # the update's first forward over group 1 is its old_logp: the ratio is exactly 1 there
+    old, logp, loss = first.calls[0]
+    assert torch.equal(old, logp)
+    assert first.calls[0][2].item() == pytest.approx(rec.calls[0][2].item(), abs=1e-6)
+    for g_first, g_rec in zip(first.grads[0], rec.grads[0]):  # the first optimizer step's gradients
+        assert torch.allclose(g_first, g_rec, atol=1e-6)
+    assert max(g.abs().max() for g in rec.grads[0]) > 1e-2
+    # it recorded the old_logp and entropy the pass would have given; later mini-batches used the pass's
+    for name, reference in (("old_logp", rec.reference_old), ("entropy", rec.reference_entropy)):
+        assert torch.allclose(getattr(first.batch, name), reference, atol=1e-5), name
+    assert len(first.calls) == len(rec.calls) == 3 * ppo_epochs
+    for (old_f, _, loss_f), (old_r, _, loss_r) in zip(first.calls, rec.calls):
+        assert torch.allclose(old_f, old_r, atol=1e-5)  # epoch 2's first mini-batch: the recorded values
+        assert loss_f.item() == pytest.approx(loss_r.item(), abs=1e-5)
+    assert (first.weights - rec.weights).abs().max() < 1e-5
+
+
+def test_engine_old_logp_is_the_engines_and_runs_no_pass(tiny_model_dir, tmp_path):
+    from dapo.dynamic_sampling import CollectStats
+    from dapo.metrics import step_metrics
+
+    cfg = small_config(tmp_path, tiny_model_dir, "train.prompts_per_step=3", "train.mini_batch_prompts=1")
+    rec = traced_update(cfg, old_logp="recompute")
+    engine = traced_update(cfg, old_logp="engine", engine_logp_from=rec.reference_old)
+    assert engine.phase.tokens_computed == 0 and engine.phase.from_update.keys() == {"entropy_rows"}
+    assert torch.equal(engine.before_update[0], rec.reference_old)  # the engine's numbers, as they came
+    assert (engine.weights - rec.weights).abs().max() < 1e-6 and rec.grads[0][0].abs().max() > 1e-3
+    # entropy from the update's forwards: group 1's before any step (the pass's); later groups' after the
+    # first steps, under the weights that trained them
+    assert torch.allclose(engine.batch.entropy[:4], rec.reference_entropy[:4], atol=1e-5)
+    assert engine.batch.entropy[4:].abs().max() > 0.1
+    assert (engine.batch.entropy[4:] - rec.reference_entropy[4:]).abs().max() > 1e-4
+    times = {"update": 1.0, "old_logprob": 0.0}
+    m = step_metrics(engine.batch, CollectStats(), {}, times, old_logprob_tokens=0, engine_vs_trainer=False)
+    assert not any(k.startswith("rollout/logprob_abs_diff") for k in m) and "perf/old_logprob_tokens_per_s" not in m
+    assert m["actor/entropy"] > 0.1
+
+
+def test_old_logp_sources_fail_in_one_line_where_they_cannot_be_exact(tiny_model_dir, tmp_path):
+    cfg = small_config(tmp_path, tiny_model_dir, "train.prompts_per_step=3", "train.mini_batch_prompts=1")
+    with pytest.raises(ValueError, match="^algo.old_logp=engine: the rollout engine reported no log-probs; use rollout.backend=vllm$"):
+        traced_update(cfg, old_logp="engine")  # the hf engine's batch has none
+    policy = make_policy(cfg)
+    batch = sampled_batch(policy)
+    late = torch.arange(len(batch)) >= 8  # the third mini-batch: trained after two optimizer steps
+    with pytest.raises(ValueError, match="^old_logp_rows must be trained before the first optimizer step"):
+        policy.update(batch, loss_fn_of(cfg), old_logp_rows=late)
 
 
 def test_update_minimises_the_loss_fn_it_is_given_with_the_documented_arguments(tiny_model_dir, tmp_path):

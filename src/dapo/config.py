@@ -38,6 +38,7 @@ KlKind = Literal["k1", "k2", "k3"]
 FilterMetric = Literal["acc", "reward"]
 OnMaxGenRounds = Literal["train", "fail"]
 BufferLogp = Literal["trainer", "engine"]
+OldLogp = Literal["recompute", "first_update", "engine"]
 PackSequences = Literal["auto", "true", "false"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 
@@ -114,6 +115,10 @@ class AlgoConfig:
     # 0 keeps none and discards every surplus group, as the reference does
     buffer_max_groups: int = 0
     buffer_logp: BufferLogp = "trainer"  # a buffered group's behaviour log-probs: trainer (computed when buffered) or engine (vllm's)
+    # where old_logp comes from: recompute (a forward pass over the batch before the update, the reference),
+    # first_update (the first mini-batch's from the update's own forward, detached: exact, the weights have not
+    # moved yet; the pass runs over the other rows) or engine (vLLM's sampling log-probs, no pass; float32 only)
+    old_logp: OldLogp = "recompute"
     rollout_is_cap: float | None = None  # C: each token's loss x min(pi_old / pi_rollout, C) on vllm's log-probs; null: off (the reference)
 
 
@@ -397,6 +402,15 @@ def validate(cfg: Config) -> None:
            f"algo.rollout_is_cap={a.rollout_is_cap}: must be >= 1 (a cap below 1 would shrink every token), or null (off)")
     _check(a.rollout_is_cap is None or r.backend == "vllm",
            f"algo.rollout_is_cap={a.rollout_is_cap}: needs the engine's log-probs; rollout.backend={r.backend} has none (use vllm)")
+    _check(a.old_logp != "engine" or r.backend in ("vllm", "auto"),
+           f"algo.old_logp=engine: rollout.backend={r.backend} reports no log-probs; use rollout.backend=vllm")
+    _check(a.old_logp != "engine" or cfg.model.dtype == "float32",
+           f"algo.old_logp=engine: model.dtype={cfg.model.dtype} makes vLLM's log-probs differ from the trainer's; use float32")
+    _check(a.old_logp != "engine" or (r.top_p == 1.0 and r.top_k is None),
+           f"algo.old_logp=engine: vLLM's log-probs are of the top-p/top-k truncated distribution (rollout.top_p={r.top_p}, "
+           f"rollout.top_k={r.top_k}), the trainer's of the full one; use top_p 1.0 and no top_k, or recompute")
+    _check(a.old_logp == "recompute" or a.rollout_is_cap is None,
+           f"algo.old_logp={a.old_logp}: algo.rollout_is_cap weighs by pi_old / pi_rollout from the recomputed pass; use recompute")
     _check(a.truncated_in_group_stats or a.overlong_filtering,
            "algo.truncated_in_group_stats=false only applies with algo.overlong_filtering=true (masked rows need no advantage)")
     _check(a.correct_reward > a.wrong_reward, "algo.correct_reward must be greater than algo.wrong_reward")

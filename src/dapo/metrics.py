@@ -35,8 +35,11 @@ def sampling_metrics(cstats: CollectStats, *, buffer_groups: int, gen_rounds_tot
 
 
 def step_metrics(batch: RolloutBatch, cstats: CollectStats, update: dict, times: dict, *,
-                 max_prompt_tokens: int = 0, max_response_tokens: int = 0) -> dict:
-    """What the update trained on and how it went."""
+                 max_prompt_tokens: int = 0, max_response_tokens: int = 0, old_logprob_tokens: int | None = None,
+                 engine_vs_trainer: bool = True) -> dict:
+    """What the update trained on and how it went. ``old_logprob_tokens``: the response tokens the
+    old-log-prob pass computed (None: every row's; 0: no pass, no throughput); ``engine_vs_trainer``:
+    whether ``batch.old_logp`` is the trainer's, so comparing the engine's log-probs with it means something."""
     lengths = batch.response_lengths.float()  # (N,)
     prompt_lengths = torch.tensor([len(p) for p in batch.prompt_ids], dtype=torch.float32)  # (N,)
     mask = batch.response_mask()
@@ -65,9 +68,11 @@ def step_metrics(batch: RolloutBatch, cstats: CollectStats, update: dict, times:
         "sampling/samples_per_trained_sample": cstats.samples_generated / max(samples_trained, 1),
         "sampling/tokens_per_trained_token": cstats.tokens_generated / max(float(mask.sum()), 1.0),
         "perf/train_tokens_per_s": float(mask.sum()) / max(times["update"], 1e-9),
-        "perf/old_logprob_tokens_per_s": float(lengths.sum()) / max(times["old_logprob"], 1e-9),
     }
-    if batch.rollout_logp:  # the engine's log-probs of its own samples vs the trainer's: numerics (and buffer staleness)
+    old_tokens = float(lengths.sum()) if old_logprob_tokens is None else old_logprob_tokens
+    if old_tokens:
+        m["perf/old_logprob_tokens_per_s"] = old_tokens / max(times["old_logprob"], 1e-9)
+    if batch.rollout_logp and engine_vs_trainer:  # the engine's log-probs of its own samples vs the trainer's: numerics (and buffer staleness)
         T = batch.old_logp.shape[1]
         rollout_logp = batch.padded_logp(batch.rollout_logp, T)  # (N, T)
         diff = (rollout_logp - batch.old_logp).abs()[torch.arange(T)[None, :] < batch.response_lengths[:, None]]

@@ -95,26 +95,45 @@ class ResponseLogProbs(nn.Module):
         for t0 in range(0, h.shape[0], chunk_tokens):
             h_c, y_c = h[t0 : t0 + chunk_tokens], mb.targets[t0 : t0 + chunk_tokens]
             if torch.is_grad_enabled():
-                logp = torch.utils.checkpoint.checkpoint(
-                    lambda x, y: _head_logp(self.head, x, y, temperature)[0], h_c, y_c, use_reentrant=False)
-                logps.append(logp)
+                head = self._checkpointed_head(temperature, entropies if with_entropy else None)
+                logps.append(torch.utils.checkpoint.checkpoint(head, h_c, y_c, use_reentrant=False))
                 continue
             logp, logits, log_z = _head_logp(self.head, h_c, y_c, temperature)
             logps.append(logp)
             if with_entropy:
-                entropies.append(log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1))
+                entropies.append(_entropy(logits, log_z))
         # scattered straight into (B, T): a view of a flat buffer as the output would make FSDP warn
         # that an in-place op on it could skip its pre-backward hook
         out_at = torch.unravel_index(mb.out_index, (mb.num_rows, mb.width))
         flat = torch.cat(logps)  # (n,)
         logp = flat.new_zeros(mb.num_rows, mb.width).index_put(out_at, flat)
         entropy = None
-        if with_entropy:
-            if torch.is_grad_enabled():
-                raise ValueError("entropy is computed without gradients; call under torch.no_grad()")
+        if with_entropy:  # detached, with gradients on or off
             ent = torch.cat(entropies)
             entropy = ent.new_zeros(mb.num_rows, mb.width).index_put(out_at, ent)
         return logp, entropy
+
+
+    def _checkpointed_head(self, temperature: float, entropies: list | None):
+        """One chunk's log-probs for activation checkpointing; with ``entropies``, the first call (the
+        forward, not backward's recomputation) also appends the chunk's entropy, detached, from the
+        same logits."""
+
+        def head(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            logp, logits, log_z = _head_logp(self.head, x, y, temperature)
+            if entropies is not None and not done:
+                with torch.no_grad():
+                    entropies.append(_entropy(logits.detach(), log_z.detach()))
+                done.append(True)
+            return logp
+
+        done: list[bool] = []
+        return head
+
+
+def _entropy(logits: torch.Tensor, log_z: torch.Tensor) -> torch.Tensor:
+    """Entropy of each row's softmax distribution, from its (n, V) logits and their logsumexp."""
+    return log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1)
 
 
 def token_logprobs(
@@ -268,18 +287,29 @@ class LogProbModel:
         return make_micro_batch(batch, rows, self.pad_id, self.device, packed=self.packed)
 
     # ---- log-probs ------------------------------------------------------------------------
+    def mini_batch_rows(self, batch: RolloutBatch) -> list[list[int]]:
+        """The rows of each optimizer update of one pass over ``batch``, in order: whole groups,
+        ``train.mini_batch_prompts`` of them per update."""
+        g, per_update = batch.group_size, max(1, self.train_cfg.mini_batch_prompts)
+        groups = list(range(batch.num_groups))
+        return [[i * g + j for i in groups[s : s + per_update] for j in range(g)] for s in range(0, len(groups), per_update)]
+
     @torch.no_grad()
-    def compute_logprobs(self, batch: RolloutBatch, *, with_entropy: bool = False):
-        """(N, T) log-probs of the sampled tokens (and entropy) under this model."""
+    def compute_logprobs(self, batch: RolloutBatch, *, with_entropy: bool = False, rows: list[int] | None = None):
+        """(N, T) log-probs of the sampled tokens (and entropy) under this model; with ``rows``, only
+        those rows are computed and the others are left 0."""
         was_training = self.model.training
         self.model.train(False)
         T = batch.max_response_len
         logp = torch.zeros(len(batch), T)
         entropy = torch.zeros(len(batch), T) if with_entropy else None
-        rows = list(range(len(batch)))
+        rows = list(range(len(batch))) if rows is None else rows
         if self.dist.sharded:  # the rows this rank trains on; the others' come with the all-reduce below
             per_update = self.train_cfg.mini_batch_prompts * batch.group_size
-            rows = [i for s in range(0, len(batch), per_update) for i in self._rank_rows(batch, rows[s : s + per_update])]
+            by_update: dict[int, list[int]] = {}
+            for i in rows:
+                by_update.setdefault(i // per_update, []).append(i)
+            rows = [i for chunk in by_update.values() for i in self._rank_rows(batch, chunk)]
         for micro in parallel.same_count(self.micro_batches(batch, rows), self.dist):
             mb = self._make_micro_batch(batch, micro or [0])  # None: a pass only to join the collectives
             lp, ent = token_logprobs(self.logprob_pass, mb, temperature=self.temperature, with_entropy=with_entropy)
@@ -379,33 +409,52 @@ class Policy(LogProbModel):
                 p.copy_(master)  # round to the compute dtype
 
     # ---- the update -----------------------------------------------------------------------
-    def update(self, batch: RolloutBatch, loss_fn: LossFn) -> dict[str, torch.Tensor]:
-        """Several optimizer updates over one rollout batch (mini-batches of whole groups), each
-        minimising ``loss_fn`` summed over its micro-batches.
+    def update(self, batch: RolloutBatch, loss_fn: LossFn, *, old_logp_rows: torch.Tensor | None = None,
+               entropy_rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Several optimizer updates over one rollout batch (mini-batches of whole groups,
+        ``mini_batch_rows``), each minimising ``loss_fn`` summed over its micro-batches.
 
         ``loss_fn`` gets the whole mini-batch's token and sequence counts, so splitting it into
         micro-batches (or over ranks) leaves the gradient unchanged. Returns the statistics averaged
         over the updates (``_max`` ones: their maximum), the learning rate and the skipped updates.
+
+        ``old_logp_rows`` (N,) bool: rows whose old_logp is this update's own first forward over them,
+        detached, written into ``batch.old_logp`` (allocated by the caller) and used from then on; that
+        forward must come before the first optimizer step (a ValueError otherwise), so it runs under
+        the weights the old-log-prob pass would have used. ``entropy_rows`` (N,) bool: rows whose
+        entropy the first forward over them writes into ``batch.entropy`` (allocated by the caller),
+        under the weights of that moment.
         """
         t = self.train_cfg
         self.model.train()
-        g = batch.group_size
-        groups = list(range(batch.num_groups))
-        per_update = max(1, t.mini_batch_prompts)
+        first = {"old_logp": old_logp_rows, "entropy": entropy_rows}
+        pending = {k: v.clone().bool() for k, v in first.items() if v is not None and v.any()}
+        recorded = {k: torch.zeros_like(getattr(batch, k)) for k in pending}  # this rank's rows (the others stay 0)
         totals: dict[str, list[torch.Tensor]] = {}
+        updates = 0
         for _epoch in range(t.ppo_epochs):
-            for start in range(0, len(groups), per_update):
-                rows = [i * g + j for i in groups[start : start + per_update] for j in range(g)]
-                stats = self._mini_batch_update(batch, rows, loss_fn)
+            for rows in self.mini_batch_rows(batch):
+                if updates and "old_logp" in pending and pending["old_logp"][rows].any():
+                    raise ValueError("old_logp_rows must be trained before the first optimizer step (the first mini-batch)")
+                stats = self._mini_batch_update(batch, rows, loss_fn, pending, recorded)
+                for v in pending.values():
+                    v[rows] = False  # recorded by whichever rank computed them
+                updates += 1
                 for k, v in stats.items():
                     totals.setdefault(k, []).append(v)
+        for k, values in recorded.items():  # every rank's rows, for the step's metrics
+            values = parallel.all_reduce(values, self.dist) if self.dist.sharded else values
+            setattr(batch, k, torch.where(first[k].bool()[:, None], values, getattr(batch, k)))
         self.scheduler.step()
         out = {k: (torch.stack(v).max() if k.endswith("_max") else torch.stack(v).mean()) for k, v in totals.items()}
         out["lr"] = torch.tensor(self.optimizer.param_groups[0]["lr"])
         out["skipped_updates"] = torch.tensor(float(self.skipped_updates))
         return out
 
-    def _mini_batch_update(self, batch: RolloutBatch, rows: list[int], loss_fn: LossFn) -> dict[str, torch.Tensor]:
+    def _mini_batch_update(self, batch: RolloutBatch, rows: list[int], loss_fn: LossFn,
+                           pending: dict[str, torch.Tensor], recorded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One optimizer update; ``pending``: rows whose old_logp / entropy this forward over them
+        records (into ``recorded``, this rank's, and ``batch``)."""
         rows = self._rank_rows(batch, rows)
         width = max((len(batch.response_ids[i]) for i in rows), default=0)
         mask_all = batch.response_mask(torch.tensor(rows, dtype=torch.long), width=width)  # (n, T_mb)
@@ -420,9 +469,19 @@ class Policy(LogProbModel):
             if mask_cpu.sum() == 0 and not self.dist.sharded:  # every row filtered out (overlong filtering)
                 continue
             mask = mask_cpu.to(self.device)
-            logp, _ = token_logprobs(self.logprob_pass, mb, temperature=self.temperature)
+            record = {k: rows_[idx] & (micro is not None) for k, rows_ in pending.items()}  # (B,) each
+            logp, entropy = token_logprobs(self.logprob_pass, mb, temperature=self.temperature,
+                                           with_entropy="entropy" in record and bool(record["entropy"].any()))
             on_device = lambda x: None if x is None else x[idx, : mb.width].to(self.device)  # noqa: E731
-            loss, loss_stats = loss_fn(logp, on_device(batch.old_logp), batch.adv[idx].to(self.device), mask,
+            old_logp = on_device(batch.old_logp)
+            for k, values in (("old_logp", logp), ("entropy", entropy)):
+                if k in record and record[k].any():
+                    if k == "old_logp":  # the weights have not moved yet: the forward itself is pi_old
+                        old_logp = torch.where(record[k].to(self.device)[:, None], logp.detach(), old_logp)
+                    fresh = values.detach().float().cpu()[record[k]]  # (b, T_mb)
+                    recorded[k][idx[record[k]], : mb.width] = fresh
+                    getattr(batch, k)[idx[record[k]], : mb.width] = fresh
+            loss, loss_stats = loss_fn(logp, old_logp, batch.adv[idx].to(self.device), mask,
                                        num_tokens=num_tokens, num_seqs=num_seqs,
                                        is_weights=on_device(batch.is_weights), ref_logp=on_device(batch.ref_logp))
             loss.backward()

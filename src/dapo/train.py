@@ -4,7 +4,8 @@
                        penalty, drop groups whose accuracies are all equal, repeat until P prompts
                        (dynamic_sampling.BatchCollector)
   advantages           overlong filtering (optional), then (R - mean_G) / (std_G + eps) per response
-  old log-probs        under the policy that sampled, recomputed before the update
+  old log-probs        under the policy that sampled, recomputed before the update (algo.old_logp: or
+                       the first mini-batch's from the update's own forward, or vLLM's)
   update               P / mini_batch_prompts optimizer updates of the token-mean clipped surrogate
                        (the loss built here from algo.py; Policy only runs it)
   weight push          the new weights to the rollout engine
@@ -29,7 +30,7 @@ import torch
 
 from dapo import algo, checkpoint, parallel
 from dapo.batch import RolloutBatch
-from dapo.config import AlgoConfig, Config, dump_yaml, load_config
+from dapo.config import AlgoConfig, Config, ConfigError, dump_yaml, load_config
 from dapo.data import PromptSampler, make_encoder
 from dapo.dynamic_sampling import BatchCollector, CollectStats, Scorer, record_behaviour_logp
 from dapo.evaluate import evaluate, load_benchmark, sampling_settings
@@ -123,17 +124,57 @@ def assign_advantages(batch: RolloutBatch, a, group_size: int) -> None:
                                       in_baseline=in_baseline)  # (N,)
 
 
-def old_logprobs(batch: RolloutBatch, run: "Run") -> dict:
+@dataclass
+class OldLogprobs:
+    """What the old-log-prob phase did: the importance weights' statistics, the response tokens it
+    computed, and what ``Policy.update`` takes from its own forward instead (its keyword arguments)."""
+
+    metrics: dict
+    tokens_computed: int
+    from_update: dict
+
+
+def first_update_rows(batch: RolloutBatch, policy: Policy) -> torch.Tensor:
+    """(N,) bool: the rows whose old_logp the update's first forward gives exactly (algo.old_logp=
+    first_update): those of the first mini-batch, sampled by the current weights (not held over), trained on."""
+    rows = torch.zeros(len(batch), dtype=torch.bool)
+    rows[policy.mini_batch_rows(batch)[0]] = True
+    if batch.behaviour_logp:
+        rows &= torch.tensor([lp is None for lp in batch.behaviour_logp])
+    return rows if batch.trainable is None else rows & batch.trainable
+
+
+def old_logprobs(batch: RolloutBatch, run: "Run") -> OldLogprobs:
     """old_logp (and entropy) under the weights that sampled, the reference's log-probs for a KL
-    term, and the truncated importance weights when they are on; returns the weights' statistics."""
+    term, and the truncated importance weights when they are on.
+
+    algo.old_logp: ``recompute`` runs the log-prob pass over every row; ``first_update`` skips the rows
+    ``first_update_rows`` names, whose old_logp and entropy the update's first forward records;
+    ``engine`` takes vLLM's log-probs and runs no pass (entropy from the update's forwards).
+    """
     a = run.cfg.algo
     if run.state.buffer:  # held-over groups keep the log-probs of the weights that sampled them (still loaded)
         record_behaviour_logp(run.state.buffer, run.policy.compute_logprobs, source=a.buffer_logp)
-    old_logp, batch.entropy = run.policy.compute_logprobs(batch, with_entropy=True)  # (N, T)
-    batch.old_logp = batch.behaviour_old_logp(old_logp)  # held-over groups: the weights that sampled them
+    N, T = len(batch), batch.max_response_len
+    if a.old_logp == "engine":
+        if not batch.rollout_logp:
+            raise ValueError("algo.old_logp=engine: the rollout engine reported no log-probs; use rollout.backend=vllm")
+        batch.old_logp = batch.behaviour_old_logp(batch.padded_logp(batch.rollout_logp, T))  # (N, T)
+        batch.entropy = torch.zeros(N, T)
+        computed, from_update = [], {"entropy_rows": torch.ones(N, dtype=torch.bool)}
+    else:
+        skip = first_update_rows(batch, run.policy) if a.old_logp == "first_update" else torch.zeros(N, dtype=torch.bool)
+        computed = [i for i in range(N) if not skip[i]]
+        if computed:
+            old_logp, batch.entropy = run.policy.compute_logprobs(batch, with_entropy=True, rows=computed)  # (N, T)
+        else:
+            old_logp, batch.entropy = torch.zeros(N, T), torch.zeros(N, T)
+        batch.old_logp = batch.behaviour_old_logp(old_logp)  # held-over groups: the weights that sampled them
+        from_update = {"old_logp_rows": skip, "entropy_rows": skip} if skip.any() else {}
     if run.reference is not None:
         batch.ref_logp = run.reference.logprobs(batch)  # (N, T)
-    return importance_weights(batch, a.rollout_is_cap)  # engine vs trainer sampling; off unless a cap is set
+    metrics = importance_weights(batch, a.rollout_is_cap)  # engine vs trainer sampling; off unless a cap is set
+    return OldLogprobs(metrics, int(batch.response_lengths[computed].sum()) if computed else 0, from_update)
 
 
 def importance_weights(batch: RolloutBatch, cap: float | None) -> dict:
@@ -227,6 +268,9 @@ def start(cfg: Config, stack: contextlib.ExitStack, console=None) -> Run:
     engine = make_training_engine(r, cfg.model, policy.model, policy.tokenizer, d, max_model_len=max_model_len)
     # the saved config says which engine ran ("auto" resolved)
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(r, backend=engine.backend))
+    if a.old_logp == "engine" and engine.backend != "vllm":
+        raise ConfigError(f"algo.old_logp=engine: rollout.backend=auto chose {engine.backend}, which reports no "
+                          "log-probs (vLLM is not installed); use algo.old_logp=recompute or first_update")
     encode = make_encoder(policy.tokenizer, cfg.data.max_prompt_tokens)
     sampler = PromptSampler(load_train_examples(cfg.data), seed=cfg.data.seed)
     eval_sets = [load_benchmark(b, template=cfg.data.template, num_problems=cfg.eval.num_problems,
@@ -270,14 +314,16 @@ def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
             assign_advantages(batch, cfg.algo, cfg.rollout.group_size)
             engine.sleep()  # a colocated engine frees its memory for the trainer; no-op for hf
             with timer("old_logprob"):
-                metrics |= old_logprobs(batch, run)
+                old = old_logprobs(batch, run)
             with timer("update"):
-                update = policy.update(batch, run.loss_fn)
+                update = policy.update(batch, run.loss_fn, **old.from_update)
             with timer("weight_sync"):
                 engine.wake()
                 engine.update_weights(policy.named_weights())
-            metrics |= step_metrics(batch, cstats, update, timer.seconds, max_prompt_tokens=cfg.data.max_prompt_tokens,
-                                    max_response_tokens=cfg.rollout.max_response_tokens)
+            metrics |= old.metrics | step_metrics(
+                batch, cstats, update, timer.seconds, max_prompt_tokens=cfg.data.max_prompt_tokens,
+                max_response_tokens=cfg.rollout.max_response_tokens, old_logprob_tokens=old.tokens_computed,
+                engine_vs_trainer=cfg.algo.old_logp != "engine")
         if step == cfg.train.total_steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0):
             with timer("eval"):
                 metrics |= run.evaluate()
