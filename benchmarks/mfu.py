@@ -120,7 +120,6 @@ CATEGORIES = (  # profile rows by op name, first match wins
     ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")),
     ("attention (SDPA)", ("scaled_dot_product", "flash_attention")),
     ("softmax / logsumexp", ("softmax", "logsumexp")),
-    ("optimizer (AdamW foreach)", ("_foreach_",)),
     ("embedding", ("embedding",)),
     ("copies / layout", ("copy_", "contiguous", "clone", "cat", "index", "gather", "scatter", "fill_", "zero_")),
 )
@@ -214,8 +213,14 @@ def profile_table(policy: Policy, batch: RolloutBatch, loss_fn) -> list[str]:
     wall = (time.perf_counter() - w0) * 1e6
     events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0 and e.key.startswith("aten::")]
     by_cat: dict[str, float] = {}
-    for e in events:
-        cat = next((name for name, keys in CATEGORIES if any(k in e.key for k in keys)), "elementwise / other aten")
+    for e in prof.events():  # each op once, with its callers: AdamW's per-tensor ops sit under Optimizer.step
+        if e.self_cpu_time_total <= 0 or not e.name.startswith("aten::"):
+            continue
+        parent, in_step = e.cpu_parent, False
+        while parent is not None and not in_step:
+            in_step, parent = parent.name.startswith("Optimizer.step"), parent.cpu_parent
+        cat = "optimizer (AdamW step)" if in_step else next(
+            (name for name, keys in CATEGORIES if any(k in e.name for k in keys)), "elementwise / other aten")
         by_cat[cat] = by_cat.get(cat, 0.0) + e.self_cpu_time_total
     ops = sum(by_cat.values())
     by_cat["outside aten ops (Python, autograd, profiler)"] = max(0.0, wall - ops)
