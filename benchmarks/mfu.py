@@ -1,6 +1,12 @@
 """Training-phase FLOP/s (6 x parameters x tokens / time) as a fraction of what torch.mm reaches here.
 
     python benchmarks/mfu.py [--updates 5] [--threads 1] [--config configs/demo.yaml] [key=value ...]
+    python benchmarks/mfu.py --real [--updates 3] [key=value ...]
+
+--real: the real-model preset (configs/smollm2_135m.yaml, SmolLM2-135M-Instruct from the local cache)
+on a synthetic rollout batch of the preset's shape (see ``synthetic_batch``), with torch's default
+thread count (what training uses); it reports old log-probs and update separately, wall and CPU
+time, and ends with ``update MFU: NN%``. The demo mode is described next.
 
 One demo rollout batch (32 prompts x G=8 from assets/arith-base, graded by the arith grader) is
 generated once; then each iteration runs the training phase of a step on it exactly as the loop
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import time
 from pathlib import Path
@@ -35,7 +42,7 @@ from dapo.rewards import grade
 from dapo.rollout.base import SamplingParams
 from dapo.rollout.hf import HFRolloutEngine
 from dapo.tasks import arith
-from dapo.data import make_encoder
+from dapo.data import load_examples, make_encoder
 from dapo.train import make_loss_fn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,13 +114,214 @@ def micro_batch_rows(cfg, batch: RolloutBatch, tokens: int) -> int:
     return min(per_update, cfg.train.micro_batch_size * tokens // len(batch))
 
 
+# ---- the real model ---------------------------------------------------------------------------
+REAL_CONFIG = ROOT / "configs/smollm2_135m.yaml"
+CATEGORIES = (  # profile rows by op name, first match wins
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")),
+    ("attention (SDPA)", ("scaled_dot_product", "flash_attention")),
+    ("softmax / logsumexp", ("softmax", "logsumexp")),
+    ("embedding", ("embedding",)),
+    ("copies / layout", ("copy_", "contiguous", "clone", "cat", "index", "gather", "scatter", "fill_", "zero_")),
+)
+
+
+def synthetic_batch(policy: Policy, cfg, seed: int = 0) -> RolloutBatch:
+    """A rollout batch of the preset's shape without sampling: fast and the same every run.
+
+    Prompts: ``prompts_per_step`` word problems from the training file, rendered with the model's
+    chat template exactly as training encodes them. Responses: G per prompt, lengths drawn uniformly
+    from 25 to the response limit, one in eight cut at the limit (truncated, no EOS); their tokens
+    are runs of the problems' own text (real tokens of this tokenizer), ending in EOS. Rewards
+    alternate right/wrong within each group, so every row carries an advantage.
+    """
+    r, tok = cfg.rollout, policy.tokenizer
+    rng = random.Random(seed)
+    examples = load_examples(ROOT / cfg.data.train_files[0], template=cfg.data.template)
+    chosen = rng.sample(examples, cfg.train.prompts_per_step)
+    encode = make_encoder(tok, cfg.data.max_prompt_tokens)
+    stream = tok("\n".join(ex.text() for ex in examples[:300]), add_special_tokens=False)["input_ids"]
+    limit = r.max_response_tokens
+    prompt_ids, response_ids, truncated = [], [], []
+    for ex in chosen:
+        for _ in range(r.group_size):
+            cut = rng.random() < 1 / 8
+            n = limit if cut else rng.randint(25, limit)
+            start = rng.randrange(len(stream) - n)
+            ids = stream[start : start + n]
+            if not cut:
+                ids = ids[:-1] + [tok.eos_token_id]
+            prompt_ids.append(encode(ex))
+            response_ids.append(ids)
+            truncated.append(cut)
+    rows = [ex for ex in chosen for _ in range(r.group_size)]
+    acc = torch.tensor([float(j % 2) for j in range(len(rows))])
+    batch = RolloutBatch(group_size=r.group_size, prompt_ids=prompt_ids, response_ids=response_ids,
+                         truncated=torch.tensor(truncated), texts=[tok.decode(x) for x in response_ids],
+                         example_uids=[ex.uid for ex in rows], ground_truths=[ex.ground_truth for ex in rows],
+                         acc=acc, reward=acc * 2 - 1, overlong_penalty=torch.zeros_like(acc))
+    batch.adv = algo.group_advantages(batch.reward, r.group_size)
+    return batch
+
+
+def sub_batch(batch: RolloutBatch, groups: int) -> RolloutBatch:
+    """The first ``groups`` groups of ``batch`` (a warm-up pass)."""
+    n = groups * batch.group_size
+    b = RolloutBatch(group_size=batch.group_size, prompt_ids=batch.prompt_ids[:n], response_ids=batch.response_ids[:n],
+                     truncated=batch.truncated[:n], texts=batch.texts[:n], example_uids=batch.example_uids[:n],
+                     ground_truths=batch.ground_truths[:n], acc=batch.acc[:n], reward=batch.reward[:n],
+                     overlong_penalty=batch.overlong_penalty[:n])
+    b.adv = batch.adv[:n]
+    return b
+
+
+def pass_shapes(policy: Policy, batch: RolloutBatch, rows_per_pass: list[list[int]], chunk: int = 1024):
+    """The model's matmuls over these micro-batches as (m, k, n, count) at their mean row counts, and
+    the FLOPs they execute: decoder weights at padded tokens, the LM head at response tokens (in
+    ``chunk``-row pieces), causal attention (QK^T and PV, half of L^2 per row)."""
+    c = policy.model.config
+    mbs = [policy._make_micro_batch(batch, rows) for rows in rows_per_pass]
+    m_dec = round(statistics.mean(mb.num_tokens for mb in mbs))
+    resp = [mb.targets.numel() for mb in mbs]
+    m_head = round(statistics.mean(min(chunk, n) for n in resp))
+    layer = model_shapes(c)[:7]
+    shapes = [(m_dec, k, n, c.num_hidden_layers) for k, n in layer] + [(m_head, c.hidden_size, c.vocab_size, 1)]
+    decoder_flops = sum(2 * mb.num_tokens * k * n for mb in mbs for k, n in layer) * c.num_hidden_layers
+    head_flops = 2 * sum(resp) * c.hidden_size * c.vocab_size
+    attn_flops = sum(2 * mb.input_ids.shape[0] * mb.input_ids.shape[1] ** 2 * c.hidden_size for mb in mbs) * c.num_hidden_layers
+    return shapes, decoder_flops, head_flops, attn_flops, m_dec, m_head
+
+
+def shapes_rate(shapes) -> float:
+    """FLOP-weighted torch.mm rate over (m, k, n, count): total FLOPs / total time at measured speeds."""
+    rates = {(m, k, n): mm_rate(m, k, n) for m, k, n, _ in shapes}
+    flops = [(2 * m * k * n * cnt, (m, k, n)) for m, k, n, cnt in shapes]
+    return sum(f for f, _ in flops) / sum(f / rates[s] for f, s in flops)
+
+
+def clock() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def profile_table(policy: Policy, batch: RolloutBatch, loss_fn) -> list[str]:
+    """One update under torch.profiler: the main thread's op self time by category, and what lies
+    outside aten ops (Python, autograd engine, the loop) as wall time minus the ops' self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    w0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        policy.update(batch, loss_fn)
+    wall = (time.perf_counter() - w0) * 1e6
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0 and e.key.startswith("aten::")]
+    by_cat: dict[str, float] = {}
+    for e in prof.events():  # each op once, with its callers: AdamW's per-tensor ops sit under Optimizer.step
+        if e.self_cpu_time_total <= 0 or not e.name.startswith("aten::"):
+            continue
+        parent, in_step = e.cpu_parent, False
+        while parent is not None and not in_step:
+            in_step, parent = parent.name.startswith("Optimizer.step"), parent.cpu_parent
+        cat = "optimizer (AdamW step)" if in_step else next(
+            (name for name, keys in CATEGORIES if any(k in e.name for k in keys)), "elementwise / other aten")
+        by_cat[cat] = by_cat.get(cat, 0.0) + e.self_cpu_time_total
+    ops = sum(by_cat.values())
+    by_cat["outside aten ops (Python, autograd, profiler)"] = max(0.0, wall - ops)
+    lines = [f"profile of one update ({wall / 1e6:.1f} s wall under the profiler), main-thread self time by kind:"]
+    for cat, us in sorted(by_cat.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {cat:48s} {us / 1e6:8.2f} s  {us / wall:5.1%}")
+    lines.append("  top ops:")
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:10]:
+        lines.append(f"    {e.key:46s} {e.self_cpu_time_total / 1e6:8.2f} s  {e.self_cpu_time_total / wall:5.1%}  x{e.count}")
+    return lines
+
+
+def real_main(args) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    cfg = load_config(str(REAL_CONFIG), ["model.device=cpu", *args.overrides])
+    policy = Policy(cfg.model, cfg.train, temperature=cfg.rollout.temperature, device=torch.device("cpu"))
+    loss_fn = make_loss_fn(cfg.algo, cfg.rollout.max_response_tokens)
+    batch = synthetic_batch(policy, cfg)
+    c = policy.model.config
+    n_params = sum(p.numel() for p in policy.model.parameters())
+    prompt_tok = sum(map(len, batch.prompt_ids))
+    resp_tok = sum(map(len, batch.response_ids))
+    tokens = prompt_tok + resp_tok
+    rows = list(range(len(batch)))
+    old_mbs = policy.micro_batches(batch, rows)
+    per_update = cfg.train.mini_batch_prompts * batch.group_size
+    upd_mbs = [mb for s in range(0, len(batch), per_update) for mb in policy.micro_batches(batch, rows[s : s + per_update])]
+    old_shapes, old_dec, old_head, old_attn, old_m, old_mh = pass_shapes(policy, batch, old_mbs)
+    upd_shapes, upd_dec, upd_head, upd_attn, upd_m, upd_mh = pass_shapes(policy, batch, upd_mbs)
+    epochs = cfg.train.ppo_epochs
+    # executed matmul FLOPs: forward 2x, backward 4x; the LM head's chunks are checkpointed (forward twice)
+    upd_exec = epochs * (3 * upd_dec + 4 * upd_head + 3 * upd_attn)
+    old_exec = old_dec + old_head + old_attn
+
+    warm = sub_batch(batch, 2)  # first-call allocations and the optimizer state, on a small batch
+    warm.old_logp, warm.entropy = policy.compute_logprobs(warm, with_entropy=True)
+    policy.update(warm, loss_fn)
+
+    t_old, t_upd, ref_old, ref_upd = [], [], [], []
+    for _ in range(args.updates):
+        ref_old.append(shapes_rate(old_shapes))
+        ref_upd.append(shapes_rate(upd_shapes))
+        a = clock()
+        batch.old_logp, batch.entropy = policy.compute_logprobs(batch, with_entropy=True)
+        b = clock()
+        policy.update(batch, loss_fn)
+        e = clock()
+        t_old.append((b[0] - a[0], b[1] - a[1]))
+        t_upd.append((e[0] - b[0], e[1] - b[1]))
+        print(f"  iteration: old log-probs {t_old[-1][0]:.1f} s wall / {t_old[-1][1]:.1f} s CPU, update "
+              f"{t_upd[-1][0]:.1f} s wall / {t_upd[-1][1]:.1f} s CPU", flush=True)
+    med = lambda xs, i: statistics.median(x[i] for x in xs)  # noqa: E731
+    old_w, old_c, upd_w, upd_c = med(t_old, 0), med(t_old, 1), med(t_upd, 0), med(t_upd, 1)
+    mm_old, mm_upd = statistics.median(ref_old), statistics.median(ref_upd)
+    square = mm_rate(1024, 1024, 1024)
+    threads = torch.get_num_threads()
+
+    upd_6n = 6 * n_params * tokens * epochs
+    old_2n = 2 * n_params * tokens
+    print(f"torch {torch.__version__}, {threads} threads (interop {torch.get_num_interop_threads()}), load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; times are medians of {args.updates}")
+    print(f"model SmolLM2-135M-Instruct, {n_params:,} parameters (hidden {c.hidden_size}, {c.num_hidden_layers} layers, "
+          f"vocab {c.vocab_size}), {cfg.model.dtype}")
+    print(f"batch {len(batch)} responses: {tokens:,} tokens ({prompt_tok:,} prompt, {resp_tok:,} response; prompts "
+          f"{min(map(len, batch.prompt_ids))}-{max(map(len, batch.prompt_ids))}, responses "
+          f"{min(map(len, batch.response_ids))}-{max(map(len, batch.response_ids))}); token budget "
+          f"{cfg.train.max_tokens_per_micro_batch}, packed {policy.packed}")
+    print(f"micro-batches: old log-probs {len(old_mbs)} (~{old_m} tokens incl. padding, head {old_mh} rows), "
+          f"update {len(upd_mbs)} x {epochs} epoch(s) (~{upd_m} tokens, head {upd_mh} rows)")
+    print("CPU-time rates (the process's CPU seconds over all threads; torch.mm measured the same way):")
+    for name, flops, exec_flops, w, cpu, mm in (
+        ("old log-probs (2N/token)", old_2n, old_exec, old_w, old_c, mm_old),
+        ("update (6N/token)", upd_6n, upd_exec, upd_w, upd_c, mm_upd),
+    ):
+        print(f"  {name:26s} {w:7.1f} s wall {cpu:7.1f} s CPU  {tokens * (epochs if 'update' in name else 1) / w:7.0f} tok/s wall"
+              f"  {flops / cpu / 1e9:6.1f} GFLOP/s per CPU s ({flops / w / 1e9:6.1f} per wall s)"
+              f"  torch.mm {mm / 1e9:6.1f}  -> {flops / cpu / mm:5.1%}; executed matmul FLOPs {exec_flops / flops:.2f}x of "
+              f"that -> {exec_flops / cpu / mm:5.1%}")
+    print(f"torch.mm 1024x1024x1024: {square / 1e9:.1f} GFLOP/s per CPU s")
+    print(f"training phase (old log-probs + update, 8N/token): {(old_2n + upd_6n) / (old_c + upd_c) / mm_upd:.1%} of torch.mm")
+    for line in profile_table(policy, batch, loss_fn):
+        print(line)
+    print(f"update MFU: {upd_6n / upd_c / mm_upd:.0%}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--updates", type=int, default=5, help="timed training phases (after one warm-up)")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--config", default=str(ROOT / "configs/demo.yaml"))
+    parser.add_argument("--real", action="store_true", help="SmolLM2-135M-Instruct with its preset, synthetic batch")
+    parser.add_argument("--updates", type=int, default=None, help="timed training phases (demo 5 after a warm-up; real 3)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (demo 1; real: torch's default)")
+    parser.add_argument("--config", default=str(ROOT / "configs/demo.yaml"), help="demo mode only")
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = parser.parse_args()
+    if args.real:
+        args.updates = args.updates or 3
+        real_main(args)
+        return
+    args.updates = args.updates or 5
+    args.threads = args.threads or 1
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cfg = load_config(args.config, [f"model.path={ROOT / 'assets/arith-base'}", "model.device=cpu", *args.overrides])
