@@ -134,6 +134,7 @@ def test_train_eval_export_with_vllm(tmp_path, arch):
 
 
 @needs_smollm2
+@pytest.mark.timeout(1500)  # about 6 minutes alone on 2 cores (256 real-length rows, twice); more on a loaded machine
 def test_real_smollm2_logprob_gap_after_push(tmp_path):
     """SmolLM2-135M-Instruct, 64 word problems x 4 samples (past the prefill budget), a real
     update, the push, the same batch again: vLLM's log-probs stay within 1e-3 of the trainer's."""
