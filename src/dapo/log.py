@@ -260,20 +260,18 @@ def run_summary(rows: list[dict], *, wall_s: float, run_dir: Path, plot: Path | 
 
 
 class RunLogger:
-    # (metric, column label, format); LEGEND says what each column is, once per run
+    # (metric, column label, format, what it is): the step line's columns, explained once per run
     SUMMARY = (
-        ("rollout/acc_mean", "train acc", "{:.3f}"),
-        ("reward/score_mean", "reward", "{:+.3f}"),
-        ("rollout/response_length_mean", "len", "{:.1f}"),
-        ("actor/entropy", "ent", "{:.3f}"),
-        ("actor/clipfrac_high", "clip+", "{:.3f}"),
-        ("sampling/gen_rounds", "rounds", "{:.0f}"),
-        ("perf/time_step_s", "s", "{:.1f}"),
+        ("rollout/acc_mean", "train acc", "{:.3f}",
+         "share of this step's sampled responses graded right (training prompts, not the held-out set)"),
+        ("reward/score_mean", "reward", "{:+.3f}", "mean reward of the trained groups (+1/-1 plus the overlong penalty)"),
+        ("rollout/response_length_mean", "len", "{:.1f}", "mean response tokens"),
+        ("actor/entropy", "ent", "{:.3f}", "mean token entropy"),
+        ("actor/clipfrac_high", "clip+", "{:.3f}", "share of tokens clipped at 1 + eps_high"),
+        ("sampling/gen_rounds", "rounds", "{:.0f}", "generation rounds dynamic sampling needed"),
+        ("perf/time_step_s", "s", "{:.1f}", "seconds for the step"),
     )
-    LEGEND = ("columns: train acc = share of this step's sampled responses graded right (training prompts, not the "
-              "held-out set) | reward = mean reward of the trained groups (+1/-1 plus the overlong penalty) | len = mean "
-              "response tokens | ent = mean token entropy | clip+ = share of tokens clipped at 1 + eps_high | rounds = "
-              "generation rounds dynamic sampling needed | s = seconds for the step")
+    LEGEND = "columns: " + " | ".join(f"{label} = {meaning}" for _, label, _, meaning in SUMMARY)
 
     def __init__(self, run_dir: Path, *, total_steps: int, start_step: int = 0, tensorboard: bool = True,
                  progress: bool = True, console: Console | None = None):
@@ -326,7 +324,7 @@ class RunLogger:
             self.console.print(self.LEGEND, style="dim", soft_wrap=True)
             self._legend_shown = True
         parts = [f"step {step}/{total}"]
-        for key, label, fmt in self.SUMMARY:
+        for key, label, fmt, _ in self.SUMMARY:
             if key in row:
                 parts.append(f"{label} {fmt.format(row[key])}")
         self.console.print(" | ".join(parts), soft_wrap=True)
