@@ -163,12 +163,11 @@ class RunConfig:
     dir: str = "runs"  # the run lives in <dir>/<name>
     save_every: int | None = 20  # checkpoint every N steps (and at the end); null: only at the end
     keep_checkpoints: int = 2  # newest checkpoints kept
-    # write single-process checkpoints in a background thread: at the step's end the loop only copies the weights,
-    # AdamW state and trainer state into CPU buffers kept between saves (host memory the size of all three); the
-    # directory still appears under its name only when whole, and the next save and the end of the run wait for
-    # the write and raise its error. false: write before going on. Under FSDP (several ranks): always synchronous.
-    # Off by default: on a 2-core CPU host the copy (~1.6 GB for a 135M model in float32 with AdamW) took as long
-    # as the synchronous write (page cache, quick fsync); it pays where writing is slow (network disks, fsync).
+    # write single-process checkpoints in a background thread: at the step's end the loop copies only the small
+    # trainer state (sampler, buffer, RNG); the weights and AdamW state are written from live memory, and the next
+    # step waits for the write before its update changes them (generation and old log-probs overlap with it). The
+    # directory still appears under its name only when whole; the end of the run waits for the write and raises its
+    # error. false: write before going on. Under FSDP (several ranks): always synchronous.
     async_checkpoint: bool = False
     resume: bool = True  # continue from the run directory's latest checkpoint
     overwrite: bool = False  # with resume=false: move an earlier run in the directory aside (<name>.<date-time>) first

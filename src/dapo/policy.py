@@ -508,7 +508,7 @@ class Policy(LogProbModel):
         if not self.dist.sharded:  # under FSDP the optimizer is saved in shards, with the model
             state["optimizer"] = self.optimizer.state_dict()
         if self.master is not None:  # the model directory holds the bf16 weights; the float32 masters go here
-            state["master_weights"] = [m.detach() for m in self.master]  # live, as the optimizer's: the save copies
+            state["master_weights"] = [m.detach() for m in self.master]  # live, as the optimizer's state
         return state
 
     def sharded_state(self) -> dict | None:
