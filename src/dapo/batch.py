@@ -181,3 +181,65 @@ def plan_micro_batches(lengths: list[int], max_tokens: int, *, packed: bool = Fa
         else:
             lo = mid + 1
     return cut(lo)
+
+
+def plan_shared_prompt_micro_batches(prompt_of: list[int], prompt_lengths: list[int], widths: list[int], max_tokens: int,
+                                     *, max_rows: int | None = None) -> list[list[int]]:
+    """Split rows into micro-batches that compute each distinct prompt once (``train.share_prompt_prefix``).
+
+    ``prompt_of[i]`` names row i's prompt (rows naming the same one share it), ``prompt_lengths[i]`` is
+    that prompt's length and ``widths[i]`` the tokens row i adds after it. A micro-batch's cost is what
+    its two passes compute: (distinct prompts x longest prompt) + (rows x widest row). The rows of a
+    prompt stay together; a prompt whose rows alone exceed the budget (or ``max_rows``) is split into
+    parts that each still share it, widest rows first. Parts are then filled into the fewest
+    micro-batches the budget allows, widest first, with the largest cost made as small as that count
+    allows, as ``plan_micro_batches`` does for unshared rows. A single row over the budget goes alone.
+    """
+    if not prompt_of:
+        return []
+    by_prompt: dict[int, list[int]] = {}
+    for i, key in enumerate(prompt_of):
+        by_prompt.setdefault(key, []).append(i)
+    parts: list[list[int]] = []  # rows sharing one prompt, widest first
+    for rows in by_prompt.values():
+        rows = sorted(rows, key=lambda i: -widths[i])
+        part: list[int] = []
+        for i in rows:
+            if part and (prompt_lengths[i] + (len(part) + 1) * widths[part[0]] > max_tokens
+                         or (max_rows and len(part) >= max_rows)):
+                parts.append(part)
+                part = []
+            part.append(i)
+        parts.append(part)
+    parts.sort(key=lambda part: (-widths[part[0]], -prompt_lengths[part[0]]))
+
+    def cost(prompts: int, longest_prompt: int, rows: int, widest: int) -> int:
+        return prompts * longest_prompt + rows * widest
+
+    def cut(cap: int) -> list[list[int]]:
+        chunks, cur = [], []
+        prompts = longest = rows = widest = 0
+        for part in parts:  # widest first: the first part of a chunk holds its widest row
+            p, w = prompt_lengths[part[0]], widths[part[0]]
+            grown = (prompts + 1, max(longest, p), rows + len(part), widest if cur else w)
+            if cur and (cost(*grown) > cap or (max_rows and grown[2] > max_rows)):
+                chunks.append(cur)
+                cur, grown = [], (1, p, len(part), w)
+            cur += part
+            prompts, longest, rows, widest = grown
+        return chunks + [cur]
+
+    alone = [cost(1, prompt_lengths[part[0]], len(part), widths[part[0]]) for part in parts]
+    oversized = [part for part, c in zip(parts, alone) if c > max_tokens]  # single rows: a pass each
+    parts = [part for part, c in zip(parts, alone) if c <= max_tokens]
+    if not parts:
+        return oversized
+    fewest = len(cut(max_tokens))
+    lo, hi = max(c for c in alone if c <= max_tokens), max_tokens
+    while lo < hi:  # the smallest cap that still needs no more micro-batches
+        mid = (lo + hi) // 2
+        if len(cut(mid)) <= fewest:
+            hi = mid
+        else:
+            lo = mid + 1
+    return oversized + cut(lo)

@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from dapo import parallel
-from dapo.batch import RolloutBatch, pad_rows, plan_micro_batches
+from dapo.batch import RolloutBatch, pad_rows, plan_micro_batches, plan_shared_prompt_micro_batches
 from dapo.models import DTYPES, load_model_and_tokenizer
+from dapo.prefix import SharedPrompts, prompt_then_responses, unsupported
 
 if TYPE_CHECKING:
     from dapo.config import ModelConfig, TrainConfig
@@ -21,28 +22,34 @@ if TYPE_CHECKING:
 
 @dataclass
 class MicroBatch:
-    """One forward pass: rows right-padded to the longest (R = B), or packed into one row (R = 1).
+    """One forward pass: rows right-padded to the longest (R = B), or packed into one row (R = 1), or,
+    with ``prompts``, the distinct prompts once and then each row's response after its prompt.
 
     Only response positions reach the LM head: ``token_index`` picks, for each response token, the
-    flat position in (R * L) whose hidden state predicts it, and ``out_index`` where it goes in (B, T).
+    flat position in (R * L) whose hidden state predicts it (with ``prompts``: in the prompts' U * P
+    positions, then the rows' B * L), and ``out_index`` where it goes in (B, T).
     """
 
-    input_ids: torch.Tensor  # (R, L)
-    attention_mask: torch.Tensor | None  # (R, L) when padded; None when packed
-    position_ids: torch.Tensor | None  # (R, L) restarting at 0 for each packed sequence; None when padded
+    input_ids: torch.Tensor  # (R, L); with prompts: (B, L) each response but its last token
+    attention_mask: torch.Tensor | None  # (R, L) when padded; None when packed; with prompts (B, P + L)
+    position_ids: torch.Tensor | None  # (R, L) restarting at 0 for each packed sequence (with prompts: from its length); None when padded
     token_index: torch.Tensor  # (n,) flat index into R * L of the position that predicts each response token
     targets: torch.Tensor  # (n,) the response tokens
     out_index: torch.Tensor  # (n,) flat index into B * T
     num_rows: int  # B
     width: int  # T: the longest response in this micro-batch
+    prompts: SharedPrompts | None = None  # the distinct prompts, computed once (train.share_prompt_prefix)
 
     @property
     def num_tokens(self) -> int:
         """Tokens the forward pass computes, padding included."""
-        return self.input_ids.numel()
+        return self.input_ids.numel() + (0 if self.prompts is None else self.prompts.input_ids.numel())
 
 
-def make_micro_batch(batch: RolloutBatch, rows: list[int], pad_id: int, device, *, packed: bool = False) -> MicroBatch:
+def make_micro_batch(batch: RolloutBatch, rows: list[int], pad_id: int, device, *, packed: bool = False,
+                     share_prompts: bool = False) -> MicroBatch:
+    if share_prompts:
+        return _shared_prompt_micro_batch(batch, rows, pad_id, device)
     seqs = [batch.prompt_ids[i] + batch.response_ids[i] for i in rows]
     width = max(len(batch.response_ids[i]) for i in rows)
     token_index, targets, out_index = [], [], []
@@ -69,6 +76,37 @@ def make_micro_batch(batch: RolloutBatch, rows: list[int], pad_id: int, device, 
                       as_long(token_index), as_long(targets), as_long(out_index), len(rows), width)
 
 
+def _shared_prompt_micro_batch(batch: RolloutBatch, rows: list[int], pad_id: int, device) -> MicroBatch:
+    """The micro-batch of ``rows`` with each distinct prompt once: the prompt pass's last real position
+    predicts a response's first token, and the response pass (fed every response token but the last,
+    which predicts nothing) the others."""
+    distinct: dict[tuple[int, ...], int] = {}
+    of_row = [distinct.setdefault(tuple(batch.prompt_ids[i]), len(distinct)) for i in rows]
+    prompt_ids = [list(p) for p in distinct]
+    prompt_width = max(len(p) for p in prompt_ids)
+    fed = [batch.response_ids[i][:-1] for i in rows]
+    fed_width = max(1, max(len(f) for f in fed))  # a pass over nothing is no pass: FSDP ranks must run the same ones
+    width = max(len(batch.response_ids[i]) for i in rows)
+    token_index, targets, out_index = [], [], []
+    response_base = len(prompt_ids) * prompt_width
+    for b, i in enumerate(rows):
+        p, r = len(batch.prompt_ids[i]), len(batch.response_ids[i])
+        token_index.append(of_row[b] * prompt_width + p - 1)
+        token_index += range(response_base + b * fed_width, response_base + b * fed_width + r - 1)
+        out_index += range(b * width, b * width + r)
+        targets += batch.response_ids[i]
+    prompt_lengths = torch.tensor([len(p) for p in prompt_ids])
+    prompt_mask = (torch.arange(prompt_width)[None, :] < prompt_lengths[:, None]).long()  # (U, P)
+    of_row_t = torch.tensor(of_row, dtype=torch.long)
+    fed_mask = (torch.arange(fed_width)[None, :] < torch.tensor([len(f) for f in fed])[:, None]).long()  # (B, W)
+    position_ids = prompt_lengths[of_row_t][:, None] + torch.arange(fed_width)[None, :]  # (B, W)
+    as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    prompts = SharedPrompts(pad_rows(prompt_ids, pad_id).to(device), prompt_mask.to(device), of_row_t.to(device))
+    return MicroBatch(pad_rows(fed, pad_id, fed_width).to(device), torch.cat([prompt_mask[of_row_t], fed_mask], 1).to(device),
+                      position_ids.to(device), as_long(token_index), as_long(targets), as_long(out_index), len(rows), width,
+                      prompts)
+
+
 def _head_logp(head, h: torch.Tensor, targets: torch.Tensor, temperature: float):
     logits = head(h).float() / temperature  # (n, V): float32 for this chunk only
     log_z = torch.logsumexp(logits, dim=-1)
@@ -88,9 +126,13 @@ class ResponseLogProbs(nn.Module):
         self.head = lm.get_output_embeddings()
 
     def forward(self, mb: MicroBatch, *, temperature: float, with_entropy: bool = False, chunk_tokens: int = 1024):
-        hidden = self.decoder(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                              position_ids=mb.position_ids).last_hidden_state  # (R, L, H)
-        h = hidden.reshape(-1, hidden.shape[-1])[mb.token_index]  # (n, H)
+        if mb.prompts is None:
+            hidden = self.decoder(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                                  position_ids=mb.position_ids).last_hidden_state.flatten(0, 1)  # (R * L, H)
+        else:
+            hidden = prompt_then_responses(self.decoder, mb.prompts, mb.input_ids, mb.attention_mask,
+                                           mb.position_ids)  # (U * P + B * L, H)
+        h = hidden[mb.token_index]  # (n, H)
         logps, entropies = [], []
         for t0 in range(0, h.shape[0], chunk_tokens):
             h_c, y_c = h[t0 : t0 + chunk_tokens], mb.targets[t0 : t0 + chunk_tokens]
@@ -256,6 +298,11 @@ class LogProbModel:
         self.model_cfg, self.train_cfg = model_cfg, train_cfg
         self.dist, self.device = dist, device
         self.temperature = temperature  # log-probs are of the distribution that sampled: at its temperature
+        self.share_prompts = train_cfg.share_prompt_prefix
+        if self.share_prompts and (why := unsupported(lm)):
+            from dapo.config import ConfigError
+
+            raise ConfigError(f"train.share_prompt_prefix=true: {model_cfg.path} has {why}; set train.share_prompt_prefix=false")
         self.logprob_pass = self._sharded_logprob_pass(lm)
 
     def _sharded_logprob_pass(self, lm) -> ResponseLogProbs:
@@ -266,9 +313,19 @@ class LogProbModel:
                              compute_dtype=DTYPES[self.model_cfg.dtype], cpu_offload=self.train_cfg.cpu_offload)
 
     def _rank_rows(self, batch: RolloutBatch, rows: list[int]) -> list[int]:
-        """This rank's share of a mini-batch's rows, balanced by sequence tokens (all of them when alone)."""
+        """This rank's share of a mini-batch's rows, balanced by sequence tokens (all of them when alone).
+        Sharing prompts, whole prompts go to a rank with their rows, where there are enough of them."""
         costs = [len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in rows]
-        return parallel.rank_share(rows, costs, self.dist)
+        if not (self.share_prompts and self.dist.sharded):
+            return parallel.rank_share(rows, costs, self.dist)
+        by_prompt: dict[tuple[int, ...], list[int]] = {}
+        for i in rows:
+            by_prompt.setdefault(tuple(batch.prompt_ids[i]), []).append(i)
+        if len(by_prompt) < self.dist.world_size:  # a rank left idle would cost more than a prompt computed twice
+            return parallel.rank_share(rows, costs, self.dist)
+        groups = list(by_prompt.values())
+        group_costs = [len(batch.prompt_ids[g[0]]) + sum(len(batch.response_ids[i]) for i in g) for g in groups]
+        return sorted(i for g in parallel.rank_share(groups, group_costs, self.dist) for i in g)
 
     # ---- micro-batches --------------------------------------------------------------------
     @property
@@ -278,13 +335,20 @@ class LogProbModel:
 
     def micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[list[int]]:
         """``rows`` split by the token budget; returns lists of batch row indices."""
-        lengths = [len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in rows]
         t = self.train_cfg
-        plan = plan_micro_batches(lengths, t.max_tokens_per_micro_batch, packed=self.packed, max_rows=t.micro_batch_size)
+        if self.share_prompts:
+            distinct: dict[tuple[int, ...], int] = {}
+            prompt_of = [distinct.setdefault(tuple(batch.prompt_ids[i]), len(distinct)) for i in rows]
+            widths = [max(1, len(batch.response_ids[i]) - 1) for i in rows]  # what the response pass feeds
+            plan = plan_shared_prompt_micro_batches(prompt_of, [len(batch.prompt_ids[i]) for i in rows], widths,
+                                                    t.max_tokens_per_micro_batch, max_rows=t.micro_batch_size)
+        else:
+            lengths = [len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in rows]
+            plan = plan_micro_batches(lengths, t.max_tokens_per_micro_batch, packed=self.packed, max_rows=t.micro_batch_size)
         return [[rows[j] for j in chunk] for chunk in plan]
 
     def _make_micro_batch(self, batch: RolloutBatch, rows: list[int]) -> MicroBatch:
-        return make_micro_batch(batch, rows, self.pad_id, self.device, packed=self.packed)
+        return make_micro_batch(batch, rows, self.pad_id, self.device, packed=self.packed, share_prompts=self.share_prompts)
 
     # ---- log-probs ------------------------------------------------------------------------
     def mini_batch_rows(self, batch: RolloutBatch) -> list[list[int]]:

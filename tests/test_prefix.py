@@ -1,0 +1,192 @@
+"""train.share_prompt_prefix: each distinct prompt of a micro-batch computed once, its responses
+attending to that one copy. The same log-probs, entropies, gradients and updates as recomputing the
+prompt per row, on Llama and Qwen2, eager and sdpa attention, prompts of 50-150 tokens."""
+
+import random
+
+import pytest
+import torch
+
+from conftest import loss_fn_of, make_policy, small_config
+from dapo import algo, tiny
+from dapo.batch import RolloutBatch, plan_shared_prompt_micro_batches
+from dapo.config import ConfigError
+from dapo.policy import make_micro_batch, token_logprobs
+from dapo.prefix import unsupported
+
+PROMPT_LENGTHS = (57, 143, 96, 71)  # one group each
+RESPONSE_LENGTHS = ((1, 9, 30, 2), (17, 1, 1, 40), (5, 23, 8, 12), (33, 3, 19, 1))  # length 1 in most groups
+
+
+def synthetic_batch(prompt_lengths=PROMPT_LENGTHS, response_lengths=RESPONSE_LENGTHS, *, vocab=258, seed=0):
+    """Groups of random token ids: the rows of a group share their prompt, as sampling leaves them."""
+    rng = torch.Generator().manual_seed(seed)
+    prompts, responses = [], []
+    for p, lengths in zip(prompt_lengths, response_lengths):
+        prompt = torch.randint(2, vocab, (p,), generator=rng).tolist()
+        for r in lengths:
+            prompts.append(prompt)
+            responses.append(torch.randint(2, vocab, (r,), generator=rng).tolist())
+    n, g = len(responses), len(response_lengths[0])
+    reward = torch.tensor([1.0 if (i * 7) % 3 == 0 else -1.0 for i in range(n)])
+    batch = RolloutBatch(group_size=g, prompt_ids=prompts, response_ids=responses,
+                         truncated=torch.zeros(n, dtype=torch.bool), texts=[""] * n, example_uids=["x"] * n,
+                         ground_truths=["0"] * n, acc=(reward > 0).float(), reward=reward, overlong_penalty=torch.zeros(n))
+    batch.adv = algo.group_advantages(reward, g)
+    return batch
+
+
+def tiny_lm(arch: str, attention: str, *, gradient_checkpointing: bool = False):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    common = dict(vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, tie_word_embeddings=True)
+    config = LlamaConfig(**common) if arch == "llama" else Qwen2Config(**common)
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attention)
+    if gradient_checkpointing:
+        lm.gradient_checkpointing_enable()
+    return lm
+
+
+# rows out of order and a row of each group moved away: results come back per row, whatever the order
+ROWS = [4, 0, 1, 2, 3, 5, 6, 7, 13, 8, 9, 10, 11, 12, 14, 15]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_shared_prompts_give_the_unshared_log_probs_and_entropies(arch, attention):
+    lm = tiny_lm(arch, attention).eval()
+    batch = synthetic_batch()
+    unshared = make_micro_batch(batch, ROWS, 0, "cpu")
+    shared = make_micro_batch(batch, ROWS, 0, "cpu", share_prompts=True)
+    assert shared.prompts.input_ids.shape == (4, 143)  # 4 distinct prompts, padded to the longest
+    assert shared.input_ids.shape == (16, 39)  # every response but its last token
+    with torch.no_grad():
+        logp, ent = token_logprobs(lm, unshared, temperature=0.7, with_entropy=True, chunk_tokens=50)
+        logp_s, ent_s = token_logprobs(lm, shared, temperature=0.7, with_entropy=True, chunk_tokens=50)
+    assert logp.shape == logp_s.shape == (16, 40)
+    lengths = torch.tensor([len(batch.response_ids[i]) for i in ROWS])
+    inside = torch.arange(40)[None, :] < lengths[:, None]
+    assert (logp_s[~inside] == 0).all() and (logp_s[inside] < 0).all()
+    assert (logp_s - logp).abs().max().item() < 1e-5
+    assert (ent_s - ent).abs().max().item() < 1e-5
+    assert ent[inside].min().item() > 1.0  # a random model over 258 tokens: high entropy, nothing trivial compared
+
+
+@pytest.mark.parametrize("arch,attention,checkpointing", [("llama", "eager", False), ("llama", "sdpa", False),
+                                                           ("qwen2", "eager", False), ("qwen2", "sdpa", False),
+                                                           ("llama", "sdpa", True), ("qwen2", "eager", True)])
+def test_shared_prompts_give_the_unshared_gradients(arch, attention, checkpointing):
+    """The gradient of sum(logp x advantage): every response's part flows back into its prompt's single
+    pass. With activation checkpointing both passes run again in backward, reading the same cache."""
+    lm = tiny_lm(arch, attention, gradient_checkpointing=checkpointing).train()
+    batch = synthetic_batch()
+    adv = batch.adv[ROWS]
+    grads = []
+    for share in (False, True):
+        lm.zero_grad(set_to_none=True)
+        mb = make_micro_batch(batch, ROWS, 0, "cpu", share_prompts=share)
+        logp, _ = token_logprobs(lm, mb, temperature=0.9, chunk_tokens=64)
+        (logp * adv[:, None]).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in lm.named_parameters()})
+    unshared, shared = grads
+    scale = max(g.abs().max().item() for g in unshared.values())
+    assert scale > 1e-2
+    for name, g in unshared.items():
+        assert (shared[name] - g).abs().max().item() < 1e-5 * scale, name
+
+
+@pytest.fixture(scope="module")
+def llama_model_dir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = tiny.build_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    tiny.save(LlamaForCausalLM(config), tokenizer, path)
+    return path
+
+
+def one_update(model_dir, run_dir, *overrides):
+    """The weight change of one SGD update (lr 1) on the synthetic batch, its statistics, and old_logp."""
+    cfg = small_config(run_dir, model_dir, "train.prompts_per_step=4", "train.mini_batch_prompts=4",
+                       "train.grad_clip=1e9", *overrides)
+    torch.manual_seed(0)
+    policy = make_policy(cfg)
+    policy.optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)
+    policy.scheduler = torch.optim.lr_scheduler.LambdaLR(policy.optimizer, lambda step: 1.0)
+    batch = synthetic_batch()
+    batch.old_logp, batch.entropy = policy.compute_logprobs(batch, with_entropy=True)
+    # move old_logp off the current weights so the ratio is not 1 everywhere and the clip binds somewhere
+    batch.old_logp = batch.old_logp + 0.3 * torch.sin(torch.arange(batch.old_logp.numel()).view_as(batch.old_logp))
+    batch.old_logp = batch.old_logp * batch.response_mask()
+    before = [p.detach().clone() for p in policy.model.parameters()]
+    passes = len(policy.micro_batches(batch, list(range(len(batch)))))
+    stats = policy.update(batch, loss_fn_of(cfg))
+    delta = torch.cat([(p.detach() - b).flatten() for p, b in zip(policy.model.parameters(), before)])
+    return delta, stats, batch, passes
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_one_update_gives_the_unshared_weights(arch, tiny_model_dir, llama_model_dir, tmp_path):
+    """One optimizer update (DAPO's loss, a whole mini-batch) with shared prompts: one pass, a budget
+    that splits groups (each part still sharing its prompt), and activation checkpointing, all against
+    the unshared update in one pass."""
+    model_dir = tiny_model_dir if arch == "qwen2" else llama_model_dir
+    base, base_stats, base_batch, base_passes = one_update(model_dir, tmp_path / "a", "train.max_tokens_per_micro_batch=100000")
+    assert base_passes == 1 and base.abs().max() > 1e-3
+    for name, overrides in (("one pass", ["train.max_tokens_per_micro_batch=100000"]),
+                            ("split groups", ["train.max_tokens_per_micro_batch=200"]),
+                            ("checkpointing", ["train.max_tokens_per_micro_batch=300", "model.gradient_checkpointing=true"])):
+        delta, stats, batch, passes = one_update(model_dir, tmp_path / name, "train.share_prompt_prefix=true", *overrides)
+        assert (passes == 1) == (name == "one pass"), (name, passes)
+        assert (batch.entropy - base_batch.entropy).abs().max().item() < 1e-5, name
+        assert (delta - base).abs().max().item() < 1e-6, name
+        assert stats["grad_norm"].item() == pytest.approx(base_stats["grad_norm"].item(), rel=1e-5), name
+        assert stats["pg_loss"].item() == pytest.approx(base_stats["pg_loss"].item(), abs=1e-6), name
+        assert stats["clipfrac_high"].item() == pytest.approx(base_stats["clipfrac_high"].item(), abs=1e-6), name
+    assert 0 < base_stats["clipfrac_high"].item() + base_stats["clipfrac_low"].item()  # the clip did bind
+
+
+def test_the_plan_keeps_prompts_together_within_the_budget():
+    # rows 0-2 share prompt 0 (10 tokens), rows 3-5 prompt 1 (4 tokens), rows 6-7 prompt 2 (30 tokens);
+    # widths are the tokens each row adds after its prompt
+    prompt_of = [0, 0, 0, 1, 1, 1, 2, 2]
+    prompt_lengths = [10, 10, 10, 4, 4, 4, 30, 30]
+    widths = [4, 4, 2, 3, 1, 3, 5, 5]
+    # budget 48: prompt 2 alone costs 30 + 2 x 5 = 40; prompts 0 and 1 together 2 x 10 + 6 x 4 = 44
+    assert plan_shared_prompt_micro_batches(prompt_of, prompt_lengths, widths, 48) == [[6, 7], [0, 1, 2, 3, 5, 4]]
+    # budget 32: 44 no longer fits, and prompt 2's rows (40 together) are split; 35 each, over the budget alone
+    assert plan_shared_prompt_micro_batches(prompt_of, prompt_lengths, widths, 32) == [[6], [7], [0, 1, 2], [3, 5, 4]]
+    # at most 2 rows per pass: prompt 0 as rows 0-1 and row 2 (its narrowest), prompt 1 as rows 3 and 5 and row 4;
+    # rows 2 and 4, of two prompts, fill one pass (2 x 10 + 2 x 2)
+    assert plan_shared_prompt_micro_batches(prompt_of, prompt_lengths, widths, 1000, max_rows=2) == [
+        [6, 7], [0, 1], [3, 5], [2, 4]]
+    assert plan_shared_prompt_micro_batches([], [], [], 48) == []
+
+    rng = random.Random(0)
+    for _ in range(100):
+        budget = rng.randint(20, 400)
+        prompt_of, prompt_lengths, widths = [], [], []
+        for u in range(rng.randint(1, 12)):
+            p = rng.randint(1, 60)
+            for _ in range(rng.randint(1, 8)):
+                prompt_of.append(u), prompt_lengths.append(p), widths.append(rng.randint(1, 50))
+        max_rows = rng.choice([None, 3])
+        plan = plan_shared_prompt_micro_batches(prompt_of, prompt_lengths, widths, budget, max_rows=max_rows)
+        assert sorted(i for c in plan for i in c) == list(range(len(prompt_of)))
+        for c in plan:
+            prompts = {prompt_of[i]: prompt_lengths[i] for i in c}
+            cost = len(prompts) * max(prompts.values()) + len(c) * max(widths[i] for i in c)
+            assert cost <= budget or len(c) == 1
+            assert max_rows is None or len(c) <= max_rows
+        for u in set(prompt_of):  # a prompt that fits alone is never split
+            rows = [i for i in range(len(prompt_of)) if prompt_of[i] == u]
+            alone = prompt_lengths[rows[0]] + len(rows) * max(widths[i] for i in rows)
+            if alone <= budget and (max_rows is None or len(rows) <= max_rows):
+                assert sum(1 for c in plan if set(rows) & set(c)) == 1
