@@ -9,7 +9,7 @@ import torch
 
 from conftest import loss_fn_of, make_policy, small_config
 from dapo import algo, tiny
-from dapo.batch import RolloutBatch, plan_shared_prompt_micro_batches
+from dapo.batch import RolloutBatch, plan_shared_prompt_micro_batches, response_passes
 from dapo.config import ConfigError
 from dapo.policy import make_micro_batch, token_logprobs
 from dapo.prefix import unsupported
@@ -60,8 +60,10 @@ def test_shared_prompts_give_the_unshared_log_probs_and_entropies(arch, attentio
     batch = synthetic_batch()
     unshared = make_micro_batch(batch, ROWS, 0, "cpu")
     shared = make_micro_batch(batch, ROWS, 0, "cpu", share_prompts=True)
-    assert shared.prompts.input_ids.shape == (4, 143)  # 4 distinct prompts, padded to the longest
-    assert shared.input_ids.shape == (16, 39)  # every response but its last token
+    assert shared.shared.input_ids.shape == (4, 143)  # 4 distinct prompts, padded to the longest
+    # every response but its last token, in passes of similar width: 39-22, 18-7 and 4-1 tokens
+    assert [part.input_ids.shape for part in shared.shared.responses] == [(4, 39), (5, 18), (7, 4)]
+    assert shared.num_tokens == 4 * 143 + 4 * 39 + 5 * 18 + 7 * 4
     with torch.no_grad():
         logp, ent = token_logprobs(lm, unshared, temperature=0.7, with_entropy=True, chunk_tokens=50)
         logp_s, ent_s = token_logprobs(lm, shared, temperature=0.7, with_entropy=True, chunk_tokens=50)
@@ -84,17 +86,18 @@ def test_shared_prompts_give_the_unshared_gradients(arch, attention, checkpointi
     batch = synthetic_batch()
     adv = batch.adv[ROWS]
     grads = []
-    for share in (False, True):
+    for share, split in ((False, False), (True, True), (True, False)):
         lm.zero_grad(set_to_none=True)
-        mb = make_micro_batch(batch, ROWS, 0, "cpu", share_prompts=share)
+        mb = make_micro_batch(batch, ROWS, 0, "cpu", share_prompts=share, split_responses=split)
         logp, _ = token_logprobs(lm, mb, temperature=0.9, chunk_tokens=64)
         (logp * adv[:, None]).sum().backward()
         grads.append({n: p.grad.clone() for n, p in lm.named_parameters()})
-    unshared, shared = grads
+    unshared, *shared = grads
     scale = max(g.abs().max().item() for g in unshared.values())
     assert scale > 1e-2
-    for name, g in unshared.items():
-        assert (shared[name] - g).abs().max().item() < 1e-5 * scale, name
+    for one in shared:  # response passes split by width, and one response pass
+        for name, g in unshared.items():
+            assert (one[name] - g).abs().max().item() < 1e-5 * scale, name
 
 
 @pytest.fixture(scope="module")
@@ -126,10 +129,10 @@ def one_update(model_dir, run_dir, *overrides):
     batch.old_logp = batch.old_logp + 0.3 * torch.sin(torch.arange(batch.old_logp.numel()).view_as(batch.old_logp))
     batch.old_logp = batch.old_logp * batch.response_mask()
     before = [p.detach().clone() for p in policy.model.parameters()]
-    passes = len(policy.micro_batches(batch, list(range(len(batch)))))
+    plan = policy.micro_batches(batch, list(range(len(batch))))
     stats = policy.update(batch, loss_fn_of(cfg))
     delta = torch.cat([(p.detach() - b).flatten() for p, b in zip(policy.model.parameters(), before)])
-    return delta, stats, batch, passes
+    return delta, stats, batch, plan
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
@@ -138,19 +141,30 @@ def test_one_update_gives_the_unshared_weights(arch, tiny_model_dir, llama_model
     that splits groups (each part still sharing its prompt), and activation checkpointing, all against
     the unshared update in one pass."""
     model_dir = tiny_model_dir if arch == "qwen2" else llama_model_dir
-    base, base_stats, base_batch, base_passes = one_update(model_dir, tmp_path / "a", "train.max_tokens_per_micro_batch=100000")
-    assert base_passes == 1 and base.abs().max() > 1e-3
+    base, base_stats, base_batch, base_plan = one_update(model_dir, tmp_path / "a", "train.max_tokens_per_micro_batch=100000")
+    assert len(base_plan) == 1 and base.abs().max() > 1e-3
     for name, overrides in (("one pass", ["train.max_tokens_per_micro_batch=100000"]),
                             ("split groups", ["train.max_tokens_per_micro_batch=200"]),
                             ("checkpointing", ["train.max_tokens_per_micro_batch=300", "model.gradient_checkpointing=true"])):
-        delta, stats, batch, passes = one_update(model_dir, tmp_path / name, "train.share_prompt_prefix=true", *overrides)
-        assert (passes == 1) == (name == "one pass"), (name, passes)
+        delta, stats, batch, plan = one_update(model_dir, tmp_path / name, "train.share_prompt_prefix=true", *overrides)
+        assert (len(plan) == 1) == (name == "one pass"), (name, plan)
+        if name == "split groups":  # the 143-token prompt's rows of 40 and 17 tokens cannot share 200
+            assert [rows for rows in plan if set(rows) & {4, 5, 6, 7}] == [[7], [4, 5, 6]]
         assert (batch.entropy - base_batch.entropy).abs().max().item() < 1e-5, name
         assert (delta - base).abs().max().item() < 1e-6, name
         assert stats["grad_norm"].item() == pytest.approx(base_stats["grad_norm"].item(), rel=1e-5), name
         assert stats["pg_loss"].item() == pytest.approx(base_stats["pg_loss"].item(), abs=1e-6), name
         assert stats["clipfrac_high"].item() == pytest.approx(base_stats["clipfrac_high"].item(), abs=1e-6), name
     assert 0 < base_stats["clipfrac_high"].item() + base_stats["clipfrac_low"].item()  # the clip did bind
+
+
+def test_responses_go_to_passes_of_similar_width():
+    # one pass padded to 100 computes 400 tokens; two (100, 96 | 10, 8) compute 200 + 20, plus 64 for the second
+    assert response_passes([10, 100, 8, 96]) == [[1, 3], [0, 2]]
+    # 100 | 90, 80 would save 20 tokens of padding, less than a pass costs
+    assert response_passes([90, 100, 80]) == [[1, 0, 2]]
+    assert response_passes([10, 100, 8, 96], split=False) == [[1, 3, 0, 2]]
+    assert response_passes([]) == []
 
 
 def test_the_plan_keeps_prompts_together_within_the_budget():
@@ -168,6 +182,11 @@ def test_the_plan_keeps_prompts_together_within_the_budget():
     assert plan_shared_prompt_micro_batches(prompt_of, prompt_lengths, widths, 1000, max_rows=2) == [
         [6, 7], [0, 1], [3, 5], [2, 4]]
     assert plan_shared_prompt_micro_batches([], [], [], 48) == []
+    # one prompt of 20 tokens, rows of 60, 5, 5 and 5: in passes of similar width 20 + 60 + 3 x 5 = 95 fits a
+    # budget of 100; in one response pass, 20 + 4 x 60 = 260 does not, and the widest row goes alone
+    assert plan_shared_prompt_micro_batches([0] * 4, [20] * 4, [60, 5, 5, 5], 100) == [[0, 1, 2, 3]]
+    assert plan_shared_prompt_micro_batches([0] * 4, [20] * 4, [60, 5, 5, 5], 100, split_responses=False) == [
+        [0], [1, 2, 3]]
 
     rng = random.Random(0)
     for _ in range(100):
@@ -177,16 +196,50 @@ def test_the_plan_keeps_prompts_together_within_the_budget():
             p = rng.randint(1, 60)
             for _ in range(rng.randint(1, 8)):
                 prompt_of.append(u), prompt_lengths.append(p), widths.append(rng.randint(1, 50))
-        max_rows = rng.choice([None, 3])
-        plan = plan_shared_prompt_micro_batches(prompt_of, prompt_lengths, widths, budget, max_rows=max_rows)
+        max_rows, split = rng.choice([None, 3]), rng.random() < 0.5
+        plan = plan_shared_prompt_micro_batches(prompt_of, prompt_lengths, widths, budget, max_rows=max_rows,
+                                                split_responses=split)
         assert sorted(i for c in plan for i in c) == list(range(len(prompt_of)))
+
+        def cost(rows):  # prompts once, then the response passes, each padded to its widest
+            prompts = {prompt_of[i]: prompt_lengths[i] for i in rows}
+            passes = response_passes([widths[i] for i in rows], split=split)
+            return len(prompts) * max(prompts.values()) + sum(len(p) * widths[rows[p[0]]] for p in passes)
+
         for c in plan:
-            prompts = {prompt_of[i]: prompt_lengths[i] for i in c}
-            cost = len(prompts) * max(prompts.values()) + len(c) * max(widths[i] for i in c)
-            assert cost <= budget or len(c) == 1
+            assert cost(c) <= budget or len(c) == 1
             assert max_rows is None or len(c) <= max_rows
         for u in set(prompt_of):  # a prompt that fits alone is never split
             rows = [i for i in range(len(prompt_of)) if prompt_of[i] == u]
-            alone = prompt_lengths[rows[0]] + len(rows) * max(widths[i] for i in rows)
+            alone = cost(rows)
             if alone <= budget and (max_rows is None or len(rows) <= max_rows):
                 assert sum(1 for c in plan if set(rows) & set(c)) == 1
+
+
+def test_shared_prompts_cut_the_tokens_computed_on_a_preset_like_batch(tiny_model_dir, tmp_path):
+    """The real-model preset's shape: 4 prompts of 61-75 tokens x G = 8, responses of 25-96 tokens,
+    a 4,096-token budget. Counted at the decoder's input, in the old-log-prob pass and the update."""
+    rng = random.Random(0)
+    prompt_lengths = (61, 66, 70, 75)
+    response_lengths = [[rng.randint(25, 96) for _ in range(8)] for _ in prompt_lengths]
+    batch = synthetic_batch(prompt_lengths, response_lengths)
+    counts = {}
+    for share in ("false", "true"):
+        cfg = small_config(tmp_path / share, tiny_model_dir, "train.prompts_per_step=4", "train.mini_batch_prompts=4",
+                           "train.max_tokens_per_micro_batch=4096", f"train.share_prompt_prefix={share}")
+        policy = make_policy(cfg)
+        fed = []
+        hook = policy.model.get_decoder().embed_tokens.register_forward_hook(lambda m, args, out: fed.append(args[0].numel()))
+        batch.old_logp, _ = policy.compute_logprobs(batch)
+        logprob_tokens = sum(fed)
+        policy.update(batch, loss_fn_of(cfg))
+        hook.remove()
+        plan = policy.micro_batches(batch, list(range(len(batch))))
+        planned = sum(policy._make_micro_batch(batch, rows).num_tokens for rows in plan)
+        assert logprob_tokens == sum(fed) - logprob_tokens == planned  # the update runs the same passes
+        counts[share] = (logprob_tokens, len(plan))
+    (unshared, unshared_passes), (shared, shared_passes) = counts["false"], counts["true"]
+    responses = sum(map(sum, response_lengths))
+    print(f"\ntokens per pass over the batch: {unshared} unshared in {unshared_passes} micro-batches, {shared} shared "
+          f"in {shared_passes} ({unshared / shared:.2f}x fewer); {responses} response tokens")
+    assert unshared / shared > 1.5

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from dapo import parallel
-from dapo.batch import RolloutBatch, pad_rows, plan_micro_batches, plan_shared_prompt_micro_batches
+from dapo.batch import RolloutBatch, pad_rows, plan_micro_batches, plan_shared_prompt_micro_batches, response_passes
 from dapo.models import DTYPES, load_model_and_tokenizer
-from dapo.prefix import SharedPrompts, prompt_then_responses, unsupported
+from dapo.prefix import SharedPrompts, prompt_then_responses, shared_prompt_passes, unsupported
 
 if TYPE_CHECKING:
     from dapo.config import ModelConfig, TrainConfig
@@ -22,34 +22,36 @@ if TYPE_CHECKING:
 
 @dataclass
 class MicroBatch:
-    """One forward pass: rows right-padded to the longest (R = B), or packed into one row (R = 1), or,
-    with ``prompts``, the distinct prompts once and then each row's response after its prompt.
+    """One forward pass: rows right-padded to the longest (R = B), or packed into one row (R = 1), or
+    (``shared``) the distinct prompts once and the responses after them.
 
     Only response positions reach the LM head: ``token_index`` picks, for each response token, the
-    flat position in (R * L) whose hidden state predicts it (with ``prompts``: in the prompts' U * P
-    positions, then the rows' B * L), and ``out_index`` where it goes in (B, T).
+    flat position in (R * L) whose hidden state predicts it (with ``shared``: in the prompt pass's
+    positions, then the response passes'), and ``out_index`` where it goes in (B, T).
     """
 
-    input_ids: torch.Tensor  # (R, L); with prompts: (B, L) each response but its last token
-    attention_mask: torch.Tensor | None  # (R, L) when padded; None when packed; with prompts (B, P + L)
-    position_ids: torch.Tensor | None  # (R, L) restarting at 0 for each packed sequence (with prompts: from its length); None when padded
+    input_ids: torch.Tensor | None  # (R, L); None with shared prompts
+    attention_mask: torch.Tensor | None  # (R, L) when padded; None when packed
+    position_ids: torch.Tensor | None  # (R, L) restarting at 0 for each packed sequence; None when padded
     token_index: torch.Tensor  # (n,) flat index into R * L of the position that predicts each response token
     targets: torch.Tensor  # (n,) the response tokens
     out_index: torch.Tensor  # (n,) flat index into B * T
     num_rows: int  # B
     width: int  # T: the longest response in this micro-batch
-    prompts: SharedPrompts | None = None  # the distinct prompts, computed once (train.share_prompt_prefix)
+    shared: SharedPrompts | None = None  # the prompt pass and response passes (train.share_prompt_prefix)
 
     @property
     def num_tokens(self) -> int:
         """Tokens the forward pass computes, padding included."""
-        return self.input_ids.numel() + (0 if self.prompts is None else self.prompts.input_ids.numel())
+        return self.input_ids.numel() if self.shared is None else self.shared.num_tokens
 
 
 def make_micro_batch(batch: RolloutBatch, rows: list[int], pad_id: int, device, *, packed: bool = False,
-                     share_prompts: bool = False) -> MicroBatch:
+                     share_prompts: bool = False, split_responses: bool = True) -> MicroBatch:
+    """The forward pass over ``rows``; ``share_prompts``: each distinct prompt once, the responses in
+    passes of similar width (one pass without ``split_responses``)."""
     if share_prompts:
-        return _shared_prompt_micro_batch(batch, rows, pad_id, device)
+        return _shared_prompt_micro_batch(batch, rows, pad_id, device, split_responses)
     seqs = [batch.prompt_ids[i] + batch.response_ids[i] for i in rows]
     width = max(len(batch.response_ids[i]) for i in rows)
     token_index, targets, out_index = [], [], []
@@ -76,35 +78,15 @@ def make_micro_batch(batch: RolloutBatch, rows: list[int], pad_id: int, device, 
                       as_long(token_index), as_long(targets), as_long(out_index), len(rows), width)
 
 
-def _shared_prompt_micro_batch(batch: RolloutBatch, rows: list[int], pad_id: int, device) -> MicroBatch:
-    """The micro-batch of ``rows`` with each distinct prompt once: the prompt pass's last real position
-    predicts a response's first token, and the response pass (fed every response token but the last,
-    which predicts nothing) the others."""
-    distinct: dict[tuple[int, ...], int] = {}
-    of_row = [distinct.setdefault(tuple(batch.prompt_ids[i]), len(distinct)) for i in rows]
-    prompt_ids = [list(p) for p in distinct]
-    prompt_width = max(len(p) for p in prompt_ids)
-    fed = [batch.response_ids[i][:-1] for i in rows]
-    fed_width = max(1, max(len(f) for f in fed))  # a pass over nothing is no pass: FSDP ranks must run the same ones
+def _shared_prompt_micro_batch(batch: RolloutBatch, rows: list[int], pad_id: int, device, split: bool) -> MicroBatch:
+    widths = [max(1, len(batch.response_ids[i]) - 1) for i in rows]  # the tokens each row feeds after its prompt
+    shared, token_index = shared_prompt_passes([batch.prompt_ids[i] for i in rows], [batch.response_ids[i] for i in rows],
+                                               response_passes(widths, split=split), pad_id, device)
     width = max(len(batch.response_ids[i]) for i in rows)
-    token_index, targets, out_index = [], [], []
-    response_base = len(prompt_ids) * prompt_width
-    for b, i in enumerate(rows):
-        p, r = len(batch.prompt_ids[i]), len(batch.response_ids[i])
-        token_index.append(of_row[b] * prompt_width + p - 1)
-        token_index += range(response_base + b * fed_width, response_base + b * fed_width + r - 1)
-        out_index += range(b * width, b * width + r)
-        targets += batch.response_ids[i]
-    prompt_lengths = torch.tensor([len(p) for p in prompt_ids])
-    prompt_mask = (torch.arange(prompt_width)[None, :] < prompt_lengths[:, None]).long()  # (U, P)
-    of_row_t = torch.tensor(of_row, dtype=torch.long)
-    fed_mask = (torch.arange(fed_width)[None, :] < torch.tensor([len(f) for f in fed])[:, None]).long()  # (B, W)
-    position_ids = prompt_lengths[of_row_t][:, None] + torch.arange(fed_width)[None, :]  # (B, W)
+    out_index = [t for b, i in enumerate(rows) for t in range(b * width, b * width + len(batch.response_ids[i]))]
     as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-    prompts = SharedPrompts(pad_rows(prompt_ids, pad_id).to(device), prompt_mask.to(device), of_row_t.to(device))
-    return MicroBatch(pad_rows(fed, pad_id, fed_width).to(device), torch.cat([prompt_mask[of_row_t], fed_mask], 1).to(device),
-                      position_ids.to(device), as_long(token_index), as_long(targets), as_long(out_index), len(rows), width,
-                      prompts)
+    return MicroBatch(None, None, None, as_long(token_index), as_long([t for i in rows for t in batch.response_ids[i]]),
+                      as_long(out_index), len(rows), width, shared)
 
 
 def _head_logp(head, h: torch.Tensor, targets: torch.Tensor, temperature: float):
@@ -126,12 +108,11 @@ class ResponseLogProbs(nn.Module):
         self.head = lm.get_output_embeddings()
 
     def forward(self, mb: MicroBatch, *, temperature: float, with_entropy: bool = False, chunk_tokens: int = 1024):
-        if mb.prompts is None:
+        if mb.shared is None:
             hidden = self.decoder(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
                                   position_ids=mb.position_ids).last_hidden_state.flatten(0, 1)  # (R * L, H)
         else:
-            hidden = prompt_then_responses(self.decoder, mb.prompts, mb.input_ids, mb.attention_mask,
-                                           mb.position_ids)  # (U * P + B * L, H)
+            hidden = prompt_then_responses(self.decoder, mb.shared)  # (prompt and response positions, H)
         h = hidden[mb.token_index]  # (n, H)
         logps, entropies = [], []
         for t0 in range(0, h.shape[0], chunk_tokens):
@@ -341,14 +322,22 @@ class LogProbModel:
             prompt_of = [distinct.setdefault(tuple(batch.prompt_ids[i]), len(distinct)) for i in rows]
             widths = [max(1, len(batch.response_ids[i]) - 1) for i in rows]  # what the response pass feeds
             plan = plan_shared_prompt_micro_batches(prompt_of, [len(batch.prompt_ids[i]) for i in rows], widths,
-                                                    t.max_tokens_per_micro_batch, max_rows=t.micro_batch_size)
+                                                    t.max_tokens_per_micro_batch, max_rows=t.micro_batch_size,
+                                                    split_responses=self.split_responses)
         else:
             lengths = [len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in rows]
             plan = plan_micro_batches(lengths, t.max_tokens_per_micro_batch, packed=self.packed, max_rows=t.micro_batch_size)
         return [[rows[j] for j in chunk] for chunk in plan]
 
+    @property
+    def split_responses(self) -> bool:
+        # FSDP gathers every layer's shard at each decoder call, so ranks must make the same calls: one
+        # response pass per micro-batch, whatever widths each rank's rows have
+        return not self.dist.sharded
+
     def _make_micro_batch(self, batch: RolloutBatch, rows: list[int]) -> MicroBatch:
-        return make_micro_batch(batch, rows, self.pad_id, self.device, packed=self.packed, share_prompts=self.share_prompts)
+        return make_micro_batch(batch, rows, self.pad_id, self.device, packed=self.packed, share_prompts=self.share_prompts,
+                                split_responses=self.split_responses)
 
     # ---- log-probs ------------------------------------------------------------------------
     def mini_batch_rows(self, batch: RolloutBatch) -> list[list[int]]:

@@ -2,12 +2,14 @@
 through the decoder once, and the responses that follow it attend to that one copy of its keys and
 values, instead of every row recomputing its prompt.
 
-The decoder runs twice through Hugging Face's KV-cache interface. The prompt pass records each
-layer's keys and values (after rotary embedding); they are gathered to the rows (one copy per row,
-so autograd sums the gradients of all of a prompt's responses into its single pass); the response
-pass then runs with them as ``past_key_values``, a 2D attention mask over [prompt + its padding |
+The decoder runs through Hugging Face's KV-cache interface. The prompt pass records each layer's
+keys and values (after rotary embedding); they are gathered to the rows (one copy per row, so
+autograd sums the gradients of all of a prompt's responses into its single pass); the response
+passes then run with them as ``past_key_values``, a 2D attention mask over [prompt + its padding |
 response] and position ids that continue from each row's true prompt length. Transformers builds the
 causal mask from the cache's length, so padding inside the cached part is masked like any other.
+Rows of a micro-batch go to response passes of similar width (``batch.response_passes``), so a
+group's short responses are not padded to its longest.
 
 Both caches return the same states however often a layer runs, so activation checkpointing, which runs
 each layer again in backward, recomputes exactly what the forward computed; transformers keeps such a
@@ -22,16 +24,67 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from dapo.batch import pad_rows
+
 SUPPORTED_ATTENTION = ("eager", "sdpa")  # checked against the unshared pass; masks with holes in the cached part
 
 
 @dataclass
+class ResponsePass:
+    """b rows' response tokens, after their prompts' cached states."""
+
+    input_ids: torch.Tensor  # (b, W): each response but its last token (it predicts nothing), right-padded
+    attention_mask: torch.Tensor  # (b, P + W): the row's prompt (its padding masked), then its tokens
+    position_ids: torch.Tensor  # (b, W): from the row's prompt length on
+    prompt_of_row: torch.Tensor  # (b,) long: which of the micro-batch's prompts each row continues
+
+
+@dataclass
 class SharedPrompts:
-    """The distinct prompts of a micro-batch, right-padded, and which one each row continues."""
+    """A micro-batch's distinct prompts, right-padded, and the response passes that follow them."""
 
     input_ids: torch.Tensor  # (U, P): U distinct prompts, P the longest
     attention_mask: torch.Tensor  # (U, P)
-    of_row: torch.Tensor  # (B,) long: the prompt of each row
+    responses: list[ResponsePass]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel() + sum(r.input_ids.numel() for r in self.responses)
+
+
+def shared_prompt_passes(prompt_ids: list[list[int]], response_ids: list[list[int]], passes: list[list[int]],
+                         pad_id: int, device) -> tuple[SharedPrompts, list[int]]:
+    """The passes over B rows (row b: ``prompt_ids[b]`` then ``response_ids[b]``, non-empty) with each
+    distinct prompt once, the rows in ``passes`` (lists of row positions). Also, in row order, the flat
+    position in the passes' hidden states (``prompt_then_responses``) that predicts each response
+    token: a response's first token by its prompt's last real position, the others by the response
+    pass."""
+    distinct: dict[tuple[int, ...], int] = {}
+    of_row = [distinct.setdefault(tuple(p), len(distinct)) for p in prompt_ids]
+    prompts = [list(p) for p in distinct]
+    width = max(len(p) for p in prompts)
+    lengths = torch.tensor([len(p) for p in prompts])
+    prompt_mask = (torch.arange(width)[None, :] < lengths[:, None]).long()  # (U, P)
+    fed = [r[:-1] for r in response_ids]
+    first_fed = [0] * len(fed)  # flat position of each row's first fed token
+    offset, responses = len(prompts) * width, []
+    for rows in passes:
+        fed_width = max(1, max(len(fed[b]) for b in rows))  # a pass over nothing is still a pass: FSDP ranks run the same ones
+        for k, b in enumerate(rows):
+            first_fed[b] = offset + k * fed_width
+        offset += len(rows) * fed_width
+        of_rows = torch.tensor([of_row[b] for b in rows], dtype=torch.long)
+        fed_mask = (torch.arange(fed_width)[None, :] < torch.tensor([len(fed[b]) for b in rows])[:, None]).long()
+        responses.append(ResponsePass(
+            input_ids=pad_rows([fed[b] for b in rows], pad_id, fed_width).to(device),
+            attention_mask=torch.cat([prompt_mask[of_rows], fed_mask], dim=1).to(device),
+            position_ids=(lengths[of_rows][:, None] + torch.arange(fed_width)[None, :]).to(device),
+            prompt_of_row=of_rows.to(device)))
+    predictors = []
+    for b, p in enumerate(prompt_ids):
+        predictors.append(of_row[b] * width + len(p) - 1)
+        predictors += range(first_fed[b], first_fed[b] + len(fed[b]))
+    return SharedPrompts(pad_rows(prompts, pad_id).to(device), prompt_mask.to(device), responses), predictors
 
 
 class _RecordingLayer(DynamicLayer):
@@ -91,28 +144,24 @@ def _cache_kept_under_checkpointing(layers):
                 setattr(layer, flag, value)
 
 
-def prompt_then_responses(decoder, prompts: SharedPrompts, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                          position_ids: torch.Tensor) -> torch.Tensor:
-    """The decoder's last hidden states over the prompts, then over the responses that follow them:
-    (U * P + B * W, H), the prompts' (U, P) positions flattened first, then the responses' (B, W).
-
-    ``input_ids`` (B, W) are the response tokens each row feeds, ``attention_mask`` (B, P + W) covers
-    its prompt (with that prompt's padding masked) and them, ``position_ids`` (B, W) continue from the
-    row's prompt length.
-    """
+def prompt_then_responses(decoder, shared: SharedPrompts) -> torch.Tensor:
+    """The decoder's last hidden states over the prompts, then over each response pass in turn, flattened:
+    (U * P + sum of b * W, H)."""
     layers = list(decoder.layers)
     with _cache_kept_under_checkpointing(layers):
         recorder = Cache(layers=[_RecordingLayer() for _ in layers])
-        prompt_hidden = decoder(input_ids=prompts.input_ids, attention_mask=prompts.attention_mask,
-                                past_key_values=recorder).last_hidden_state  # (U, P, H)
+        hidden = [decoder(input_ids=shared.input_ids, attention_mask=shared.attention_mask,
+                          past_key_values=recorder).last_hidden_state]  # (U, P, H)
         if any(layer.keys is None for layer in recorder.layers):
             raise RuntimeError("train.share_prompt_prefix=true: the decoder kept no keys and values from the prompt "
                                "pass (a model that does not use transformers' cache); set train.share_prompt_prefix=false")
-        prefix = Cache(layers=[_PrefixLayer(layer.keys.index_select(0, prompts.of_row),
-                                            layer.values.index_select(0, prompts.of_row)) for layer in recorder.layers])
-        response_hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                  past_key_values=prefix).last_hidden_state  # (B, W, H)
-    if not all(layer.used for layer in prefix.layers):
-        raise RuntimeError("train.share_prompt_prefix=true: the response pass did not attend to the cached prompt "
-                           "(the decoder dropped its past_key_values); set train.share_prompt_prefix=false")
-    return torch.cat([prompt_hidden.flatten(0, 1), response_hidden.flatten(0, 1)])
+        for part in shared.responses:
+            prefix = Cache(layers=[_PrefixLayer(layer.keys.index_select(0, part.prompt_of_row),
+                                                layer.values.index_select(0, part.prompt_of_row))
+                                   for layer in recorder.layers])
+            hidden.append(decoder(input_ids=part.input_ids, attention_mask=part.attention_mask,
+                                  position_ids=part.position_ids, past_key_values=prefix).last_hidden_state)  # (b, W, H)
+            if not all(layer.used for layer in prefix.layers):
+                raise RuntimeError("train.share_prompt_prefix=true: the response pass did not attend to the cached "
+                                   "prompt (the decoder dropped its past_key_values); set train.share_prompt_prefix=false")
+    return torch.cat([h.flatten(0, 1) for h in hidden])
