@@ -243,3 +243,44 @@ def test_shared_prompts_cut_the_tokens_computed_on_a_preset_like_batch(tiny_mode
     print(f"\ntokens per pass over the batch: {unshared} unshared in {unshared_passes} micro-batches, {shared} shared "
           f"in {shared_passes} ({unshared / shared:.2f}x fewer); {responses} response tokens")
     assert unshared / shared > 1.5
+
+
+def test_what_cannot_share_a_prompt_is_refused_in_one_line(tmp_path, tiny_model_dir):
+    from types import SimpleNamespace
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    with pytest.raises(ConfigError) as err:  # packed rows have no padded rows to share a prompt across
+        small_config(tmp_path, tiny_model_dir, "train.share_prompt_prefix=true", "train.pack_sequences=true")
+    assert str(err.value).startswith("train.share_prompt_prefix=true") and "train.pack_sequences" in str(err.value)
+    assert "\n" not in str(err.value)
+
+    # a sliding-window cache keeps only the window, not the whole prompt
+    tokenizer = tiny.build_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, use_sliding_window=True, sliding_window=32,
+                         max_window_layers=1, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    tiny.save(Qwen2ForCausalLM(config), tokenizer, tmp_path / "sliding")
+    with pytest.raises(ConfigError) as err:
+        make_policy(small_config(tmp_path, tmp_path / "sliding", "train.share_prompt_prefix=true"))
+    assert str(err.value) == (f"train.share_prompt_prefix=true: {tmp_path / 'sliding'} has a cache with "
+                              "DynamicSlidingWindowLayer layers (only full attention shares a prompt); "
+                              "set train.share_prompt_prefix=false")
+    make_policy(small_config(tmp_path, tmp_path / "sliding"))  # unshared, the same model trains
+
+    flash = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
+    assert unsupported(flash) == "attention implementation 'flash_attention_2' (supported: eager, sdpa)"
+    assert unsupported(tiny_lm("llama", "eager")) is None and unsupported(tiny_lm("qwen2", "sdpa")) is None
+
+
+def test_the_reference_model_shares_prompts_too(tiny_model_dir, tmp_path):
+    from dapo.policy import ReferenceModel
+
+    batch = synthetic_batch()
+    logp = {}
+    for share in ("false", "true"):
+        cfg = small_config(tmp_path, tiny_model_dir, f"train.share_prompt_prefix={share}")
+        ref = ReferenceModel(cfg.model, cfg.train, temperature=cfg.rollout.temperature, device=torch.device("cpu"))
+        logp[share] = ref.logprobs(batch)
+    assert (logp["true"] - logp["false"]).abs().max().item() < 1e-5
+    assert (logp["true"] * batch.response_mask() == logp["true"]).all() and logp["true"].min() < -1
