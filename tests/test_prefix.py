@@ -271,6 +271,11 @@ def test_what_cannot_share_a_prompt_is_refused_in_one_line(tmp_path, tiny_model_
     flash = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
     assert unsupported(flash) == "attention implementation 'flash_attention_2' (supported: eager, sdpa)"
     assert unsupported(tiny_lm("llama", "eager")) is None and unsupported(tiny_lm("qwen2", "sdpa")) is None
+    assert unsupported(tiny_lm("qwen2", "sdpa", gradient_checkpointing=True)) is None  # transformers' default: non-reentrant
+    reentrant = tiny_lm("llama", "sdpa")
+    reentrant.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert unsupported(reentrant) == ("reentrant activation checkpointing (the cached prompt would get no gradient; "
+                                      "use use_reentrant=False)")
 
 
 def test_the_reference_model_shares_prompts_too(tiny_model_dir, tmp_path):
@@ -284,3 +289,26 @@ def test_the_reference_model_shares_prompts_too(tiny_model_dir, tmp_path):
         logp[share] = ref.logprobs(batch)
     assert (logp["true"] - logp["false"]).abs().max().item() < 1e-5
     assert (logp["true"] * batch.response_mask() == logp["true"]).all() and logp["true"].min() < -1
+
+
+def test_training_with_shared_prompts_logs_the_unshared_runs_metrics(tiny_model_dir, tmp_path):
+    """Two steps of the loop, with a KL term (the reference model's pass too): the same samples, the
+    same losses, gradient norms and entropies, and the same weights at the end."""
+    from dapo.log import read_metrics
+    from dapo.models import load_model_and_tokenizer
+    from dapo.train import train
+
+    runs = {}
+    for share in ("false", "true"):
+        cfg = small_config(tmp_path / share, tiny_model_dir, "algo.kl_coef=0.01", f"train.share_prompt_prefix={share}")
+        train(cfg)
+        model, _ = load_model_and_tokenizer(cfg.run_dir / "checkpoints" / "step_000002" / "model")
+        runs[share] = read_metrics(cfg.run_dir), dict(model.named_parameters())
+    (unshared, w0), (shared, w1) = runs["false"], runs["true"]
+    assert [r["step"] for r in shared] == [1, 2]
+    for a, b in zip(unshared, shared):
+        assert a["rollout/response_length_mean"] == b["rollout/response_length_mean"]
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), key
+    assert max((w1[k] - w0[k]).abs().max().item() for k in w0) < 1e-5
+    assert unshared[-1]["actor/kl_loss"] > 0

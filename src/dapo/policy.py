@@ -14,7 +14,7 @@ from torch import nn
 from dapo import parallel
 from dapo.batch import RolloutBatch, pad_rows, plan_micro_batches, plan_shared_prompt_micro_batches, response_passes
 from dapo.models import DTYPES, load_model_and_tokenizer
-from dapo.prefix import SharedPrompts, prompt_then_responses, shared_prompt_passes, unsupported
+from dapo.prefix import SharedPrompts, fed_widths, prompt_of_rows, prompt_then_responses, shared_prompt_passes, unsupported
 
 if TYPE_CHECKING:
     from dapo.config import ModelConfig, TrainConfig
@@ -79,9 +79,9 @@ def make_micro_batch(batch: RolloutBatch, rows: list[int], pad_id: int, device, 
 
 
 def _shared_prompt_micro_batch(batch: RolloutBatch, rows: list[int], pad_id: int, device, split: bool) -> MicroBatch:
-    widths = [max(1, len(batch.response_ids[i]) - 1) for i in rows]  # the tokens each row feeds after its prompt
-    shared, token_index = shared_prompt_passes([batch.prompt_ids[i] for i in rows], [batch.response_ids[i] for i in rows],
-                                               response_passes(widths, split=split), pad_id, device)
+    responses = [batch.response_ids[i] for i in rows]
+    shared, token_index = shared_prompt_passes([batch.prompt_ids[i] for i in rows], responses,
+                                               response_passes(fed_widths(responses), split=split), pad_id, device)
     width = max(len(batch.response_ids[i]) for i in rows)
     out_index = [t for b, i in enumerate(rows) for t in range(b * width, b * width + len(batch.response_ids[i]))]
     as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
@@ -269,8 +269,9 @@ class UpdateStats:
 
 class LogProbModel:
     """A causal LM's log-probs of a rollout batch's response tokens: rows split into micro-batches by
-    the token budget (packed where the attention kernels allow), and under FSDP each rank computing
-    its share of the rows with the sharded log-prob pass."""
+    the token budget (packed where the attention kernels allow, or each distinct prompt once with
+    ``train.share_prompt_prefix``), and under FSDP each rank computing its share of the rows with the
+    sharded log-prob pass."""
 
     def __init__(self, lm, pad_id: int, model_cfg: ModelConfig, train_cfg: TrainConfig, dist: parallel.Dist, *,
                  temperature: float, device: torch.device):
@@ -299,9 +300,9 @@ class LogProbModel:
         costs = [len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in rows]
         if not (self.share_prompts and self.dist.sharded):
             return parallel.rank_share(rows, costs, self.dist)
-        by_prompt: dict[tuple[int, ...], list[int]] = {}
-        for i in rows:
-            by_prompt.setdefault(tuple(batch.prompt_ids[i]), []).append(i)
+        by_prompt: dict[int, list[int]] = {}
+        for i, u in zip(rows, prompt_of_rows([batch.prompt_ids[i] for i in rows])):
+            by_prompt.setdefault(u, []).append(i)
         if len(by_prompt) < self.dist.world_size:  # a rank left idle would cost more than a prompt computed twice
             return parallel.rank_share(rows, costs, self.dist)
         groups = list(by_prompt.values())
@@ -318,10 +319,9 @@ class LogProbModel:
         """``rows`` split by the token budget; returns lists of batch row indices."""
         t = self.train_cfg
         if self.share_prompts:
-            distinct: dict[tuple[int, ...], int] = {}
-            prompt_of = [distinct.setdefault(tuple(batch.prompt_ids[i]), len(distinct)) for i in rows]
-            widths = [max(1, len(batch.response_ids[i]) - 1) for i in rows]  # what the response pass feeds
-            plan = plan_shared_prompt_micro_batches(prompt_of, [len(batch.prompt_ids[i]) for i in rows], widths,
+            prompts = [batch.prompt_ids[i] for i in rows]
+            widths = fed_widths([batch.response_ids[i] for i in rows])
+            plan = plan_shared_prompt_micro_batches(prompt_of_rows(prompts), [len(p) for p in prompts], widths,
                                                     t.max_tokens_per_micro_batch, max_rows=t.micro_batch_size,
                                                     split_responses=self.split_responses)
         else:

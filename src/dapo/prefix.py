@@ -26,7 +26,9 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from dapo.batch import pad_rows
 
-SUPPORTED_ATTENTION = ("eager", "sdpa")  # checked against the unshared pass; masks with holes in the cached part
+# the attention implementations whose masks, with padding inside the cached prompt, are checked against the
+# unshared pass (tests/test_prefix.py)
+SUPPORTED_ATTENTION = ("eager", "sdpa")
 
 
 @dataclass
@@ -52,6 +54,18 @@ class SharedPrompts:
         return self.input_ids.numel() + sum(r.input_ids.numel() for r in self.responses)
 
 
+def prompt_of_rows(prompt_ids: list[list[int]]) -> list[int]:
+    """Which distinct prompt each row continues, numbered in order of first appearance."""
+    distinct: dict[tuple[int, ...], int] = {}
+    return [distinct.setdefault(tuple(p), len(distinct)) for p in prompt_ids]
+
+
+def fed_widths(response_ids: list[list[int]]) -> list[int]:
+    """The tokens each row feeds its response pass: all but the last (whose prediction is past the
+    end), and at least one, since a pass over nothing is still a pass (FSDP ranks run the same ones)."""
+    return [max(1, len(r) - 1) for r in response_ids]
+
+
 def shared_prompt_passes(prompt_ids: list[list[int]], response_ids: list[list[int]], passes: list[list[int]],
                          pad_id: int, device) -> tuple[SharedPrompts, list[int]]:
     """The passes over B rows (row b: ``prompt_ids[b]`` then ``response_ids[b]``, non-empty) with each
@@ -59,17 +73,16 @@ def shared_prompt_passes(prompt_ids: list[list[int]], response_ids: list[list[in
     position in the passes' hidden states (``prompt_then_responses``) that predicts each response
     token: a response's first token by its prompt's last real position, the others by the response
     pass."""
-    distinct: dict[tuple[int, ...], int] = {}
-    of_row = [distinct.setdefault(tuple(p), len(distinct)) for p in prompt_ids]
-    prompts = [list(p) for p in distinct]
+    of_row = prompt_of_rows(prompt_ids)
+    prompts = list({u: p for u, p in zip(of_row, prompt_ids)}.values())  # in order of u
     width = max(len(p) for p in prompts)
     lengths = torch.tensor([len(p) for p in prompts])
     prompt_mask = (torch.arange(width)[None, :] < lengths[:, None]).long()  # (U, P)
-    fed = [r[:-1] for r in response_ids]
+    fed, widths = [r[:-1] for r in response_ids], fed_widths(response_ids)
     first_fed = [0] * len(fed)  # flat position of each row's first fed token
     offset, responses = len(prompts) * width, []
     for rows in passes:
-        fed_width = max(1, max(len(fed[b]) for b in rows))  # a pass over nothing is still a pass: FSDP ranks run the same ones
+        fed_width = max(widths[b] for b in rows)
         for k, b in enumerate(rows):
             first_fed[b] = offset + k * fed_width
         offset += len(rows) * fed_width
@@ -123,6 +136,11 @@ def unsupported(lm) -> str | None:
     if kinds - {DynamicLayer.__name__}:
         # sliding-window, chunked, linear-attention or hybrid layers keep other states than a full prefix
         return f"a cache with {', '.join(sorted(kinds - {DynamicLayer.__name__}))} layers (only full attention shares a prompt)"
+    for layer in lm.get_decoder().layers:
+        checkpoint = getattr(layer, "_gradient_checkpointing_func", None)
+        if getattr(layer, "gradient_checkpointing", False) and getattr(checkpoint, "keywords", {}).get("use_reentrant") is not False:
+            # reentrant checkpointing passes gradients only to a layer's positional inputs, not to the cache
+            return "reentrant activation checkpointing (the cached prompt would get no gradient; use use_reentrant=False)"
     return None
 
 
