@@ -74,6 +74,13 @@ def test_shared_prompts_give_the_unshared_log_probs_and_entropies(arch, attentio
     assert (logp_s - logp).abs().max().item() < 1e-5
     assert (ent_s - ent).abs().max().item() < 1e-5
     assert ent[inside].min().item() > 1.0  # a random model over 258 tokens: high entropy, nothing trivial compared
+    # the edges: one row feeding one token, no padding anywhere (sdpa then skips the mask: a single query sees
+    # every key); a response of one token (it feeds nothing) beside one of two; all responses of one token
+    for rows in ([3], [0, 3], [5, 6, 15]):
+        with torch.no_grad():
+            a = token_logprobs(lm, make_micro_batch(batch, rows, 0, "cpu"), temperature=0.7)[0]
+            b = token_logprobs(lm, make_micro_batch(batch, rows, 0, "cpu", share_prompts=True), temperature=0.7)[0]
+        assert a.shape == b.shape and (a - b).abs().max().item() < 1e-5, rows
 
 
 @pytest.mark.parametrize("arch,attention,checkpointing", [("llama", "eager", False), ("llama", "sdpa", False),
