@@ -130,6 +130,10 @@ class TrainConfig:
     max_tokens_per_micro_batch: int = 8192  # token budget of one forward/backward pass (padded rows x longest, or packed)
     micro_batch_size: int | None = None  # optional cap on responses per forward/backward pass; null: the token budget alone
     pack_sequences: PackSequences = "auto"  # auto (pack when the model uses flash-attention varlen kernels), true or false
+    # run each distinct prompt of a micro-batch once and let its responses attend to that one copy of its keys and
+    # values (the G rows of a group share it) instead of recomputing the prompt per row; padded rows only (eager or
+    # sdpa attention, full-attention models). Off: the reference recomputes the prompt for every row
+    share_prompt_prefix: bool = False
     ppo_epochs: int = 1  # passes over the rollout batch
     lr: float = 1e-6  # AdamW learning rate after warmup (constant)
     warmup_steps: int = 20  # linear warmup, in training steps
@@ -430,6 +434,9 @@ def validate(cfg: Config) -> None:
     _check(t.prompts_per_step % t.mini_batch_prompts == 0,
            f"train.prompts_per_step={t.prompts_per_step} is not divisible by train.mini_batch_prompts="
            f"{t.mini_batch_prompts}; pick a divisor so every optimizer update sees the same number of prompts")
+    _check(not (t.share_prompt_prefix and t.pack_sequences == "true"),
+           "train.share_prompt_prefix=true shares a prompt across padded rows; packed rows (train.pack_sequences=true) "
+           "have none: set train.pack_sequences=auto or false, or train.share_prompt_prefix=false")
     _check(t.max_tokens_per_micro_batch > 0, "train.max_tokens_per_micro_batch must be > 0 (tokens per forward pass)")
     _check_unset_or_positive("train.micro_batch_size", t.micro_batch_size, "no cap on rows")
     _check(t.total_steps >= 0 and t.warmup_steps >= 0 and t.ppo_epochs >= 1, "train.total_steps/warmup_steps >= 0, ppo_epochs >= 1")
