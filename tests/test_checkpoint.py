@@ -144,7 +144,7 @@ def test_overwrite_moves_the_earlier_run_aside_whole(tiny_model_dir, tmp_path):
     from conftest import small_config
 
     from dapo.log import read_metrics
-    from dapo.train import train
+    from dapo.training import train
 
     run_dir = tmp_path / "t"
     earlier_run(run_dir)
@@ -333,7 +333,7 @@ def test_a_failed_background_write_is_raised_and_the_previous_checkpoint_kept(ti
 
 
 def test_training_raises_a_failed_last_checkpoint_write(tiny_model_dir, tmp_path, monkeypatch):
-    from dapo.train import train
+    from dapo.training import train
 
     real_write = checkpoint._write
 

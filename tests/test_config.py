@@ -251,7 +251,7 @@ def test_code_that_acts_on_a_choice_knows_exactly_its_choices():
 
 
 def _settings(cfg, bench_name, **kw):
-    from dapo.evaluate import BENCHMARKS, sampling_settings
+    from dapo.evaluation import BENCHMARKS, sampling_settings
 
     return sampling_settings(BENCHMARKS[bench_name], cfg, **kw)
 

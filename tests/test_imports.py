@@ -60,7 +60,7 @@ def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_reader_finds_imports_of_every_kind():
     g = graph()
-    assert "dapo.algo" in g["dapo.train"]  # from dapo import algo
+    assert "dapo.algo" in g["dapo.training"]  # from dapo import algo
     assert "dapo.rewards" in g["dapo.dynamic_sampling"] or "dapo.rewards.graders" in g["dapo.dynamic_sampling"]
     assert "dapo.rollout.vllm" in g["dapo.rollout"]  # imported inside a function
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
@@ -72,11 +72,11 @@ def test_no_import_cycle():
 
 
 def test_only_the_cli_and_the_ablation_runner_import_the_training_loop():
-    importers = {m for m, deps in graph().items() if "dapo.train" in deps}
+    importers = {m for m, deps in graph().items() if "dapo.training" in deps}
     assert importers <= {"dapo.cli", "dapo.ablate"}, importers
 
 
-ENGINES_AND_UP = ("dapo.policy", "dapo.rollout", "dapo.dynamic_sampling", "dapo.evaluate", "dapo.metrics", "dapo.train",
+ENGINES_AND_UP = ("dapo.policy", "dapo.rollout", "dapo.dynamic_sampling", "dapo.evaluation", "dapo.metrics", "dapo.training",
                   "dapo.cli", "dapo.ablate", "dapo.cluster")
 # (module, what it must never import): the floors of docs/architecture.md
 FLOORS = [
@@ -84,11 +84,11 @@ FLOORS = [
     ("dapo.rewards", lambda n: not n.startswith("dapo.rewards")),
     ("dapo.batch", lambda n: n.startswith("dapo.")),
     ("dapo.data", lambda n: n not in ("dapo.tasks", "dapo.tasks.arith")),
-    ("dapo.policy", lambda n: n in ("dapo.train", "dapo.dynamic_sampling", "dapo.rollout", "dapo.evaluate", "dapo.algo")),
-    ("dapo.rollout", lambda n: n in ("dapo.train", "dapo.policy", "dapo.dynamic_sampling", "dapo.evaluate")),
+    ("dapo.policy", lambda n: n in ("dapo.training", "dapo.dynamic_sampling", "dapo.rollout", "dapo.evaluation", "dapo.algo")),
+    ("dapo.rollout", lambda n: n in ("dapo.training", "dapo.policy", "dapo.dynamic_sampling", "dapo.evaluation")),
     *[(m, lambda n: n in ENGINES_AND_UP) for m in ("dapo.config", "dapo.parallel", "dapo.models", "dapo.checkpoint")],
-    *[(m, lambda n: n in ("dapo.train", "dapo.cli", "dapo.ablate", "dapo.cluster"))
-      for m in ("dapo.dynamic_sampling", "dapo.evaluate", "dapo.metrics", "dapo.log", "dapo.plots")],
+    *[(m, lambda n: n in ("dapo.training", "dapo.cli", "dapo.ablate", "dapo.cluster"))
+      for m in ("dapo.dynamic_sampling", "dapo.evaluation", "dapo.metrics", "dapo.log", "dapo.plots")],
 ]
 
 

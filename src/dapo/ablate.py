@@ -130,7 +130,7 @@ def execute(run: Run, threads: int) -> float:
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     t0 = time.perf_counter()
     with open(run.dir / "train.log", "a") as log:
-        proc = subprocess.run([sys.executable, "-m", "dapo.train", str(cfg_path)], stdout=log,
+        proc = subprocess.run([sys.executable, "-m", "dapo.training", str(cfg_path)], stdout=log,
                               stderr=subprocess.STDOUT, env=env)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:

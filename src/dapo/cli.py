@@ -23,7 +23,7 @@ from pathlib import Path
 from dapo.config import PRESET_DIR, Config, ConfigError, Dtype, load_config, resolve_preset
 
 def cmd_train(args) -> int:
-    from dapo.train import train
+    from dapo.training import train
 
     from dapo.checkpoint import removed_if_start_fails
 
@@ -37,7 +37,7 @@ def cmd_train(args) -> int:
 
 def cmd_demo(args) -> int:
     from dapo.checkpoint import removed_if_start_fails
-    from dapo.train import train
+    from dapo.training import train
 
     cfg = load_config(resolve_preset("configs/demo.yaml"), args.overrides)
     t0 = time.perf_counter()
@@ -86,7 +86,7 @@ def cmd_launch_ray(args) -> int:
     if placement.world_size < 1:
         raise ConfigError("launch-ray: give --gpus-per-node N (GPU workers) or --cpu-workers-per-node N (CPU workers)")
     ray_init = {"num_cpus": args.num_cpus} if args.address == "local" and args.num_cpus else {}
-    from dapo.train import train
+    from dapo.training import train
 
     launch(cfg, placement, train, address=args.address, ray_init=ray_init, insecure=args.insecure)
     return 0
@@ -104,7 +104,7 @@ def cmd_eval(args) -> int:
     from rich.progress import Progress
 
     from dapo.checkpoint import latest_checkpoint
-    from dapo.evaluate import BENCHMARKS, evaluate, load_benchmark, sampling_settings, write_report
+    from dapo.evaluation import BENCHMARKS, evaluate, load_benchmark, sampling_settings, write_report
     from dapo.models import load_model_and_tokenizer, pick_device
     from dapo.rewards import RewardPool
     from dapo.data import make_encoder

@@ -146,7 +146,7 @@ class EvalConfig:
     before_train: bool = True  # evaluate the initial model
     benchmarks: list[str] = field(default_factory=lambda: ["arith"])  # built-in task name, benchmark name or file
     num_problems: int | None = None  # the first N problems of each benchmark; null: all (the built-in task: 200)
-    # sampling; null: the benchmark's own setting (dapo.evaluate.BENCHMARKS: AIME n=32, top_p 0.7, 20,480 tokens;
+    # sampling; null: the benchmark's own setting (dapo.evaluation.BENCHMARKS: AIME n=32, top_p 0.7, 20,480 tokens;
     # arith n=4, top_p 1.0), and for a data file n=4, temperature 1.0, top_p 1.0
     n: int | None = None  # samples per problem (avg@n)
     temperature: float | None = None

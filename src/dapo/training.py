@@ -33,7 +33,7 @@ from dapo.batch import RolloutBatch
 from dapo.config import AlgoConfig, Config, ConfigError, dump_yaml, load_config
 from dapo.data import PromptSampler, make_encoder
 from dapo.dynamic_sampling import BatchCollector, CollectStats, Scorer, record_behaviour_logp
-from dapo.evaluate import evaluate, load_benchmark, sampling_settings
+from dapo.evaluation import evaluate, load_benchmark, sampling_settings
 from dapo.log import NullLogger, RunLogger, setup_library_logging
 from dapo.metrics import no_signal_advice, sample_records, sampling_metrics, step_metrics
 from dapo.models import pick_device
@@ -354,5 +354,5 @@ def train(cfg: Config, *, console=None) -> dict:
     return last
 
 
-if __name__ == "__main__":  # one run in its own process, as the ablation runner starts them: python -m dapo.train PRESET [key=value ...]
+if __name__ == "__main__":  # one run in its own process, as the ablation runner starts them: python -m dapo.training PRESET [key=value ...]
     train(load_config(sys.argv[1], sys.argv[2:]))
