@@ -81,9 +81,10 @@ ENGINES_AND_UP = ("dapo.policy", "dapo.rollout", "dapo.dynamic_sampling", "dapo.
 # (module, what it must never import): the floors of docs/architecture.md
 FLOORS = [
     ("dapo.algo", lambda n: n.startswith("dapo.")),
+    ("dapo.resources", lambda n: n.startswith("dapo.")),
     ("dapo.rewards", lambda n: not n.startswith("dapo.rewards")),
     ("dapo.batch", lambda n: n.startswith("dapo.")),
-    ("dapo.data", lambda n: n not in ("dapo.tasks", "dapo.tasks.arith")),
+    ("dapo.data", lambda n: n not in ("dapo.tasks", "dapo.tasks.arith", "dapo.resources")),
     ("dapo.policy", lambda n: n in ("dapo.training", "dapo.dynamic_sampling", "dapo.rollout", "dapo.evaluation", "dapo.algo")),
     ("dapo.rollout", lambda n: n in ("dapo.training", "dapo.policy", "dapo.dynamic_sampling", "dapo.evaluation")),
     *[(m, lambda n: n in ENGINES_AND_UP) for m in ("dapo.config", "dapo.parallel", "dapo.models", "dapo.checkpoint")],

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal, Sequence
 
+from dapo.resources import shipped
+
 DAPO_PROMPT_PREFIX = (
     "Solve the following math problem step by step. The last line of your response should be of "
     "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
@@ -163,7 +165,7 @@ def load_examples(
         raise ValueError(f"unknown prompt template {template!r}; choose one of {list(_templates())}")
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
         raise ValueError(f"limit must be a positive integer or None, got {limit!r}")
-    path = Path(path)
+    path = shipped(path)  # data/...: the package's copy when the current directory has none
     name = str(path)
     if not path.is_file():
         raise DataError(f"{name}: no such file; check the path (data files live under data/)")

@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from dapo.data import DEFAULT_MAX_ROW_CHARS
+from dapo.resources import SHARE
 from dapo.rollout.base import SamplingParams
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 INVALID_PREDS = {"[INVALID]", "[TIMEOUT]", "[CRASH]", ""}
 
 
@@ -25,7 +25,7 @@ class Benchmark:
     """A benchmark and how it is sampled unless eval.* says otherwise."""
 
     name: str
-    path: str | None  # relative to the repo's data/; None for the built-in task
+    path: str | None  # relative to the shipped data/; None for the built-in task
     n: int = 32
     temperature: float = 1.0
     top_p: float = 0.7
@@ -60,7 +60,7 @@ def load_benchmark(name_or_path: str, *, template: str = "dapo", num_problems: i
         return bench, examples
     if name_or_path in BENCHMARKS:
         bench = BENCHMARKS[name_or_path]
-        path = REPO_ROOT / "data" / bench.path
+        path = SHARE / "data" / bench.path
         source = name_or_path
     else:
         path = Path(name_or_path)
