@@ -196,6 +196,34 @@ def evaluate(engine, encode, examples, pool, sampling: SamplingParams, *, name: 
     )
 
 
+def evaluate_model(model_dir, benches: list, cfg, *, reward_fn=None, progress=None) -> list[EvalResult]:
+    """Load the model directory and evaluate it on each (Benchmark, examples) of ``benches`` as ``cfg``
+    (a Config) says: eval.* sampling, data.max_prompt_tokens, rollout.backend, reward.* and
+    model.dtype/device/trust_remote_code. ``reward_fn`` (a caller's reward function) grades every
+    response instead of reward.grader, in the same worker pool. ``progress(name, total)``, if given,
+    returns the callback that hears of every k samples of that benchmark graded."""
+    from dapo.data import make_encoder
+    from dapo.models import load_model_and_tokenizer, pick_device
+    from dapo.rewards import REWARD_FN, RewardPool
+    from dapo.rollout import make_rollout
+
+    m, d, e = cfg.model, cfg.data, cfg.eval
+    model, tokenizer = load_model_and_tokenizer(model_dir, m.dtype, pick_device(m.device),
+                                                trust_remote_code=m.trust_remote_code)
+    settings = [sampling_settings(bench, cfg) for bench, _ in benches]
+    engine = make_rollout(cfg.rollout, model, tokenizer,
+                          max_model_len=d.max_prompt_tokens + max(s["max_new_tokens"] for s in settings))
+    encode = make_encoder(tokenizer, d.max_prompt_tokens)
+    results = []
+    with RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
+                    reward_fns=None if reward_fn is None else {REWARD_FN: reward_fn}) as pool:
+        for (bench, examples), setting in zip(benches, settings):
+            results.append(evaluate(engine, encode, examples, pool, SamplingParams(**setting, seed=e.seed),
+                                    name=bench.name, grader=cfg.reward.grader if reward_fn is None else REWARD_FN,
+                                    progress=progress and progress(bench.name, setting["n"] * len(examples))))
+    return results
+
+
 def write_report(results: list[EvalResult], out_dir: Path) -> Path:
     """eval.json, eval.md (a Markdown table) and <benchmark>.problems.jsonl in out_dir."""
     out_dir = Path(out_dir)

@@ -1,0 +1,64 @@
+"""Reward functions as a user writes them for ``dapo.train(cfg, reward_fn=...)``, and misbehaving ones.
+
+They run in the reward pool's worker processes, which unpickle them by module and name: this module
+must be importable there (tests/ is on sys.path under pytest, and the pool passes its sys.path on).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def last_line_is_answer(response: str, ground_truth: str) -> float:
+    """+1 when the response's last line is exactly the ground truth, else -1: a float score."""
+    lines = response.strip().splitlines()
+    return 1.0 if lines and lines[-1].strip() == ground_truth else -1.0
+
+
+def length_and_answer(response: str, ground_truth: str) -> tuple[float, bool]:
+    """(score, correct): correct when the ground truth appears in it; the score is a length-scaled 0..1."""
+    correct = ground_truth in response
+    return (1.0 if correct else 0.0) - len(response) / 1000, correct
+
+
+def wrong_type(response: str, ground_truth: str):
+    return "yes"
+
+
+def make_closure():
+    def inner(response: str, ground_truth: str) -> float:
+        return 1.0
+
+    return inner
+
+
+def quarter(response: str, ground_truth: str) -> float:
+    """0.25 for every response: a score that is neither the built-in graders' +1 nor their -1."""
+    return 0.25
+
+
+def right_but_negative(response: str, ground_truth: str) -> tuple[float, bool]:
+    """(-0.5, True) for every response: the score and the correctness are read separately."""
+    return -0.5, True
+
+
+def hang_on_truth(response: str, ground_truth: str) -> float:
+    """Hangs on rows whose answer is 'hang'; 1.0 for the rest."""
+    if ground_truth == "hang":
+        time.sleep(60)
+    return 1.0
+
+
+def die_on_truth(response: str, ground_truth: str) -> float:
+    """Kills its worker on rows whose answer is 'die'; 1.0 for the rest."""
+    if ground_truth == "die":
+        os._exit(1)
+    return 1.0
+
+
+def raise_on_truth(response: str, ground_truth: str) -> float:
+    """Raises on rows whose answer is 'bug'; 1.0 for the rest."""
+    if ground_truth == "bug":
+        raise ValueError("the user's bug")
+    return 1.0
