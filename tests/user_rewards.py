@@ -10,18 +10,6 @@ import os
 import time
 
 
-def last_line_is_answer(response: str, ground_truth: str) -> float:
-    """+1 when the response's last line is exactly the ground truth, else -1: a float score."""
-    lines = response.strip().splitlines()
-    return 1.0 if lines and lines[-1].strip() == ground_truth else -1.0
-
-
-def length_and_answer(response: str, ground_truth: str) -> tuple[float, bool]:
-    """(score, correct): correct when the ground truth appears in it; the score is a length-scaled 0..1."""
-    correct = ground_truth in response
-    return (1.0 if correct else 0.0) - len(response) / 1000, correct
-
-
 def wrong_type(response: str, ground_truth: str):
     return "yes"
 
@@ -50,15 +38,10 @@ def hang_on_truth(response: str, ground_truth: str) -> float:
     return 1.0
 
 
-def die_on_truth(response: str, ground_truth: str) -> float:
-    """Kills its worker on rows whose answer is 'die'; 1.0 for the rest."""
+def die_or_raise_on_truth(response: str, ground_truth: str) -> float:
+    """Kills its worker on rows whose answer is 'die', raises on those whose answer is 'bug'; 1.0 for the rest."""
     if ground_truth == "die":
         os._exit(1)
-    return 1.0
-
-
-def raise_on_truth(response: str, ground_truth: str) -> float:
-    """Raises on rows whose answer is 'bug'; 1.0 for the rest."""
     if ground_truth == "bug":
         raise ValueError("the user's bug")
     return 1.0

@@ -10,7 +10,7 @@ named apart from the functions: importing a submodule sets the package attribute
 would otherwise replace ``dapo.train`` with a module.
 """
 
-import importlib
+import importlib as _importlib
 
 __version__ = "0.1.0"
 
@@ -31,7 +31,7 @@ __all__ = sorted(_API)
 def __getattr__(name: str):
     if name not in _API:
         raise AttributeError(f"module 'dapo' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_API[name]), name)
+    value = getattr(_importlib.import_module(_API[name]), name)
     globals()[name] = value  # looked up once
     return value
 
