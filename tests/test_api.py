@@ -205,3 +205,18 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tiny_model_dir, tmp_pa
     assert ("a reward worker could not load the reward function: RuntimeError: dapo.train() was called while a reward "
             "worker ran your script to find its reward_fn; put the script's training code under "
             "if __name__ == '__main__':") in out.stderr, out.stderr[-3000:]
+
+
+def test_the_pool_reads_numbers_and_pairs_and_refuses_the_rest():
+    from dapo.rewards import Grade, RewardPool
+
+    with RewardPool(num_workers=1, reward_fns={"reward_fn": user_rewards.numpy_scores}) as pool:
+        result = pool.score(["x\nlast line ", "y"], ["pair", "1"], "reward_fn")
+    # a pair gives score and flag; a lone number counts as right when > 0; the prediction is the last line
+    assert result.grades == [Grade(0.5, False, "last line"), Grade(-0.25, False, "y")]
+    for fn, returned in [(user_rewards.boolean, r"True \(bool\)"), (user_rewards.not_a_number, None)]:
+        with RewardPool(num_workers=1, reward_fns={"reward_fn": fn}) as pool:
+            message = (rf"^reward_fn returned {returned}; return a float score" if returned
+                       else r"^reward_fn returned the score nan; return a finite number$")
+            with pytest.raises(RewardFnError, match=message):
+                pool.score(["x"], ["1"], "reward_fn")

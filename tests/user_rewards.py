@@ -45,3 +45,18 @@ def die_or_raise_on_truth(response: str, ground_truth: str) -> float:
     if ground_truth == "bug":
         raise ValueError("the user's bug")
     return 1.0
+
+
+def numpy_scores(response: str, ground_truth: str):
+    """numpy's scalars, as a function computing its score with numpy returns them."""
+    import numpy as np
+
+    return (np.float32(0.5), np.bool_(False)) if ground_truth == "pair" else np.float64(-0.25)
+
+
+def boolean(response: str, ground_truth: str) -> bool:
+    return True
+
+
+def not_a_number(response: str, ground_truth: str) -> float:
+    return float("nan")

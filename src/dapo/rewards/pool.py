@@ -387,12 +387,12 @@ class RewardPool:
         graders: names passed to `score` are looked up, never imported.
 
         reward_fns: name -> a function object (response, ground_truth) -> a float score (correct when
-        > 0) or (score, correct: bool); the score is returned as the grade's score and the response's
-        last line as its prediction (what maj@n votes on). It must be picklable
-        by reference (defined at a module's top level, or in the main script, which then runs again in
-        each worker under `if __name__ == "__main__":` rules); RewardFnError says so otherwise. A
-        function that raises scores as a crash (with one warning per pool); one that returns anything
-        else raises RewardFnError from `score`.
+        > 0) or (score, correct: bool); the grade holds that score, and the response's last line as
+        its prediction (what maj@n votes on). It must be picklable by reference: defined at a module's
+        top level, or in the main script, which each worker then runs again with `if __name__ ==
+        "__main__":` blocks skipped; RewardFnError says so otherwise. A call that raises scores as a
+        crash (shown once per pool as a warning); one that returns anything else raises
+        RewardFnError from `score`.
         """
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
