@@ -19,6 +19,7 @@ resume, logs) is what ``dapo train`` does with the same config.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -95,7 +96,7 @@ def train(cfg: Config, *, reward_fn: RewardFn | None = None, train_data: Data | 
     if eval_data is not None:
         inputs.eval_sets = [_benchmark(eval_data, cfg)]
     t0 = time.perf_counter()
-    with removed_if_start_fails(cfg.run_dir):
+    with removed_if_start_fails(cfg.run_dir), _no_progress_bars():
         training.train(cfg, inputs=inputs)
     rows = read_metrics(cfg.run_dir)
     return TrainResult(cfg.run_dir, rows[-1] if rows else {}, rows, time.perf_counter() - t0)
@@ -118,7 +119,8 @@ def evaluate(model: str | os.PathLike, data: Data, *, cfg: Config | None = None,
     cfg = _checked(cfg) if cfg is not None else load_config(saved) if saved is not None else Config()
     if reward_fn is not None:
         reward_pool.pickle_reward_fn(reward_pool.REWARD_FN, reward_fn)
-    (result,) = evaluate_model(model_dir, [_benchmark(data, cfg)], cfg, reward_fn=reward_fn)
+    with _no_progress_bars():
+        (result,) = evaluate_model(model_dir, [_benchmark(data, cfg)], cfg, reward_fn=reward_fn)
     if out_dir is not None:
         write_report([result], Path(out_dir))
     return result
@@ -165,6 +167,21 @@ def _model_to_evaluate(model) -> tuple[Path, Path | None]:
         raise CheckpointError(f"{ckpt} is sharded; run `dapo export {ckpt} OUT_DIR` and evaluate OUT_DIR")
     saved = ckpt / "config.yaml"
     return ckpt / "model", saved if saved.is_file() else None
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """Without transformers' per-file load and save bars, as under `dapo train` (they would drown the
+    step lines); the caller's setting is back afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _not_in_a_reward_worker(what: str) -> None:
