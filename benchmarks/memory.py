@@ -77,7 +77,7 @@ def point(args) -> dict:
     from dapo.policy import Policy
     from dapo.tasks import arith
     from dapo.data import make_encoder
-    from dapo.train import make_loss_fn
+    from dapo.training import make_loss_fn
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

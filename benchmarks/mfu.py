@@ -43,7 +43,7 @@ from dapo.rollout.base import SamplingParams
 from dapo.rollout.hf import HFRolloutEngine
 from dapo.tasks import arith
 from dapo.data import load_examples, make_encoder
-from dapo.train import make_loss_fn
+from dapo.training import make_loss_fn
 
 ROOT = Path(__file__).resolve().parents[1]
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product_flash_attention_for_cpu",

@@ -2,7 +2,7 @@
 
     python benchmarks/scaling.py [--steps 2]            # make smollm2 first; about 20 minutes on 2 cores
 
-Each point is `python -m dapo.train configs/smollm2_135m.yaml` in its own process with dynamic
+Each point is `python -m dapo.training configs/smollm2_135m.yaml` in its own process with dynamic
 sampling off (every step trains exactly P x G responses), no evaluation, vLLM rollout, the
 preset's token budget per forward/backward pass (train.max_tokens_per_micro_batch=4096). From the
 last step's metrics: seconds per step (checkpoint excluded) and its phases, generation's share,
@@ -37,7 +37,7 @@ def run_point(point: dict, steps: int) -> dict:
             f"run.dir={tmp}", "run.name=p", "run.progress=false", "run.tensorboard=false",
         ]
         with open(Path(tmp) / "stderr.txt", "w+") as err:
-            proc = subprocess.Popen([sys.executable, "-m", "dapo.train", str(ROOT / "configs/smollm2_135m.yaml"), *overrides],
+            proc = subprocess.Popen([sys.executable, "-m", "dapo.training", str(ROOT / "configs/smollm2_135m.yaml"), *overrides],
                                     cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err,
                                     env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
             _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak memory

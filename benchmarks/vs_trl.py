@@ -43,7 +43,7 @@ order alternating run by run; the first --warmup steps of each are dropped, the 
 run's median; printed is the median over runs. Time is given as the process's CPU time (with one
 torch thread, what other processes on a shared machine barely disturb; grading in our reward
 pool's worker processes, ~1% of a step, is not in it) and as wall time. Part 2, time to accuracy: each side trains from
-the base model and is evaluated every --eval-every steps with dapo.evaluate (avg@4 on the same 200
+the base model and is evaluated every --eval-every steps with dapo.evaluation (avg@4 on the same 200
 held-out problems, the same sampling and seed for both); printed is the training time (CPU and
 wall, evaluation excluded) until avg@4 first reaches --target.
 """
@@ -103,16 +103,16 @@ class TargetReached(Exception):
 
 
 def run_ours(args, overrides: list[str]) -> dict:
-    import dapo.evaluate
+    import dapo.evaluation
     import dapo.log
     from dapo.config import load_config
     from dapo.log import read_metrics
-    from dapo.train import train
+    from dapo.training import train
 
     st = Setting(args.real)
     # CPU time is read where the loop logs each step; evaluation's share is taken out (measuring only)
     cpu = {"eval": 0.0, "marks": []}
-    evaluate, log = dapo.evaluate.evaluate, dapo.log.RunLogger.log
+    evaluate, log = dapo.evaluation.evaluate, dapo.log.RunLogger.log
 
     def timed_evaluate(*a, **kw):
         c0 = time.process_time()
@@ -127,7 +127,7 @@ def run_ours(args, overrides: list[str]) -> dict:
             raise TargetReached  # the step is logged; nothing after it is measured
         return out
 
-    dapo.train.evaluate, dapo.log.RunLogger.log = timed_evaluate, timed_log
+    dapo.training.evaluate, dapo.log.RunLogger.log = timed_evaluate, timed_log
     real = ["rollout.backend=vllm", f"eval.benchmarks=[{st.bench}]", f"eval.temperature={st.temperature}",
             f"reward.grader={st.grader}"] if st.real else []
     with tempfile.TemporaryDirectory() as tmp:
@@ -176,7 +176,7 @@ def run_trl(args) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from dapo.data import load_examples, make_encoder
-    from dapo.evaluate import evaluate, load_benchmark
+    from dapo.evaluation import evaluate, load_benchmark
     from dapo.rewards import RewardPool, grade
     from dapo.rollout.base import SamplingParams
     from dapo.tasks import arith

@@ -145,7 +145,7 @@ def test_overwrite_moves_the_earlier_run_aside_whole(tiny_model_dir, tmp_path):
     from conftest import small_config
 
     from dapo.log import read_metrics
-    from dapo.train import train
+    from dapo.training import train
 
     run_dir = tmp_path / "t"
     earlier_run(run_dir)
@@ -303,7 +303,7 @@ def test_an_async_checkpoint_holds_the_trainer_state_of_the_call(tiny_model_dir,
 def test_training_waits_for_an_async_write_before_the_next_update(tiny_model_dir, tmp_path, monkeypatch):
     """A slow background write overlaps the next step's generation; its update must not start before
     the write ends, or the checkpoint would mix two steps' weights. Each checkpoint equals a synchronous run's."""
-    from dapo.train import train
+    from dapo.training import train
 
     real_write = checkpoint._write
     monkeypatch.setattr(checkpoint, "_write", lambda *args: (time.sleep(1.0), real_write(*args)))
@@ -353,7 +353,7 @@ def test_a_failed_background_write_is_raised_and_the_previous_checkpoint_kept(ti
 
 
 def test_training_raises_a_failed_last_checkpoint_write(tiny_model_dir, tmp_path, monkeypatch):
-    from dapo.train import train
+    from dapo.training import train
 
     real_write = checkpoint._write
 

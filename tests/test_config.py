@@ -251,7 +251,7 @@ def test_code_that_acts_on_a_choice_knows_exactly_its_choices():
 
 
 def _settings(cfg, bench_name, **kw):
-    from dapo.evaluate import BENCHMARKS, sampling_settings
+    from dapo.evaluation import BENCHMARKS, sampling_settings
 
     return sampling_settings(BENCHMARKS[bench_name], cfg, **kw)
 
@@ -297,3 +297,27 @@ def test_evaluation_during_training_samples_as_the_preset_says(preset):
                     "top_p": 1.0 if cfg.eval.top_p is None else cfg.eval.top_p,
                     "max_new_tokens": cfg.eval.max_response_tokens or cfg.rollout.max_response_tokens}
         assert got == expected
+
+
+def test_shipped_presets_and_files_resolve_from_any_directory(tmp_path, monkeypatch):
+    from dapo.config import PRESET_DIR, preset_names, resolve_preset
+    from dapo.resources import SHARE, shipped
+
+    monkeypatch.chdir(tmp_path)
+    for given, found in [("demo", "demo.yaml"), ("demo.yaml", "demo.yaml"), ("configs/demo.yaml", "demo.yaml"),
+                         ("ablation/base", "ablation/base.yaml"), ("configs/ablation/base.yaml", "ablation/base.yaml"),
+                         ("elsewhere/smollm2_135m.yaml", "smollm2_135m.yaml")]:
+        assert resolve_preset(given) == PRESET_DIR / found, given
+    assert resolve_preset("nothing") == Path("nothing")
+    assert {"demo", "smollm2_135m", "ablation/base", "ablation/1_grpo"} <= set(preset_names())
+    assert load_config("demo").run.name == "demo"
+    with pytest.raises(ConfigError, match=r"^config file nothing does not exist; give a YAML file or a shipped "
+                                          r"preset's name \(ablation/1_grpo, .*demo, .*smollm2_135m\)$"):
+        load_config("nothing")
+    # a shipped file is read from the package when the current directory has none, and from there when it has
+    assert shipped("assets/arith-base") == SHARE / "assets/arith-base"
+    root = Path(__file__).resolve().parents[1]
+    assert shipped("data/aime2025/test.jsonl").read_bytes() == (root / "data/aime2025/test.jsonl").read_bytes()
+    assert shipped("other/arith-base") == Path("other/arith-base")
+    (tmp_path / "assets" / "arith-base").mkdir(parents=True)
+    assert shipped("assets/arith-base") == Path("assets/arith-base")

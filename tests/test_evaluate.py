@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from dapo.evaluate import bootstrap_ci, majority_accuracy, pass_at_k
+from dapo.evaluation import bootstrap_ci, majority_accuracy, pass_at_k
 
 
 def test_pass_at_k_unbiased_estimator():

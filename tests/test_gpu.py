@@ -5,7 +5,7 @@ import torch
 
 from conftest import small_config
 from dapo.log import read_metrics
-from dapo.train import train
+from dapo.training import train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

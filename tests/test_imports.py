@@ -60,7 +60,7 @@ def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_reader_finds_imports_of_every_kind():
     g = graph()
-    assert "dapo.algo" in g["dapo.train"]  # from dapo import algo
+    assert "dapo.algo" in g["dapo.training"]  # from dapo import algo
     assert "dapo.rewards" in g["dapo.dynamic_sampling"] or "dapo.rewards.graders" in g["dapo.dynamic_sampling"]
     assert "dapo.rollout.vllm" in g["dapo.rollout"]  # imported inside a function
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
@@ -71,25 +71,27 @@ def test_no_import_cycle():
     assert cycle is None, " -> ".join(cycle)
 
 
-def test_only_the_cli_and_the_ablation_runner_import_the_training_loop():
-    importers = {m for m, deps in graph().items() if "dapo.train" in deps}
-    assert importers <= {"dapo.cli", "dapo.ablate"}, importers
+def test_only_the_cli_the_python_api_and_the_ablation_runner_import_the_training_loop():
+    importers = {m for m, deps in graph().items() if "dapo.training" in deps}
+    assert importers <= {"dapo.cli", "dapo.ablate", "dapo.api"}, importers
 
 
-ENGINES_AND_UP = ("dapo.policy", "dapo.rollout", "dapo.dynamic_sampling", "dapo.evaluate", "dapo.metrics", "dapo.train",
-                  "dapo.cli", "dapo.ablate", "dapo.cluster")
+ENGINES_AND_UP = ("dapo.policy", "dapo.rollout", "dapo.dynamic_sampling", "dapo.evaluation", "dapo.metrics", "dapo.training",
+                  "dapo.cli", "dapo.ablate", "dapo.cluster", "dapo.api")
 # (module, what it must never import): the floors of docs/architecture.md
 FLOORS = [
     ("dapo.algo", lambda n: n.startswith("dapo.")),
+    ("dapo.resources", lambda n: n.startswith("dapo.")),
     ("dapo.rewards", lambda n: not n.startswith("dapo.rewards")),
     ("dapo.batch", lambda n: n.startswith("dapo.")),
-    ("dapo.data", lambda n: n not in ("dapo.tasks", "dapo.tasks.arith")),
-    *[(m, lambda n: n in ("dapo.train", "dapo.dynamic_sampling", "dapo.rollout", "dapo.evaluate", "dapo.algo"))
+    ("dapo.data", lambda n: n not in ("dapo.tasks", "dapo.tasks.arith", "dapo.resources")),
+    *[(m, lambda n: n in ("dapo.training", "dapo.dynamic_sampling", "dapo.rollout", "dapo.evaluation", "dapo.algo"))
       for m in ("dapo.policy", "dapo.prefix")],
-    ("dapo.rollout", lambda n: n in ("dapo.train", "dapo.policy", "dapo.dynamic_sampling", "dapo.evaluate")),
+    ("dapo.rollout", lambda n: n in ("dapo.training", "dapo.policy", "dapo.dynamic_sampling", "dapo.evaluation")),
     *[(m, lambda n: n in ENGINES_AND_UP) for m in ("dapo.config", "dapo.parallel", "dapo.models", "dapo.checkpoint")],
-    *[(m, lambda n: n in ("dapo.train", "dapo.cli", "dapo.ablate", "dapo.cluster"))
-      for m in ("dapo.dynamic_sampling", "dapo.evaluate", "dapo.metrics", "dapo.log", "dapo.plots")],
+    *[(m, lambda n: n in ("dapo.training", "dapo.cli", "dapo.ablate", "dapo.cluster", "dapo.api"))
+      for m in ("dapo.dynamic_sampling", "dapo.evaluation", "dapo.metrics", "dapo.log", "dapo.plots")],
+    ("dapo.training", lambda n: n in ("dapo.cli", "dapo.ablate", "dapo.cluster", "dapo.api")),
 ]
 
 

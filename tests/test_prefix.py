@@ -303,7 +303,7 @@ def test_training_with_shared_prompts_logs_the_unshared_runs_metrics(tiny_model_
     same losses, gradient norms and entropies, and the same weights at the end."""
     from dapo.log import read_metrics
     from dapo.models import load_model_and_tokenizer
-    from dapo.train import train
+    from dapo.training import train
 
     runs = {}
     for share in ("false", "true"):

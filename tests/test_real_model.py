@@ -269,7 +269,7 @@ def test_steps_without_informative_groups_still_log_evaluate_and_save(tmp_path, 
     from conftest import small_config
     from dapo.checkpoint import latest_checkpoint
     from dapo.log import read_metrics
-    from dapo.train import train
+    from dapo.training import train
 
     cfg = small_config(tmp_path, tiny_model_dir, "train.total_steps=4", "algo.dynamic_sampling=true",
                        "algo.max_gen_rounds=1", "run.save_every=null")
@@ -289,7 +289,7 @@ def test_steps_without_informative_groups_still_log_evaluate_and_save(tmp_path, 
 
 
 def test_word_problems_route_to_the_number_grader():
-    from dapo.evaluate import load_benchmark
+    from dapo.evaluation import load_benchmark
     from dapo.rewards import grade, grader_for
 
     bench, examples = load_benchmark("word", template="raw", num_problems=3)

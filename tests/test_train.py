@@ -17,7 +17,7 @@ from dapo.policy import make_micro_batch, token_logprobs
 from dapo.rollout import SamplingParams
 from dapo.rollout.hf import HFRolloutEngine
 from dapo.log import read_metrics
-from dapo.train import importance_weights, train
+from dapo.training import importance_weights, train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -198,7 +198,7 @@ def traced_update(cfg, *, old_logp: str, ppo_epochs: int = 1, engine_logp_from=N
     from types import SimpleNamespace
 
     from dapo.config import load_config
-    from dapo.train import TrainState, old_logprobs
+    from dapo.training import TrainState, old_logprobs
 
     torch.manual_seed(0)
     policy = make_policy(cfg)

@@ -23,7 +23,7 @@ from dapo.batch import RolloutBatch
 from dapo.models import load_model_and_tokenizer
 from dapo.rollout import Generation, SamplingParams, make_rollout
 from dapo.log import read_metrics
-from dapo.train import train
+from dapo.training import train
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "assets" / "arith-base"
@@ -59,7 +59,7 @@ def logp_abs_diff(policy, gen, group_size) -> torch.Tensor:
 
 def test_hf_runs_never_import_vllm():
     code = ("import sys; from dapo.config import RolloutConfig; from dapo.models import load_model_and_tokenizer;"
-            "from dapo.rollout import make_rollout; import dapo.train;"
+            "from dapo.rollout import make_rollout; import dapo.training;"
             f"m, t = load_model_and_tokenizer({str(MODEL)!r}); make_rollout(RolloutConfig(backend='hf'), m, t);"
             "assert 'vllm' not in sys.modules, 'vllm imported'")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(REPO / "src")})

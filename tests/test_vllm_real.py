@@ -109,7 +109,7 @@ def test_train_eval_export_with_vllm(tmp_path, arch):
     from conftest import small_config
     from dapo.checkpoint import export_hf, latest_checkpoint
     from dapo.log import read_metrics
-    from dapo.train import train
+    from dapo.training import train
 
     model_dir = build_tiny(arch, tmp_path / "m", hidden=64, layers=2, seed=2)
     bench = REPO / "data" / "word_problems" / "test.jsonl"

@@ -23,7 +23,7 @@ def main() -> None:
 
     from conftest import small_config  # tests/ is this script's directory, so it is on sys.path
 
-    import dapo.train
+    import dapo.training
     from dapo import checkpoint
 
     real_save, real_complete = checkpoint.save_checkpoint, checkpoint._complete
@@ -48,9 +48,9 @@ def main() -> None:
     checkpoint.save_checkpoint = save_then_maybe_die
     if mid_write:
         checkpoint._complete = die_before_the_rename
-    if hasattr(dapo.train, "save_checkpoint"):  # should train.py ever import the name itself
-        dapo.train.save_checkpoint = save_then_maybe_die
-    dapo.train.train(small_config(run_dir, model_dir, *overrides))
+    if hasattr(dapo.training, "save_checkpoint"):  # should training.py ever import the name itself
+        dapo.training.save_checkpoint = save_then_maybe_die
+    dapo.training.train(small_config(run_dir, model_dir, *overrides))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from dapo.config import Config, ConfigError, dump_yaml, load_config, resolve_preset
+from dapo.config import PRESET_DIR, Config, ConfigError, dump_yaml, load_config, resolve_preset
 from dapo.log import held_out_keys, read_metrics
 
 ROW_FILE = re.compile(r"^(\d+)_[\w-]+\.yaml$")
@@ -130,7 +130,7 @@ def execute(run: Run, threads: int) -> float:
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     t0 = time.perf_counter()
     with open(run.dir / "train.log", "a") as log:
-        proc = subprocess.run([sys.executable, "-m", "dapo.train", str(cfg_path)], stdout=log,
+        proc = subprocess.run([sys.executable, "-m", "dapo.training", str(cfg_path)], stdout=log,
                               stderr=subprocess.STDOUT, env=env)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
@@ -335,7 +335,7 @@ def add_arguments(p) -> None:
 
 def main_args(args) -> int:
     base = resolve_preset(args.base)
-    rows_dir = Path(args.rows_dir) if args.rows_dir else Path(__file__).resolve().parents[2] / "configs" / "ablation"
+    rows_dir = Path(args.rows_dir) if args.rows_dir else PRESET_DIR / "ablation"
     rows = find_rows(rows_dir, args.rows)
     if args.seeds < 1:
         raise ConfigError(f"--seeds {args.seeds}: give at least 1")

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -23,7 +24,7 @@ from pathlib import Path
 from dapo.config import PRESET_DIR, Config, ConfigError, Dtype, load_config, resolve_preset
 
 def cmd_train(args) -> int:
-    from dapo.train import train
+    from dapo.training import train
 
     from dapo.checkpoint import removed_if_start_fails
 
@@ -37,7 +38,7 @@ def cmd_train(args) -> int:
 
 def cmd_demo(args) -> int:
     from dapo.checkpoint import removed_if_start_fails
-    from dapo.train import train
+    from dapo.training import train
 
     cfg = load_config(resolve_preset("configs/demo.yaml"), args.overrides)
     t0 = time.perf_counter()
@@ -86,7 +87,7 @@ def cmd_launch_ray(args) -> int:
     if placement.world_size < 1:
         raise ConfigError("launch-ray: give --gpus-per-node N (GPU workers) or --cpu-workers-per-node N (CPU workers)")
     ray_init = {"num_cpus": args.num_cpus} if args.address == "local" and args.num_cpus else {}
-    from dapo.train import train
+    from dapo.training import train
 
     launch(cfg, placement, train, address=args.address, ray_init=ray_init, insecure=args.insecure)
     return 0
@@ -104,11 +105,7 @@ def cmd_eval(args) -> int:
     from rich.progress import Progress
 
     from dapo.checkpoint import latest_checkpoint
-    from dapo.evaluate import BENCHMARKS, evaluate, load_benchmark, sampling_settings, write_report
-    from dapo.models import load_model_and_tokenizer, pick_device
-    from dapo.rewards import RewardPool
-    from dapo.data import make_encoder
-    from dapo.rollout import SamplingParams, make_rollout
+    from dapo.evaluation import BENCHMARKS, evaluate_model, load_benchmark, write_report
 
     preset = args.items[0] if args.items and "=" not in args.items[0] else None
     cfg = eval_config(preset, Path(args.run) if args.run else None, args.items[1 if preset else 0:])
@@ -126,22 +123,13 @@ def cmd_eval(args) -> int:
         default_out = Path("eval") / model_dir.resolve().name
     else:
         raise SystemExit("error: give --model DIR (a Hugging Face model directory) or --run RUN_DIR")
-    m, d, e = cfg.model, cfg.data, cfg.eval
-    model, tokenizer = load_model_and_tokenizer(model_dir, m.dtype, pick_device(m.device),
-                                                trust_remote_code=m.trust_remote_code)
+    d, e = cfg.data, cfg.eval
     benches = [load_benchmark(name, template=d.template, num_problems=e.num_problems, max_row_chars=d.max_row_chars)
                for name in e.benchmarks]
-    settings = [sampling_settings(bench, cfg) for bench, _ in benches]
-    engine = make_rollout(cfg.rollout, model, tokenizer,
-                          max_model_len=d.max_prompt_tokens + max(s["max_new_tokens"] for s in settings))
-    encode = make_encoder(tokenizer, d.max_prompt_tokens)
-    results = []
-    with RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) as pool, Progress() as progress:
-        for (bench, examples), setting in zip(benches, settings):
-            task = progress.add_task(f"{bench.name}: samples", total=setting["n"] * len(examples))
-            results.append(evaluate(engine, encode, examples, pool, SamplingParams(**setting, seed=e.seed),
-                                    name=bench.name, grader=cfg.reward.grader,
-                                    progress=lambda k, t=task: progress.advance(t, k)))
+    with Progress() as progress:
+        results = evaluate_model(model_dir, benches, cfg,
+                                 progress=lambda name, total: functools.partial(
+                                     progress.advance, progress.add_task(f"{name}: samples", total=total)))
     out_dir = Path(args.out) if args.out else default_out
     table = write_report(results, out_dir)
     print(table.read_text())

@@ -7,7 +7,7 @@ The driver connects to a running Ray cluster (``ray start`` on every node), rese
 per rank in a placement group ({"GPU": 1, "CPU": k}, packed node by node), starts one actor per
 bundle and tells each its RANK, WORLD_SIZE, LOCAL_RANK and the address of rank 0, which then
 becomes the torch.distributed rendezvous (nccl on GPUs, gloo on CPU). Every rank samples a share
-of the prompts with its own engine on its own GPU and rank 0 grades (see train.py); Ray only
+of the prompts with its own engine on its own GPU and rank 0 grades (see training.py); Ray only
 places and starts the processes.
 
 Whoever can reach a Ray cluster's ports without its token runs code on every node, so the driver
@@ -130,7 +130,7 @@ def check_fits(p: Placement, nodes: list[dict], *, local: bool = False) -> None:
 
 def launch(cfg, placement: Placement, train_fn, *, address: str = "auto", ray_init: dict | None = None,
            insecure: bool = False) -> dict:
-    """Run ``train_fn(cfg)`` (``dapo.train.train``, passed in so this module stays below the loop) on
+    """Run ``train_fn(cfg)`` (``dapo.training.train``, passed in so this module stays below the loop) on
     ``placement.world_size`` Ray workers; returns rank 0's last logged row.
     ``insecure`` joins (or starts) a cluster without token authentication."""
     if address == "local":

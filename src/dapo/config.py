@@ -21,6 +21,7 @@ from typing import Literal
 import yaml
 
 from dapo.data import DEFAULT_MAX_ROW_CHARS, Template
+from dapo.resources import SHARE
 
 
 class ConfigError(ValueError):
@@ -150,7 +151,7 @@ class EvalConfig:
     before_train: bool = True  # evaluate the initial model
     benchmarks: list[str] = field(default_factory=lambda: ["arith"])  # built-in task name, benchmark name or file
     num_problems: int | None = None  # the first N problems of each benchmark; null: all (the built-in task: 200)
-    # sampling; null: the benchmark's own setting (dapo.evaluate.BENCHMARKS: AIME n=32, top_p 0.7, 20,480 tokens;
+    # sampling; null: the benchmark's own setting (dapo.evaluation.BENCHMARKS: AIME n=32, top_p 0.7, 20,480 tokens;
     # arith n=4, top_p 1.0), and for a data file n=4, temperature 1.0, top_p 1.0
     n: int | None = None  # samples per problem (avg@n)
     temperature: float | None = None
@@ -299,7 +300,8 @@ def _dotted_to_nested(items: list[str]) -> dict:
 def _read_preset(path: Path, seen: tuple = ()) -> list[dict]:
     """The preset and the presets it names with ``base:`` (a path or a list, relative to it), bases first, in order."""
     if not path.exists():
-        raise ConfigError(f"config file {path} does not exist; presets live in configs/")
+        raise ConfigError(f"config file {path} does not exist; give a YAML file or a shipped preset's name "
+                          f"({', '.join(preset_names())})")
     if path.resolve() in seen:
         raise ConfigError(f"{path}: 'base' presets form a cycle")
     try:
@@ -316,23 +318,34 @@ def _read_preset(path: Path, seen: tuple = ()) -> list[dict]:
     return chain + [data]
 
 
-PRESET_DIR = Path(__file__).resolve().parents[2] / "configs"
+PRESET_DIR = SHARE / "configs"  # the shipped presets: the repository's configs/, or the installed package's copy
+
+
+def preset_names() -> list[str]:
+    """The shipped presets, as ``load_config`` and ``dapo train`` accept them by name."""
+    return sorted(str(p.relative_to(PRESET_DIR).with_suffix("")) for p in PRESET_DIR.rglob("*.yaml"))
 
 
 def resolve_preset(path: str | Path) -> Path:
-    """A preset path as given, or the shipped preset of that file name when the path does not exist
-    (``dapo train demo.yaml`` from any directory)."""
-    p = Path(path)
-    if not p.exists() and (PRESET_DIR / p.name).exists():
-        return PRESET_DIR / p.name
+    """A preset path as given when it exists; else the shipped preset it names, from any directory and
+    installed or not: ``configs/ablation/base.yaml``, ``ablation/base.yaml``, ``demo.yaml`` or ``demo``
+    (and, as before, any path whose file name is a shipped preset's)."""
+    p = Path(path).expanduser()
+    if p.exists():
+        return p
+    inside = Path(*p.parts[1:]) if p.parts[:1] == ("configs",) and len(p.parts) > 1 else p
+    for name in (inside, inside.with_name(inside.name + ".yaml"), Path(p.name)):
+        if not name.is_absolute() and (PRESET_DIR / name).is_file():
+            return PRESET_DIR / name
     return p
 
 
 def load_config(path: str | Path | list | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then the preset(s) in order (a later one overrides an earlier), then dotted overrides."""
+    """Defaults, then the preset(s) in order (a later one overrides an earlier), then dotted overrides.
+    A preset is a YAML file or a shipped preset's name (``"demo"``, see ``resolve_preset``)."""
     cfg = Config()
     for preset in [] if path is None else path if isinstance(path, (list, tuple)) else [path]:
-        for data in _read_preset(Path(preset)):
+        for data in _read_preset(resolve_preset(preset)):
             _merge(cfg, data)
     if overrides:
         _merge(cfg, _dotted_to_nested(overrides))

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal, Sequence
 
+from dapo.resources import shipped
+
 DAPO_PROMPT_PREFIX = (
     "Solve the following math problem step by step. The last line of your response should be of "
     "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
@@ -163,17 +165,59 @@ def load_examples(
         raise ValueError(f"unknown prompt template {template!r}; choose one of {list(_templates())}")
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
         raise ValueError(f"limit must be a positive integer or None, got {limit!r}")
-    path = Path(path)
+    path = shipped(path)  # data/...: the package's copy when the current directory has none
     name = str(path)
     if not path.is_file():
         raise DataError(f"{name}: no such file; check the path (data files live under data/)")
     default_source = data_source or _default_source(path)
+    out = _examples(_iter_rows(path, max_row_chars), lambda row_no: f"{name}: row {row_no}", template=template,
+                    default_source=default_source, data_source=data_source, dedup=dedup, limit=limit)
+    if not out:
+        raise DataError(f"{name}: no examples in the file; it needs at least one row")
+    return out
 
+
+def examples_from_rows(
+    rows: Sequence[dict],
+    *,
+    name: str = "rows",
+    template: str = "dapo",
+    data_source: str | None = None,
+    dedup: bool = True,
+    max_row_chars: int = DEFAULT_MAX_ROW_CHARS,
+) -> list[Example]:
+    """Rows given in Python, as a list of dicts in any layout a file may have (``{"problem", "answer"}``
+    most simply), into ``Example``s. A bad row raises ``DataError`` naming ``name[index]`` (0-based)
+    and the field. ``data_source`` (default: the rows' own, else ``name``) picks the grader under
+    reward.grader=auto."""
+    if template not in _templates():
+        raise ValueError(f"unknown prompt template {template!r}; choose one of {list(_templates())}")
+    if isinstance(rows, (str, bytes, dict)) or not isinstance(rows, Sequence):
+        raise DataError(f"{name}: expected a list of dicts such as {{'problem': ..., 'answer': ...}}, "
+                        f"got {type(rows).__name__}")
+
+    def numbered() -> Iterator[tuple[int, Any]]:
+        for i, row in enumerate(rows):
+            if _text_chars(row) > max_row_chars:
+                raise DataError(f"{name}[{i}]: longer than data.max_row_chars={max_row_chars:,} characters; "
+                                "shorten or drop the row, or raise data.max_row_chars")
+            yield i + 1, row
+
+    out = _examples(numbered(), lambda row_no: f"{name}[{row_no - 1}]", template=template,
+                    default_source=data_source or name, data_source=data_source, dedup=dedup)
+    if not out:
+        raise DataError(f"{name}: no rows; give at least one {{'problem': ..., 'answer': ...}}")
+    return out
+
+
+def _examples(rows: Iterable[tuple[int, Any]], where_of, *, template: str, default_source: str,
+              data_source: str | None, dedup: bool, limit: int | None = None) -> list[Example]:
+    """Numbered rows into Examples, the layout decided by the first row; ``where_of(row_no)`` names a row."""
     layout = None
     seen: set = set()
     out: list[Example] = []
-    for row_no, row in _iter_rows(path, max_row_chars):
-        where = f"{name}: row {row_no}"
+    for row_no, row in rows:
+        where = where_of(row_no)
         if not isinstance(row, dict):
             raise DataError(
                 f"{where}: expected a JSON object with the problem's fields, got {type(row).__name__}"
@@ -189,8 +233,6 @@ def load_examples(
         out.append(ex)
         if limit is not None and len(out) >= limit:
             break
-    if not out:
-        raise DataError(f"{name}: no examples in the file; it needs at least one row")
     return out
 
 
@@ -541,6 +583,7 @@ __all__ = [
     "PromptSampler",
     "apply_template",
     "dedup_examples",
+    "examples_from_rows",
     "load_examples",
     "render_prompt",
 ]

@@ -22,7 +22,8 @@ import torch
 
 from dapo import algo
 from dapo.batch import RolloutBatch
-from dapo.rewards.graders import graders_for
+from dapo.rewards.graders import TIMEOUT_PRED, graders_for
+from dapo.rewards.pool import CRASH_PRED
 from dapo.rollout.base import SamplingParams
 
 
@@ -41,18 +42,27 @@ class Scored:
 
 
 class Scorer:
-    """Turns response texts into rewards: rule reward from the grading pool, then eq. 13 shaping."""
+    """Turns response texts into rewards: rule reward from the grading pool, then eq. 13 shaping.
 
-    def __init__(self, pool, *, grader: str, algo_cfg, max_response_tokens: int):
+    With ``reward_from_score`` (a caller's reward function) the grader's own score is the reward
+    instead of algo.correct_reward / wrong_reward; a response whose grading timed out or crashed
+    gets algo.wrong_reward, as under the built-in graders."""
+
+    def __init__(self, pool, *, grader: str, algo_cfg, max_response_tokens: int, reward_from_score: bool = False):
         self.pool = pool
         self.grader = grader
         self.a = algo_cfg
         self.max_response_tokens = max_response_tokens
+        self.reward_from_score = reward_from_score
 
     def __call__(self, texts: list[str], ground_truths: list[str], data_sources: list[str], lengths, truncated) -> Scored:
         result = self.pool.score(texts, ground_truths, graders_for(data_sources, self.grader))
         acc = torch.tensor([float(g.acc) for g in result.grades])  # (N,)
-        reward = torch.where(acc > 0, self.a.correct_reward, self.a.wrong_reward)  # (N,)
+        if self.reward_from_score:
+            reward = torch.tensor([self.a.wrong_reward if g.pred in (TIMEOUT_PRED, CRASH_PRED) else g.score
+                                   for g in result.grades], dtype=torch.float32)  # (N,)
+        else:
+            reward = torch.where(acc > 0, self.a.correct_reward, self.a.wrong_reward)  # (N,)
         penalty = torch.zeros_like(reward)
         if self.a.soft_overlong_punishment:
             penalty = algo.overlong_penalty(

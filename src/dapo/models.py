@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from dapo.checkpoint import readable_as_umask
+from dapo.resources import shipped
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,7 +38,7 @@ def load_model_and_tokenizer(path: str | Path, dtype: str = "float32", device: s
     terminal, where a stray 'y' (or a pipe) runs them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(path).expanduser()
+    path = shipped(path)  # assets/arith-base: the package's copy outside the repository
     if not (path / "config.json").exists():
         raise FileNotFoundError(
             f"model.path={str(path)!r} is not a Hugging Face model directory (no config.json); "
@@ -55,7 +56,7 @@ def weightless_model(path, dtype: str, *, trust_remote_code: bool = False):
     dtype and generation config (a full copy here would cost every GPU the whole model)."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    path = Path(path).expanduser()
+    path = shipped(path)
     with torch.device("meta"):
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)

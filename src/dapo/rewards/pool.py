@@ -16,6 +16,12 @@ How it works
 - Graders: the built-in ones (graders.RAW_GRADERS), plus any the caller names as import paths
   ("package.module:function") in `extra_graders`; workers import those with importlib. Names in a
   `score` call are only looked up, so a data row cannot make a worker import anything.
+- Reward functions: a user's functions `(response, ground_truth) -> score` or `(score, correct)`,
+  given as objects in `reward_fns`. They reach the workers pickled, that is by module and name, so
+  each must be defined at the top level of a module; one defined in the caller's main script is
+  found by running that script again in the worker as `__mp_main__`, as multiprocessing's spawn
+  does (its `if __name__ == "__main__":` block does not run). They run under the same time limit,
+  memory cap and crash isolation as the built-in graders.
 """
 
 from __future__ import annotations
@@ -24,13 +30,17 @@ import contextlib
 import ctypes
 import importlib
 import logging
+import io
 import math
 import multiprocessing as mp
+import numbers
 import os
+import pickle
 import sys
 import threading
 import time
 import types
+import warnings
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -89,6 +99,98 @@ def _check_extra_graders(extra: Mapping[str, str] | None) -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------------------------
+# Reward functions given by the caller as objects.
+
+REWARD_FN = "reward_fn"  # the grader name of a reward function given to dapo.train or dapo.evaluate
+
+# True in a grading worker: code that must not run there (a training run started by a main script
+# the worker re-runs to find a reward function) checks it and says what to change.
+IN_WORKER = False
+
+
+class RewardFnError(TypeError):
+    """A reward function that cannot be sent to the workers, or that returned something unusable."""
+
+
+class _MainReferences(pickle.Pickler):
+    """A pickler that notes whether the object refers to anything defined in ``__main__``."""
+
+    uses_main = False
+
+    def persistent_id(self, obj):
+        if isinstance(obj, (types.FunctionType, type)) and getattr(obj, "__module__", None) == "__main__":
+            self.uses_main = True
+        return None
+
+
+def _main_script(name: str) -> dict:
+    """What a worker needs to run the caller's main script again (multiprocessing's own description)."""
+    from multiprocessing import spawn
+
+    data = spawn.get_preparation_data("dapo-reward-worker")
+    main = {k: data[k] for k in ("sys_path", "init_main_from_name", "init_main_from_path") if k in data}
+    module = main.get("init_main_from_name", "")
+    if "init_main_from_path" not in main and (not module or module == "__main__" or module.endswith(".__main__")):
+        raise RewardFnError(f"{name} is defined in an interactive session or a package's __main__, which the "
+                            "reward workers cannot import; define it in a .py file and import it from there")
+    return main
+
+
+def pickle_reward_fn(name: str, fn) -> tuple[bytes, dict]:
+    """``fn`` as the workers receive it: its pickle, and what ``multiprocessing.spawn.prepare`` needs
+    there to unpickle it: the caller's sys.path, and its main script when ``fn`` lives in it."""
+    if not callable(fn):
+        raise RewardFnError(f"{name}={fn!r} is not callable; give a function (response, ground_truth) -> score")
+    buffer = io.BytesIO()
+    pickler = _MainReferences(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    try:
+        pickler.dump(fn)
+    except (pickle.PicklingError, AttributeError, TypeError) as err:
+        what = getattr(fn, "__qualname__", type(fn).__name__)
+        raise RewardFnError(f"{name}={what} cannot be sent to the reward worker processes ({err}); define it with "
+                            "def at the top level of a module or of your script (not a lambda, closure or nested "
+                            "function)") from None
+    return buffer.getvalue(), _main_script(name) if pickler.uses_main else {"sys_path": list(sys.path)}
+
+
+def _check_score(name: str, out) -> tuple[float, bool]:
+    """A reward function's return value as (score, correct): a number (correct when > 0), or
+    (score, correct) with correct a bool."""
+    def number(x) -> bool:  # numpy's scalars count (they register as numbers.Real); a bool is not a score
+        return isinstance(x, numbers.Real) and type(x).__name__ not in ("bool", "bool_")
+
+    if number(out):
+        score, correct = float(out), float(out) > 0
+    elif isinstance(out, tuple) and len(out) == 2 and number(out[0]) and type(out[1]).__name__ in ("bool", "bool_"):
+        score, correct = float(out[0]), bool(out[1])
+    else:
+        raise RewardFnError(f"{name} returned {out!r:.80} ({type(out).__name__}); return a float score, or a "
+                            "tuple (score, correct) with correct a bool")
+    if not math.isfinite(score):
+        raise RewardFnError(f"{name} returned the score {score}; return a finite number")
+    return score, correct
+
+
+def _as_grader(name: str, fn) -> Callable[[str, str], tuple[float, bool, str]]:
+    def grade(response: str, ground_truth: str) -> tuple[float, bool, str]:
+        score, correct = _check_score(name, fn(response, ground_truth))
+        # the response's last line stands for its answer: maj@n votes on it, samples/ show it
+        lines = response.strip().splitlines()
+        return score, correct, lines[-1].strip()[:100] if lines else ""
+
+    return grade
+
+
+def _load_reward_fns(reward_fns: dict[str, bytes], main: dict) -> dict:
+    from multiprocessing import spawn
+
+    global IN_WORKER
+    IN_WORKER = True
+    spawn.prepare(main)  # the caller's sys.path; with a main script, runs it as __mp_main__, made __main__ here
+    return {name: _as_grader(name, pickle.loads(blob)) for name, blob in reward_fns.items()}
+
+
+# ----------------------------------------------------------------------------------------------
 # Worker side.
 
 
@@ -125,11 +227,17 @@ def _limit_memory(extra_mb: int | None) -> None:
         pass  # no address-space limit on this platform: the time limit still holds
 
 
-def _worker_main(conn, progress, memory_limit_mb: int | None, extra_graders: dict[str, str]) -> None:
+def _worker_main(conn, progress, memory_limit_mb: int | None, extra_graders: dict[str, str],
+                 reward_fns: dict[str, bytes], main: dict | None) -> None:
     """Grade chunks until the pipe closes. progress = [index in progress, its start time]."""
     _die_with_parent()
-    _limit_memory(memory_limit_mb)
-    grader_fns = {**RAW_GRADERS, **{name: _resolve(path) for name, path in extra_graders.items()}}
+    try:
+        user_fns = _load_reward_fns(reward_fns, main) if reward_fns else {}
+    except BaseException as err:  # the caller's code failed here: say why instead of dying silently
+        conn.send(("failed", f"{type(err).__name__}: {err}"))
+        return
+    _limit_memory(memory_limit_mb)  # after the caller's module has loaded: the cap is on what grading adds
+    grader_fns = {**RAW_GRADERS, **{name: _resolve(path) for name, path in extra_graders.items()}, **user_fns}
     # math-verify logs every timeout with the offending text; workers stay quiet.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     # Warm up (sympy, antlr and regex caches) so the first real item is not charged for it.
@@ -152,16 +260,18 @@ def _worker_main(conn, progress, memory_limit_mb: int | None, extra_graders: dic
             progress[0] = i
             try:
                 score, acc, pred = grader_fns[name](response, truth)
-                out.append((i, score, acc, pred, None))
+                out.append((i, score, acc, pred, None, None))
             except GradingTimeout:  # the grader's own, softer limit: counted as a time-out, worker stays
-                out.append((i, -1.0, False, TIMEOUT_PRED, "timeout"))
+                out.append((i, -1.0, False, TIMEOUT_PRED, "timeout", None))
             except MemoryError:
                 # The heap may be in a bad state: report the item, then let a fresh worker take over.
-                out.append((i, -1.0, False, CRASH_PRED, "crash"))
+                out.append((i, -1.0, False, CRASH_PRED, "crash", None))
                 conn.send(out)
                 os._exit(3)
-            except Exception:  # a grader bug on this input: counted as a crash, worker stays
-                out.append((i, -1.0, False, CRASH_PRED, "crash"))
+            except RewardFnError as err:  # a reward function that returns the wrong thing: the caller must fix it
+                out.append((i, -1.0, False, CRASH_PRED, "invalid", str(err)))
+            except Exception as err:  # a grader bug on this input: counted as a crash, worker stays
+                out.append((i, -1.0, False, CRASH_PRED, "crash", f"{type(err).__name__}: {err}"))
             now = clock()
             if now - last_flush >= _FLUSH_S:
                 conn.send(out)
@@ -209,12 +319,13 @@ def _main_module_hidden():
 class _Worker:
     """One worker process and the parent's view of it."""
 
-    def __init__(self, ctx, memory_limit_mb: int | None, extra_graders: dict[str, str]):
+    def __init__(self, ctx, memory_limit_mb: int | None, extra_graders: dict[str, str],
+                 reward_fns: dict[str, bytes], main: dict | None):
         self.progress = ctx.RawArray(ctypes.c_double, 2)
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         self.process = ctx.Process(
             target=_worker_main,
-            args=(child_conn, self.progress, memory_limit_mb, extra_graders),
+            args=(child_conn, self.progress, memory_limit_mb, extra_graders, reward_fns, main),
             daemon=True,
             name="dapo-reward-worker",
         )
@@ -264,6 +375,7 @@ class RewardPool:
         *,
         memory_limit_mb: int | None = 2048,
         extra_graders: Mapping[str, str] | None = None,
+        reward_fns: Mapping[str, Callable] | None = None,
     ):
         """num_workers processes; timeout_s per grading call; memory_limit_mb: address space a
         worker may add after start-up (None: unlimited).
@@ -271,8 +383,16 @@ class RewardPool:
         extra_graders: name -> "package.module:function", graders besides the built-in ones that
         `score` may then be asked for by name. Each function takes (response, ground_truth) and
         returns (score, acc, pred); workers import it with importlib, so its module must be
-        importable there (on sys.path when the pool starts). Only this argument adds graders:
-        names passed to `score` are looked up, never imported.
+        importable there (on sys.path when the pool starts). Only this argument and the next add
+        graders: names passed to `score` are looked up, never imported.
+
+        reward_fns: name -> a function object (response, ground_truth) -> a float score (correct when
+        > 0) or (score, correct: bool); the grade holds that score, and the response's last line as
+        its prediction (what maj@n votes on). It must be picklable by reference: defined at a module's
+        top level, or in the main script, which each worker then runs again with `if __name__ ==
+        "__main__":` blocks skipped; RewardFnError says so otherwise. A call that raises scores as a
+        crash (shown once per pool as a warning); one that returns anything else raises
+        RewardFnError from `score`.
         """
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -284,11 +404,18 @@ class RewardPool:
         self.extra_graders = _check_extra_graders(extra_graders)
         for path in self.extra_graders.values():  # fail here, in one line, not in every worker
             _resolve(path)
+        self._reward_fns: dict[str, bytes] = {}
+        self._main: dict | None = None
+        for name, fn in (reward_fns or {}).items():
+            if not isinstance(name, str) or not name or name in RAW_GRADERS or name in self.extra_graders:
+                raise ValueError(f"reward function name {name!r}: must be a new, non-empty name")
+            self._reward_fns[name], main = pickle_reward_fn(name, fn)
+            if len(main) > len(self._main or {}):  # one that names the main script covers the others too
+                self._main = main
+        self._warned: set[str] = set()  # reward functions whose exception was shown once
         self._ctx = _context()
         self._lock = threading.Lock()
-        self._workers: list[_Worker] = [
-            _Worker(self._ctx, memory_limit_mb, self.extra_graders) for _ in range(num_workers)
-        ]
+        self._workers: list[_Worker] = [self._new_worker() for _ in range(num_workers)]
         self._startup_failures = 0
         self._closed = False
         self._finalizer = weakref.finalize(self, _stop_all, self._workers)
@@ -334,7 +461,7 @@ class RewardPool:
         for i, (response, truth, name) in enumerate(zip(responses, ground_truths, graders)):
             if (truth, name) not in checked:  # each distinct (truth, grader) once: groups share truths
                 try:
-                    if name in self.extra_graders:
+                    if name in self.extra_graders or name in self._reward_fns:
                         if not isinstance(truth, str):
                             raise TypeError(f"ground_truth must be str, got {type(truth).__name__}")
                     else:
@@ -348,9 +475,12 @@ class RewardPool:
             payload.append((response[-tail:] if tail else response, truth, name))
         return payload
 
+    def _new_worker(self) -> _Worker:
+        return _Worker(self._ctx, self.memory_limit_mb, self.extra_graders, self._reward_fns, self._main)
+
     def _replace(self, slot: int) -> None:
         self._workers[slot].stop()
-        self._workers[slot] = _Worker(self._ctx, self.memory_limit_mb, self.extra_graders)
+        self._workers[slot] = self._new_worker()
 
 
 class _Run:
@@ -436,13 +566,22 @@ class _Run:
             w.ready = True
             self.pool._startup_failures = 0
             return
-        for i, score, acc, pred, failure in message:
+        if isinstance(message, tuple) and message and message[0] == "failed":
+            raise RuntimeError(f"a reward worker could not load the reward function: {message[1]}")
+        for i, score, acc, pred, failure, detail in message:
             if not w.remaining or w.remaining[0] != i:
                 continue  # a result for an item already settled (cannot happen with in-order workers)
+            if failure == "invalid":
+                raise RewardFnError(detail)
             w.remaining.popleft()
             self._settle(i, (score, acc, pred))
             self.num_crashes += failure == "crash"
             self.num_timeouts += failure == "timeout"
+            name = self.payload[i][2]
+            if failure == "crash" and name in self.pool._reward_fns and name not in self.pool._warned:
+                self.pool._warned.add(name)
+                warnings.warn(f"{name} raised {detail}; the response scores as a crash ({CRASH_PRED}, -1, counted "
+                              "in reward/worker_crashes), here and in every later call that raises", stacklevel=2)
 
     def _settle(self, i: int, result: tuple) -> None:
         if self.results[i] is None:
@@ -517,4 +656,4 @@ class _Run:
         self.pool._replace(slot)
 
 
-__all__ = ["PoolResult", "RewardPool", "TIMEOUT_PRED", "CRASH_PRED"]
+__all__ = ["PoolResult", "REWARD_FN", "RewardFnError", "RewardPool", "TIMEOUT_PRED", "CRASH_PRED", "pickle_reward_fn"]

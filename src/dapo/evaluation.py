@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from dapo.data import DEFAULT_MAX_ROW_CHARS
+from dapo.resources import SHARE
 from dapo.rollout.base import SamplingParams
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 INVALID_PREDS = {"[INVALID]", "[TIMEOUT]", "[CRASH]", ""}
 
 
@@ -25,7 +25,7 @@ class Benchmark:
     """A benchmark and how it is sampled unless eval.* says otherwise."""
 
     name: str
-    path: str | None  # relative to the repo's data/; None for the built-in task
+    path: str | None  # relative to the shipped data/; None for the built-in task
     n: int = 32
     temperature: float = 1.0
     top_p: float = 0.7
@@ -60,7 +60,7 @@ def load_benchmark(name_or_path: str, *, template: str = "dapo", num_problems: i
         return bench, examples
     if name_or_path in BENCHMARKS:
         bench = BENCHMARKS[name_or_path]
-        path = REPO_ROOT / "data" / bench.path
+        path = SHARE / "data" / bench.path
         source = name_or_path
     else:
         path = Path(name_or_path)
@@ -194,6 +194,34 @@ def evaluate(engine, encode, examples, pool, sampling: SamplingParams, *, name: 
         truncated_frac=sum(truncated) / max(len(truncated), 1),
         per_problem=per_problem,
     )
+
+
+def evaluate_model(model_dir, benches: list, cfg, *, reward_fn=None, progress=None) -> list[EvalResult]:
+    """Load the model directory and evaluate it on each (Benchmark, examples) of ``benches`` as ``cfg``
+    (a Config) says: eval.* sampling, data.max_prompt_tokens, rollout.backend, reward.* and
+    model.dtype/device/trust_remote_code. ``reward_fn`` (a caller's reward function) grades every
+    response instead of reward.grader, in the same worker pool. ``progress(name, total)``, if given,
+    returns the callback that hears of every k samples of that benchmark graded."""
+    from dapo.data import make_encoder
+    from dapo.models import load_model_and_tokenizer, pick_device
+    from dapo.rewards import REWARD_FN, RewardPool
+    from dapo.rollout import make_rollout
+
+    m, d, e = cfg.model, cfg.data, cfg.eval
+    model, tokenizer = load_model_and_tokenizer(model_dir, m.dtype, pick_device(m.device),
+                                                trust_remote_code=m.trust_remote_code)
+    settings = [sampling_settings(bench, cfg) for bench, _ in benches]
+    engine = make_rollout(cfg.rollout, model, tokenizer,
+                          max_model_len=d.max_prompt_tokens + max(s["max_new_tokens"] for s in settings))
+    encode = make_encoder(tokenizer, d.max_prompt_tokens)
+    results = []
+    with RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
+                    reward_fns=None if reward_fn is None else {REWARD_FN: reward_fn}) as pool:
+        for (bench, examples), setting in zip(benches, settings):
+            results.append(evaluate(engine, encode, examples, pool, SamplingParams(**setting, seed=e.seed),
+                                    name=bench.name, grader=cfg.reward.grader if reward_fn is None else REWARD_FN,
+                                    progress=progress and progress(bench.name, setting["n"] * len(examples))))
+    return results
 
 
 def write_report(results: list[EvalResult], out_dir: Path) -> Path:

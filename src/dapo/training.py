@@ -25,6 +25,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -33,11 +34,12 @@ from dapo.batch import RolloutBatch
 from dapo.config import AlgoConfig, Config, ConfigError, dump_yaml, load_config
 from dapo.data import PromptSampler, make_encoder
 from dapo.dynamic_sampling import BatchCollector, CollectStats, Scorer, record_behaviour_logp
-from dapo.evaluate import evaluate, load_benchmark, sampling_settings
+from dapo.evaluation import evaluate, load_benchmark, sampling_settings
 from dapo.log import NullLogger, RunLogger, setup_library_logging
 from dapo.metrics import no_signal_advice, sample_records, sampling_metrics, step_metrics
 from dapo.models import pick_device
 from dapo.policy import LossFn, Policy, ReferenceModel
+from dapo.rewards.pool import REWARD_FN
 from dapo.rollout import SamplingParams, make_training_engine
 from dapo.tasks import load_train_examples
 
@@ -101,8 +103,18 @@ def make_loss_fn(algo_cfg: AlgoConfig, max_response_tokens: int) -> LossFn:
                              norm_length=max_response_tokens, dual_clip=a.dual_clip, kl_coef=a.kl_coef, kl_kind=a.kl_kind)
 
 
+@dataclass
+class RunInputs:
+    """What a Python caller (dapo.api) hands a run besides its config; None: what the config names.
+    A run started with them resumes with the same ones (config.yaml cannot name them)."""
+
+    train_examples: list | None = None  # instead of data.train_files or the built-in task
+    eval_sets: list | None = None  # (Benchmark, examples) pairs instead of eval.benchmarks
+    reward_fn: Callable | None = None  # grades every response, in the grading pool, instead of reward.grader
+
+
 @contextlib.contextmanager
-def grading_pool(cfg: Config, d: parallel.Dist):
+def grading_pool(cfg: Config, d: parallel.Dist, reward_fn: Callable | None = None):
     """The grading workers. Under FSDP only rank 0 has them: it grades every rank's samples, once,
     and every rank receives the same grades."""
     from dapo.rewards import RewardPool
@@ -110,7 +122,8 @@ def grading_pool(cfg: Config, d: parallel.Dist):
     if not d.is_main:
         yield parallel.OnMain(None, d)
         return
-    with RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) as pool:
+    with RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
+                    reward_fns={REWARD_FN: reward_fn} if reward_fn is not None else None) as pool:
         yield parallel.OnMain(pool, d) if d.sharded else pool
 
 
@@ -208,6 +221,7 @@ class Run:
     state: TrainState
     logger: RunLogger | NullLogger
     writer: checkpoint.CheckpointWriter = field(default_factory=lambda: checkpoint.CheckpointWriter(asynchronous=False))
+    grader: str | None = None  # every row's grader (a caller's reward function); None: reward.grader
     no_signal: int = 0  # steps in a row without an informative group
 
     def evaluate(self) -> dict:
@@ -215,7 +229,7 @@ class Run:
         for bench, examples in self.eval_sets:
             sampling = SamplingParams(**sampling_settings(bench, self.cfg, in_training=True), seed=e.seed)
             res = evaluate(self.engine, self.encode, examples, self.pool, sampling, name=bench.name,
-                           grader=self.cfg.reward.grader)
+                           grader=self.grader or self.cfg.reward.grader)
             out.update(res.metrics())
         return out
 
@@ -253,8 +267,9 @@ class Run:
                                               max_response_tokens=r.max_response_tokens))
 
 
-def start(cfg: Config, stack: contextlib.ExitStack, console=None) -> Run:
+def start(cfg: Config, stack: contextlib.ExitStack, console=None, inputs: RunInputs | None = None) -> Run:
     """Build the run: ranks, policy, rollout engine, data, grading pool, logger; resume if asked."""
+    inputs = inputs or RunInputs()
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     d = parallel.init(cfg.model.device)  # WORLD_SIZE > 1 (torchrun, Ray): FSDP over the ranks
@@ -272,17 +287,21 @@ def start(cfg: Config, stack: contextlib.ExitStack, console=None) -> Run:
         raise ConfigError(f"algo.old_logp=engine: rollout.backend=auto chose {engine.backend}, which reports no "
                           "log-probs (vLLM is not installed); use algo.old_logp=recompute or first_update")
     encode = make_encoder(policy.tokenizer, cfg.data.max_prompt_tokens)
-    sampler = PromptSampler(load_train_examples(cfg.data), seed=cfg.data.seed)
-    eval_sets = [load_benchmark(b, template=cfg.data.template, num_problems=cfg.eval.num_problems,
-                                max_row_chars=cfg.data.max_row_chars) for b in cfg.eval.benchmarks]
-    pool = stack.enter_context(grading_pool(cfg, d))
-    scorer = Scorer(pool, grader=cfg.reward.grader, algo_cfg=a, max_response_tokens=r.max_response_tokens)
+    train_examples = inputs.train_examples if inputs.train_examples is not None else load_train_examples(cfg.data)
+    sampler = PromptSampler(train_examples, seed=cfg.data.seed)
+    eval_sets = inputs.eval_sets if inputs.eval_sets is not None else [
+        load_benchmark(b, template=cfg.data.template, num_problems=cfg.eval.num_problems,
+                       max_row_chars=cfg.data.max_row_chars) for b in cfg.eval.benchmarks]
+    pool = stack.enter_context(grading_pool(cfg, d, inputs.reward_fn))
+    grader = REWARD_FN if inputs.reward_fn is not None else None
+    scorer = Scorer(pool, grader=grader or cfg.reward.grader, algo_cfg=a, max_response_tokens=r.max_response_tokens,
+                    reward_from_score=grader is not None)
     sampling = SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=r.max_response_tokens)
     collector = BatchCollector(engine=engine, sampler=sampler, scorer=scorer, encode=encode, sampling=sampling, algo_cfg=a)
     run = Run(cfg, d, policy, reference, engine, encode, sampler, collector, pool, make_loss_fn(a, r.max_response_tokens),
               eval_sets, TrainState(), NullLogger(),
-              checkpoint.CheckpointWriter(asynchronous=cfg.run.async_checkpoint and not d.sharded))
+              checkpoint.CheckpointWriter(asynchronous=cfg.run.async_checkpoint and not d.sharded), grader=grader)
     resume_from = checkpoint.latest_checkpoint(cfg.run_dir) if cfg.run.resume else None
     if resume_from is not None:
         run.resume(resume_from)
@@ -337,10 +356,10 @@ def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
     return metrics | {f"perf/time_{k}_s": v for k, v in timer.seconds.items()}, batch
 
 
-def train(cfg: Config, *, console=None) -> dict:
+def train(cfg: Config, *, console=None, inputs: RunInputs | None = None) -> dict:
     """Run (or resume) training; returns the last logged row (with eval/* before and after)."""
     with contextlib.ExitStack() as stack:
-        run = start(cfg, stack, console)
+        run = start(cfg, stack, console, inputs)
         last: dict = {}
         if run.state.step == 0 and cfg.eval.before_train:
             last = run.logger.log(0, run.evaluate())
@@ -356,5 +375,5 @@ def train(cfg: Config, *, console=None) -> dict:
     return last
 
 
-if __name__ == "__main__":  # one run in its own process, as the ablation runner starts them: python -m dapo.train PRESET [key=value ...]
+if __name__ == "__main__":  # one run in its own process, as the ablation runner starts them: python -m dapo.training PRESET [key=value ...]
     train(load_config(sys.argv[1], sys.argv[2:]))

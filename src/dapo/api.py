@@ -1,0 +1,193 @@
+"""The Python API: ``train`` and ``evaluate`` from a script, with your own data and reward function.
+
+    from dapo import load_config, train, evaluate
+
+    def reward(response: str, ground_truth: str) -> float:   # at the top level of a module or script
+        return 1.0 if response.strip().endswith(ground_truth) else -1.0
+
+    if __name__ == "__main__":                                # the reward workers run the script again
+        cfg = load_config("demo", ["train.total_steps=5", "run.name=mine"])
+        result = train(cfg, reward_fn=reward, train_data=[{"problem": "2 + 2 = ?", "answer": "4"}, ...])
+        print(result.run_dir, result.eval_after)
+        print(evaluate(result.run_dir, "arith", reward_fn=reward).avg)
+
+A configuration is a ``Config``: ``load_config(preset, overrides)`` reads a preset by name or path with
+dotted overrides exactly as ``dapo train`` does, and its fields can be set in Python before ``train``
+(which checks a copy, as the command line does). Everything else (run directory, checkpoints,
+resume, logs) is what ``dapo train`` does with the same config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from dapo import training
+from dapo.checkpoint import CheckpointError, latest_checkpoint, removed_if_start_fails
+from dapo.config import Config, ConfigError, config_from_dict, load_config, to_dict
+from dapo.data import examples_from_rows, load_examples
+from dapo.evaluation import Benchmark, EvalResult, evaluate_model, load_benchmark, write_report
+from dapo.log import read_metrics, run_summary
+from dapo.resources import shipped
+from dapo.rewards import pool as reward_pool
+
+RewardFn = Callable[[str, str], "float | tuple[float, bool]"]
+Data = "str | os.PathLike | Sequence[dict]"  # a file (or benchmark name), or rows {"problem": ..., "answer": ...}
+
+
+@dataclass
+class TrainResult:
+    """What ``train`` returns: where the run is, and its metrics as ``metrics.jsonl`` holds them."""
+
+    run_dir: Path
+    metrics: dict  # the last row: the final step's metrics, with eval/* when it evaluated
+    history: list[dict] = field(repr=False)  # every row; step 0 is the evaluation before training
+    wall_s: float = 0.0
+
+    @property
+    def eval_before(self) -> dict:
+        """The held-out figures before training (eval/<benchmark>/avg@n, its interval, pass@k, maj@n)."""
+        return _eval_of([r for r in self.history if r.get("step") == 0])
+
+    @property
+    def eval_after(self) -> dict:
+        """The held-out figures of the last evaluation."""
+        return _eval_of([r for r in self.history if r.get("step", 0) > 0])
+
+    def summary(self) -> str:
+        """The lines ``dapo train`` ends with: held-out accuracy before and after, wall time, files."""
+        return "\n".join(run_summary(self.history, wall_s=self.wall_s, run_dir=self.run_dir))
+
+
+def _eval_of(rows: list[dict]) -> dict:
+    evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+    return {k: v for k, v in evals[-1].items() if k.startswith("eval/")} if evals else {}
+
+
+def train(cfg: Config, *, reward_fn: RewardFn | None = None, train_data: Data | None = None,
+          eval_data: Data | None = None) -> TrainResult:
+    """Train (or resume) the run ``cfg`` describes; returns its run directory and metrics.
+
+    reward_fn: grades every response instead of reward.grader: ``(response, ground_truth) -> score``
+        (a float, counted correct when > 0) or ``(score, correct)``; the score is the reward, before
+        the overlong penalty. It runs in the reward worker processes under reward.timeout_s, like the
+        built-in graders: a call that runs out of time or crashes scores algo.wrong_reward (counted in
+        reward/timeouts and reward/worker_crashes). Define it at the top level of a module, or of your
+        script with the training code under ``if __name__ == "__main__":`` (the workers run the
+        script again to find it).
+    train_data: instead of data.train_files / the built-in task: a .jsonl or .parquet file (the layouts
+        ``dapo train`` reads), or a list of ``{"problem": ..., "answer": ...}`` dicts.
+    eval_data: instead of eval.benchmarks: one benchmark name, file, or list of such dicts.
+
+    A run given lists or a reward function resumes when ``train`` is called again with the same ones
+    (config.yaml records the config only).
+    """
+    _not_in_a_reward_worker("train")
+    cfg = _checked(cfg)
+    if reward_fn is not None:
+        reward_pool.pickle_reward_fn(reward_pool.REWARD_FN, reward_fn)  # a lambda fails here, before any work
+    inputs = training.RunInputs(reward_fn=reward_fn)
+    if train_data is not None:
+        inputs.train_examples = _examples(train_data, "train_data", cfg)
+    if eval_data is not None:
+        inputs.eval_sets = [_benchmark(eval_data, cfg)]
+    t0 = time.perf_counter()
+    with removed_if_start_fails(cfg.run_dir), _no_progress_bars():
+        training.train(cfg, inputs=inputs)
+    rows = read_metrics(cfg.run_dir)
+    return TrainResult(cfg.run_dir, rows[-1] if rows else {}, rows, time.perf_counter() - t0)
+
+
+def evaluate(model: str | os.PathLike, data: Data, *, cfg: Config | None = None, reward_fn: RewardFn | None = None,
+             out_dir: str | os.PathLike | None = None) -> EvalResult:
+    """Evaluate a model on one benchmark; returns its ``EvalResult`` (``avg`` = avg@n, ``ci``, ``pass_at``,
+    ``maj``, ``per_problem``; ``metrics()`` as training logs them).
+
+    model: a Hugging Face model directory, a run directory (its latest checkpoint) or a checkpoint.
+    data: a benchmark name (``aime2024``, ``arith``, ...), a .jsonl/.parquet file, or a list of
+        ``{"problem": ..., "answer": ...}`` dicts.
+    cfg: the sampling and grading settings (eval.n, eval.temperature, reward.grader, ...); default: the
+        run's config.yaml for a run or checkpoint, else the defaults.
+    reward_fn: as for ``train``. out_dir: also write eval.json, eval.md and the per-problem rows there.
+    """
+    _not_in_a_reward_worker("evaluate")
+    model_dir, saved = _model_to_evaluate(model)
+    cfg = _checked(cfg) if cfg is not None else load_config(saved) if saved is not None else Config()
+    if reward_fn is not None:
+        reward_pool.pickle_reward_fn(reward_pool.REWARD_FN, reward_fn)
+    with _no_progress_bars():
+        (result,) = evaluate_model(model_dir, [_benchmark(data, cfg)], cfg, reward_fn=reward_fn)
+    if out_dir is not None:
+        write_report([result], Path(out_dir))
+    return result
+
+
+def _checked(cfg) -> Config:
+    """A checked copy of ``cfg``: each field read back as ``load_config`` reads a preset, so a wrong type
+    or value raises ConfigError naming the key."""
+    if not isinstance(cfg, Config):
+        raise TypeError(f"cfg: expected a dapo.Config, got {type(cfg).__name__}; "
+                        "read a preset with dapo.load_config('demo', ['train.total_steps=5'])")
+    return config_from_dict(to_dict(cfg))
+
+
+def _examples(data, name: str, cfg: Config) -> list:
+    d = cfg.data
+    if isinstance(data, (str, os.PathLike)):
+        return load_examples(data, template=d.template, max_row_chars=d.max_row_chars)
+    return examples_from_rows(data, name=name, template=d.template, max_row_chars=d.max_row_chars)
+
+
+def _benchmark(data, cfg: Config) -> tuple[Benchmark, list]:
+    """(Benchmark, examples): a registered name or a file as ``dapo eval`` reads them, or a list of rows,
+    sampled as a data file is (eval.* where set, else n=4, temperature 1, top-p 1)."""
+    d, e = cfg.data, cfg.eval
+    if isinstance(data, (str, os.PathLike)):
+        return load_benchmark(str(data), template=d.template, num_problems=e.num_problems,
+                              max_row_chars=d.max_row_chars)
+    examples = _examples(data, "eval_data", cfg)
+    return Benchmark("eval_data", None, n=4, top_p=1.0, max_response_tokens=None), examples[:e.num_problems]
+
+
+def _model_to_evaluate(model) -> tuple[Path, Path | None]:
+    """(model directory, the run's config.yaml when there is one) for a model directory, a checkpoint
+    (runs/NAME/checkpoints/step_N) or a run directory (its latest checkpoint)."""
+    path = shipped(model)
+    if (path / "config.json").is_file():
+        return path, None
+    ckpt = path if (path / "trainer_state.pt").exists() else latest_checkpoint(path)
+    if ckpt is None:
+        raise FileNotFoundError(f"model={str(model)!r}: not a Hugging Face model directory (config.json), a "
+                                "checkpoint or a run directory with checkpoints; give one of these")
+    if not (ckpt / "model").is_dir():
+        raise CheckpointError(f"{ckpt} is sharded; run `dapo export {ckpt} OUT_DIR` and evaluate OUT_DIR")
+    saved = ckpt / "config.yaml"
+    return ckpt / "model", saved if saved.is_file() else None
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """Without transformers' per-file load and save bars, as under `dapo train` (they would drown the
+    step lines); the caller's setting is back afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _not_in_a_reward_worker(what: str) -> None:
+    if reward_pool.IN_WORKER:
+        raise RuntimeError(f"dapo.{what}() was called while a reward worker ran your script to find its reward_fn; "
+                           "put the script's training code under if __name__ == '__main__':")
+
+
+__all__ = ["ConfigError", "RewardFn", "TrainResult", "evaluate", "train"]
