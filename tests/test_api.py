@@ -176,7 +176,7 @@ def test_the_readme_example_runs_as_a_script(tmp_path):
         f"runpy.run_path({str(script)!r}, run_name='__main__')\n"
     )
     out = subprocess.run([sys.executable, "-c", launcher], env=env(), capture_output=True, text=True,
-                         cwd=tmp_path, timeout=300)
+                         cwd=tmp_path, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"^held-out accuracy: eval_data avg@2 \d+\.\d% \[.*\] at step 2", out.stdout, flags=re.M), out.stdout
     assert re.search(r"^held-out avg@2 \d\.\d{3}, 95% CI \(", out.stdout, flags=re.M), out.stdout
@@ -200,7 +200,7 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tiny_model_dir, tmp_pa
         f"cfg = load_config('demo', [*{[f'model.path={tiny_model_dir}', f'run.dir={tmp_path}', *SMALL_OVERRIDES]!r}])\n"
         "train(cfg, reward_fn=reward, train_data=[{'problem': '1+1=', 'answer': '2'}])\n")
     out = subprocess.run([sys.executable, str(script)], env=env(), capture_output=True, text=True, cwd=tmp_path,
-                         timeout=300)
+                         timeout=900)
     assert out.returncode != 0
     assert ("a reward worker could not load the reward function: RuntimeError: dapo.train() was called while a reward "
             "worker ran your script to find its reward_fn; put the script's training code under "
