@@ -88,7 +88,7 @@ FLOORS = [
     ("dapo.rollout", lambda n: n in ("dapo.train", "dapo.policy", "dapo.dynamic_sampling", "dapo.evaluate")),
     *[(m, lambda n: n in ENGINES_AND_UP) for m in ("dapo.config", "dapo.parallel", "dapo.models", "dapo.checkpoint")],
     *[(m, lambda n: n in ("dapo.train", "dapo.cli", "dapo.ablate", "dapo.cluster"))
-      for m in ("dapo.dynamic_sampling", "dapo.evaluate", "dapo.metrics", "dapo.log", "dapo.plots")],
+      for m in ("dapo.dynamic_sampling", "dapo.evaluate", "dapo.metrics", "dapo.log", "dapo.plots", "dapo.trackers")],
 ]
 
 
