@@ -129,8 +129,7 @@ def test_a_tracker_that_cannot_start_stops_the_run_in_one_line(tmp_path, tiny_mo
                  "run.loggers=mlflow", "run.mlflow.tracking_uri=nosuchscheme://x"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
-    assert err[0].startswith("error: run.loggers: mlflow could not log to nosuchscheme://x (")
-    assert "run.mlflow.tracking_uri" in err[0]
+    assert err[0].startswith("error: run.loggers: mlflow could not log to nosuchscheme://x; set run.mlflow.tracking_uri")
     assert not (tmp_path / "t").exists()  # a run that fails before its first step leaves nothing
 
 
@@ -384,3 +383,13 @@ def test_wandb_offline_run_under_the_run_directory_and_resumed_into_the_same_run
     for row in rows[3:]:
         assert history[row["step"]] == {k: v for k, v in row.items() if k != "step"}
     assert config["train"]["total_steps"] == 4
+
+
+def test_wandb_disabled_writes_nothing_and_trains(tmp_path, tiny_model_dir, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # W&B's own variable decides when run.wandb.mode is null
+    run_training(small_config(tmp_path / "runs", tiny_model_dir, "run.loggers=wandb"))
+    run_dir = tmp_path / "runs" / "t"
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
+    assert not (run_dir / "wandb").exists()
+    assert json.loads((run_dir / "trackers.json").read_text())["wandb"]["where"].startswith("nowhere")

@@ -113,7 +113,9 @@ class WandbTracker:
                                "`wandb login`, or set run.wandb.mode=offline (files under the run directory, "
                                "uploaded later by `wandb sync`), or leave wandb out of run.loggers") from err
         self.run_id = self.run.id
-        self.where = self.run.url or str(Path(self.run.dir).parent)  # offline: the folder `wandb sync` takes
+        # online: the run's page; offline: the folder `wandb sync` takes
+        self.where = ("nowhere (run.wandb.mode or WANDB_MODE is disabled)" if self.run.settings.mode == "disabled"
+                      else self.run.url or str(Path(self.run.dir).parent))
 
     def log(self, step: int, row: dict) -> None:
         self.run.log({k: v for k, v in row.items() if k != "step"}, step=step)
@@ -121,6 +123,8 @@ class WandbTracker:
     def log_files(self, files: list[tuple[Path, str]]) -> None:
         # copied into the run's files/ folder, where W&B uploads them from: saved from elsewhere, W&B
         # would link each and print a warning per call
+        if self.run.settings.mode == "disabled":  # its folder is a temporary one, outside the run
+            return
         for path, name in files:
             if name == "config.yaml":  # W&B keeps the run's config (given to init) in a file of this name
                 continue
@@ -170,9 +174,11 @@ class MlflowTracker:
                 self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in params.items() if k not in logged])
         except Exception as err:
             uri = settings.tracking_uri or mlflow.get_tracking_uri()
-            raise TrackerError(f"run.loggers: mlflow could not log to {uri} ({_first_line(err)}); set "
-                               "run.mlflow.tracking_uri (or MLFLOW_TRACKING_URI), pip install 'dapo[mlflow]' for "
-                               "SQLite stores, or leave mlflow out of run.loggers") from err
+            # MLflow 3 explains its file-store switch at the end of a long message: said first here
+            switch = "set MLFLOW_ALLOW_FILE_STORE=true to open a file store, or " if "MLFLOW_ALLOW_FILE_STORE" in str(err) else ""
+            raise TrackerError(f"run.loggers: mlflow could not log to {uri}; {switch}set run.mlflow.tracking_uri "
+                               "(or MLFLOW_TRACKING_URI), pip install 'dapo[mlflow]' for SQLite stores, or leave "
+                               f"mlflow out of run.loggers ({_first_line(err)})") from err
 
     def _exists(self, run_id: str) -> bool:
         from mlflow.exceptions import MlflowException
@@ -226,9 +232,6 @@ class Trackers:
         self.warn, self.info = warn, info
         self.failing: dict[str, int] = {}  # tracker -> the first step it failed to log, while it fails
         self._save_state()
-
-    def __bool__(self) -> bool:
-        return bool(self.trackers)
 
     def _save_state(self) -> None:
         if not self.trackers:
