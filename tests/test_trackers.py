@@ -387,8 +387,8 @@ def test_wandb_offline_run_under_the_run_directory_and_resumed_into_the_same_run
 
 def test_wandb_disabled_writes_nothing_and_trains(tmp_path, tiny_model_dir, monkeypatch):
     pytest.importorskip("wandb")
-    monkeypatch.setenv("WANDB_MODE", "disabled")  # W&B's own variable decides when run.wandb.mode is null
-    run_training(small_config(tmp_path / "runs", tiny_model_dir, "run.loggers=wandb"))
+    # (not WANDB_MODE: W&B reads its variables once per process, at its first run, maybe another test's)
+    run_training(small_config(tmp_path / "runs", tiny_model_dir, "run.loggers=wandb", "run.wandb.mode=disabled"))
     run_dir = tmp_path / "runs" / "t"
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
     assert not (run_dir / "wandb").exists()
