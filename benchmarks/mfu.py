@@ -174,20 +174,32 @@ def sub_batch(batch: RolloutBatch, groups: int) -> RolloutBatch:
     return b
 
 
+def decoder_calls(mb) -> list[tuple[int, int, int]]:
+    """(rows, query length, cached length) of each decoder call of a micro-batch: one call, or with
+    shared prompts the prompt pass and the response passes after it."""
+    if mb.shared is None:
+        return [tuple(mb.input_ids.shape) + (0,)]
+    prompts = tuple(mb.shared.input_ids.shape)
+    return [prompts + (0,)] + [tuple(part.input_ids.shape) + (prompts[1],) for part in mb.shared.responses]
+
+
 def pass_shapes(policy: Policy, batch: RolloutBatch, rows_per_pass: list[list[int]], chunk: int = 1024):
-    """The model's matmuls over these micro-batches as (m, k, n, count) at their mean row counts, and
-    the FLOPs they execute: decoder weights at padded tokens, the LM head at response tokens (in
-    ``chunk``-row pieces), causal attention (QK^T and PV, half of L^2 per row)."""
+    """The model's matmuls over these micro-batches as (m, k, n, count) at their mean row counts per
+    decoder call, and the FLOPs they execute: decoder weights at padded tokens, the LM head at response
+    tokens (in ``chunk``-row pieces), causal attention (QK^T and PV: half of L^2 per row, plus L x the
+    cached length after a shared prompt)."""
     c = policy.model.config
     mbs = [policy._make_micro_batch(batch, rows) for rows in rows_per_pass]
-    m_dec = round(statistics.mean(mb.num_tokens for mb in mbs))
+    calls = [call for mb in mbs for call in decoder_calls(mb)]
+    m_dec = round(statistics.mean(rows * length for rows, length, _ in calls))
     resp = [mb.targets.numel() for mb in mbs]
     m_head = round(statistics.mean(min(chunk, n) for n in resp))
     layer = model_shapes(c)[:7]
     shapes = [(m_dec, k, n, c.num_hidden_layers) for k, n in layer] + [(m_head, c.hidden_size, c.vocab_size, 1)]
     decoder_flops = sum(2 * mb.num_tokens * k * n for mb in mbs for k, n in layer) * c.num_hidden_layers
     head_flops = 2 * sum(resp) * c.hidden_size * c.vocab_size
-    attn_flops = sum(2 * mb.input_ids.shape[0] * mb.input_ids.shape[1] ** 2 * c.hidden_size for mb in mbs) * c.num_hidden_layers
+    attn_flops = sum(2 * rows * (length**2 + 2 * length * cached) * c.hidden_size
+                     for rows, length, cached in calls) * c.num_hidden_layers
     return shapes, decoder_flops, head_flops, attn_flops, m_dec, m_head
 
 
@@ -289,8 +301,8 @@ def real_main(args) -> None:
     print(f"batch {len(batch)} responses: {tokens:,} tokens ({prompt_tok:,} prompt, {resp_tok:,} response; prompts "
           f"{min(map(len, batch.prompt_ids))}-{max(map(len, batch.prompt_ids))}, responses "
           f"{min(map(len, batch.response_ids))}-{max(map(len, batch.response_ids))}); token budget "
-          f"{cfg.train.max_tokens_per_micro_batch}, packed {policy.packed}")
-    print(f"micro-batches: old log-probs {len(old_mbs)} (~{old_m} tokens incl. padding, head {old_mh} rows), "
+          f"{cfg.train.max_tokens_per_micro_batch}, packed {policy.packed}, prompts shared {policy.share_prompts}")
+    print(f"micro-batches: old log-probs {len(old_mbs)} (~{old_m} tokens incl. padding per decoder call, head {old_mh} rows), "
           f"update {len(upd_mbs)} x {epochs} epoch(s) (~{upd_m} tokens, head {upd_mh} rows)")
     print("CPU-time rates (the process's CPU seconds over all threads; torch.mm measured the same way):")
     for name, flops, exec_flops, w, cpu, mm in (

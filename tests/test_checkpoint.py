@@ -11,6 +11,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -268,9 +269,10 @@ def test_async_and_sync_checkpoints_are_the_same_files(tiny_model_dir, tmp_path)
     assert all(torch.equal(p, q) for p, q in zip(restored.model.parameters(), policy.model.parameters()))
 
 
-def test_an_async_checkpoint_holds_the_state_of_the_call(tiny_model_dir, tmp_path, monkeypatch):
-    """The training loop changes the weights, the AdamW state and its own state while the write runs;
-    the checkpoint holds them as they were when save_checkpoint was called, and is renamed only when whole."""
+def test_an_async_checkpoint_holds_the_trainer_state_of_the_call(tiny_model_dir, tmp_path, monkeypatch):
+    """The loop changes its own state (buffer, RNG) while the write runs; the checkpoint holds it as it
+    was when save_checkpoint was called, and is renamed only when whole. The weights and AdamW state
+    are written from live memory: the loop waits for the write before it changes them (next test)."""
     policy = trained_policy(tiny_model_dir, tmp_path, dtype="float32")
     release, real_write = threading.Event(), checkpoint._write
     monkeypatch.setattr(checkpoint, "_write", lambda *args: (release.wait(), real_write(*args)))
@@ -280,13 +282,7 @@ def test_an_async_checkpoint_holds_the_state_of_the_call(tiny_model_dir, tmp_pat
     rng = torch.get_rng_state()
     writer = checkpoint.CheckpointWriter(asynchronous=True)
     path = save(policy, tmp_path / "run", 1, writer, buffer=buffer)
-    # the next step: weights and optimizer change in place, the buffer's contents too, the RNG moves on
-    with torch.no_grad():
-        for p in policy.model.parameters():
-            p.add_(1.0)
-    for s in policy.optimizer.state.values():
-        s["exp_avg"].mul_(3.0)
-    buffer[0]["ids"].add_(10)
+    buffer[0]["ids"].add_(10)  # the next step: the buffer's contents change, the RNG moves on
     buffer[0]["logp"].append(0.0)
     torch.rand(3)
     assert not path.exists()  # still being written: nothing under the final name
@@ -302,6 +298,30 @@ def test_an_async_checkpoint_holds_the_state_of_the_call(tiny_model_dir, tmp_pat
     assert all(torch.equal(s["exp_avg"], m) for s, m in zip(state["policy"]["optimizer"]["state"].values(), moments))
     assert torch.equal(state["buffer"][0]["ids"], torch.arange(4)) and state["buffer"][0]["logp"] == [-0.5, -1.5]
     assert torch.equal(state["rng"]["torch"], rng)
+
+
+def test_training_waits_for_an_async_write_before_the_next_update(tiny_model_dir, tmp_path, monkeypatch):
+    """A slow background write overlaps the next step's generation; its update must not start before
+    the write ends, or the checkpoint would mix two steps' weights. Each checkpoint equals a synchronous run's."""
+    from dapo.train import train
+
+    real_write = checkpoint._write
+    monkeypatch.setattr(checkpoint, "_write", lambda *args: (time.sleep(1.0), real_write(*args)))
+    runs = {}
+    for mode in ("false", "true"):
+        cfg = small_config(tmp_path / mode, tiny_model_dir, "train.total_steps=3", "run.save_every=1",
+                           "run.keep_checkpoints=3", "eval.before_train=false", "eval.benchmarks=[]",
+                           f"run.async_checkpoint={mode}")
+        train(cfg)
+        runs[mode] = cfg.run_dir
+    from safetensors.torch import load_file
+
+    for step in (1, 2, 3):
+        a, b = (runs[m] / "checkpoints" / f"step_{step:06d}" for m in ("false", "true"))
+        wa, wb = (load_file(str(p / "model" / "model.safetensors")) for p in (a, b))
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), step
+        sa, sb = (checkpoint.load_trainer_state(p) for p in (a, b))
+        assert_same_state(sa["policy"], sb["policy"])
 
 
 def test_a_failed_background_write_is_raised_and_the_previous_checkpoint_kept(tiny_model_dir, tmp_path, monkeypatch):

@@ -84,7 +84,8 @@ FLOORS = [
     ("dapo.rewards", lambda n: not n.startswith("dapo.rewards")),
     ("dapo.batch", lambda n: n.startswith("dapo.")),
     ("dapo.data", lambda n: n not in ("dapo.tasks", "dapo.tasks.arith")),
-    ("dapo.policy", lambda n: n in ("dapo.train", "dapo.dynamic_sampling", "dapo.rollout", "dapo.evaluate", "dapo.algo")),
+    *[(m, lambda n: n in ("dapo.train", "dapo.dynamic_sampling", "dapo.rollout", "dapo.evaluate", "dapo.algo"))
+      for m in ("dapo.policy", "dapo.prefix")],
     ("dapo.rollout", lambda n: n in ("dapo.train", "dapo.policy", "dapo.dynamic_sampling", "dapo.evaluate")),
     *[(m, lambda n: n in ENGINES_AND_UP) for m in ("dapo.config", "dapo.parallel", "dapo.models", "dapo.checkpoint")],
     *[(m, lambda n: n in ("dapo.train", "dapo.cli", "dapo.ablate", "dapo.cluster"))

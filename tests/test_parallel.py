@@ -146,7 +146,9 @@ def test_rank_0_store_listens_on_the_master_address_only(launcher_socket):
 # ---- 2 ranks vs 1 --------------------------------------------------------------------------------
 # bf16: FSDP's mixed precision with fp32 masters; uneven: rank 0 runs one row per micro-batch, so
 # rank 1 has fewer micro-batches and must run empty passes to join rank 0's collectives
-VARIANTS = {"fp32": ([], False), "bf16": (["model.dtype=bfloat16"], False), "uneven": ([], True)}
+# shared: train.share_prompt_prefix, each rank computing its prompts once (the decoder runs twice per pass)
+VARIANTS = {"fp32": ([], False), "bf16": (["model.dtype=bfloat16"], False), "uneven": ([], True),
+            "shared": (["train.share_prompt_prefix=true"], False), "shared_uneven": (["train.share_prompt_prefix=true", "train.micro_batch_size=null"], True)}
 
 
 def equivalence_worker(model_dir: str, batch_file: str, out_dir: str) -> None:
@@ -261,6 +263,24 @@ def test_ranks_with_fewer_micro_batches_join_with_empty_passes(two_rank_update):
     assert grad_diff < 1e-6
     assert uneven["stats"]["pg_loss"] == pytest.approx(single["stats"]["pg_loss"], abs=1e-6)
     assert (uneven["old_logp"] - single["old_logp"]).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("variant", ["shared", "shared_uneven"])
+def test_two_ranks_sharing_prompts_give_the_loss_and_gradients_of_one_unshared(two_rank_update, variant):
+    """Each rank runs its prompts once and its responses against them (two decoder calls inside the
+    sharded forward): the same log-probs, loss and gradients as one process recomputing every prompt;
+    also when one rank runs more micro-batches and the other joins with empty passes."""
+    single, runs, _, _ = two_rank_update
+    two = runs[variant]
+    grad_diff = max((two["delta"][k] - single["delta"][k]).abs().max().item() for k in single["delta"])
+    print(f"\n{variant}, 2 ranks vs 1 unshared: max |d grad| {grad_diff:.2e}, micro-batches per rank {two['counts']}")
+    assert grad_diff < 1e-6
+    assert two["stats"]["pg_loss"] == pytest.approx(single["stats"]["pg_loss"], abs=1e-6)
+    assert two["stats"]["grad_norm"] == pytest.approx(single["stats"]["grad_norm"], rel=1e-5)
+    assert (two["old_logp"] - single["old_logp"]).abs().max().item() < 1e-5
+    assert (two["entropy"] - single["entropy"]).abs().max().item() < 1e-5
+    if variant == "shared_uneven":
+        assert two["counts"][0] > two["counts"][1]
 
 
 def test_every_ranks_rollout_engine_gets_the_trainers_weights(two_rank_update):

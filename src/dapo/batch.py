@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 
@@ -181,3 +182,105 @@ def plan_micro_batches(lengths: list[int], max_tokens: int, *, packed: bool = Fa
         else:
             lo = mid + 1
     return cut(lo)
+
+
+# What one more response pass costs beyond its tokens (a decoder call's launches, mask, cache gathers), in
+# tokens: a pass of its own is worth it when it saves more padding than this
+RESPONSE_PASS_OVERHEAD_TOKENS = 64
+
+
+def response_passes(widths: list[int], *, split: bool = True) -> list[list[int]]:
+    """Positions of ``widths`` (the tokens each row feeds after its shared prompt) in response passes,
+    widest first, each pass padded to its own widest row. ``split``: the passes that minimise the
+    tokens computed plus ``RESPONSE_PASS_OVERHEAD_TOKENS`` per pass (so rows of 90 and 30 tokens do not
+    share one padded to 90); otherwise one pass."""
+    order = sorted(range(len(widths)), key=lambda i: -widths[i])
+    if not split or not order:
+        return [order] if order else []
+    # cut points only between different widths: cutting between equal ones never saves padding
+    starts = [k for k in range(len(order)) if k == 0 or widths[order[k]] != widths[order[k - 1]]] + [len(order)]
+    best, prev = [0] + [math.inf] * (len(starts) - 1), [0] * len(starts)
+    for j in range(1, len(starts)):  # best[j]: the cheapest passes over the first j runs of equal width
+        for i in range(j):
+            c = best[i] + (starts[j] - starts[i]) * widths[order[starts[i]]] + RESPONSE_PASS_OVERHEAD_TOKENS
+            if c < best[j]:
+                best[j], prev[j] = c, i
+    passes, j = [], len(starts) - 1
+    while j:
+        passes.append(order[starts[prev[j]] : starts[j]])
+        j = prev[j]
+    return passes[::-1]
+
+
+def shared_prompt_cost(prompt_of: list[int], prompt_lengths: list[int], widths: list[int], rows: list[int], *,
+                       split: bool = True) -> int:
+    """Tokens a shared-prompt micro-batch of ``rows`` computes: its distinct prompts, padded to the
+    longest, then its response passes, each padded to its widest row."""
+    longest = {prompt_of[i]: prompt_lengths[i] for i in rows}
+    fed = [widths[i] for i in rows]
+    return len(longest) * max(longest.values()) + sum(len(p) * fed[p[0]] for p in response_passes(fed, split=split))
+
+
+def plan_shared_prompt_micro_batches(prompt_of: list[int], prompt_lengths: list[int], widths: list[int], max_tokens: int,
+                                     *, max_rows: int | None = None, split_responses: bool = True) -> list[list[int]]:
+    """Split rows into micro-batches that compute each distinct prompt once (``train.share_prompt_prefix``).
+
+    ``prompt_of[i]`` names row i's prompt (rows naming the same one share it), ``prompt_lengths[i]`` is
+    that prompt's length and ``widths[i]`` the tokens row i feeds after it. A micro-batch's cost is
+    what its passes compute (``shared_prompt_cost``): distinct prompts x the longest, plus its
+    response passes (``response_passes``; one with ``split_responses`` off), each padded to its widest
+    row. The rows of a prompt stay together; a prompt whose rows alone exceed the budget (or
+    ``max_rows``) is split into parts that each still share it, widest rows first. Parts are then
+    filled into the fewest micro-batches the budget allows, widest first, with the largest cost made
+    as small as that count allows, as ``plan_micro_batches`` does for unshared rows. A single row over
+    the budget goes alone.
+    """
+    def cost(rows: list[int]) -> int:
+        return shared_prompt_cost(prompt_of, prompt_lengths, widths, rows, split=split_responses)
+
+    by_prompt: dict[int, list[int]] = {}
+    for i, key in enumerate(prompt_of):
+        by_prompt.setdefault(key, []).append(i)
+    parts: list[list[int]] = []  # rows sharing one prompt, widest first
+    for rows in by_prompt.values():
+        rows = sorted(rows, key=lambda i: -widths[i])
+        if cost(rows) <= max_tokens and not (max_rows and len(rows) > max_rows):
+            parts.append(rows)  # (checked whole: with split passes a row more can cost fewer tokens)
+            continue
+        part: list[int] = []
+        for i in rows:
+            if part and (cost(part + [i]) > max_tokens or (max_rows and len(part) >= max_rows)):
+                parts.append(part)
+                part = []
+            part.append(i)
+        parts.append(part)
+    alone = [cost(part) for part in parts]
+    oversized = [part for part, c in zip(parts, alone) if c > max_tokens]  # single rows: a pass each
+    fitting = sorted((part for part, c in zip(parts, alone) if c <= max_tokens),
+                     key=lambda part: (-widths[part[0]], -prompt_lengths[part[0]]))
+    if not fitting:
+        return oversized
+    span_cost: dict[tuple[int, int], int] = {}  # a micro-batch is a run of consecutive parts: cost each run once
+
+    def cut(cap: int) -> list[list[int]]:
+        spans, start = [], 0
+        for end in range(1, len(fitting)):
+            span = (start, end + 1)
+            if span not in span_cost:
+                span_cost[span] = cost([i for part in fitting[start : end + 1] for i in part])
+            rows = sum(len(part) for part in fitting[start : end + 1])
+            if span_cost[span] > cap or (max_rows and rows > max_rows):
+                spans.append((start, end))
+                start = end
+        spans.append((start, len(fitting)))
+        return [[i for part in fitting[a:b] for i in part] for a, b in spans]
+
+    fewest = len(cut(max_tokens))
+    lo, hi = max(c for c in alone if c <= max_tokens), max_tokens
+    while lo < hi:  # the smallest cap that still needs no more micro-batches
+        mid = (lo + hi) // 2
+        if len(cut(mid)) <= fewest:
+            hi = mid
+        else:
+            lo = mid + 1
+    return oversized + cut(lo)

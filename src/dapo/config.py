@@ -132,6 +132,10 @@ class TrainConfig:
     max_tokens_per_micro_batch: int = 8192  # token budget of one forward/backward pass (padded rows x longest, or packed)
     micro_batch_size: int | None = None  # optional cap on responses per forward/backward pass; null: the token budget alone
     pack_sequences: PackSequences = "auto"  # auto (pack when the model uses flash-attention varlen kernels), true or false
+    # run each distinct prompt of a micro-batch once and let its responses attend to that one copy of its keys and
+    # values (the G rows of a group share it) instead of recomputing the prompt per row; padded rows only (eager or
+    # sdpa attention, full-attention models). Off: the reference recomputes the prompt for every row
+    share_prompt_prefix: bool = False
     ppo_epochs: int = 1  # passes over the rollout batch
     lr: float = 1e-6  # AdamW learning rate after warmup (constant)
     warmup_steps: int = 20  # linear warmup, in training steps
@@ -181,12 +185,11 @@ class RunConfig:
     dir: str = "runs"  # the run lives in <dir>/<name>
     save_every: int | None = 20  # checkpoint every N steps (and at the end); null: only at the end
     keep_checkpoints: int = 2  # newest checkpoints kept
-    # write single-process checkpoints in a background thread: at the step's end the loop only copies the weights,
-    # AdamW state and trainer state into CPU buffers kept between saves (host memory the size of all three); the
-    # directory still appears under its name only when whole, and the next save and the end of the run wait for
-    # the write and raise its error. false: write before going on. Under FSDP (several ranks): always synchronous.
-    # Off by default: on a 2-core CPU host the copy (~1.6 GB for a 135M model in float32 with AdamW) took as long
-    # as the synchronous write (page cache, quick fsync); it pays where writing is slow (network disks, fsync).
+    # write single-process checkpoints in a background thread: at the step's end the loop copies only the small
+    # trainer state (sampler, buffer, RNG); the weights and AdamW state are written from live memory, and the next
+    # step waits for the write before its update changes them (generation and old log-probs overlap with it). The
+    # directory still appears under its name only when whole; the end of the run waits for the write and raises its
+    # error. false: write before going on. Under FSDP (several ranks): always synchronous.
     async_checkpoint: bool = False
     resume: bool = True  # continue from the run directory's latest checkpoint
     overwrite: bool = False  # with resume=false: move an earlier run in the directory aside (<name>.<date-time>) first
@@ -472,6 +475,9 @@ def validate(cfg: Config) -> None:
     _check(t.prompts_per_step % t.mini_batch_prompts == 0,
            f"train.prompts_per_step={t.prompts_per_step} is not divisible by train.mini_batch_prompts="
            f"{t.mini_batch_prompts}; pick a divisor so every optimizer update sees the same number of prompts")
+    _check(not (t.share_prompt_prefix and t.pack_sequences == "true"),
+           "train.share_prompt_prefix=true shares a prompt across padded rows; packed rows (train.pack_sequences=true) "
+           "have none: set train.pack_sequences=auto or false, or train.share_prompt_prefix=false")
     _check(t.max_tokens_per_micro_batch > 0, "train.max_tokens_per_micro_batch must be > 0 (tokens per forward pass)")
     _check_unset_or_positive("train.micro_batch_size", t.micro_batch_size, "no cap on rows")
     _check(t.total_steps >= 0 and t.warmup_steps >= 0 and t.ppo_epochs >= 1, "train.total_steps/warmup_steps >= 0, ppo_epochs >= 1")

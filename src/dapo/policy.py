@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from dapo import parallel
-from dapo.batch import RolloutBatch, pad_rows, plan_micro_batches
+from dapo.batch import RolloutBatch, pad_rows, plan_micro_batches, plan_shared_prompt_micro_batches, response_passes
 from dapo.models import DTYPES, load_model_and_tokenizer
+from dapo.prefix import SharedPrompts, fed_widths, prompt_of_rows, prompt_then_responses, shared_prompt_passes, unsupported
 
 if TYPE_CHECKING:
     from dapo.config import ModelConfig, TrainConfig
@@ -21,13 +22,15 @@ if TYPE_CHECKING:
 
 @dataclass
 class MicroBatch:
-    """One forward pass: rows right-padded to the longest (R = B), or packed into one row (R = 1).
+    """One forward pass: rows right-padded to the longest (R = B), or packed into one row (R = 1), or
+    (``shared``) the distinct prompts once and the responses after them.
 
     Only response positions reach the LM head: ``token_index`` picks, for each response token, the
-    flat position in (R * L) whose hidden state predicts it, and ``out_index`` where it goes in (B, T).
+    flat position in (R * L) whose hidden state predicts it (with ``shared``: in the prompt pass's
+    positions, then the response passes'), and ``out_index`` where it goes in (B, T).
     """
 
-    input_ids: torch.Tensor  # (R, L)
+    input_ids: torch.Tensor | None  # (R, L); None with shared prompts
     attention_mask: torch.Tensor | None  # (R, L) when padded; None when packed
     position_ids: torch.Tensor | None  # (R, L) restarting at 0 for each packed sequence; None when padded
     token_index: torch.Tensor  # (n,) flat index into R * L of the position that predicts each response token
@@ -35,14 +38,20 @@ class MicroBatch:
     out_index: torch.Tensor  # (n,) flat index into B * T
     num_rows: int  # B
     width: int  # T: the longest response in this micro-batch
+    shared: SharedPrompts | None = None  # the prompt pass and response passes (train.share_prompt_prefix)
 
     @property
     def num_tokens(self) -> int:
         """Tokens the forward pass computes, padding included."""
-        return self.input_ids.numel()
+        return self.input_ids.numel() if self.shared is None else self.shared.num_tokens
 
 
-def make_micro_batch(batch: RolloutBatch, rows: list[int], pad_id: int, device, *, packed: bool = False) -> MicroBatch:
+def make_micro_batch(batch: RolloutBatch, rows: list[int], pad_id: int, device, *, packed: bool = False,
+                     share_prompts: bool = False, split_responses: bool = True) -> MicroBatch:
+    """The forward pass over ``rows``; ``share_prompts``: each distinct prompt once, the responses in
+    passes of similar width (one pass without ``split_responses``)."""
+    if share_prompts:
+        return _shared_prompt_micro_batch(batch, rows, pad_id, device, split_responses)
     seqs = [batch.prompt_ids[i] + batch.response_ids[i] for i in rows]
     width = max(len(batch.response_ids[i]) for i in rows)
     token_index, targets, out_index = [], [], []
@@ -69,6 +78,17 @@ def make_micro_batch(batch: RolloutBatch, rows: list[int], pad_id: int, device, 
                       as_long(token_index), as_long(targets), as_long(out_index), len(rows), width)
 
 
+def _shared_prompt_micro_batch(batch: RolloutBatch, rows: list[int], pad_id: int, device, split: bool) -> MicroBatch:
+    responses = [batch.response_ids[i] for i in rows]
+    shared, token_index = shared_prompt_passes([batch.prompt_ids[i] for i in rows], responses,
+                                               response_passes(fed_widths(responses), split=split), pad_id, device)
+    width = max(len(batch.response_ids[i]) for i in rows)
+    out_index = [t for b, i in enumerate(rows) for t in range(b * width, b * width + len(batch.response_ids[i]))]
+    as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    return MicroBatch(None, None, None, as_long(token_index), as_long([t for i in rows for t in batch.response_ids[i]]),
+                      as_long(out_index), len(rows), width, shared)
+
+
 def _head_logp(head, h: torch.Tensor, targets: torch.Tensor, temperature: float):
     logits = head(h).float() / temperature  # (n, V): float32 for this chunk only
     log_z = torch.logsumexp(logits, dim=-1)
@@ -88,9 +108,12 @@ class ResponseLogProbs(nn.Module):
         self.head = lm.get_output_embeddings()
 
     def forward(self, mb: MicroBatch, *, temperature: float, with_entropy: bool = False, chunk_tokens: int = 1024):
-        hidden = self.decoder(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                              position_ids=mb.position_ids).last_hidden_state  # (R, L, H)
-        h = hidden.reshape(-1, hidden.shape[-1])[mb.token_index]  # (n, H)
+        if mb.shared is None:
+            hidden = self.decoder(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                                  position_ids=mb.position_ids).last_hidden_state.flatten(0, 1)  # (R * L, H)
+        else:
+            hidden = prompt_then_responses(self.decoder, mb.shared)  # (prompt and response positions, H)
+        h = hidden[mb.token_index]  # (n, H)
         logps, entropies = [], []
         for t0 in range(0, h.shape[0], chunk_tokens):
             h_c, y_c = h[t0 : t0 + chunk_tokens], mb.targets[t0 : t0 + chunk_tokens]
@@ -246,8 +269,9 @@ class UpdateStats:
 
 class LogProbModel:
     """A causal LM's log-probs of a rollout batch's response tokens: rows split into micro-batches by
-    the token budget (packed where the attention kernels allow), and under FSDP each rank computing
-    its share of the rows with the sharded log-prob pass."""
+    the token budget (packed where the attention kernels allow, or each distinct prompt once with
+    ``train.share_prompt_prefix``), and under FSDP each rank computing its share of the rows with the
+    sharded log-prob pass."""
 
     def __init__(self, lm, pad_id: int, model_cfg: ModelConfig, train_cfg: TrainConfig, dist: parallel.Dist, *,
                  temperature: float, device: torch.device):
@@ -256,6 +280,11 @@ class LogProbModel:
         self.model_cfg, self.train_cfg = model_cfg, train_cfg
         self.dist, self.device = dist, device
         self.temperature = temperature  # log-probs are of the distribution that sampled: at its temperature
+        self.share_prompts = train_cfg.share_prompt_prefix
+        if self.share_prompts and (why := unsupported(lm)):
+            from dapo.config import ConfigError
+
+            raise ConfigError(f"train.share_prompt_prefix=true: {model_cfg.path} has {why}; set train.share_prompt_prefix=false")
         self.logprob_pass = self._sharded_logprob_pass(lm)
 
     def _sharded_logprob_pass(self, lm) -> ResponseLogProbs:
@@ -266,9 +295,19 @@ class LogProbModel:
                              compute_dtype=DTYPES[self.model_cfg.dtype], cpu_offload=self.train_cfg.cpu_offload)
 
     def _rank_rows(self, batch: RolloutBatch, rows: list[int]) -> list[int]:
-        """This rank's share of a mini-batch's rows, balanced by sequence tokens (all of them when alone)."""
+        """This rank's share of a mini-batch's rows, balanced by sequence tokens (all of them when alone).
+        Sharing prompts, whole prompts go to a rank with their rows, where there are enough of them."""
         costs = [len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in rows]
-        return parallel.rank_share(rows, costs, self.dist)
+        if not (self.share_prompts and self.dist.sharded):
+            return parallel.rank_share(rows, costs, self.dist)
+        by_prompt: dict[int, list[int]] = {}
+        for i, u in zip(rows, prompt_of_rows([batch.prompt_ids[i] for i in rows])):
+            by_prompt.setdefault(u, []).append(i)
+        if len(by_prompt) < self.dist.world_size:  # a rank left idle would cost more than a prompt computed twice
+            return parallel.rank_share(rows, costs, self.dist)
+        groups = list(by_prompt.values())
+        group_costs = [len(batch.prompt_ids[g[0]]) + sum(len(batch.response_ids[i]) for i in g) for g in groups]
+        return sorted(i for g in parallel.rank_share(groups, group_costs, self.dist) for i in g)
 
     # ---- micro-batches --------------------------------------------------------------------
     @property
@@ -278,13 +317,27 @@ class LogProbModel:
 
     def micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[list[int]]:
         """``rows`` split by the token budget; returns lists of batch row indices."""
-        lengths = [len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in rows]
         t = self.train_cfg
-        plan = plan_micro_batches(lengths, t.max_tokens_per_micro_batch, packed=self.packed, max_rows=t.micro_batch_size)
+        if self.share_prompts:
+            prompts = [batch.prompt_ids[i] for i in rows]
+            widths = fed_widths([batch.response_ids[i] for i in rows])
+            plan = plan_shared_prompt_micro_batches(prompt_of_rows(prompts), [len(p) for p in prompts], widths,
+                                                    t.max_tokens_per_micro_batch, max_rows=t.micro_batch_size,
+                                                    split_responses=self.split_responses)
+        else:
+            lengths = [len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in rows]
+            plan = plan_micro_batches(lengths, t.max_tokens_per_micro_batch, packed=self.packed, max_rows=t.micro_batch_size)
         return [[rows[j] for j in chunk] for chunk in plan]
 
+    @property
+    def split_responses(self) -> bool:
+        # FSDP gathers every layer's shard at each decoder call, so ranks must make the same calls: one
+        # response pass per micro-batch, whatever widths each rank's rows have
+        return not self.dist.sharded
+
     def _make_micro_batch(self, batch: RolloutBatch, rows: list[int]) -> MicroBatch:
-        return make_micro_batch(batch, rows, self.pad_id, self.device, packed=self.packed)
+        return make_micro_batch(batch, rows, self.pad_id, self.device, packed=self.packed, share_prompts=self.share_prompts,
+                                split_responses=self.split_responses)
 
     # ---- log-probs ------------------------------------------------------------------------
     def mini_batch_rows(self, batch: RolloutBatch) -> list[list[int]]:
@@ -508,7 +561,7 @@ class Policy(LogProbModel):
         if not self.dist.sharded:  # under FSDP the optimizer is saved in shards, with the model
             state["optimizer"] = self.optimizer.state_dict()
         if self.master is not None:  # the model directory holds the bf16 weights; the float32 masters go here
-            state["master_weights"] = [m.detach() for m in self.master]  # live, as the optimizer's: the save copies
+            state["master_weights"] = [m.detach() for m in self.master]  # live, as the optimizer's state
         return state
 
     def sharded_state(self) -> dict | None:

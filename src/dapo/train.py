@@ -320,6 +320,8 @@ def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
             engine.sleep()  # a colocated engine frees its memory for the trainer; no-op for hf
             with timer("old_logprob"):
                 old = old_logprobs(batch, run)
+            with timer("checkpoint"):  # an asynchronous save writes the weights and AdamW state from live memory
+                run.writer.wait()
             with timer("update"):
                 update = policy.update(batch, run.loss_fn, **old.from_update)
             with timer("weight_sync"):
@@ -333,7 +335,7 @@ def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
             with timer("eval"):
                 metrics |= run.evaluate()
         state.step = step
-        with timer("checkpoint"):  # the time the loop waits: with run.async_checkpoint, the copy alone
+        with timer("checkpoint"):  # the time the loop waits: with run.async_checkpoint, copying the small state
             if step == cfg.train.total_steps or (cfg.run.save_every and step % cfg.run.save_every == 0):
                 metrics |= run.finish_saves()  # the previous save's background write (perf/checkpoint_write_s)
                 run.save()

@@ -1,0 +1,185 @@
+"""A shared prompt prefix (``train.share_prompt_prefix``): each distinct prompt of a micro-batch runs
+through the decoder once, and the responses that follow it attend to that one copy of its keys and
+values, instead of every row recomputing its prompt.
+
+The decoder runs through Hugging Face's KV-cache interface. The prompt pass records each layer's
+keys and values (after rotary embedding); they are gathered to the rows (one copy per row, so
+autograd sums the gradients of all of a prompt's responses into its single pass); the response
+passes then run with them as ``past_key_values``, a 2D attention mask over [prompt + its padding |
+response] and position ids that continue from each row's true prompt length. Transformers builds the
+causal mask from the cache's length, so padding inside the cached part is masked like any other.
+Rows of a micro-batch go to response passes of similar width (``batch.response_passes``), so a
+group's short responses are not padded to its longest.
+
+Both caches return the same states however often a layer runs, so activation checkpointing, which runs
+each layer again in backward, recomputes exactly what the forward computed; transformers keeps such a
+cache under checkpointing when the layer says it may (``_can_checkpoint_with_cache``).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from dapo.batch import pad_rows
+
+# the attention implementations whose masks, with padding inside the cached prompt, are checked against the
+# unshared pass (tests/test_prefix.py)
+SUPPORTED_ATTENTION = ("eager", "sdpa")
+
+
+@dataclass
+class ResponsePass:
+    """b rows' response tokens, after their prompts' cached states."""
+
+    input_ids: torch.Tensor  # (b, W): each response but its last token (it predicts nothing), right-padded
+    attention_mask: torch.Tensor  # (b, P + W): the row's prompt (its padding masked), then its tokens
+    position_ids: torch.Tensor  # (b, W): from the row's prompt length on
+    prompt_of_row: torch.Tensor  # (b,) long: which of the micro-batch's prompts each row continues
+
+
+@dataclass
+class SharedPrompts:
+    """A micro-batch's distinct prompts, right-padded, and the response passes that follow them."""
+
+    input_ids: torch.Tensor  # (U, P): U distinct prompts, P the longest
+    attention_mask: torch.Tensor  # (U, P)
+    responses: list[ResponsePass]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel() + sum(r.input_ids.numel() for r in self.responses)
+
+
+def prompt_of_rows(prompt_ids: list[list[int]]) -> list[int]:
+    """Which distinct prompt each row continues, numbered in order of first appearance."""
+    distinct: dict[tuple[int, ...], int] = {}
+    return [distinct.setdefault(tuple(p), len(distinct)) for p in prompt_ids]
+
+
+def fed_widths(response_ids: list[list[int]]) -> list[int]:
+    """The tokens each row feeds its response pass: all but the last (whose prediction is past the
+    end), and at least one, since a pass over nothing is still a pass (FSDP ranks run the same ones)."""
+    return [max(1, len(r) - 1) for r in response_ids]
+
+
+def shared_prompt_passes(prompt_ids: list[list[int]], response_ids: list[list[int]], passes: list[list[int]],
+                         pad_id: int, device) -> tuple[SharedPrompts, list[int]]:
+    """The passes over B rows (row b: ``prompt_ids[b]`` then ``response_ids[b]``, non-empty) with each
+    distinct prompt once, the rows in ``passes`` (lists of row positions). Also, in row order, the flat
+    position in the passes' hidden states (``prompt_then_responses``) that predicts each response
+    token: a response's first token by its prompt's last real position, the others by the response
+    pass."""
+    of_row = prompt_of_rows(prompt_ids)
+    prompts = list({u: p for u, p in zip(of_row, prompt_ids)}.values())  # in order of u
+    width = max(len(p) for p in prompts)
+    lengths = torch.tensor([len(p) for p in prompts])
+    prompt_mask = (torch.arange(width)[None, :] < lengths[:, None]).long()  # (U, P)
+    fed, widths = [r[:-1] for r in response_ids], fed_widths(response_ids)
+    first_fed = [0] * len(fed)  # flat position of each row's first fed token
+    offset, responses = len(prompts) * width, []
+    for rows in passes:
+        fed_width = max(widths[b] for b in rows)
+        for k, b in enumerate(rows):
+            first_fed[b] = offset + k * fed_width
+        offset += len(rows) * fed_width
+        of_rows = torch.tensor([of_row[b] for b in rows], dtype=torch.long)
+        fed_mask = (torch.arange(fed_width)[None, :] < torch.tensor([len(fed[b]) for b in rows])[:, None]).long()
+        responses.append(ResponsePass(
+            input_ids=pad_rows([fed[b] for b in rows], pad_id, fed_width).to(device),
+            attention_mask=torch.cat([prompt_mask[of_rows], fed_mask], dim=1).to(device),
+            position_ids=(lengths[of_rows][:, None] + torch.arange(fed_width)[None, :]).to(device),
+            prompt_of_row=of_rows.to(device)))
+    predictors = []
+    for b, p in enumerate(prompt_ids):
+        predictors.append(of_row[b] * width + len(p) - 1)
+        predictors += range(first_fed[b], first_fed[b] + len(fed[b]))
+    return SharedPrompts(pad_rows(prompts, pad_id).to(device), prompt_mask.to(device), responses), predictors
+
+
+class _RecordingLayer(DynamicLayer):
+    """The prompt pass's cache layer: keeps the states it is given and attends over them alone.
+    Replacing rather than appending makes a second run of the layer record the same states."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.keys, self.values, self.is_initialized = key_states, value_states, True
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return 0  # nothing comes before the prompt
+
+
+class _PrefixLayer(DynamicLayer):
+    """The response pass's cache layer: the prompt's states, which every run of the layer prepends to
+    its own without storing them."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.keys, self.values, self.is_initialized = keys, values, True
+        self.dtype, self.device = keys.dtype, keys.device
+        self.used = False
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.used = True
+        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+
+def unsupported(lm) -> str | None:
+    """Why ``lm`` cannot share prompts (a clause for an error message), or None when it can."""
+    attention = getattr(lm.config, "_attn_implementation", None)
+    if attention not in SUPPORTED_ATTENTION:
+        return f"attention implementation {attention!r} (supported: {', '.join(SUPPORTED_ATTENTION)})"
+    kinds = {type(layer).__name__ for layer in DynamicCache(config=lm.config).layers}
+    if kinds - {DynamicLayer.__name__}:
+        # sliding-window, chunked, linear-attention or hybrid layers keep other states than a full prefix
+        return f"a cache with {', '.join(sorted(kinds - {DynamicLayer.__name__}))} layers (only full attention shares a prompt)"
+    for layer in lm.get_decoder().layers:
+        checkpoint = getattr(layer, "_gradient_checkpointing_func", None)
+        if getattr(layer, "gradient_checkpointing", False) and getattr(checkpoint, "keywords", {}).get("use_reentrant") is not False:
+            # reentrant checkpointing passes gradients only to a layer's positional inputs, not to the cache
+            return "reentrant activation checkpointing (the cached prompt would get no gradient; use use_reentrant=False)"
+    return None
+
+
+@contextmanager
+def _cache_kept_under_checkpointing(layers):
+    """Gradient-checkpointed layers drop a cache unless they are told it reads the same states on the
+    second run, which both caches here do."""
+    flag = "_can_checkpoint_with_cache"
+    before = [layer.__dict__.get(flag) for layer in layers]
+    for layer in layers:
+        setattr(layer, flag, True)
+    try:
+        yield
+    finally:
+        for layer, value in zip(layers, before):
+            if value is None:
+                delattr(layer, flag)
+            else:
+                setattr(layer, flag, value)
+
+
+def prompt_then_responses(decoder, shared: SharedPrompts) -> torch.Tensor:
+    """The decoder's last hidden states over the prompts, then over each response pass in turn, flattened:
+    (U * P + sum of b * W, H)."""
+    layers = list(decoder.layers)
+    with _cache_kept_under_checkpointing(layers):
+        recorder = Cache(layers=[_RecordingLayer() for _ in layers])
+        hidden = [decoder(input_ids=shared.input_ids, attention_mask=shared.attention_mask,
+                          past_key_values=recorder).last_hidden_state]  # (U, P, H)
+        if any(layer.keys is None for layer in recorder.layers):
+            raise RuntimeError("train.share_prompt_prefix=true: the decoder kept no keys and values from the prompt "
+                               "pass (a model that does not use transformers' cache); set train.share_prompt_prefix=false")
+        for part in shared.responses:
+            prefix = Cache(layers=[_PrefixLayer(layer.keys.index_select(0, part.prompt_of_row),
+                                                layer.values.index_select(0, part.prompt_of_row))
+                                   for layer in recorder.layers])
+            hidden.append(decoder(input_ids=part.input_ids, attention_mask=part.attention_mask,
+                                  position_ids=part.position_ids, past_key_values=prefix).last_hidden_state)  # (b, W, H)
+            if not all(layer.used for layer in prefix.layers):
+                raise RuntimeError("train.share_prompt_prefix=true: the response pass did not attend to the cached "
+                                   "prompt (the decoder dropped its past_key_values); set train.share_prompt_prefix=false")
+    return torch.cat([h.flatten(0, 1) for h in hidden])
