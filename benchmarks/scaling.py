@@ -34,7 +34,7 @@ def run_point(point: dict, steps: int) -> dict:
             f"train.mini_batch_prompts={point['P'] // 2}", f"rollout.max_response_tokens={point['L']}",
             f"algo.overlong_buffer_tokens={point['L'] // 4}", "algo.dynamic_sampling=false", "rollout.backend=vllm",
             "eval.benchmarks=[]", "eval.before_train=false", "run.save_every=null", f"train.total_steps={steps}",
-            f"run.dir={tmp}", "run.name=p", "run.progress=false", "run.tensorboard=false",
+            f"run.dir={tmp}", "run.name=p", "run.progress=false", "run.loggers=console",
         ]
         with open(Path(tmp) / "stderr.txt", "w+") as err:
             proc = subprocess.Popen([sys.executable, "-m", "dapo.training", str(ROOT / "configs/smollm2_135m.yaml"), *overrides],

@@ -133,7 +133,7 @@ def run_ours(args, overrides: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(st.preset, [
             f"model.path={st.model}", f"run.dir={tmp}", "run.name=bench", "run.progress=false",
-            "run.tensorboard=false", "run.save_every=null", "run.resume=false", "run.samples_per_step=0",
+            "run.loggers=console", "run.save_every=null", "run.resume=false", "run.samples_per_step=0",
             "model.device=cpu", f"rollout.group_size={st.G}", f"rollout.max_response_tokens={st.max_new}",
             f"rollout.temperature={st.temperature}",
             f"train.lr={st.lr}", f"train.prompts_per_step={st.prompts}", f"train.mini_batch_prompts={st.prompts // st.updates}",

@@ -19,7 +19,7 @@ def tiny_model_dir(tmp_path_factory):
 # a training config that runs a step in about a second on 2 CPU cores (as dotted overrides of the demo)
 SMALL_OVERRIDES = [
     "run.name=t", "run.progress=false",
-    "run.tensorboard=false", "train.total_steps=2", "train.prompts_per_step=4", "train.mini_batch_prompts=2",
+    "run.loggers=console", "train.total_steps=2", "train.prompts_per_step=4", "train.mini_batch_prompts=2",
     "train.max_tokens_per_micro_batch=256", "rollout.group_size=4", "rollout.max_response_tokens=16",
     "algo.overlong_buffer_tokens=4", "algo.dynamic_sampling=false", "eval.num_problems=4", "eval.n=2",
     "eval.every_steps=null", "eval.before_train=false", "reward.num_workers=1", "train.lr=1e-3", "train.warmup_steps=0",

@@ -583,7 +583,7 @@ def test_demo_command_prints_before_and_after(tmp_path, capsys):
     from dapo.cli import main
 
     args = ["demo", f"run.dir={tmp_path}", "train.total_steps=2", "eval.num_problems=8", "eval.n=2",
-            "run.progress=false", "run.tensorboard=false", "reward.num_workers=1"]
+            "run.progress=false", "run.loggers=console", "reward.num_workers=1"]
     assert main(args) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-2].startswith("held-out accuracy: arith avg@2 ") and "] before -> " in out[-2], out

@@ -132,6 +132,10 @@ def cmd_eval(args) -> int:
                                      progress.advance, progress.add_task(f"{name}: samples", total=total)))
     out_dir = Path(args.out) if args.out else default_out
     table = write_report(results, out_dir)
+    if args.run:  # the training run's W&B / MLflow runs get the report beside its metrics
+        from dapo.trackers import log_eval_report
+
+        log_eval_report(cfg, Path(args.run), out_dir, warn=lambda text: print(text, file=sys.stderr))
     print(table.read_text())
     print(f"written: {out_dir}/eval.json, eval.md, <benchmark>.problems.jsonl  (known benchmarks: {', '.join(BENCHMARKS)})")
     return 0

@@ -42,6 +42,8 @@ BufferLogp = Literal["trainer", "engine"]
 OldLogp = Literal["recompute", "first_update", "engine"]
 PackSequences = Literal["auto", "true", "false"]
 LogLevel = Literal["debug", "info", "warning", "error"]
+Logger = Literal["console", "tensorboard", "wandb", "mlflow"]
+WandbMode = Literal["online", "offline", "disabled"]
 
 
 @dataclass
@@ -163,6 +165,22 @@ class EvalConfig:
 
 
 @dataclass
+class WandbConfig:
+    project: str | None = None  # null: WANDB_PROJECT, else "dapo"
+    entity: str | None = None  # team or user; null: WANDB_ENTITY, else your default entity
+    name: str | None = None  # the run's display name; null: run.name
+    # online, offline (files under <run>/wandb/, uploaded later by `wandb sync`) or disabled; null: WANDB_MODE, else online
+    mode: WandbMode | None = None
+
+
+@dataclass
+class MlflowConfig:
+    experiment: str | None = None  # null: MLFLOW_EXPERIMENT_NAME, else "dapo"
+    # null: MLFLOW_TRACKING_URI, else MLflow's default (sqlite:///mlflow.db in the working directory)
+    tracking_uri: str | None = None
+
+
+@dataclass
 class RunConfig:
     name: str = "demo"
     dir: str = "runs"  # the run lives in <dir>/<name>
@@ -177,8 +195,12 @@ class RunConfig:
     resume: bool = True  # continue from the run directory's latest checkpoint
     overwrite: bool = False  # with resume=false: move an earlier run in the directory aside (<name>.<date-time>) first
     samples_per_step: int = 4  # decoded responses written to samples/ each step
-    tensorboard: bool = True
-    progress: bool = True  # console progress bar
+    # where metrics go besides metrics.jsonl (always written): console (one line per step), tensorboard (<run>/tensorboard/),
+    # wandb (Weights & Biases, pip install 'dapo[wandb]'), mlflow (pip install 'dapo[mlflow]'); rank 0 only
+    loggers: list[Logger] = field(default_factory=lambda: ["console", "tensorboard"])
+    wandb: WandbConfig = field(default_factory=WandbConfig)  # with wandb in run.loggers
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)  # with mlflow in run.loggers
+    progress: bool = True  # console progress bar (with console in run.loggers)
     log_level: LogLevel = "warning"  # library messages (vLLM, Ray, transformers) on the console: debug, info, warning or error; train.log has them all
 
 
@@ -261,11 +283,17 @@ def _coerce(key: str, value, tp):
     raise ConfigError(f"{key}: unsupported type {base}")
 
 
+# keys of earlier versions -> what replaced them (a preset or override still naming one is told the fix)
+REPLACED = {"run.tensorboard": "run.loggers lists the loggers: leave tensorboard out to write none, e.g. run.loggers=console"}
+
+
 def _merge(obj, overrides: dict, prefix: str = ""):
     hints = typing.get_type_hints(type(obj))
     names = {f.name for f in dataclasses.fields(obj)}
     for key, value in overrides.items():
         full = f"{prefix}{key}"
+        if full in REPLACED:
+            raise ConfigError(f"{full}: no longer a setting; {REPLACED[full]}")
         if key not in names:
             raise ConfigError(f"{full}: unknown key; valid keys here: {', '.join(sorted(names))}")
         current = getattr(obj, key)
@@ -378,6 +406,11 @@ def _or_list(items) -> str:
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
 
 
+def _spelled(value) -> str:
+    """A list value as a dotted override spells it (a,b)."""
+    return ",".join(map(str, value)) if isinstance(value, list) else repr(value)
+
+
 def _check_fields(obj, prefix: str = "") -> None:
     """What each field's type says: a Literal setting holds one of its choices, and no float setting
     takes inf or nan: each bounds something (a time limit, the gradient norm, a clip), and inf would
@@ -388,9 +421,17 @@ def _check_fields(obj, prefix: str = "") -> None:
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
             _check_fields(value, f"{prefix}{f.name}.")
-        if typing.get_origin(hints[f.name]) is Literal:
-            choices = typing.get_args(hints[f.name])
-            _check(value in choices, f"{prefix}{f.name}={value!r}: choose {_or_list(choices)}")
+        base, optional = _resolve_type(hints[f.name])
+        is_list = typing.get_origin(base) is list
+        item_tp = typing.get_args(base)[0] if is_list else base
+        if typing.get_origin(item_tp) is Literal and not (optional and value is None):
+            choices = typing.get_args(item_tp)
+            if is_list:
+                bad = [v for v in value if v not in choices]
+                _check(not bad, f"{prefix}{f.name}={_spelled(value)}: {bad[0]!r} is not one of {', '.join(choices)}"
+                                if bad else "")
+            else:
+                _check(value in choices, f"{prefix}{f.name}={value!r}: choose {_or_list(choices)}")
         for v in value if isinstance(value, list) else [value]:
             _check(not isinstance(v, float) or math.isfinite(v),
                    f"{prefix}{f.name}={value}: must be a finite number (inf or nan would switch its limit off)")

@@ -1,5 +1,6 @@
-"""Where metrics go: the console (progress bar + one line per step), metrics.jsonl, TensorBoard,
-and a few decoded samples per step in samples/step_NNNNNN.md.
+"""Where metrics go: metrics.jsonl (always), and as run.loggers says the console (progress bar + one
+line per step), TensorBoard and the experiment trackers (trackers.py: W&B, MLflow); a few decoded
+samples per step in samples/step_NNNNNN.md.
 
 The libraries underneath (vLLM, Ray, transformers, torch.distributed) log to ``<run>/train.log`` at
 INFO (``setup_library_logging``); the console shows their warnings only, less the ones listed in
@@ -32,7 +33,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 # the handlers below like every other library's (rollout/vllm.py imports vLLM after this module)
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
-LIBRARIES = ("vllm", "ray", "transformers", "torch", "py.warnings")
+LIBRARIES = ("vllm", "ray", "transformers", "torch", "py.warnings", "mlflow", "alembic")
 LEVELS = ("debug", "info", "warning", "error")
 # (logger name prefix, start of the message, why it is harmless). Each is provoked by a setting the
 # project chooses on purpose, so the console leaves them out; train.log keeps them.
@@ -95,6 +96,17 @@ def close_library_logging() -> None:
         h.close()
 
 
+def route_library_logger(name: str) -> None:
+    """Hand a library's log records to the handlers ``setup_library_logging`` installs (train.log, the
+    console's warnings) instead of the stream handlers it printed through; for libraries imported
+    after the run started (the trackers: MLflow configures its logger when imported)."""
+    lg = logging.getLogger(name)
+    for h in lg.handlers[:]:
+        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+            lg.removeHandler(h)
+    lg.propagate = True
+
+
 def setup_library_logging(run_dir: Path | None = None, console_level: str = "warning", *, rank: int = 0) -> Path | None:
     """Route the libraries' logging: everything at INFO and above to ``<run_dir>/train.log`` (other ranks
     than 0: ``train.rank<k>.log``), and to the console (stderr) what reaches ``console_level``, less
@@ -111,10 +123,7 @@ def setup_library_logging(run_dir: Path | None = None, console_level: str = "war
     # hand their records to the root logger instead
     for name, lg in list(logging.Logger.manager.loggerDict.items()):
         if isinstance(lg, logging.Logger) and name.split(".")[0] in LIBRARIES:
-            for h in lg.handlers[:]:
-                if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
-                    lg.removeHandler(h)
-            lg.propagate = True
+            route_library_logger(name)
     try:
         from transformers.utils import logging as hf_logging
 
@@ -242,7 +251,9 @@ def run_summary(rows: list[dict], *, wall_s: float, run_dir: Path, plot: Path | 
     """The lines a finished run ends with: held-out accuracy before and after (95% bootstrap interval
     over problems), wall time, where the files are."""
     evals = [r for r in rows if held_out_keys(r)]
-    lines = [f"run directory: {run_dir}  (metrics.jsonl, config.yaml, tensorboard/, samples/, checkpoints/)"]
+    shown = [n for n in ("metrics.jsonl", "config.yaml", "tensorboard/", "wandb/", "samples/", "checkpoints/")
+             if (Path(run_dir) / n).exists()]
+    lines = [f"run directory: {run_dir}  ({', '.join(shown)})"]
     if plot is not None:
         lines.append(f"plot: {plot}")
     lines.append(f"wall time: {wall_s:.0f} s")
@@ -274,12 +285,16 @@ class RunLogger:
     LEGEND = "columns: " + " | ".join(f"{label} = {meaning}" for _, label, _, meaning in SUMMARY)
 
     def __init__(self, run_dir: Path, *, total_steps: int, start_step: int = 0, tensorboard: bool = True,
-                 progress: bool = True, console: Console | None = None):
+                 progress: bool = True, step_lines: bool = True, console: Console | None = None):
+        """``step_lines``: print each step's line and each evaluation (run.loggers' console); warnings,
+        errors and the closing summary print either way. ``trackers`` (set after): W&B, MLflow."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "samples").mkdir(exist_ok=True)
         self.console = console or Console(highlight=False)
         self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.step_lines = step_lines
+        self.trackers = None
         self._legend_shown = False
         self._truncate_after(start_step)
         self.tb = None
@@ -291,7 +306,7 @@ class RunLogger:
             except ImportError:
                 self.console.print("[yellow]tensorboard is not installed; metrics go to metrics.jsonl only[/]")
         self.progress = None
-        if progress and self.console.is_terminal:
+        if progress and step_lines and self.console.is_terminal:
             self.progress = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                 TimeRemainingColumn(), console=self.console, transient=True,
@@ -317,9 +332,13 @@ class RunLogger:
                 if k != "step" and math.isfinite(v):
                     self.tb.add_scalar(k, v, step)
             self.tb.flush()
+        if self.trackers is not None:
+            self.trackers.log(step, row)
         return row
 
     def step_line(self, step: int, total: int, row: dict) -> None:
+        if not self.step_lines:
+            return
         if not self._legend_shown:
             self.console.print(self.LEGEND, style="dim", soft_wrap=True)
             self._legend_shown = True
@@ -336,7 +355,7 @@ class RunLogger:
 
     def held_out(self, step: int, row: dict) -> None:
         """An evaluation on the console as it happens (every metric of it is in metrics.jsonl)."""
-        if held_out_keys(row):
+        if self.step_lines and held_out_keys(row):
             self.console.print(f"held-out at step {step}: {held_out_line(row)}", soft_wrap=True)
 
     def warn(self, text: str) -> None:
@@ -361,11 +380,19 @@ class RunLogger:
             lines.append("```text\n" + r["response"] + "\n```\n")
         (self.run_dir / "samples" / f"step_{step:06d}.md").write_text("\n".join(lines))
 
-    def close(self) -> None:
+    def log_run_files(self, title: str) -> None:
+        """The end of the run, for the trackers: its plot and files."""
+        if self.trackers is not None:
+            self.trackers.log_run_files(title)
+
+    def close(self, status: str = "FINISHED") -> None:
+        """``status``: how the run ended, for the trackers (FINISHED, FAILED or KILLED)."""
         if self.progress is not None:
             self.progress.stop()
         if self.tb is not None:
             self.tb.close()
+        if self.trackers is not None:
+            self.trackers.close(status)
 
 
 class NullLogger:
@@ -395,5 +422,8 @@ class NullLogger:
     def write_samples(self, step: int, records: list[dict]) -> None:
         pass
 
-    def close(self) -> None:
+    def log_run_files(self, title: str) -> None:
+        pass
+
+    def close(self, status: str = "FINISHED") -> None:
         pass

@@ -42,6 +42,7 @@ from dapo.policy import LossFn, Policy, ReferenceModel
 from dapo.rewards.pool import REWARD_FN
 from dapo.rollout import SamplingParams, make_training_engine
 from dapo.tasks import load_train_examples
+from dapo.trackers import check_installed, open_trackers, run_status
 
 # The keep-rate estimate that sizes each round's over-sampling (algo.adaptive_oversample) follows the
 # measured rate with this momentum: one unlucky round does not double the next step's generation, and
@@ -270,6 +271,7 @@ class Run:
 def start(cfg: Config, stack: contextlib.ExitStack, console=None, inputs: RunInputs | None = None) -> Run:
     """Build the run: ranks, policy, rollout engine, data, grading pool, logger; resume if asked."""
     inputs = inputs or RunInputs()
+    check_installed(cfg.run.loggers)  # before anything is built
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     d = parallel.init(cfg.model.device)  # WORLD_SIZE > 1 (torchrun, Ray): FSDP over the ranks
@@ -308,10 +310,13 @@ def start(cfg: Config, stack: contextlib.ExitStack, console=None, inputs: RunInp
     if d.is_main:
         (cfg.run_dir / "config.yaml").write_text(dump_yaml(cfg))
         run.logger = RunLogger(cfg.run_dir, total_steps=cfg.train.total_steps, start_step=run.state.step,
-                               tensorboard=cfg.run.tensorboard, progress=cfg.run.progress, console=console)
+                               tensorboard="tensorboard" in cfg.run.loggers, progress=cfg.run.progress,
+                               step_lines="console" in cfg.run.loggers, console=console)
     stack.callback(parallel.shutdown, d)
-    stack.callback(run.logger.close)
+    stack.push(lambda kind, err, tb: run.logger.close(run_status(kind)))
     stack.callback(run.writer.wait)  # first of these: a run that stops (an error, Ctrl-C) still completes its write
+    if d.is_main:
+        run.logger.trackers = open_trackers(cfg, start_step=run.state.step, warn=run.logger.warn, info=run.logger.info)
     if resume_from is not None:
         run.logger.info(f"resumed from {resume_from} (step {run.state.step})")
     return run
@@ -372,6 +377,7 @@ def train(cfg: Config, *, console=None, inputs: RunInputs | None = None) -> dict
             if batch is not None:
                 run.logger.write_samples(step, sample_records(batch, run.policy.tokenizer, cfg.run.samples_per_step))
         run.finish_saves()  # the last checkpoint is whole on disk before train returns (train.log has how long it took)
+        run.logger.log_run_files(title=cfg.run.name)
     return last
 
 
