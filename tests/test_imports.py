@@ -87,7 +87,8 @@ FLOORS = [
     *[(m, lambda n: n in ("dapo.train", "dapo.dynamic_sampling", "dapo.rollout", "dapo.evaluate", "dapo.algo"))
       for m in ("dapo.policy", "dapo.prefix")],
     ("dapo.rollout", lambda n: n in ("dapo.train", "dapo.policy", "dapo.dynamic_sampling", "dapo.evaluate")),
-    *[(m, lambda n: n in ENGINES_AND_UP) for m in ("dapo.config", "dapo.parallel", "dapo.models", "dapo.checkpoint")],
+    *[(m, lambda n: n in ENGINES_AND_UP) for m in ("dapo.config", "dapo.parallel", "dapo.models", "dapo.checkpoint",
+                                                   "dapo.lora")],
     *[(m, lambda n: n in ("dapo.train", "dapo.cli", "dapo.ablate", "dapo.cluster"))
       for m in ("dapo.dynamic_sampling", "dapo.evaluate", "dapo.metrics", "dapo.log", "dapo.plots")],
 ]

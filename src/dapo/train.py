@@ -37,7 +37,7 @@ from dapo.evaluate import evaluate, load_benchmark, sampling_settings
 from dapo.log import NullLogger, RunLogger, setup_library_logging
 from dapo.metrics import no_signal_advice, sample_records, sampling_metrics, step_metrics
 from dapo.models import pick_device
-from dapo.policy import LossFn, Policy, ReferenceModel
+from dapo.policy import BaseReference, LossFn, Policy, ReferenceModel
 from dapo.rollout import SamplingParams, make_training_engine
 from dapo.tasks import load_train_examples
 
@@ -197,7 +197,7 @@ class Run:
     cfg: Config
     dist: parallel.Dist
     policy: Policy
-    reference: ReferenceModel | None
+    reference: ReferenceModel | BaseReference | None
     engine: object
     encode: object
     sampler: PromptSampler
@@ -263,7 +263,10 @@ def start(cfg: Config, stack: contextlib.ExitStack, console=None) -> Run:
     r, a = cfg.rollout, cfg.algo
     device = d.device if d.sharded else pick_device(cfg.model.device)
     policy = Policy(cfg.model, cfg.train, d, device=device, temperature=r.temperature)
-    reference = ReferenceModel(cfg.model, cfg.train, d, device=device, temperature=r.temperature) if a.kl_coef > 0 else None
+    reference = None
+    if a.kl_coef > 0:  # with LoRA the base is the policy with its adapters off: no second copy
+        reference = policy.base_reference() if policy.adapted else ReferenceModel(cfg.model, cfg.train, d, device=device,
+                                                                                   temperature=r.temperature)
     max_model_len = cfg.data.max_prompt_tokens + max(r.max_response_tokens, cfg.eval.max_response_tokens or 0)
     engine = make_training_engine(r, cfg.model, policy.model, policy.tokenizer, d, max_model_len=max_model_len)
     # the saved config says which engine ran ("auto" resolved)
