@@ -85,10 +85,11 @@ def test_lora_is_off_by_default_and_set_from_yaml_or_dotted_overrides(tmp_path):
     ("model.lora.dropout=1", "model.lora.dropout=1.0: must be in [0, 1)"),
     ("model.lora.target_modules=[]", "model.lora.target_modules=[]: name at least one linear layer"),
     ("model.lora.ranks=4", "model.lora.ranks: unknown key"),
+    ("model.lora.dropout=0.1 algo.old_logp=first_update", "model.lora.dropout=0.1: algo.old_logp=first_update would"),
 ])
 def test_bad_lora_settings_are_one_line_naming_the_key(override, start):
     with pytest.raises(ConfigError) as err:
-        load_config("configs/demo.yaml", [override])
+        load_config("configs/demo.yaml", override.split())
     assert str(err.value).startswith(start) and "\n" not in str(err.value)
 
 
@@ -254,6 +255,8 @@ def test_a_killed_lora_run_resumes_to_the_adapters_of_an_uninterrupted_one(lora_
 
     full, resumed_dir, resumed = lora_runs
     assert "resumed from" in resumed.stdout and "step_000001 (step 1)" in resumed.stdout
+    assert "LoRA rank 4 (alpha 8) on down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj: 5,888 trained " \
+           "parameters, " in resumed.stdout
     a = {r["step"]: r for r in read_metrics(full)}
     b = {r["step"]: r for r in read_metrics(resumed_dir)}
     assert a[2]["sampling/groups_from_buffer"] > 0 and "actor/kl_loss" in a[3]  # buffer and reference resumed too

@@ -456,6 +456,9 @@ def validate(cfg: Config) -> None:
     _check(0.0 <= lora.dropout < 1.0, f"model.lora.dropout={lora.dropout}: must be in [0, 1)")
     _check(len(lora.target_modules) > 0 and all(lora.target_modules),
            f"model.lora.target_modules={lora.target_modules}: name at least one linear layer, e.g. [q_proj,v_proj]")
+    _check(lora.dropout == 0 or a.old_logp != "first_update",
+           f"model.lora.dropout={lora.dropout}: algo.old_logp=first_update would take old_logp from a forward with "
+           "dropout; use algo.old_logp=recompute, or model.lora.dropout=0")
     _check(r.group_size >= 2, f"rollout.group_size={r.group_size}: must be >= 2 for group-relative advantages")
     _check(r.max_response_tokens > 0, "rollout.max_response_tokens must be > 0")
     _check(r.temperature > 0, f"rollout.temperature={r.temperature}: must be > 0 (log-probs divide by it)")

@@ -73,6 +73,15 @@ def add_adapters(model, cfg: LoraConfig, *, seed: int):
         return get_peft_model(model, peft_cfg, adapter_name=ADAPTER)
 
 
+def summary(model) -> str:
+    """One line: the adapters' rank and how many parameters train beside the frozen ones."""
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    cfg = model.peft_config[ADAPTER]
+    return (f"LoRA rank {cfg.r} (alpha {cfg.lora_alpha:g}) on {', '.join(sorted(cfg.target_modules))}: "
+            f"{trained:,} trained parameters, {frozen:,} frozen")
+
+
 def merged_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every weight of the model the adapters make, under the base model's parameter
     names: an adapted layer's weight is W + peft's delta (scale * B A), computed aside, so the model

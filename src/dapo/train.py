@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dapo import algo, checkpoint, parallel
+from dapo import algo, checkpoint, lora, parallel
 from dapo.batch import RolloutBatch
 from dapo.config import AlgoConfig, Config, ConfigError, dump_yaml, load_config
 from dapo.data import PromptSampler, make_encoder
@@ -296,6 +296,8 @@ def start(cfg: Config, stack: contextlib.ExitStack, console=None) -> Run:
     stack.callback(parallel.shutdown, d)
     stack.callback(run.logger.close)
     stack.callback(run.writer.wait)  # first of these: a run that stops (an error, Ctrl-C) still completes its write
+    if policy.adapted:
+        run.logger.info(lora.summary(policy.model))
     if resume_from is not None:
         run.logger.info(f"resumed from {resume_from} (step {run.state.step})")
     return run
