@@ -248,6 +248,8 @@ def test_a_lora_checkpoint_holds_the_adapters_not_the_base(lora_runs, tiny_model
     state = checkpoint.load_trainer_state(step)
     assert len(state["policy"]["optimizer"]["state"]) == 28 and "master_weights" not in state["policy"]
     assert any(bool(w.abs().sum()) for k, w in weights.items() if ".lora_B." in k)  # trained, not the zero init
+    with pytest.raises(SystemExit, match=r"holds LoRA adapters; run `dapo export .* OUT_DIR` and evaluate --model"):
+        cli.main(["eval", "--run", str(full)])
 
 
 def test_a_killed_lora_run_resumes_to_the_adapters_of_an_uninterrupted_one(lora_runs):
