@@ -475,6 +475,24 @@ def test_vllm_samples_from_the_merged_model_after_a_push(tmp_path):
     assert fresh.mean() < LOGP_TOL_MEAN and fresh.max() < LOGP_TOL_MAX
 
 
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_two_lora_training_steps_with_vllm_and_a_kl_term(tmp_path):
+    """The loop pushes the merged weights after step 1, so step 2 samples from the trained adapters (a failed
+    push would show as a large log-prob gap); the KL term's reference is the base, which step 2 has left."""
+    from dapo.train import train
+    from test_vllm import LOGP_TOL_MAX, LOGP_TOL_MEAN, VLLM_OVERRIDES
+
+    cfg = small_config(tmp_path, REPO / "assets" / "arith-base", *VLLM_OVERRIDES, *LORA, "train.lr=1e-2",
+                       "algo.kl_coef=0.01")
+    train(cfg)
+    rows = read_metrics(cfg.run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["rollout/logprob_abs_diff_mean"] < LOGP_TOL_MEAN and r["rollout/logprob_abs_diff_max"] < LOGP_TOL_MAX
+    assert rows[1]["actor/kl_loss"] > 0
+    assert (cfg.run_dir / "checkpoints" / "step_000002" / "adapter" / lora.WEIGHTS_FILE).is_file()
+
+
 if __name__ == "__main__":  # the torchrun worker
     mode, *rest = sys.argv[1:]
     {"fsdp": fsdp_worker}[mode](*rest)
