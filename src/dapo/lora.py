@@ -97,9 +97,9 @@ def merged_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
                 continue
             layer_name = owner.removesuffix(".base_layer")
             if owner.endswith(".base_layer") and layer_name in adapted:
-                if leaf == "weight":
+                if leaf == "weight":  # summed in float32 and rounded once to the base's dtype
                     with torch.no_grad():
-                        p = p + adapted[layer_name].get_delta_weight(ADAPTER).to(p.dtype)
+                        p = (p.float() + adapted[layer_name].get_delta_weight(ADAPTER).float()).to(p.dtype)
                 name = f"{layer_name}.{leaf}"
             yield name, p
 
