@@ -87,8 +87,10 @@ def merged_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     names: an adapted layer's weight is W + peft's delta (scale * B A), computed aside, so the model
     itself is never merged. Under FSDP every tensor is gathered in turn (a collective: every rank must
     iterate to the end), as ``parallel.full_tensors`` does."""
+    from peft.tuners.lora import LoraLayer
+
     base = model.get_base_model()
-    adapted = {name: m for name, m in base.named_modules() if hasattr(m, "get_delta_weight") and ADAPTER in m.lora_A}
+    adapted = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
 
     def named():
         for name, p in base.named_parameters():
