@@ -155,6 +155,32 @@ def test_gradient_checkpointing_and_bf16_train_the_adapters_as_float32(tiny_mode
     assert (torch.sign(d16) == torch.sign(d32)).float().mean() > 0.95
 
 
+def test_shared_prompts_give_the_unshared_lora_update(tiny_model_dir, tmp_path):
+    """train.share_prompt_prefix (on in the SmolLM2 presets, so in the LoRA one) runs the decoder through its
+    KV-cache interface: the adapted layers take part in it like any other, gradients included, and the
+    reference with the adapters off shares prompts too."""
+    batch, out = None, {}
+    for share in ("false", "true"):
+        cfg = small_config(tmp_path, tiny_model_dir, *LORA, *ONE_UPDATE, f"train.share_prompt_prefix={share}",
+                           "model.gradient_checkpointing=true")
+        torch.manual_seed(0)
+        policy = make_policy(cfg)
+        # SGD at lr 1: the change is minus the gradient (AdamW's first step, g / |g|, magnifies float noise)
+        policy.optimizer = torch.optim.SGD([p for p in policy.model.parameters() if p.requires_grad], lr=1.0)
+        batch = batch or sampled(policy)
+        batch.old_logp, batch.entropy = policy.compute_logprobs(batch, with_entropy=True)
+        before = adapter_params(policy.model)
+        policy.update(batch, loss_fn_of(cfg))
+        delta = torch.cat([(p - before[n]).flatten() for n, p in adapter_params(policy.model).items()])
+        out[share] = (batch.old_logp.clone(), delta, policy.compute_logprobs(batch)[0],
+                      policy.base_reference().logprobs(batch))
+    (logp0, d0, after0, ref0), (logp1, d1, after1, ref1) = out["false"], out["true"]
+    assert d0.abs().max() > 1e-3
+    assert (logp1 - logp0).abs().max() < 1e-5 and (d1 - d0).abs().max() < 1e-6
+    assert (after1 - after0).abs().max() < 1e-5 and (ref1 - ref0).abs().max() < 1e-5
+    assert (after0 - ref0).abs().max() > 1e-3  # the update moved the adapters' log-probs away from the base
+
+
 # ---- the rollout engines and the reference -------------------------------------------------------
 def test_merged_weights_are_peft_merge_under_the_base_names(tiny_model_dir, tmp_path):
     import copy
