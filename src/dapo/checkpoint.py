@@ -13,6 +13,12 @@ Under FSDP (several ranks) the weights are saved in shards instead, each rank wr
         config.yaml
 Every rank must see the same directory (one filesystem shared by the nodes).
 
+A LoRA run (model.lora.rank set) saves its adapters, not the base: ``adapter/`` instead of ``model/``
+(peft's format: adapter_config.json, adapter_model.safetensors, and the tokenizer), and its AdamW
+state is the adapters'; under FSDP ``shards/`` hold the adapters alone and ``adapter/`` their config.
+``adapter/adapter_config.json`` is what marks a checkpoint as LoRA: resuming one in a run without
+LoRA, or the reverse, stops with a one-line error.
+
 A checkpoint is written under a temporary name and renamed when complete, so a directory named
 step_* is always whole; a crash mid-write leaves only a .tmp_* directory, removed on the next save.
 A single process can write it in a background thread (``CheckpointWriter``, run.async_checkpoint):
@@ -36,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from dapo import parallel
+from dapo import lora, parallel
 from dapo.parallel import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -177,7 +183,8 @@ def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state
     tmp = root / f".tmp_step_{step:06d}"
     state = {**trainer_state, "step": step, "rng": rng_state()}  # the RNG as the step left it
     if shards is None:
-        files = {**{f"model/{name}": data for name, data in writer.tokenizer_files(tokenizer).items()},
+        weights_dir = lora.ADAPTER_DIR if lora.is_adapted(model) else "model"
+        files = {**{f"{weights_dir}/{name}": data for name, data in writer.tokenizer_files(tokenizer).items()},
                  "config.yaml": config_yaml.encode()}
         if writer.asynchronous:
             # The weights and the policy's optimizer state are written from live memory, not copied: a copy
@@ -185,7 +192,8 @@ def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state
             # keeps them unchanged until writer.wait() (the loop waits before its next update); the rest of
             # the trainer state (sampler, buffer, RNG: small) is copied now.
             live = {k: state.pop(k) for k in LIVE_STATE_KEYS if k in state}
-            weights, state = model.state_dict(), {**writer.snapshot(state), **live}
+            weights = lora.adapter_state(model) if lora.is_adapted(model) else model.state_dict()
+            state = {**writer.snapshot(state), **live}
             writer.start(final, lambda: _write(run_dir, tmp, final, model, weights, files, state, keep))
         else:
             _write(run_dir, tmp, final, model, None, files, state, keep)
@@ -201,6 +209,8 @@ def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state
         return final
     model.config.save_pretrained(tmp / "model_meta")
     tokenizer.save_pretrained(tmp / "model_meta")
+    if lora.is_adapted(model):  # the adapters' shape and scale; their weights are in the shards
+        lora.save_adapter(model, tmp / lora.ADAPTER_DIR, weights={})
     torch.save(state, tmp / "trainer_state.pt")
     (tmp / "config.yaml").write_text(config_yaml)
     _complete(run_dir, tmp, final, keep)
@@ -210,12 +220,16 @@ def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state
 
 def _write(run_dir: Path, tmp: Path, final: Path, model, weights: dict | None, files: dict[str, bytes],
            state: dict, keep: int) -> None:
-    """A single-process checkpoint: the model in Hugging Face format (``weights``: the state dict to
-    write, None: the model's own), ``files`` (path in the checkpoint: content), the trainer state; then renamed."""
+    """A single-process checkpoint: the model in Hugging Face format, or a peft model's adapters
+    (``weights``: the state dict to write, None: the model's own), ``files`` (path in the checkpoint:
+    content), the trainer state; then renamed."""
     tmp.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    model.save_pretrained(tmp / "model", state_dict=weights)  # tied weights, format: as the model saves itself
+    if lora.is_adapted(model):
+        lora.save_adapter(model, tmp / lora.ADAPTER_DIR, weights)
+    else:
+        model.save_pretrained(tmp / "model", state_dict=weights)  # tied weights, format: as the model saves itself
     for name, data in files.items():
         target = tmp / name
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -332,8 +346,34 @@ def is_sharded(path: Path) -> bool:
     return (Path(path) / "shards").is_dir()
 
 
+def is_lora(path: Path) -> bool:
+    """Whether a checkpoint holds LoRA adapters (its adapter config says so) rather than full weights."""
+    return (Path(path) / lora.ADAPTER_DIR / lora.CONFIG_FILE).is_file()
+
+
+def check_kind(path: Path, lora_cfg) -> None:
+    """A checkpoint resumes only a run of its kind: full weights a run without LoRA, adapters a LoRA run
+    whose ``model.lora`` gives them the same shape and scale. Else a CheckpointError saying what to change."""
+    path = Path(path)
+    if is_lora(path) and not lora_cfg.enabled:
+        raise CheckpointError(f"checkpoint {path} holds LoRA adapters ({lora.ADAPTER_DIR}/) and this run has "
+                              "model.lora.rank=null: set model.lora as the run that saved it had (its config.yaml), "
+                              f"or train on the merged model in a new run (dapo export {path} OUT_DIR, then "
+                              "model.path=OUT_DIR and another run.name)")
+    if lora_cfg.enabled and not is_lora(path):
+        raise CheckpointError(f"checkpoint {path} holds full weights (no {lora.ADAPTER_DIR}/) and this run has "
+                              f"model.lora.rank={lora_cfg.rank}: drop model.lora.rank to resume it, or put adapters "
+                              f"on its weights in a new run (dapo export {path} OUT_DIR, then model.path=OUT_DIR and "
+                              "another run.name)")
+    if lora_cfg.enabled:
+        lora.check_settings(path / lora.ADAPTER_DIR, lora_cfg)
+
+
 def load_shards(path: Path, shards: dict) -> dict:
     """Fill ``shards`` (this rank's model and optimizer state, any number of ranks) from a sharded checkpoint."""
+    if not is_sharded(path) and is_lora(path):
+        raise RuntimeError(f"checkpoint {path} holds single-process LoRA adapters ({lora.ADAPTER_DIR}/), not shards; "
+                           "resume it without torchrun/Ray")
     if not is_sharded(path):
         raise RuntimeError(f"checkpoint {path} holds a single-process model (model/), not shards; resume it without "
                            f"torchrun/Ray, or start a new run from it with model.path={Path(path) / 'model'}")
@@ -341,19 +381,29 @@ def load_shards(path: Path, shards: dict) -> dict:
     return shards
 
 
-def export_hf(path: Path, out_dir: Path, *, trust_remote_code: bool = False) -> Path:
+def export_hf(path: Path, out_dir: Path, *, trust_remote_code: bool = False, adapter: bool = False,
+              base: Path | None = None) -> Path:
     """A checkpoint's weights as one Hugging Face model directory (config, safetensors, tokenizer);
-    Python files in its model_meta/ run only with ``trust_remote_code``."""
+    Python files in its model_meta/ (or the base model's directory) run only with ``trust_remote_code``.
+
+    A LoRA checkpoint exports the merged model (its base, from ``base`` or the adapter config's
+    base_model_name_or_path, with W + scale * B A in every adapted layer), or with ``adapter`` the adapters
+    alone in peft's format (adapter_config.json, adapter_model.safetensors: ``PeftModel.from_pretrained``)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path, out_dir = Path(path), Path(out_dir)
     refuse_links(path)
     before = set(_tree(out_dir)) if out_dir.exists() else set()
-    if (path / "model" / "config.json").exists():  # single-process checkpoints already hold one
+    if adapter and not is_lora(path):
+        raise CheckpointError(f"{path} holds full weights, not LoRA adapters: drop --adapter to export the model")
+    if is_lora(path) and (not adapter or is_sharded(path)):
+        return _export_lora(path, out_dir, before, adapter=adapter, base=base, trust_remote_code=trust_remote_code)
+    weights_dir = path / (lora.ADAPTER_DIR if adapter else "model")
+    if (weights_dir / ("adapter_config.json" if adapter else "config.json")).exists():  # single-process: already one
         mode = out_dir.stat().st_mode & 0o7777 if before else None
-        shutil.copytree(path / "model", out_dir, dirs_exist_ok=True)
+        shutil.copytree(weights_dir, out_dir, dirs_exist_ok=True)
         # what was copied (and the directory, if made here); the rest of an existing directory keeps its modes
-        readable_as_umask([out_dir / p.relative_to(path / "model") for p in (path / "model").rglob("*")]
+        readable_as_umask([out_dir / p.relative_to(weights_dir) for p in weights_dir.rglob("*")]
                           + ([] if before else [out_dir]))
         if mode is not None:
             out_dir.chmod(mode)  # copytree gave it the checkpoint's
@@ -368,6 +418,36 @@ def export_hf(path: Path, out_dir: Path, *, trust_remote_code: bool = False) -> 
     model.to(dtype)  # the dtype the model was given in; training kept float32 masters
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(path / "model_meta", trust_remote_code=trust_remote_code).save_pretrained(out_dir)
+    readable_as_umask([p for p in _tree(out_dir) if p not in before or p.name.endswith(".safetensors")])  # ours
+    return out_dir
+
+
+def _export_lora(path: Path, out_dir: Path, before: set, *, adapter: bool, base: Path | None,
+                 trust_remote_code: bool) -> Path:
+    """The merged model of a LoRA checkpoint, or (sharded) its adapters gathered from the shards."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    adapter_dir = path / lora.ADAPTER_DIR
+    base = Path(base or lora.read_adapter_config(adapter_dir).get("base_model_name_or_path") or "").expanduser()
+    if not (base / "config.json").is_file():
+        raise FileNotFoundError(f"{path} holds LoRA adapters on the base model {str(base)!r}, which is not a model "
+                                "directory here; give the base with --base DIR")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    model = lora.rebuild(model, adapter_dir)
+    if is_sharded(path):
+        trained = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+        parallel.load_shards({"model": trained}, path / "shards")  # in place: the keys the trainer saved under
+    else:
+        lora.load_adapter(model, adapter_dir)
+    tokenizer_dir = path / "model_meta" if is_sharded(path) else adapter_dir
+    if adapter:
+        lora.save_adapter(model, out_dir)
+    else:
+        merged = model.merge_and_unload()  # in float32: each W + scale * B A rounded once, below
+        config = AutoConfig.from_pretrained(base, trust_remote_code=trust_remote_code)
+        dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype or "float32"))
+        merged.to(dtype).save_pretrained(out_dir)  # the base's own dtype
+    AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust_remote_code).save_pretrained(out_dir)
     readable_as_umask([p for p in _tree(out_dir) if p not in before or p.name.endswith(".safetensors")])  # ours
     return out_dir
 
@@ -396,22 +476,31 @@ def load_trainer_state(path: Path) -> dict:
 
 
 def load_policy_weights(policy, path: Path) -> None:
-    """A checkpoint's weights into ``policy``: the HF model alone, or under FSDP this rank's shards of
-    the model and the optimizer."""
+    """A checkpoint's weights into ``policy``: the HF model alone (or its LoRA adapters), or under FSDP this
+    rank's shards of the model (or the adapters) and the optimizer. A checkpoint of the other kind (LoRA or
+    not, another adapter shape) is refused first."""
+    check_kind(path, policy.model_cfg.lora)
     shards = policy.sharded_state()
-    if shards is None:
-        load_model_weights(policy.model, path, trust_remote_code=policy.model_cfg.trust_remote_code)
-    else:
+    if shards is not None:
         policy.load_sharded_state(load_shards(path, shards))
+    elif policy.adapted:
+        _refuse_sharded(path)
+        lora.load_adapter(policy.model, Path(path) / lora.ADAPTER_DIR)
+    else:
+        load_model_weights(policy.model, path, trust_remote_code=policy.model_cfg.trust_remote_code)
+
+
+def _refuse_sharded(path: Path) -> None:
+    if is_sharded(path):
+        raise RuntimeError(f"checkpoint {path} is sharded (written by several ranks); resume it with torchrun or "
+                           f"`dapo launch-ray`, or turn it into a model directory with `dapo export {path} OUT_DIR`")
 
 
 def load_model_weights(model, path: Path, *, trust_remote_code: bool = False) -> None:
     """Copy the HF-format weights saved in ``path/model`` into an already built model."""
     from transformers import AutoModelForCausalLM
 
-    if is_sharded(path):
-        raise RuntimeError(f"checkpoint {path} is sharded (written by several ranks); resume it with torchrun or "
-                           f"`dapo launch-ray`, or turn it into a model directory with `dapo export {path} OUT_DIR`")
+    _refuse_sharded(path)
 
     saved = AutoModelForCausalLM.from_pretrained(Path(path) / "model", dtype=next(model.parameters()).dtype,
                                                  trust_remote_code=trust_remote_code)

@@ -64,8 +64,9 @@ def closing_summary(cfg, wall_s: float, *, title: str) -> None:
 def cmd_export(args) -> int:
     from dapo.checkpoint import export_hf
 
-    out = export_hf(Path(args.checkpoint), Path(args.out_dir), trust_remote_code=args.trust_remote_code)
-    print(f"written: {out} (Hugging Face model directory)")
+    out = export_hf(Path(args.checkpoint), Path(args.out_dir), trust_remote_code=args.trust_remote_code,
+                    adapter=args.adapter, base=Path(args.base) if args.base else None)
+    print(f"written: {out} ({'peft LoRA adapter' if args.adapter else 'Hugging Face model directory'})")
     return 0
 
 
@@ -115,7 +116,8 @@ def cmd_eval(args) -> int:
             raise SystemExit(f"error: --run {args.run} has no checkpoint (looked in {args.run}/checkpoints)")
         model_dir = ckpt / "model"
         if not model_dir.is_dir():
-            raise SystemExit(f"error: {ckpt} is sharded; run `dapo export {ckpt} OUT_DIR` and evaluate --model OUT_DIR")
+            kind = "holds LoRA adapters" if (ckpt / "adapter").is_dir() else "is sharded"
+            raise SystemExit(f"error: {ckpt} {kind}; run `dapo export {ckpt} OUT_DIR` and evaluate --model OUT_DIR")
         # beside the checkpoints, not inside one: rotation deletes old checkpoints with all they hold
         default_out = Path(args.run) / "eval" / ckpt.name
     elif args.model:
@@ -177,9 +179,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value overrides of configs/demo.yaml")
     p.set_defaults(func=cmd_demo)
 
-    p = add("export", help="turn a checkpoint (sharded or not) into one Hugging Face model directory")
+    p = add("export", help="turn a checkpoint (sharded or not) into one Hugging Face model directory",
+            description="Write a checkpoint's model as one Hugging Face model directory. A LoRA checkpoint "
+                        "exports its base model with the adapters merged in, or with --adapter the adapters "
+                        "alone (peft: PeftModel.from_pretrained(base, OUT_DIR)).")
     p.add_argument("checkpoint", help="a checkpoint directory, e.g. runs/NAME/checkpoints/step_000100")
     p.add_argument("out_dir", help="where to write the model (config, safetensors, tokenizer)")
+    p.add_argument("--adapter", action="store_true",
+                   help="LoRA checkpoints: write the peft adapter (adapter_config.json, adapter_model.safetensors) "
+                        "instead of the merged model")
+    p.add_argument("--base", help="LoRA checkpoints: the base model directory, where it is no longer at the path "
+                                  "the adapter config names")
     p.add_argument("--trust-remote-code", action="store_true", help="run Python files shipped in the checkpoint")
     p.set_defaults(func=cmd_export)
 

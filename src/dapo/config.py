@@ -46,6 +46,33 @@ Logger = Literal["console", "tensorboard", "wandb", "mlflow"]
 WandbMode = Literal["online", "offline", "disabled"]
 
 
+# the linear layers of a Llama / Qwen2 / Mistral decoder layer: attention and MLP
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraConfig:
+    # LoRA rank r: train low-rank adapters (peft) on the target layers and freeze every base weight; null: off
+    # (every weight trains). LoRA usually wants a learning rate about 10x the full fine-tuning one (train.lr).
+    rank: int | None = None
+    alpha: float | None = None  # the adapters' output is scaled by alpha / rank; null: 2 x rank (scale 2)
+    # dropout on the adapters' input in the update's forward passes only; 0 keeps the trained policy the one that
+    # sampled (log-probs are computed without dropout), so the first update's ratio is exactly 1
+    dropout: float = 0.0
+    # names of the decoder layers' linear modules that get adapters (the model's own names; the LM head and the
+    # embeddings stay frozen)
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank is not None
+
+    @property
+    def lora_alpha(self) -> float:
+        """alpha as peft takes it, the null default resolved."""
+        return float(2 * self.rank) if self.alpha is None else self.alpha
+
+
 @dataclass
 class ModelConfig:
     path: str = "assets/arith-base"  # local Hugging Face causal-LM directory (nothing is downloaded)
@@ -53,6 +80,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
     device: Device = "auto"  # auto: cuda if available
     trust_remote_code: bool = False  # run Python files shipped in model.path (auto_map); only for directories you trust
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (off by default)
 
 
 @dataclass
@@ -476,6 +504,15 @@ def validate(cfg: Config) -> None:
                f"algo.overlong_buffer_tokens={a.overlong_buffer_tokens}: must be in (0, rollout.max_response_tokens="
                f"{r.max_response_tokens}]; the buffer cannot be longer than the maximum length")
         _check(a.overlong_penalty_factor >= 0, "algo.overlong_penalty_factor must be >= 0")
+    lora = cfg.model.lora
+    _check_unset_or_positive("model.lora.rank", lora.rank, "off: every weight trains")
+    _check_unset_or_positive("model.lora.alpha", lora.alpha, "2 x rank")
+    _check(0.0 <= lora.dropout < 1.0, f"model.lora.dropout={lora.dropout}: must be in [0, 1)")
+    _check(len(lora.target_modules) > 0 and all(lora.target_modules),
+           f"model.lora.target_modules={lora.target_modules}: name at least one linear layer, e.g. [q_proj,v_proj]")
+    _check(lora.dropout == 0 or a.old_logp != "first_update",
+           f"model.lora.dropout={lora.dropout}: algo.old_logp=first_update would take old_logp from a forward with "
+           "dropout; use algo.old_logp=recompute, or model.lora.dropout=0")
     _check(r.group_size >= 2, f"rollout.group_size={r.group_size}: must be >= 2 for group-relative advantages")
     _check(r.max_response_tokens > 0, "rollout.max_response_tokens must be > 0")
     _check(r.temperature > 0, f"rollout.temperature={r.temperature}: must be > 0 (log-probs divide by it)")

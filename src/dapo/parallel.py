@@ -238,18 +238,26 @@ def same_count(items: list, d: Dist) -> list:
 
 
 # ---- sharded checkpoints -------------------------------------------------------------------------
-def sharded_state(model: nn.Module, optimizer) -> dict:
-    """Model and optimizer state as DTensor shards keyed by parameter name (for torch.distributed.checkpoint)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+def sharded_state(model: nn.Module, optimizer, *, trainable_only: bool = False) -> dict:
+    """Model and optimizer state as DTensor shards keyed by parameter name (for torch.distributed.checkpoint);
+    ``trainable_only``: the frozen parameters left out (LoRA: the adapters alone, not the base)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    options = StateDictOptions(ignore_frozen_params=trainable_only)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    if trainable_only:  # a tied weight is in the state dict under each of its names, and only one is dropped
+        trained = {name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        model_sd = {k: v for k, v in model_sd.items() if k in trained}
     return {"model": model_sd, "optim": optim_sd}
 
 
-def load_sharded_state(model: nn.Module, optimizer, state: dict) -> None:
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+def load_sharded_state(model: nn.Module, optimizer, state: dict, *, trainable_only: bool = False) -> None:
+    """``state`` as ``sharded_state`` made it into the model and optimizer. With ``trainable_only`` the frozen
+    parameters are not in it and keep their values (every key that is in it was filled by the shards' load)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
 
 
 def save_shards(state: dict, path) -> None:

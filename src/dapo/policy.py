@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import nn
 
-from dapo import parallel
+from dapo import lora, parallel
 from dapo.batch import RolloutBatch, pad_rows, plan_micro_batches, plan_shared_prompt_micro_batches, response_passes
 from dapo.models import DTYPES, load_model_and_tokenizer
 from dapo.prefix import SharedPrompts, fed_widths, prompt_of_rows, prompt_then_responses, shared_prompt_passes, unsupported
@@ -418,6 +418,9 @@ class Policy(LogProbModel):
         if model_cfg.gradient_checkpointing:
             lm.gradient_checkpointing_enable()
         lm.config.use_cache = False  # training forward passes never need the KV cache
+        self.adapted = model_cfg.lora.enabled
+        if self.adapted:  # the base frozen, LoRA adapters trained; the model is the peft model from here on
+            lm = lora.add_adapters(lm, model_cfg.lora, seed=train_cfg.seed)
         super().__init__(lm, self.tokenizer.pad_token_id, model_cfg, train_cfg, dist,
                          temperature=temperature, device=device)
         self.master = self._master_weights()  # float32 copies in one process below float32; None otherwise
@@ -444,12 +447,11 @@ class Policy(LogProbModel):
         and after every optimizer step the model takes the copies rounded to bf16 (``_sync_from_master``).
         Under FSDP (sharded) the parameters are already float32 masters.
         """
-        if self.dist.sharded or DTYPES[self.model_cfg.dtype] == torch.float32:
-            return None
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        if self.dist.sharded or all(p.dtype == torch.float32 for p in trained):
+            return None  # (peft keeps LoRA adapters in float32 under a bf16 base: they are their own masters)
         masters = []
-        for p in self.model.parameters():
-            if not p.requires_grad:
-                continue
+        for p in trained:
             master = nn.Parameter(p.detach().float().clone())
             p.register_post_accumulate_grad_hook(_grad_into(master))
             masters.append(master)
@@ -553,8 +555,15 @@ class Policy(LogProbModel):
 
     # ---- state -----------------------------------------------------------------------------
     def named_weights(self):
-        """(name, full tensor) per parameter; under FSDP each is gathered in turn, on every rank."""
+        """(name, full tensor) per parameter of the model being trained, under the base model's names; with
+        LoRA the adapted layers' weights merged. Under FSDP each is gathered in turn, on every rank."""
+        if self.adapted:
+            return lora.merged_weights(self.model)
         return parallel.full_tensors(self.model.named_parameters())
+
+    def base_reference(self) -> BaseReference:
+        """The reference model of a LoRA run: this policy with its adapters off (see ``BaseReference``)."""
+        return BaseReference(self)
 
     def trainer_state(self) -> dict:
         state = {"scheduler": self.scheduler.state_dict(), "skipped_updates": self.skipped_updates}
@@ -566,10 +575,12 @@ class Policy(LogProbModel):
 
     def sharded_state(self) -> dict | None:
         """Model and optimizer shards for torch.distributed.checkpoint; None in a single process."""
-        return parallel.sharded_state(self.model, self.optimizer) if self.dist.sharded else None
+        if not self.dist.sharded:
+            return None
+        return parallel.sharded_state(self.model, self.optimizer, trainable_only=self.adapted)
 
     def load_sharded_state(self, state: dict) -> None:
-        parallel.load_sharded_state(self.model, self.optimizer, state)
+        parallel.load_sharded_state(self.model, self.optimizer, state, trainable_only=self.adapted)
 
     def load_trainer_state(self, state: dict) -> None:
         if "optimizer" in state:
@@ -581,3 +592,17 @@ class Policy(LogProbModel):
             self._sync_from_master()
         self.scheduler.load_state_dict(state["scheduler"])
         self.skipped_updates = int(state["skipped_updates"])
+
+
+class BaseReference:
+    """The reference model of a LoRA run without a second copy of the weights: the policy's own model with
+    its adapters switched off (peft's ``disable_adapter``), which is the base model the run started from
+    (the adapters start at B = 0). Under FSDP it runs the policy's sharded pass."""
+
+    def __init__(self, policy: Policy):
+        self.policy = policy
+
+    def logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """(N, T) log-probs of the sampled tokens under the base weights."""
+        with self.policy.model.disable_adapter():
+            return self.policy.compute_logprobs(batch)[0]

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from dapo import algo, checkpoint, parallel
+from dapo import algo, checkpoint, lora, parallel
 from dapo.batch import RolloutBatch
 from dapo.config import AlgoConfig, Config, ConfigError, dump_yaml, load_config
 from dapo.data import PromptSampler, make_encoder
@@ -38,7 +38,7 @@ from dapo.evaluation import evaluate, load_benchmark, sampling_settings
 from dapo.log import NullLogger, RunLogger, setup_library_logging
 from dapo.metrics import no_signal_advice, sample_records, sampling_metrics, step_metrics
 from dapo.models import pick_device
-from dapo.policy import LossFn, Policy, ReferenceModel
+from dapo.policy import BaseReference, LossFn, Policy, ReferenceModel
 from dapo.rewards.pool import REWARD_FN
 from dapo.rollout import SamplingParams, make_training_engine
 from dapo.tasks import load_train_examples
@@ -211,7 +211,7 @@ class Run:
     cfg: Config
     dist: parallel.Dist
     policy: Policy
-    reference: ReferenceModel | None
+    reference: ReferenceModel | BaseReference | None
     engine: object
     encode: object
     sampler: PromptSampler
@@ -280,7 +280,10 @@ def start(cfg: Config, stack: contextlib.ExitStack, console=None, inputs: RunInp
     r, a = cfg.rollout, cfg.algo
     device = d.device if d.sharded else pick_device(cfg.model.device)
     policy = Policy(cfg.model, cfg.train, d, device=device, temperature=r.temperature)
-    reference = ReferenceModel(cfg.model, cfg.train, d, device=device, temperature=r.temperature) if a.kl_coef > 0 else None
+    reference = None
+    if a.kl_coef > 0:  # with LoRA the base is the policy with its adapters off: no second copy
+        reference = policy.base_reference() if policy.adapted else ReferenceModel(cfg.model, cfg.train, d, device=device,
+                                                                                   temperature=r.temperature)
     max_model_len = cfg.data.max_prompt_tokens + max(r.max_response_tokens, cfg.eval.max_response_tokens or 0)
     engine = make_training_engine(r, cfg.model, policy.model, policy.tokenizer, d, max_model_len=max_model_len)
     # the saved config says which engine ran ("auto" resolved)
@@ -317,6 +320,8 @@ def start(cfg: Config, stack: contextlib.ExitStack, console=None, inputs: RunInp
     stack.callback(run.writer.wait)  # first of these: a run that stops (an error, Ctrl-C) still completes its write
     if d.is_main:
         run.logger.trackers = open_trackers(cfg, start_step=run.state.step, warn=run.logger.warn, info=run.logger.info)
+    if policy.adapted:
+        run.logger.info(lora.summary(policy.model))
     if resume_from is not None:
         run.logger.info(f"resumed from {resume_from} (step {run.state.step})")
     return run

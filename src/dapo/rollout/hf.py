@@ -12,6 +12,7 @@ from typing import Iterable
 import torch
 from transformers import GenerationConfig
 
+from dapo import lora
 from dapo.rollout.base import Generation, SamplingParams, eos_token_ids, split_response
 
 
@@ -77,6 +78,10 @@ class HFRolloutEngine:
         )
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if lora.is_adapted(self.model):
+            # only a single-process LoRA run hands this engine a peft model: the trainer's own, whose live
+            # adapters it samples with, so there is nothing to load (and the merged tensors need not be made)
+            return
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, tensor in named_tensors:

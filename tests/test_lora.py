@@ -1,0 +1,524 @@
+"""LoRA adapters (model.lora) with peft on tiny models: only the adapters train and are saved, the
+rollout engines sample from the merged model, resume is exact, export reproduces the trainer's
+logits, and FSDP on 2 gloo ranks equals 1 process.
+
+The 2-rank part runs this file as a torchrun worker, as tests/test_parallel.py does.
+"""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import SMALL_OVERRIDES, loss_fn_of, make_policy, small_config  # noqa: E402
+
+from dapo import checkpoint, cli, lora, parallel  # noqa: E402
+from dapo.config import ConfigError, load_config  # noqa: E402
+from dapo.log import read_metrics  # noqa: E402
+from dapo.models import load_model_and_tokenizer  # noqa: E402
+from dapo.rollout import SamplingParams  # noqa: E402
+from dapo.rollout.hf import HFRolloutEngine  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+LORA = ("model.lora.rank=4",)
+ONE_UPDATE = ("train.prompts_per_step=3", "train.mini_batch_prompts=3", "train.grad_clip=1e9")
+
+
+def adapter_params(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if ".lora_" in n}
+
+
+def base_params(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if ".lora_" not in n}
+
+
+def logits(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+def sampled(policy, **kw):
+    from test_train import sampled_batch
+
+    return sampled_batch(policy, **kw)
+
+
+def trained_policy(cfg, updates: int = 1, lr: float | None = None):
+    """A LoRA policy after ``updates`` steps on a sampled batch (adapters no longer zero)."""
+    torch.manual_seed(0)
+    policy = make_policy(cfg)
+    if lr is not None:
+        for group in policy.optimizer.param_groups:
+            group["lr"] = lr
+    batch = sampled(policy)
+    for _ in range(updates):
+        policy.update(batch, loss_fn_of(cfg))
+    return policy, batch
+
+
+# ---- settings ------------------------------------------------------------------------------------
+def test_lora_is_off_by_default_and_set_from_yaml_or_dotted_overrides(tmp_path):
+    cfg = load_config("configs/demo.yaml")
+    assert cfg.model.lora.rank is None and not cfg.model.lora.enabled
+    cfg = load_config("configs/demo.yaml", ["model.lora.rank=16", "model.lora.target_modules=[q_proj,v_proj]",
+                                            "model.lora.dropout=0.05"])
+    assert (cfg.model.lora.rank, cfg.model.lora.lora_alpha, cfg.model.lora.dropout) == (16, 32.0, 0.05)
+    assert cfg.model.lora.target_modules == ["q_proj", "v_proj"]
+    preset = tmp_path / "p.yaml"
+    preset.write_text("model:\n  lora:\n    rank: 8\n    alpha: 8\n")
+    got = load_config(preset).model.lora
+    assert (got.rank, got.lora_alpha, got.target_modules[-1]) == (8, 8.0, "down_proj")
+    shipped = load_config("configs/smollm2_135m_lora.yaml")
+    assert shipped.model.lora.rank == 16
+    assert shipped.train.lr == pytest.approx(10 * load_config("configs/smollm2_135m.yaml").train.lr)
+
+
+@pytest.mark.parametrize("override, start", [
+    ("model.lora.rank=0", "model.lora.rank=0: must be > 0, or null (off"),
+    ("model.lora.rank=2.5", "model.lora.rank: expected an integer"),
+    ("model.lora.alpha=-1", "model.lora.alpha=-1.0: must be > 0, or null (2 x rank)"),
+    ("model.lora.dropout=1", "model.lora.dropout=1.0: must be in [0, 1)"),
+    ("model.lora.target_modules=[]", "model.lora.target_modules=[]: name at least one linear layer"),
+    ("model.lora.ranks=4", "model.lora.ranks: unknown key"),
+    ("model.lora.dropout=0.1 algo.old_logp=first_update", "model.lora.dropout=0.1: algo.old_logp=first_update would"),
+])
+def test_bad_lora_settings_are_one_line_naming_the_key(override, start):
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/demo.yaml", override.split())
+    assert str(err.value).startswith(start) and "\n" not in str(err.value)
+
+
+def test_a_target_that_matches_no_linear_layer_lists_the_models_layers(tiny_model_dir, tmp_path, capsys):
+    cfg = small_config(tmp_path, tiny_model_dir, *LORA, "model.lora.target_modules=[q_proj,qkv,lm_head]")
+    with pytest.raises(ConfigError) as err:
+        make_policy(cfg)
+    assert str(err.value).startswith("model.lora.target_modules: qkv, lm_head match no linear layer of ")
+    assert "(the LM head excluded) are down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj" in str(err.value)
+    capsys.readouterr()
+    code = cli.main(["train", "configs/demo.yaml", f"model.path={tiny_model_dir}", f"run.dir={tmp_path / 'r'}",
+                     *SMALL_OVERRIDES, *LORA, "model.lora.target_modules=[attn]"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: model.lora.target_modules: attn match no")
+    assert not (tmp_path / "r").exists()
+
+
+# ---- the update ----------------------------------------------------------------------------------
+def test_an_update_changes_only_the_adapters(tiny_model_dir, tmp_path):
+    cfg = small_config(tmp_path, tiny_model_dir, *LORA)  # 2 optimizer updates per step: lora_A moves too
+    torch.manual_seed(0)
+    policy = make_policy(cfg)
+    base, _ = load_model_and_tokenizer(tiny_model_dir)
+    trained = [n for n, p in policy.model.named_parameters() if p.requires_grad]
+    # 2 layers x 7 linear modules x (A, B); nothing else trains or reaches the optimizer
+    assert len(trained) == 28 and all(".lora_A." in n or ".lora_B." in n for n in trained)
+    assert sum(len(g["params"]) for g in policy.optimizer.param_groups) == 28
+    batch = sampled(policy)
+    # the adapters start at B = 0: the policy is the base model, to the bit
+    assert torch.equal(logits(policy.model, batch.prompt_ids[0]), logits(base, batch.prompt_ids[0]))
+    before_base, before_adapters = base_params(policy.model), adapter_params(policy.model)
+    policy.update(batch, loss_fn_of(cfg))
+    after_base, after_adapters = base_params(policy.model), adapter_params(policy.model)
+    assert before_base.keys() == after_base.keys() and len(after_base) == len(list(base.parameters()))
+    assert [n for n in before_base if not torch.equal(before_base[n], after_base[n])] == []  # every base weight
+    moved = [n for n in before_adapters if not torch.equal(before_adapters[n], after_adapters[n])]
+    assert any(".lora_A." in n for n in moved) and any(".lora_B." in n for n in moved)
+    assert len(policy.optimizer.state) == 28  # AdamW moments for the adapters alone
+
+
+def test_gradient_checkpointing_and_bf16_train_the_adapters_as_float32(tiny_model_dir, tmp_path):
+    """Recomputed layers still reach the adapters; under a bf16 base peft keeps the adapters in float32, so
+    they need no master copy and take the float32 step up to bf16 noise in the gradient."""
+    batch, deltas = None, {}
+    for name, extra in {"fp32": [], "checkpointed": ["model.gradient_checkpointing=true"],
+                        "bf16": ["model.dtype=bfloat16"]}.items():
+        cfg = small_config(tmp_path, tiny_model_dir, *LORA, *ONE_UPDATE, *extra)
+        torch.manual_seed(0)  # the same adapter initialisation
+        policy = make_policy(cfg)
+        batch = batch or sampled(policy)  # the same samples for all three
+        batch.old_logp, _ = policy.compute_logprobs(batch)  # each under its own compute dtype: ratio 1
+        before = adapter_params(policy.model)
+        policy.update(batch, loss_fn_of(cfg))
+        deltas[name] = torch.cat([(p - before[n]).flatten() for n, p in adapter_params(policy.model).items()])
+        if name == "bf16":
+            assert policy.master is None
+            assert {p.dtype for n, p in policy.model.named_parameters() if ".lora_" in n} == {torch.float32}
+            assert {p.dtype for n, p in policy.model.named_parameters() if ".lora_" not in n} == {torch.bfloat16}
+    assert deltas["fp32"].abs().max() > 1e-4
+    assert torch.allclose(deltas["checkpointed"], deltas["fp32"], atol=1e-8)
+    d32, d16 = deltas["fp32"], deltas["bf16"]
+    assert d16.abs().mean().item() == pytest.approx(d32.abs().mean().item(), rel=0.02)
+    assert (torch.sign(d16) == torch.sign(d32)).float().mean() > 0.95
+
+
+def test_shared_prompts_give_the_unshared_lora_update(tiny_model_dir, tmp_path):
+    """train.share_prompt_prefix (on in the SmolLM2 presets, so in the LoRA one) runs the decoder through its
+    KV-cache interface: the adapted layers take part in it like any other, gradients included, and the
+    reference with the adapters off shares prompts too."""
+    batch, out = None, {}
+    for share in ("false", "true"):
+        cfg = small_config(tmp_path, tiny_model_dir, *LORA, *ONE_UPDATE, f"train.share_prompt_prefix={share}",
+                           "model.gradient_checkpointing=true")
+        torch.manual_seed(0)
+        policy = make_policy(cfg)
+        # SGD at lr 1: the change is minus the gradient (AdamW's first step, g / |g|, magnifies float noise)
+        policy.optimizer = torch.optim.SGD([p for p in policy.model.parameters() if p.requires_grad], lr=1.0)
+        batch = batch or sampled(policy)
+        batch.old_logp, batch.entropy = policy.compute_logprobs(batch, with_entropy=True)
+        before = adapter_params(policy.model)
+        policy.update(batch, loss_fn_of(cfg))
+        delta = torch.cat([(p - before[n]).flatten() for n, p in adapter_params(policy.model).items()])
+        out[share] = (batch.old_logp.clone(), delta, policy.compute_logprobs(batch)[0],
+                      policy.base_reference().logprobs(batch))
+    (logp0, d0, after0, ref0), (logp1, d1, after1, ref1) = out["false"], out["true"]
+    assert d0.abs().max() > 1e-3
+    assert (logp1 - logp0).abs().max() < 1e-5 and (d1 - d0).abs().max() < 1e-6
+    assert (after1 - after0).abs().max() < 1e-5 and (ref1 - ref0).abs().max() < 1e-5
+    assert (after0 - ref0).abs().max() > 1e-3  # the update moved the adapters' log-probs away from the base
+
+
+# ---- the rollout engines and the reference -------------------------------------------------------
+def test_merged_weights_are_peft_merge_under_the_base_names(tiny_model_dir, tmp_path):
+    import copy
+
+    policy, _ = trained_policy(small_config(tmp_path, tiny_model_dir, *LORA))
+    merged = dict(policy.named_weights())
+    reference = copy.deepcopy(policy.model).merge_and_unload()  # peft's in-place merge, on a copy
+    base, _ = load_model_and_tokenizer(tiny_model_dir)
+    assert list(merged) == [n for n, _ in base.named_parameters()]  # the base model's own names, in its order
+    assert all(torch.equal(merged[n], p) for n, p in reference.named_parameters())
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(merged[q], dict(base.named_parameters())[q])  # the adapters are in it
+    assert torch.equal(merged["model.norm.weight"], dict(base.named_parameters())["model.norm.weight"])
+    assert not any(m.merged for m in policy.model.modules() if hasattr(m, "merged_adapters"))
+
+
+def test_the_hf_engine_samples_with_the_live_adapters(tiny_model_dir, tmp_path):
+    cfg = small_config(tmp_path, tiny_model_dir, *LORA)
+    policy, _ = trained_policy(cfg, updates=3, lr=0.05)
+    engine = HFRolloutEngine(policy.model, policy.tokenizer)  # as a one-process run builds it: the trainer's model
+    engine.update_weights(iter(()))  # nothing to load: it is the trainer's own peft model
+    merged, _ = load_model_and_tokenizer(tiny_model_dir)
+    merged.load_state_dict(dict(policy.named_weights()), strict=False)  # (lm_head is tied to the embeddings)
+    base, _ = load_model_and_tokenizer(tiny_model_dir)
+    prompts = [policy.tokenizer(p)["input_ids"] for p in ("1+2=", "3*4-5=", "6+7*2=")]
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=12)
+    ours = engine.generate(prompts, greedy).response_ids
+    assert ours == HFRolloutEngine(merged, policy.tokenizer).generate(prompts, greedy).response_ids
+    assert ours != HFRolloutEngine(base, policy.tokenizer).generate(prompts, greedy).response_ids
+
+
+def test_the_reference_is_the_base_with_the_adapters_off(tiny_model_dir, tmp_path):
+    from dapo.policy import BaseReference, ReferenceModel
+
+    cfg = small_config(tmp_path, tiny_model_dir, *LORA, "rollout.temperature=0.8")
+    policy, batch = trained_policy(cfg, updates=2, lr=0.05)
+    reference = policy.base_reference()
+    assert isinstance(reference, BaseReference)
+    copy_of_base = ReferenceModel(cfg.model, cfg.train, temperature=0.8, device=torch.device("cpu"))
+    ref_logp = reference.logprobs(batch)  # (N, T)
+    assert torch.equal(ref_logp, copy_of_base.logprobs(batch))
+    assert (policy.compute_logprobs(batch)[0] - ref_logp).abs().max() > 1e-3  # and the adapters are back on
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+RESUME_OVERRIDES = [*LORA, "train.total_steps=3", "run.save_every=1", "algo.kl_coef=0.01", "train.lr=1e-2",
+                    "algo.dynamic_sampling=true", "algo.filter_metric=reward", "algo.max_gen_rounds=3",
+                    "algo.oversample=3.0", "algo.buffer_max_groups=8", "run.async_checkpoint=true"]
+
+
+def run_driver(run_dir, model_dir, saves, tag, kill_after):
+    """tests/train_until_checkpoint.py in a process of its own, with the LoRA run's settings."""
+    import os
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "COLUMNS": "500"}
+    cmd = [sys.executable, str(REPO / "tests" / "train_until_checkpoint.py"), str(run_dir), str(model_dir), str(saves),
+           tag, str(kill_after), *RESUME_OVERRIDES]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tiny_model_dir, tmp_path_factory):
+    """A LoRA run of 3 steps never interrupted, and one killed (os._exit) after checkpoint 1 and resumed."""
+    root = tmp_path_factory.mktemp("lora-runs")
+    ref = run_driver(root / "a", tiny_model_dir, root / "saves_a.txt", "ref", 0)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    killed = run_driver(root / "b", tiny_model_dir, root / "saves_b.txt", "killed", 1)
+    assert killed.returncode == 1, killed.stderr[-3000:]  # the hard exit
+    resumed = run_driver(root / "b", tiny_model_dir, root / "saves_b.txt", "resumed", 0)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return root / "a" / "t", root / "b" / "t", resumed
+
+
+def test_a_lora_checkpoint_holds_the_adapters_not_the_base(lora_runs, tiny_model_dir):
+    from safetensors.torch import load_file
+
+    full, _, _ = lora_runs
+    step = full / "checkpoints" / "step_000003"
+    assert not (step / "model").exists()
+    files = {p.name for p in (step / "adapter").iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= files
+    config = json.loads((step / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 8.0, str(tiny_model_dir))
+    assert sorted(config["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                       "down_proj"])
+    weights = load_file(step / "adapter" / "adapter_model.safetensors")
+    assert len(weights) == 28 and all(".lora_A." in k or ".lora_B." in k for k in weights)
+    base_numel = sum(t.numel() for t in load_file(Path(tiny_model_dir) / "model.safetensors").values())
+    assert sum(t.numel() for t in weights.values()) < base_numel / 5
+    state = checkpoint.load_trainer_state(step)
+    assert len(state["policy"]["optimizer"]["state"]) == 28 and "master_weights" not in state["policy"]
+    assert any(bool(w.abs().sum()) for k, w in weights.items() if ".lora_B." in k)  # trained, not the zero init
+    with pytest.raises(SystemExit, match=r"holds LoRA adapters; run `dapo export .* OUT_DIR` and evaluate --model"):
+        cli.main(["eval", "--run", str(full)])
+
+
+def test_a_killed_lora_run_resumes_to_the_adapters_of_an_uninterrupted_one(lora_runs):
+    from safetensors.torch import load_file
+
+    full, resumed_dir, resumed = lora_runs
+    assert "resumed from" in resumed.stdout and "step_000001 (step 1)" in resumed.stdout
+    assert "LoRA rank 4 (alpha 8) on down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj: 5,888 trained " \
+           "parameters, " in resumed.stdout
+    a = {r["step"]: r for r in read_metrics(full)}
+    b = {r["step"]: r for r in read_metrics(resumed_dir)}
+    assert a[2]["sampling/groups_from_buffer"] > 0 and "actor/kl_loss" in a[3]  # buffer and reference resumed too
+    for step in (2, 3):
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "reward/score_mean"):
+            assert b[step][key] == a[step][key], (step, key)
+    want = load_file(full / "checkpoints" / "step_000003" / "adapter" / "adapter_model.safetensors")
+    got = load_file(resumed_dir / "checkpoints" / "step_000003" / "adapter" / "adapter_model.safetensors")
+    assert want.keys() == got.keys() and [k for k in want if not torch.equal(want[k], got[k])] == []
+
+
+@pytest.mark.parametrize("saved, resumed, says", [
+    (LORA, [], "holds LoRA adapters (adapter/) and this run has model.lora.rank=null: set model.lora as"),
+    ([], LORA, "holds full weights (no adapter/) and this run has model.lora.rank=4: drop model.lora.rank"),
+    (LORA, ["model.lora.rank=8"], "holds a LoRA adapter with model.lora.rank=4, this run asks for 8"),
+    (LORA, [*LORA, "model.lora.target_modules=[q_proj]"], "with model.lora.target_modules=['down_proj', 'gate_proj',"),
+])
+def test_a_checkpoint_resumes_only_a_run_of_its_kind(saved, resumed, says, tiny_model_dir, tmp_path, capsys):
+    base = ["train", "configs/demo.yaml", f"model.path={tiny_model_dir}", f"run.dir={tmp_path}", *SMALL_OVERRIDES,
+            "train.total_steps=1"]
+    assert cli.main([*base, *saved]) == 0
+    capsys.readouterr()
+    code = cli.main([*base, "train.total_steps=2", *resumed])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert says in err
+    assert [r["step"] for r in read_metrics(tmp_path / "t")] == [1]  # nothing trained on the wrong weights
+
+
+# ---- export --------------------------------------------------------------------------------------
+def test_export_writes_the_merged_model_or_the_adapter(tiny_model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    cfg = small_config(tmp_path, tiny_model_dir, *LORA)
+    policy, _ = trained_policy(cfg, updates=2, lr=0.05)
+    step = checkpoint.save_checkpoint(tmp_path / "run", 2, model=policy.model, tokenizer=policy.tokenizer,
+                                      trainer_state={}, config_yaml="", keep=1)
+    ids = policy.tokenizer("12+7*3=")["input_ids"]
+    want = logits(policy.model, ids)
+    assert (want - logits(load_model_and_tokenizer(tiny_model_dir)[0], ids)).abs().max() > 1e-2  # not the base's
+
+    assert cli.main(["export", str(step), str(tmp_path / "merged")]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert not any(".lora_" in n for n, _ in merged.named_parameters())
+    assert (logits(merged, ids) - want).abs().max() < 1e-5
+    assert (tmp_path / "merged" / "tokenizer_config.json").exists()
+
+    assert cli.main(["export", str(step), str(tmp_path / "adapter"), "--adapter"]) == 0
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "adapter").iterdir()}
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "adapter")
+    assert torch.equal(logits(reloaded, ids), want)
+
+
+def test_export_of_a_moved_base_or_a_full_checkpoint_as_adapter_is_one_line(tiny_model_dir, tmp_path, capsys):
+    import shutil
+
+    cfg = small_config(tmp_path, tiny_model_dir, *LORA)
+    policy = make_policy(cfg)
+    step = checkpoint.save_checkpoint(tmp_path / "run", 1, model=policy.model, tokenizer=policy.tokenizer,
+                                      trainer_state={}, config_yaml="", keep=1)
+    config_file = step / "adapter" / "adapter_config.json"
+    config_file.write_text(config_file.read_text().replace(str(tiny_model_dir), str(tmp_path / "gone")))
+    assert cli.main(["export", str(step), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a model directory here; give the base with --base DIR" in err
+    moved = tmp_path / "moved-base"
+    shutil.copytree(tiny_model_dir, moved)
+    assert cli.main(["export", str(step), str(tmp_path / "out"), "--base", str(moved)]) == 0
+    full = checkpoint.save_checkpoint(tmp_path / "full", 1, model=load_model_and_tokenizer(tiny_model_dir)[0],
+                                      tokenizer=policy.tokenizer, trainer_state={}, config_yaml="", keep=1)
+    assert cli.main(["export", str(full), str(tmp_path / "x"), "--adapter"]) == 2
+    assert "holds full weights, not LoRA adapters: drop --adapter" in capsys.readouterr().err
+
+
+# ---- FSDP: 2 ranks vs 1 --------------------------------------------------------------------------
+def fsdp_worker(model_dir: str, batch_file: str, out_dir: str) -> None:
+    """Under torchrun: log-probs, one SGD update (lr 1: the change is minus the gradient), the reference
+    with the adapters off, the merged push into every rank's engine, a sharded checkpoint and its reload."""
+    from test_parallel import checksum
+
+    from conftest import training_engine
+
+    d = parallel.init("cpu")
+    out_dir = Path(out_dir)
+    cfg = small_config(out_dir / "run", model_dir, *LORA, *ONE_UPDATE, "train.micro_batch_size=2",
+                       "model.gradient_checkpointing=true")
+    policy = make_policy(cfg, "cpu", d)
+    policy.optimizer = torch.optim.SGD([p for p in policy.model.parameters() if p.requires_grad], lr=1.0)
+    engine = training_engine(cfg, policy, d)
+    batch = torch.load(batch_file, weights_only=False)
+    old_logp, _ = policy.compute_logprobs(batch)
+    before = {k: v.clone() for k, v in parallel.full_tensors(policy.model.named_parameters())}
+    stats = policy.update(batch, loss_fn_of(cfg))
+    after = {k: v.clone() for k, v in parallel.full_tensors(policy.model.named_parameters())}
+    ref_logp = policy.base_reference().logprobs(batch)
+    merged = {k: v.clone() for k, v in policy.named_weights()}
+    engine.update_weights(policy.named_weights())
+    engine_weights = dict(engine.engine.model.named_parameters())  # this rank's full copy, a plain HF model
+    engine_sums = parallel.all_gather_object({k: checksum(engine_weights[k]) for k in merged}, d)
+    step = checkpoint.save_checkpoint(out_dir / "run", 1, model=policy.model, tokenizer=policy.tokenizer,
+                                      trainer_state={"policy": policy.trainer_state()}, config_yaml="", keep=1,
+                                      shards=policy.sharded_state(), dist=d)
+    reloaded = make_policy(cfg, "cpu", d)
+    reloaded.optimizer = torch.optim.SGD([p for p in reloaded.model.parameters() if p.requires_grad], lr=1.0)
+    checkpoint.load_policy_weights(reloaded, step)
+    reloaded_weights = {k: v.clone() for k, v in parallel.full_tensors(reloaded.model.named_parameters())}
+    if d.is_main:
+        torch.save({"old_logp": old_logp, "ref_logp": ref_logp, "stats": {k: float(v) for k, v in stats.items()},
+                    "delta": {k: after[k] - before[k] for k in after}, "after": after, "merged": merged,
+                    "engine_sums": engine_sums, "merged_sums": {k: checksum(v) for k, v in merged.items()},
+                    "reloaded": reloaded_weights}, out_dir / "two.pt")
+    parallel.shutdown(d)
+
+
+@pytest.fixture(scope="module")
+def two_rank_lora(tiny_model_dir, tmp_path_factory):
+    from test_parallel import torchrun
+
+    tmp = tmp_path_factory.mktemp("lora-fsdp")
+    cfg = small_config(tmp / "single", tiny_model_dir, *LORA, *ONE_UPDATE, "train.micro_batch_size=2")
+    torch.manual_seed(0)
+    policy = make_policy(cfg)
+    policy.optimizer = torch.optim.SGD([p for p in policy.model.parameters() if p.requires_grad], lr=1.0)
+    batch = sampled(policy)
+    torch.save(batch, tmp / "batch.pt")
+    before = {k: v.detach().clone() for k, v in policy.model.named_parameters()}
+    stats = {k: float(v) for k, v in policy.update(batch, loss_fn_of(cfg)).items()}
+    single = {"old_logp": batch.old_logp, "stats": stats, "merged": dict(policy.named_weights()),
+              "delta": {k: v.detach() - before[k] for k, v in policy.model.named_parameters()}}
+    torchrun(__file__, "fsdp", tiny_model_dir, tmp / "batch.pt", tmp, timeout=400)
+    return single, torch.load(tmp / "two.pt", weights_only=False), tmp
+
+
+def test_two_ranks_with_lora_give_the_update_of_one(two_rank_lora):
+    single, two, _ = two_rank_lora
+    assert set(two["delta"]) == set(single["delta"])
+    adapters = [k for k in single["delta"] if ".lora_" in k]
+    scale = max(single["delta"][k].abs().max().item() for k in adapters)
+    diff = max((two["delta"][k] - single["delta"][k]).abs().max().item() for k in adapters)
+    print(f"\nLoRA, 1 vs 2 ranks: max |d update| {diff:.2e} of max |update| {scale:.3f}")
+    assert scale > 1e-3 and diff < 1e-6
+    assert all(torch.equal(two["delta"][k], torch.zeros_like(two["delta"][k])) for k in single["delta"] if k not in adapters)
+    assert two["stats"]["pg_loss"] == pytest.approx(single["stats"]["pg_loss"], abs=1e-6)
+    assert two["stats"]["grad_norm"] == pytest.approx(single["stats"]["grad_norm"], rel=1e-5)
+    assert (two["old_logp"] - single["old_logp"]).abs().max() < 1e-5
+    # the sharded reference (adapters off) is the base, which the adapters were before the update (B = 0)
+    assert (two["ref_logp"] - single["old_logp"]).abs().max() < 1e-5
+    assert max((two["merged"][k] - v).abs().max().item() for k, v in single["merged"].items()) < 1e-6
+
+
+def test_every_ranks_engine_gets_the_merged_weights(two_rank_lora):
+    _, two, _ = two_rank_lora
+    assert two["engine_sums"] == [two["merged_sums"]] * 2
+    q = "model.layers.0.self_attn.q_proj"
+    assert not torch.equal(two["merged"][f"{q}.weight"], two["after"][f"base_model.model.{q}.base_layer.weight"])
+
+
+def test_sharded_lora_checkpoints_hold_the_adapters_reload_and_export(two_rank_lora, tiny_model_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    single, two, tmp = two_rank_lora
+    step = tmp / "run" / "checkpoints" / "step_000001"
+    assert checkpoint.is_sharded(step) and checkpoint.is_lora(step) and not (step / "adapter" / lora.WEIGHTS_FILE).exists()
+    assert all(torch.equal(two["reloaded"][k], v) for k, v in two["after"].items())  # adapters from the shards
+    index = parallel._safe_dcp_loaders(step / "shards")[0].read_metadata()
+    saved = sorted(k.removeprefix("model.") for k in index.state_dict_metadata if k.startswith("model."))
+    assert saved == sorted(k for k in two["after"] if ".lora_" in k)  # the adapters alone (not even the tied head)
+
+    merged = AutoModelForCausalLM.from_pretrained(checkpoint.export_hf(step, tmp / "merged"))
+    got = dict(merged.named_parameters())
+    assert max((got[k] - v).abs().max().item() for k, v in two["merged"].items()) < 1e-6
+    adapter = checkpoint.export_hf(step, tmp / "adapter", adapter=True)
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), adapter)
+    ours = {f"base_model.model.{k}" if not k.startswith("base_model.") else k: v for k, v in two["after"].items()}
+    loaded = dict(peft_model.named_parameters())
+    assert all(torch.equal(loaded[k], ours[k]) for k in ours if ".lora_" in k)
+
+
+# ---- vLLM ----------------------------------------------------------------------------------------
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_vllm_samples_from_the_merged_model_after_a_push(tmp_path):
+    """After an update of the adapters, the merged weights pushed into vLLM give the trainer's log-probs
+    (the peft model with its adapters on). The model is assets/arith-base: vLLM's CPU attention has no
+    kernel for the conftest model's 16-wide heads."""
+    from dapo import algo
+    from dapo.rollout import make_rollout
+    from test_vllm import LOGP_TOL_MAX, LOGP_TOL_MEAN, VLLM_OVERRIDES, as_batch, logp_abs_diff
+
+    model = REPO / "assets" / "arith-base"
+    cfg = small_config(tmp_path, model, *VLLM_OVERRIDES, *LORA, "rollout.temperature=0.7")
+    policy = make_policy(cfg)
+    engine = make_rollout(cfg.rollout, policy.model, policy.tokenizer)
+    prompts = [policy.tokenizer(p)["input_ids"] for p in ("2+7*4=", "9=", "7-")]
+    params = SamplingParams(n=4, temperature=0.7, max_new_tokens=24, seed=1)
+    gen = engine.generate(prompts, params)
+    start = logp_abs_diff(policy, gen, 4)
+    assert start.mean() < LOGP_TOL_MEAN  # B = 0: the peft model is the base vLLM loaded
+    batch = as_batch(gen, 4)
+    batch.reward = torch.tensor([1.0 if "Answer" in t and i % 2 else -1.0 for i, t in enumerate(gen.texts)])
+    batch.adv = algo.group_advantages(batch.reward, 4)
+    batch.old_logp, _ = policy.compute_logprobs(batch)
+    for group in policy.optimizer.param_groups:
+        group["lr"] = 2e-2
+    for _ in range(2):
+        policy.update(batch, loss_fn_of(cfg))
+    stale = logp_abs_diff(policy, engine.generate(prompts, params), 4)
+    engine.update_weights(policy.named_weights())
+    fresh = logp_abs_diff(policy, engine.generate(prompts, params), 4)
+    print(f"\nLoRA push: vLLM vs trainer |diff| mean {fresh.mean():.2e} max {fresh.max():.2e} "
+          f"(before the push {stale.mean():.2e})")
+    assert stale.mean() > 1e-2  # the adapters moved the policy
+    assert fresh.mean() < LOGP_TOL_MEAN and fresh.max() < LOGP_TOL_MAX
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_two_lora_training_steps_with_vllm_and_a_kl_term(tmp_path):
+    """The loop pushes the merged weights after step 1, so step 2 samples from the trained adapters (a failed
+    push would show as a large log-prob gap); the KL term's reference is the base, which step 2 has left."""
+    from dapo.training import train
+    from test_vllm import LOGP_TOL_MAX, LOGP_TOL_MEAN, VLLM_OVERRIDES
+
+    cfg = small_config(tmp_path, REPO / "assets" / "arith-base", *VLLM_OVERRIDES, *LORA, "train.lr=1e-2",
+                       "algo.kl_coef=0.01")
+    train(cfg)
+    rows = read_metrics(cfg.run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["rollout/logprob_abs_diff_mean"] < LOGP_TOL_MEAN and r["rollout/logprob_abs_diff_max"] < LOGP_TOL_MAX
+    assert rows[1]["actor/kl_loss"] > 0
+    assert (cfg.run_dir / "checkpoints" / "step_000002" / "adapter" / lora.WEIGHTS_FILE).is_file()
+
+
+if __name__ == "__main__":  # the torchrun worker
+    mode, *rest = sys.argv[1:]
+    {"fsdp": fsdp_worker}[mode](*rest)
