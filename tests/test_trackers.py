@@ -253,7 +253,7 @@ def test_a_failing_tracker_warns_once_and_training_goes_on(tmp_path, tiny_model_
 
 
 def test_a_run_that_fails_is_marked_failed(tmp_path, tiny_model_dir, monkeypatch):
-    from dapo import train as train_module
+    from dapo import training as train_module
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
