@@ -173,15 +173,19 @@ def plan_micro_batches(lengths: list[int], max_tokens: int, *, packed: bool = Fa
             cost = new_cost
         return chunks + [cur]
 
-    fewest = len(cut(max_tokens))
-    lo, hi = max(lengths), max(max_tokens, max(lengths))
-    while lo < hi:  # the smallest cap that still needs no more micro-batches
+    return cut(smallest_cap(cut, max(lengths), max(max_tokens, max(lengths)), fewest=len(cut(max_tokens))))
+
+
+def smallest_cap(cut, lo: int, hi: int, *, fewest: int) -> int:
+    """The smallest cost cap in [lo, hi] for which ``cut(cap)`` needs no more than ``fewest``
+    micro-batches: the same number of passes, with the largest one as small as it can be."""
+    while lo < hi:
         mid = (lo + hi) // 2
         if len(cut(mid)) <= fewest:
             hi = mid
         else:
             lo = mid + 1
-    return cut(lo)
+    return lo
 
 
 # What one more response pass costs beyond its tokens (a decoder call's launches, mask, cache gathers), in
@@ -275,12 +279,5 @@ def plan_shared_prompt_micro_batches(prompt_of: list[int], prompt_lengths: list[
         spans.append((start, len(fitting)))
         return [[i for part in fitting[a:b] for i in part] for a, b in spans]
 
-    fewest = len(cut(max_tokens))
-    lo, hi = max(c for c in alone if c <= max_tokens), max_tokens
-    while lo < hi:  # the smallest cap that still needs no more micro-batches
-        mid = (lo + hi) // 2
-        if len(cut(mid)) <= fewest:
-            hi = mid
-        else:
-            lo = mid + 1
-    return oversized + cut(lo)
+    lo = max(c for c in alone if c <= max_tokens)
+    return oversized + cut(smallest_cap(cut, lo, max_tokens, fewest=len(cut(max_tokens))))
