@@ -6,7 +6,9 @@
 --real: the real-model preset (configs/smollm2_135m.yaml, SmolLM2-135M-Instruct from the local cache)
 on a synthetic rollout batch of the preset's shape (see ``synthetic_batch``), with torch's default
 thread count (what training uses); it reports old log-probs and update separately, wall and CPU
-time, and ends with ``update MFU: NN%``. The demo mode is described next.
+time, and ends with ``update MFU: NN%``. Tokens there are the real tokens the decoder must run:
+with the preset's shared prompt prefix a prompt counts once per micro-batch it is in, not once per
+response. The demo mode is described next.
 
 One demo rollout batch (32 prompts x G=8 from assets/arith-base, graded by the arith grader) is
 generated once; then each iteration runs the training phase of a step on it exactly as the loop
@@ -210,6 +212,17 @@ def shapes_rate(shapes) -> float:
     return sum(f for f, _ in flops) / sum(f / rates[s] for f, s in flops)
 
 
+def computed_tokens(policy: Policy, batch: RolloutBatch, rows_per_pass: list[list[int]]) -> int:
+    """Real tokens through the decoder over these micro-batches: prompt + response per row, or with a
+    shared prompt prefix each distinct prompt of a micro-batch once plus its rows' responses."""
+    total = 0
+    for rows in rows_per_pass:
+        total += sum(len(batch.response_ids[i]) for i in rows)
+        prompts = [tuple(batch.prompt_ids[i]) for i in rows]
+        total += sum(map(len, set(prompts) if policy.share_prompts else prompts))
+    return total
+
+
 def clock() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
 
@@ -257,11 +270,15 @@ def real_main(args) -> None:
     n_params = sum(p.numel() for p in policy.model.parameters())
     prompt_tok = sum(map(len, batch.prompt_ids))
     resp_tok = sum(map(len, batch.response_ids))
-    tokens = prompt_tok + resp_tok
+    row_tokens = prompt_tok + resp_tok
     rows = list(range(len(batch)))
     old_mbs = policy.micro_batches(batch, rows)
     per_update = cfg.train.mini_batch_prompts * batch.group_size
     upd_mbs = [mb for s in range(0, len(batch), per_update) for mb in policy.micro_batches(batch, rows[s : s + per_update])]
+    # the tokens the model must see: with a shared prompt prefix a prompt counts once per micro-batch it
+    # is in, not once per response (counting it per row would credit the update with work it skips)
+    old_tokens, upd_tokens = computed_tokens(policy, batch, old_mbs), computed_tokens(policy, batch, upd_mbs)
+    tokens = upd_tokens
     old_shapes, old_dec, old_head, old_attn, old_m, old_mh = pass_shapes(policy, batch, old_mbs)
     upd_shapes, upd_dec, upd_head, upd_attn, upd_m, upd_mh = pass_shapes(policy, batch, upd_mbs)
     epochs = cfg.train.ppo_epochs
@@ -292,24 +309,27 @@ def real_main(args) -> None:
     square = mm_rate(1024, 1024, 1024)
     threads = torch.get_num_threads()
 
-    upd_6n = 6 * n_params * tokens * epochs
-    old_2n = 2 * n_params * tokens
+    upd_6n = 6 * n_params * upd_tokens * epochs
+    old_2n = 2 * n_params * old_tokens
     print(f"torch {torch.__version__}, {threads} threads (interop {torch.get_num_interop_threads()}), load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; times are medians of {args.updates}")
     print(f"model SmolLM2-135M-Instruct, {n_params:,} parameters (hidden {c.hidden_size}, {c.num_hidden_layers} layers, "
           f"vocab {c.vocab_size}), {cfg.model.dtype}")
-    print(f"batch {len(batch)} responses: {tokens:,} tokens ({prompt_tok:,} prompt, {resp_tok:,} response; prompts "
+    print(f"batch {len(batch)} responses: {row_tokens:,} tokens ({prompt_tok:,} prompt, {resp_tok:,} response; prompts "
           f"{min(map(len, batch.prompt_ids))}-{max(map(len, batch.prompt_ids))}, responses "
           f"{min(map(len, batch.response_ids))}-{max(map(len, batch.response_ids))}); token budget "
           f"{cfg.train.max_tokens_per_micro_batch}, packed {policy.packed}, prompts shared {policy.share_prompts}")
+    print(f"tokens counted below (real, without padding; a shared prompt once per micro-batch): old log-probs "
+          f"{old_tokens:,}, update {upd_tokens:,} per epoch")
     print(f"micro-batches: old log-probs {len(old_mbs)} (~{old_m} tokens incl. padding per decoder call, head {old_mh} rows), "
           f"update {len(upd_mbs)} x {epochs} epoch(s) (~{upd_m} tokens, head {upd_mh} rows)")
     print("CPU-time rates (the process's CPU seconds over all threads; torch.mm measured the same way):")
-    for name, flops, exec_flops, w, cpu, mm in (
-        ("old log-probs (2N/token)", old_2n, old_exec, old_w, old_c, mm_old),
-        ("update (6N/token)", upd_6n, upd_exec, upd_w, upd_c, mm_upd),
+    for name, flops, exec_flops, w, cpu, mm, n_tok in (
+        ("old log-probs (2N/token)", old_2n, old_exec, old_w, old_c, mm_old, old_tokens),
+        ("update (6N/token)", upd_6n, upd_exec, upd_w, upd_c, mm_upd, upd_tokens * epochs),
     ):
-        print(f"  {name:26s} {w:7.1f} s wall {cpu:7.1f} s CPU  {tokens * (epochs if 'update' in name else 1) / w:7.0f} tok/s wall"
+        print(f"  {name:26s} {w:7.1f} s wall {cpu:7.1f} s CPU  {n_tok / w:7.0f} tok/s wall"
+              f" ({row_tokens * (1 if 'old' in name else epochs) / w:.0f} of the rows' prompt + response)"
               f"  {flops / cpu / 1e9:6.1f} GFLOP/s per CPU s ({flops / w / 1e9:6.1f} per wall s)"
               f"  torch.mm {mm / 1e9:6.1f}  -> {flops / cpu / mm:5.1%}; executed matmul FLOPs {exec_flops / flops:.2f}x of "
               f"that -> {exec_flops / cpu / mm:5.1%}")

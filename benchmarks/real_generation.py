@@ -9,10 +9,15 @@ Three sides, each in its own process, alternating run by run after one warm-up r
          called as the loop calls it: after a weight push, with the cut at EOS, truncation flags,
          decoded texts and per-token log-probs it returns;
   bare   vllm.LLM on the same model directory and prompts, as a user would write it (float32, the
-         same KV cache size, sampling settings and seeds), returning its RequestOutputs;
+         same KV cache size, sampling settings and seeds), returning its RequestOutputs; vLLM's
+         default runs the engine core in a second process, which on 2 cores competes with the
+         worker for them;
+  bare-inproc  the same with VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine core in the calling
+         process, as the training engine runs it): the like-for-like baseline for the overhead;
   hf     the HFRolloutEngine (transformers generate with its KV cache).
-Printed: response tokens/s (median over runs; wall and CPU time), ours against bare (the
-overhead) and against hf, and per round the cost of what the loop adds around generation: the
+Printed: response tokens/s (median over runs; wall time, and CPU time of the side's process and
+its children: vLLM's engine-core and worker processes), ours against bare-inproc (the overhead),
+bare and hf, and per round the cost of what the loop adds around generation: the
 weight push of the 135M model (update_weights) and sleep/wake (no-ops for vLLM on CPU, timed anyway).
 """
 
@@ -40,10 +45,25 @@ def prompts(tokenizer, k: int) -> list[list[int]]:
     return [encode(ex) for ex in load_examples(ROOT / "data/word_problems/train.jsonl", template="raw")[:k]]
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process and every live descendant (vLLM's engine core and worker)."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
 def timed(fn):
-    w, c = time.perf_counter(), time.process_time()
+    w, c = time.perf_counter(), cpu_seconds()
     out = fn()
-    return out, time.perf_counter() - w, time.process_time() - c
+    return out, time.perf_counter() - w, cpu_seconds() - c
 
 
 def side_ours(args) -> dict:
@@ -99,14 +119,19 @@ def side_hf(args) -> dict:
     return {"tokens": gen.num_tokens, "wall": wall, "cpu": cpu}
 
 
-SIDES = {"ours": side_ours, "bare": side_bare, "hf": side_hf}
+def side_bare_inproc(args) -> dict:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return side_bare(args)
+
+
+SIDES = {"ours": side_ours, "bare": side_bare, "bare-inproc": side_bare_inproc, "hf": side_hf}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--sides", default="ours,bare,hf")
+    ap.add_argument("--sides", default="ours,bare-inproc,bare,hf")
     ap.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
@@ -128,17 +153,18 @@ def main() -> None:
                     sys.exit(f"{side} failed:\n{proc.stderr[-3000:]}")
                 r = json.loads(Path(f.name).read_text())
             res[side].append(r)
-            print(f"run {run + 1} {side:5s} {r['tokens']} tokens, {r['tokens'] / r['wall']:.0f} tokens/s wall, "
+            print(f"run {run + 1} {side:11s} {r['tokens']} tokens, {r['tokens'] / r['wall']:.0f} tokens/s wall, "
                   f"{r['tokens'] / r['cpu']:.0f} per CPU s" + (f"; weight push {r['push_s']:.2f} s" if "push_s" in r else ""),
                   flush=True)
     rate = {s: statistics.median(r["tokens"] / r["wall"] for r in rs) for s, rs in res.items()}
     cpu_rate = {s: statistics.median(r["tokens"] / r["cpu"] for r in rs) for s, rs in res.items()}
     print(f"\n{args.prompts} prompts x G={G}, <= {MAX_NEW} tokens, temperature {TEMPERATURE}; median of {args.runs} runs")
     for s in sides:
-        print(f"{s:5s} {rate[s]:7.0f} tokens/s wall  {cpu_rate[s]:7.0f} tokens per CPU s")
-    if "ours" in rate and "bare" in rate:
-        print(f"ours vs bare vLLM: {100 * (rate['bare'] / rate['ours'] - 1):+.1f}% overhead (wall), "
-              f"{100 * (cpu_rate['bare'] / cpu_rate['ours'] - 1):+.1f}% (CPU)")
+        print(f"{s:11s} {rate[s]:7.0f} tokens/s wall  {cpu_rate[s]:7.0f} tokens per CPU s")
+    for bare in ("bare-inproc", "bare"):
+        if "ours" in rate and bare in rate:
+            print(f"ours vs {bare} vLLM: {100 * (rate[bare] / rate['ours'] - 1):+.1f}% overhead (wall), "
+                  f"{100 * (cpu_rate[bare] / cpu_rate['ours'] - 1):+.1f}% (CPU)")
     if "ours" in rate and "hf" in rate:
         print(f"ours vs HF generate: {rate['ours'] / rate['hf']:.2f}x")
     if "ours" in res:

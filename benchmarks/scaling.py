@@ -27,14 +27,14 @@ POINTS = [BASE, {**BASE, "G": 4}, {**BASE, "G": 16}, {**BASE, "P": 4}, {**BASE, 
           {**BASE, "L": 192}]
 
 
-def run_point(point: dict, steps: int) -> dict:
+def run_point(point: dict, steps: int, extra: tuple[str, ...] = ()) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         overrides = [
             f"rollout.group_size={point['G']}", f"train.prompts_per_step={point['P']}",
             f"train.mini_batch_prompts={point['P'] // 2}", f"rollout.max_response_tokens={point['L']}",
             f"algo.overlong_buffer_tokens={point['L'] // 4}", "algo.dynamic_sampling=false", "rollout.backend=vllm",
             "eval.benchmarks=[]", "eval.before_train=false", "run.save_every=null", f"train.total_steps={steps}",
-            f"run.dir={tmp}", "run.name=p", "run.progress=false", "run.loggers=console",
+            f"run.dir={tmp}", "run.name=p", "run.progress=false", "run.loggers=console", *extra,
         ]
         with open(Path(tmp) / "stderr.txt", "w+") as err:
             proc = subprocess.Popen([sys.executable, "-m", "dapo.training", str(ROOT / "configs/smollm2_135m.yaml"), *overrides],
@@ -46,7 +46,7 @@ def run_point(point: dict, steps: int) -> dict:
             if proc.returncode:
                 sys.exit(f"{point} failed:\n{err.read()[-3000:]}")
         rows = [json.loads(line) for line in (Path(tmp) / "p" / "metrics.jsonl").read_text().splitlines()]
-    return {"row": rows[-1], "peak_gb": usage.ru_maxrss / 2**20}
+    return {"row": rows[-1], "peak_gb": usage.ru_maxrss / 2**20, "cpu_s": usage.ru_utime + usage.ru_stime}
 
 
 def main() -> None:

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -141,6 +142,7 @@ def run_ours(args, overrides: list[str]) -> dict:
             f"rollout.temperature={st.temperature}",
             f"train.lr={st.lr}", f"train.prompts_per_step={st.prompts}", f"train.mini_batch_prompts={st.prompts // st.updates}",
             f"train.warmup_steps={st.warmup}", f"train.total_steps={args.total}",
+            f"data.seed={args.seed}", f"rollout.seed={args.seed}", f"run.seed={args.seed}",
             f"eval.every_steps={args.eval_every or 'null'}", f"eval.before_train={str(bool(args.eval_every)).lower()}",
             f"eval.num_problems={st.eval_problems}", f"eval.n={st.eval_n}", f"eval.seed={st.eval_seed}", *real, *overrides,
             *([] if args.eval_every else ["eval.benchmarks=[]"]),  # timing runs: no evaluation after the last step
@@ -253,7 +255,7 @@ def run_trl(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         config = GRPOConfig(
             output_dir=tmp, use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
-            save_strategy="no", logging_steps=10, seed=0, data_seed=0, max_steps=args.total * st.updates,
+            save_strategy="no", logging_steps=10, seed=args.seed, data_seed=args.seed, max_steps=args.total * st.updates,
             learning_rate=st.lr, lr_scheduler_type="constant_with_warmup", warmup_steps=st.warmup * st.updates,
             weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0,
             per_device_train_batch_size=st.micro, gradient_accumulation_steps=per_update // st.micro,
@@ -308,11 +310,11 @@ def worker(args) -> None:
 # ---- the driver ----------------------------------------------------------------------------------
 
 
-def launch(side: str, args, *, total: int, eval_every: int, target: float) -> dict:
+def launch(side: str, args, *, total: int, eval_every: int, target: float, seed: int = 0) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     cmd = [sys.executable, __file__, "--worker", side, "--json", out, "--threads", str(args.threads),
-           "--total", str(total), "--eval-every", str(eval_every), "--target", str(target)]
+           "--total", str(total), "--eval-every", str(eval_every), "--target", str(target), "--seed", str(seed)]
     cmd += ["--real"] if args.real else []
     cmd += ["--trl-vllm"] if args.trl_vllm else []
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
@@ -346,22 +348,36 @@ def per_step(args, sides: list[str]) -> dict[str, dict]:
 
 
 def to_target(args, sides: list[str]) -> dict[str, dict]:
+    """Each side's race once per training seed (sides alternating seed by seed); a side's time to the
+    target is its median over seeds, with a run that never reaches it counted as slower than any that
+    does (no median when most runs miss)."""
+    races: dict[str, list[dict]] = {s: [] for s in sides}
+    for seed in range(args.seeds):
+        for side in sides if seed % 2 == 0 else sides[::-1]:
+            res = launch(side, args, total=args.max_steps, eval_every=args.eval_every, target=args.target, seed=seed)
+            hit = next((e for e in res["evals"] if e["acc"] >= args.target), None)
+            races[side].append({"hit": hit, "evals": res["evals"]})
+            best = max((e["acc"] for e in res["evals"]), default=0.0)
+            where = (f"{hit['train_cpu_s']:.1f} CPU s, {hit['train_s']:.1f} s wall (step {hit['step']}, avg@n {hit['acc']:.3f})"
+                     if hit else f"not reached in {args.max_steps} steps (best {best:.3f})")
+            print(f"  seed {seed} {side:13s} {where}  ({load()})", flush=True)
+            print("    " + ", ".join(f"step {e['step']}: {e['acc']:.3f} @ {e['train_cpu_s']:.0f} CPU s" for e in res["evals"]),
+                  flush=True)
     out = {}
+    for side, rs in races.items():
+        med = {k: statistics.median(r["hit"][k] if r["hit"] else math.inf for r in rs) for k in ("train_s", "train_cpu_s")}
+        med["steps"] = [r["hit"]["step"] if r["hit"] else None for r in rs]
+        out[side] = {"hit": None if math.isinf(med["train_s"]) else med, "races": rs}
     for side in sides:
-        res = launch(side, args, total=args.max_steps, eval_every=args.eval_every, target=args.target)
-        hit = next((e for e in res["evals"] if e["acc"] >= args.target), None)
-        best = max((e["acc"] for e in res["evals"]), default=0.0)
-        out[side] = {"hit": hit, "best": best, "evals": res["evals"]}
-        where = (f"{hit['train_cpu_s']:.1f} CPU s, {hit['train_s']:.1f} s wall (step {hit['step']}, avg@n {hit['acc']:.3f})" if hit
-                 else f"not reached in {args.max_steps} steps (best {best:.3f})")
-        print(f"  {side:13s} {where}  ({load()})", flush=True)
-        print("    " + ", ".join(f"step {e['step']}: {e['acc']:.3f} @ {e['train_cpu_s']:.0f} CPU s" for e in res["evals"]),
-              flush=True)
+        hit = out[side]["hit"]
+        print(f"  {side:13s} median over {args.seeds} seed(s): " + (
+            f"{hit['train_cpu_s']:.1f} CPU s, {hit['train_s']:.1f} s wall (steps at the target: {hit['steps']})" if hit
+            else "did not reach the target in most runs"), flush=True)
     return out
 
 
 REAL_DEFAULTS = {"runs": 3, "steps": 2, "warmup": 1, "threads": 0, "target": 0.2, "max_steps": 6, "eval_every": 2,
-                 "sides": "ours-equal,trl"}
+                 "seeds": 1, "sides": "ours-equal,trl"}
 
 
 def main() -> None:
@@ -375,6 +391,8 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=None, help="held-out avg@n to reach (0.6)")
     parser.add_argument("--max-steps", type=int, default=None, help="cap on steps in the accuracy race (60)")
     parser.add_argument("--eval-every", type=int, default=None, help="steps between evaluations (5)")
+    parser.add_argument("--seeds", type=int, default=None, help="training seeds per side in the accuracy race (1)")
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--skip-steps", action="store_true", help="skip part 1 (s/step)")
     parser.add_argument("--skip-accuracy", action="store_true", help="skip part 2 (time to accuracy)")
     parser.add_argument("--sides", default=None, help="comma-separated: " + ", ".join(SIDES) + " (all)")
@@ -384,7 +402,7 @@ def main() -> None:
     parser.add_argument("--total", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     demo = {"runs": 3, "steps": 6, "warmup": 2, "threads": 1, "target": 0.6, "max_steps": 60, "eval_every": 5,
-            "sides": ",".join(SIDES)}
+            "seeds": 1, "sides": ",".join(SIDES)}
     for key, value in (REAL_DEFAULTS if args.real else demo).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
