@@ -1,10 +1,10 @@
 """How a real-model step grows with G, prompts per step and response length.
 
-    python benchmarks/scaling.py [--steps 2]            # make smollm2 first; about 20 minutes on 2 cores
+    python benchmarks/scaling.py [--steps 2] [--budget 4096] [--points base,G4,...]   # make smollm2 first; ~20 min
 
 Each point is `python -m dapo.training configs/smollm2_135m.yaml` in its own process with dynamic
 sampling off (every step trains exactly P x G responses), no evaluation, vLLM rollout, the
-preset's token budget per forward/backward pass (train.max_tokens_per_micro_batch=4096). From the
+preset's token budget per forward/backward pass (train.max_tokens_per_micro_batch=4096, or --budget). From the
 last step's metrics: seconds per step (checkpoint excluded) and its phases, generation's share,
 tokens trained; and the process's peak resident memory (os.wait4), which holds vLLM's 0.5 GiB KV
 cache and weights beside the trainer's.
@@ -23,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = Path("~/.cache/dapo/models/SmolLM2-135M-Instruct").expanduser()
 BASE = {"G": 8, "P": 8, "L": 96}
-POINTS = [BASE, {**BASE, "G": 4}, {**BASE, "G": 16}, {**BASE, "P": 4}, {**BASE, "P": 16}, {**BASE, "L": 48},
-          {**BASE, "L": 192}]
+POINTS = {"base": BASE, "G4": {**BASE, "G": 4}, "G16": {**BASE, "G": 16}, "P4": {**BASE, "P": 4},
+          "P16": {**BASE, "P": 16}, "L48": {**BASE, "L": 48}, "L192": {**BASE, "L": 192}}
 
 
 def run_point(point: dict, steps: int, extra: tuple[str, ...] = ()) -> dict:
@@ -52,13 +52,17 @@ def run_point(point: dict, steps: int, extra: tuple[str, ...] = ()) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=2, help="steps per point; the last is reported")
+    ap.add_argument("--budget", type=int, default=None, help="train.max_tokens_per_micro_batch (the preset's: 4096)")
+    ap.add_argument("--points", default=",".join(POINTS), help="which points, comma-separated: " + ",".join(POINTS))
     args = ap.parse_args()
+    extra = (f"train.max_tokens_per_micro_batch={args.budget}",) if args.budget else ()
     if not (MODEL / "config.json").exists():
         sys.exit(f"needs {MODEL}: run `make smollm2` once")
     print(f"{'G':>3s} {'P':>3s} {'L':>4s} {'rows':>5s} {'s/step':>7s} {'generate':>9s} {'gen %':>6s} {'old logp':>9s} "
           f"{'update':>7s} {'push':>5s} {'trained tok':>11s} {'peak RSS GB':>11s}", flush=True)
-    for point in POINTS:
-        res = run_point(point, args.steps)
+    for name in args.points.split(","):
+        point = POINTS[name]
+        res = run_point(point, args.steps, extra)
         r = res["row"]
         step = r["perf/time_step_s"] - r.get("perf/time_checkpoint_s", 0.0)
         gen = r["perf/time_generate_s"]
