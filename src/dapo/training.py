@@ -315,7 +315,7 @@ def start(cfg: Config, stack: contextlib.ExitStack, console=None, inputs: RunInp
         run.logger = RunLogger(cfg.run_dir, total_steps=cfg.train.total_steps, start_step=run.state.step,
                                tensorboard="tensorboard" in cfg.run.loggers, progress=cfg.run.progress,
                                step_lines="console" in cfg.run.loggers, console=console)
-    stack.callback(parallel.shutdown, d)
+    stack.push(lambda kind, err, tb: parallel.shutdown(d, clean=kind is None))
     stack.push(lambda kind, err, tb: run.logger.close(run_status(kind)))
     stack.callback(run.writer.wait)  # first of these: a run that stops (an error, Ctrl-C) still completes its write
     if d.is_main:
