@@ -142,7 +142,7 @@ def run_ours(args, overrides: list[str]) -> dict:
             f"rollout.temperature={st.temperature}",
             f"train.lr={st.lr}", f"train.prompts_per_step={st.prompts}", f"train.mini_batch_prompts={st.prompts // st.updates}",
             f"train.warmup_steps={st.warmup}", f"train.total_steps={args.total}",
-            f"data.seed={args.seed}", f"rollout.seed={args.seed}", f"run.seed={args.seed}",
+            f"data.seed={args.seed}", f"rollout.seed={args.seed}", f"train.seed={args.seed}",
             f"eval.every_steps={args.eval_every or 'null'}", f"eval.before_train={str(bool(args.eval_every)).lower()}",
             f"eval.num_problems={st.eval_problems}", f"eval.n={st.eval_n}", f"eval.seed={st.eval_seed}", *real, *overrides,
             *([] if args.eval_every else ["eval.benchmarks=[]"]),  # timing runs: no evaluation after the last step
