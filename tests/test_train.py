@@ -469,6 +469,11 @@ def test_two_step_smoke_trains_every_parameter(tiny_model_dir, tmp_path):
         assert r["actor/pg_clipfrac"] == pytest.approx(r["actor/clipfrac_high"] + r["actor/clipfrac_low"])
         assert (r["response_length/mean"], r["critic/score/mean"], r["actor/ppo_kl"], r["actor/pg_clipfrac_lower"]) == (
             r["rollout/response_length_mean"], r["reward/score_mean"], r["actor/approx_kl"], r["actor/clipfrac_dual"])
+        # each phase's peak resident set: the model is in memory throughout, and no phase is above the step's
+        peaks = {k: v for k, v in r.items() if k.startswith("perf/peak_rss_")}
+        assert {f"perf/peak_rss_{p}_gb" for p in ("step", "collect", "old_logprob", "update", "weight_sync")} <= set(peaks)
+        assert all(0.1 < v <= r["perf/peak_rss_step_gb"] for v in peaks.values())
+        assert r["perf/time_collect_s"] >= r["perf/time_generate_s"]
     assert "eval/arith/avg@2" in last and "eval/arith/pass@2" in last
     assert last["val-core/arith/acc/mean@2"] == last["eval/arith/avg@2"]
     trained, _ = load_model_and_tokenizer(cfg.run_dir / "checkpoints" / "step_000002" / "model")

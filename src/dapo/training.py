@@ -36,6 +36,7 @@ from dapo.data import PromptSampler, make_encoder
 from dapo.dynamic_sampling import BatchCollector, CollectStats, Scorer, record_behaviour_logp
 from dapo.evaluation import evaluate, load_benchmark, sampling_settings
 from dapo.log import NullLogger, RunLogger, setup_library_logging
+from dapo.memory import PhaseMemory
 from dapo.metrics import no_signal_advice, sample_records, sampling_metrics, step_metrics
 from dapo.models import pick_device
 from dapo.policy import BaseReference, LossFn, Policy, ReferenceModel
@@ -81,18 +82,24 @@ class TrainState:
 
 
 class Timer:
-    """``with timer("update"): ...`` adds the block's wall time to ``timer.seconds["update"]``."""
+    """``with timer("update"): ...`` adds the block's wall time to ``timer.seconds["update"]``, and
+    has ``memory`` (when given) record the block's peak memory."""
 
-    def __init__(self):
+    def __init__(self, memory: PhaseMemory | None = None):
         self.seconds: dict[str, float] = {}
+        self.memory = memory
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
+        if self.memory is not None:
+            self.memory.enter(phase)
         t0 = time.perf_counter()
         try:
             yield
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+            if self.memory is not None:
+                self.memory.exit(phase)
 
 
 def make_loss_fn(algo_cfg: AlgoConfig, max_response_tokens: int) -> LossFn:
@@ -224,6 +231,7 @@ class Run:
     writer: checkpoint.CheckpointWriter = field(default_factory=lambda: checkpoint.CheckpointWriter(asynchronous=False))
     grader: str | None = None  # every row's grader (a caller's reward function); None: reward.grader
     no_signal: int = 0  # steps in a row without an informative group
+    memory: PhaseMemory | None = None  # each phase's peak memory (perf/peak_*_gb)
 
     def evaluate(self) -> dict:
         e, out = self.cfg.eval, {}
@@ -306,7 +314,9 @@ def start(cfg: Config, stack: contextlib.ExitStack, console=None, inputs: RunInp
     collector = BatchCollector(engine=engine, sampler=sampler, scorer=scorer, encode=encode, sampling=sampling, algo_cfg=a)
     run = Run(cfg, d, policy, reference, engine, encode, sampler, collector, pool, make_loss_fn(a, r.max_response_tokens),
               eval_sets, TrainState(), NullLogger(),
-              checkpoint.CheckpointWriter(asynchronous=cfg.run.async_checkpoint and not d.sharded), grader=grader)
+              checkpoint.CheckpointWriter(asynchronous=cfg.run.async_checkpoint and not d.sharded), grader=grader,
+              memory=PhaseMemory(cuda=device.type == "cuda"))
+    stack.callback(run.memory.close)
     resume_from = checkpoint.latest_checkpoint(cfg.run_dir) if cfg.run.resume else None
     if resume_from is not None:
         run.resume(resume_from)
@@ -330,9 +340,9 @@ def start(cfg: Config, stack: contextlib.ExitStack, console=None, inputs: RunInp
 def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
     """One training step, phase by phase; returns its metrics and the batch it trained on."""
     cfg, state, policy, engine = run.cfg, run.state, run.policy, run.engine
-    timer = Timer()
+    timer = Timer(run.memory)
     with timer("step"):
-        with run.logger.warnings_of(step):
+        with run.logger.warnings_of(step), timer("collect"):  # generation and grading, every round (perf/time_generate_s, _reward_s)
             batch, cstats = run.collector.collect(cfg.train.prompts_per_step, state.buffer,
                                                   round_seed=state.round_seed(cfg.rollout.seed),
                                                   keep_rate_estimate=state.keep_rate if cfg.algo.adaptive_oversample else 1.0)
@@ -363,7 +373,8 @@ def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
             if step == cfg.train.total_steps or (cfg.run.save_every and step % cfg.run.save_every == 0):
                 metrics |= run.finish_saves()  # the previous save's background write (perf/checkpoint_write_s)
                 run.save()
-    return metrics | {f"perf/time_{k}_s": v for k, v in timer.seconds.items()}, batch
+    peaks = run.memory.take() if run.memory is not None else {}
+    return metrics | {f"perf/time_{k}_s": v for k, v in timer.seconds.items()} | peaks, batch
 
 
 def train(cfg: Config, *, console=None, inputs: RunInputs | None = None) -> dict:
