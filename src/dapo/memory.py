@@ -22,7 +22,7 @@ class PhaseMemory:
     """``enter(phase)`` / ``exit(phase)`` around each phase (``Timer`` does it); ``take()`` returns the
     peaks since the last ``take()`` in GiB and starts afresh. One per process; ``close()`` stops its thread."""
 
-    def __init__(self, *, interval_s: float = 0.01, cuda: bool = False):
+    def __init__(self, *, interval_s: float = 0.02, cuda: bool = False):
         self.interval_s = interval_s
         self.cuda = cuda
         self._open: list[str] = []  # the phases open now, outermost first
