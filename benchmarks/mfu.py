@@ -279,8 +279,8 @@ def real_main(args) -> None:
     # is in, not once per response (counting it per row would credit the update with work it skips)
     old_tokens, upd_tokens = computed_tokens(policy, batch, old_mbs), computed_tokens(policy, batch, upd_mbs)
     tokens = upd_tokens
-    old_shapes, old_dec, old_head, old_attn, old_m, old_mh = pass_shapes(policy, batch, old_mbs)
-    upd_shapes, upd_dec, upd_head, upd_attn, upd_m, upd_mh = pass_shapes(policy, batch, upd_mbs)
+    old_shapes, old_dec, old_head, old_attn, old_m, old_mh = pass_shapes(policy, batch, old_mbs, args.head_chunk)
+    upd_shapes, upd_dec, upd_head, upd_attn, upd_m, upd_mh = pass_shapes(policy, batch, upd_mbs, args.head_chunk)
     epochs = cfg.train.ppo_epochs
     # executed matmul FLOPs: forward 2x, backward 4x; the LM head's chunks are checkpointed (forward twice)
     upd_exec = epochs * (3 * upd_dec + 4 * upd_head + 3 * upd_attn)
@@ -346,8 +346,16 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=None, help="timed training phases (demo 5 after a warm-up; real 3)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (demo 1; real: torch's default)")
     parser.add_argument("--config", default=str(ROOT / "configs/demo.yaml"), help="demo mode only")
+    parser.add_argument("--head-chunk", type=int, default=1024,
+                        help="response rows per LM-head chunk (the trainer's: 1024); each chunk's float32 logits exist alone")
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = parser.parse_args()
+    if args.head_chunk != 1024:  # measuring only: the trainer's chunk is fixed
+        import functools
+
+        import dapo.policy
+
+        dapo.policy.token_logprobs = functools.partial(dapo.policy.token_logprobs, chunk_tokens=args.head_chunk)
     if args.real:
         args.updates = args.updates or 3
         real_main(args)

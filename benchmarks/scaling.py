@@ -6,8 +6,10 @@ Each point is `python -m dapo.training configs/smollm2_135m.yaml` in its own pro
 sampling off (every step trains exactly P x G responses), no evaluation, vLLM rollout, the
 preset's token budget per forward/backward pass (train.max_tokens_per_micro_batch=4096, or --budget). From the
 last step's metrics: seconds per step (checkpoint excluded) and its phases, generation's share,
-tokens trained; and the process's peak resident memory (os.wait4), which holds vLLM's 0.5 GiB KV
-cache and weights beside the trainer's.
+tokens trained, and each phase's peak resident memory (perf/peak_rss_<phase>_gb: collection, i.e.
+vLLM's generation and grading; the old-log-prob pass; the update); and the process's peak over the
+whole run (os.wait4). All of them hold vLLM's 0.5 GiB KV cache and its weights beside the trainer's
+model, gradients and AdamW state.
 """
 
 from __future__ import annotations
@@ -59,18 +61,24 @@ def main() -> None:
     if not (MODEL / "config.json").exists():
         sys.exit(f"needs {MODEL}: run `make smollm2` once")
     print(f"{'G':>3s} {'P':>3s} {'L':>4s} {'rows':>5s} {'s/step':>7s} {'generate':>9s} {'gen %':>6s} {'old logp':>9s} "
-          f"{'update':>7s} {'push':>5s} {'trained tok':>11s} {'peak RSS GB':>11s}", flush=True)
+          f"{'update':>7s} {'push':>5s} {'trained tok':>11s} {'peak GiB: collect':>17s} {'old logp':>8s} {'update':>6s} "
+          f"{'process':>7s}", flush=True)
     for name in args.points.split(","):
         point = POINTS[name]
         res = run_point(point, args.steps, extra)
         r = res["row"]
+
+        def peak(phase: str) -> float:
+            return r.get(f"perf/peak_rss_{phase}_gb", float("nan"))
+
         step = r["perf/time_step_s"] - r.get("perf/time_checkpoint_s", 0.0)
         gen = r["perf/time_generate_s"]
         tokens = r["sampling/samples_generated"] / max(r["sampling/samples_per_trained_sample"], 1e-9) * \
             r["rollout/response_length_mean"]
         print(f"{point['G']:3d} {point['P']:3d} {point['L']:4d} {point['G'] * point['P']:5d} {step:7.1f} {gen:9.1f} "
               f"{100 * gen / step:5.0f}% {r.get('perf/time_old_logprob_s', 0):9.1f} {r.get('perf/time_update_s', 0):7.1f} "
-              f"{r.get('perf/time_weight_sync_s', 0):5.2f} {tokens:11.0f} {res['peak_gb']:11.2f}", flush=True)
+              f"{r.get('perf/time_weight_sync_s', 0):5.2f} {tokens:11.0f} {peak('collect'):17.2f} {peak('old_logprob'):8.2f} "
+              f"{peak('update'):6.2f} {res['peak_gb']:7.2f}", flush=True)
 
 
 if __name__ == "__main__":
