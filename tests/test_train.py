@@ -96,6 +96,67 @@ def test_chunked_head_gradient_matches_full_logits(tiny_model_dir, tmp_path):
     assert torch.allclose(grads[0], grads[1], atol=1e-5)
 
 
+def _head_reference(h, weight, targets, temperature):
+    """log-probs and entropies from the full logits, through plain autograd."""
+    logits = (h @ weight.t()).float() / temperature  # (n, V)
+    logp_all = torch.log_softmax(logits, -1)
+    return logp_all.gather(-1, targets[:, None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_head_logprobs_equal_full_logits_values_and_gradients(chunk):
+    from dapo.policy import HeadLogProbs
+
+    torch.manual_seed(0)
+    n, H, V, T = 23, 16, 50, 0.7
+    h0, w0 = torch.randn(n, H), torch.randn(V, H) * 0.5
+    targets = torch.randint(0, V, (n,))
+    upstream = torch.randn(n)  # an arbitrary loss: sum_t u_t * logp_t
+    grads = []
+    for fused in (True, False):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        if fused:
+            logp, entropy = HeadLogProbs.apply(h, w, targets, T, chunk, True)
+        else:
+            logp, entropy = _head_reference(h, w, targets, T)
+        (upstream * logp).sum().backward()
+        grads.append((logp.detach(), entropy.detach(), h.grad, w.grad))
+    for fused, ref in zip(*grads):
+        assert torch.allclose(fused, ref, atol=1e-5, rtol=1e-5)
+    assert grads[0][3].abs().max() > 1e-2  # a gradient that means something
+    # by hand, one row: d logp_t / d logits = one-hot(target) - softmax, through the division by T
+    p = torch.softmax((h0[0] @ w0.t()) / T, -1)
+    d_logits = (torch.nn.functional.one_hot(targets[0], V) - p) * upstream[0] / T  # (V,)
+    assert torch.allclose(grads[0][2][0], d_logits @ w0, atol=1e-5)
+
+
+def test_head_logprobs_leave_a_frozen_head_without_gradient_and_keep_its_dtype():
+    from dapo.policy import HeadLogProbs
+
+    torch.manual_seed(0)
+    h, targets = torch.randn(9, 8, requires_grad=True), torch.randint(0, 30, (9,))
+    frozen = torch.randn(30, 8)  # e.g. under LoRA: only the layers below train
+    logp, entropy = HeadLogProbs.apply(h, frozen, targets, 1.0, 4, False)
+    logp.sum().backward()
+    assert h.grad is not None and entropy.numel() == 0
+    w16 = torch.randn(30, 8, dtype=torch.bfloat16, requires_grad=True)
+    logp, _ = HeadLogProbs.apply(h.detach().bfloat16(), w16, targets, 1.0, 4, False)
+    assert logp.dtype == torch.float32
+    logp.sum().backward()
+    assert w16.grad.dtype == torch.bfloat16
+    ref, _ = _head_reference(h.detach().bfloat16(), w16.detach().requires_grad_(), targets, 1.0)
+    assert torch.allclose(logp.detach(), ref, atol=1e-3)
+
+
+def test_head_chunk_keeps_cpu_logits_under_glibcs_mmap_ceiling():
+    from dapo.policy import head_chunk_rows
+
+    assert head_chunk_rows(49152, torch.device("cpu")) == 128  # SmolLM2: 128 x 49152 x 4 B = 24 MiB
+    assert head_chunk_rows(151936, torch.device("cpu")) == 41  # Qwen2.5
+    assert head_chunk_rows(258, torch.device("cpu")) * 258 * 4 <= 24 * 2**20
+    assert head_chunk_rows(151936, torch.device("cuda")) == 1024
+
+
 def test_micro_batch_plan_respects_the_budget_and_balances():
     lengths = [10, 9, 3, 2, 2]
     assert plan_micro_batches(lengths, 20) == [[0, 1], [2, 3, 4]]  # 2 x 10 and 3 x 3 padded tokens

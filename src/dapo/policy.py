@@ -95,6 +95,77 @@ def _head_logp(head, h: torch.Tensor, targets: torch.Tensor, temperature: float)
     return logits.gather(-1, targets[:, None]).squeeze(-1) - log_z, logits, log_z
 
 
+# Response rows per LM-head chunk on the CPU: a chunk's float32 logits (rows x vocabulary) stay
+# under 24 MiB. glibc serves blocks above its 32 MiB mmap ceiling with fresh pages on every call,
+# and faulting in 200 MB of logits costs more than computing them (benchmarks/RESULTS.md, mfu).
+# CUDA's caching allocator reuses its blocks, so there a chunk is as large as a matmul likes.
+CPU_HEAD_CHUNK_BYTES = 24 * 2**20
+CUDA_HEAD_CHUNK_ROWS = 1024
+
+
+def head_chunk_rows(vocab_size: int, device: torch.device) -> int:
+    if device.type == "cuda":
+        return CUDA_HEAD_CHUNK_ROWS
+    return max(16, CPU_HEAD_CHUNK_BYTES // (4 * vocab_size))
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(rows, V) float32 logits at the sampling temperature: ``head(h).float() / temperature``."""
+    return (h @ weight.t()).float().div_(temperature)
+
+
+class HeadLogProbs(torch.autograd.Function):
+    """The LM head (a bias-free linear layer) and each target token's log-prob under it, ``chunk``
+    rows at a time, without keeping any logits for backward.
+
+    Backward recomputes a chunk's logits and turns that one buffer, in place, into the gradient
+    (one-hot - softmax) x grad / temperature; the head weight's gradient is one accumulation over the
+    chunks. The same arithmetic as checkpointing each chunk of ``_head_logp``, where autograd makes a
+    fresh (rows, V) tensor for the division, the log-sum-exp, the gather and each of their gradients,
+    and a fresh (V, H) weight gradient per chunk. ``with_entropy``: also each row's entropy (no gradient).
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, temperature: float, chunk: int, with_entropy: bool):
+        n = h.shape[0]  # h: (n, H), weight: (V, H), targets: (n,)
+        logp = torch.empty(n, dtype=torch.float32, device=h.device)
+        log_z = torch.empty_like(logp)
+        entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=h.device)
+        for t0 in range(0, n, chunk):
+            rows = slice(t0, t0 + chunk)
+            logits = _chunk_logits(h[rows], weight, temperature)  # (c, V)
+            log_z[rows] = torch.logsumexp(logits, dim=-1)
+            logp[rows] = logits.gather(-1, targets[rows, None]).squeeze(-1) - log_z[rows]
+            if with_entropy:
+                entropy[rows] = _entropy(logits, log_z[rows])
+        ctx.save_for_backward(h, weight, targets, log_z)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        h, weight, targets, log_z = ctx.saved_tensors
+        need_h, need_weight = ctx.needs_input_grad[:2]
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_weight = None  # float32 accumulation, cast to the weight's dtype once
+        for t0 in range(0, h.shape[0], ctx.chunk):
+            rows = slice(t0, t0 + ctx.chunk)
+            g = grad_logp[rows] / ctx.temperature  # (c,)
+            coef = _chunk_logits(h[rows], weight, ctx.temperature)  # (c, V), turned in place into d loss / d (h W^T)
+            coef.sub_(log_z[rows, None]).exp_().mul_(-g[:, None])  # -softmax x g
+            coef[torch.arange(coef.shape[0], device=coef.device), targets[rows]] += g  # + one-hot x g
+            coef = coef.to(weight.dtype)
+            if need_h:
+                grad_h[rows] = coef @ weight
+            if need_weight:
+                part = coef.t() @ h[rows]  # (V, H)
+                grad_weight = part.float() if grad_weight is None else grad_weight.add_(part)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_h, grad_weight, None, None, None, None
+
+
 class ResponseLogProbs(nn.Module):
     """The log-prob pass over response tokens as one module (the decoder and the LM head of ``lm``).
 
@@ -107,13 +178,17 @@ class ResponseLogProbs(nn.Module):
         self.decoder = lm.get_decoder()
         self.head = lm.get_output_embeddings()
 
-    def forward(self, mb: MicroBatch, *, temperature: float, with_entropy: bool = False, chunk_tokens: int = 1024):
+    def forward(self, mb: MicroBatch, *, temperature: float, with_entropy: bool = False, chunk_tokens: int | None = None):
         if mb.shared is None:
             hidden = self.decoder(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
                                   position_ids=mb.position_ids).last_hidden_state.flatten(0, 1)  # (R * L, H)
         else:
             hidden = prompt_then_responses(self.decoder, mb.shared)  # (prompt and response positions, H)
         h = hidden[mb.token_index]  # (n, H)
+        chunk_tokens = chunk_tokens or head_chunk_rows(self.head.weight.shape[0], h.device)
+        if isinstance(self.head, nn.Linear) and self.head.bias is None:  # not an adapter-wrapped or biased head
+            flat, ent = HeadLogProbs.apply(h, self.head.weight, mb.targets, temperature, chunk_tokens, with_entropy)
+            return self._scatter(mb, flat), self._scatter(mb, ent) if with_entropy else None
         logps, entropies = [], []
         for t0 in range(0, h.shape[0], chunk_tokens):
             h_c, y_c = h[t0 : t0 + chunk_tokens], mb.targets[t0 : t0 + chunk_tokens]
@@ -125,16 +200,14 @@ class ResponseLogProbs(nn.Module):
             logps.append(logp)
             if with_entropy:
                 entropies.append(_entropy(logits, log_z))
-        # scattered straight into (B, T): a view of a flat buffer as the output would make FSDP warn
-        # that an in-place op on it could skip its pre-backward hook
+        return self._scatter(mb, torch.cat(logps)), self._scatter(mb, torch.cat(entropies)) if with_entropy else None
+
+    @staticmethod
+    def _scatter(mb: MicroBatch, flat: torch.Tensor) -> torch.Tensor:
+        """(n,) per response token -> (B, T). Scattered straight into a fresh tensor: a view of a flat
+        buffer as the output would make FSDP warn that an in-place op on it could skip its pre-backward hook."""
         out_at = torch.unravel_index(mb.out_index, (mb.num_rows, mb.width))
-        flat = torch.cat(logps)  # (n,)
-        logp = flat.new_zeros(mb.num_rows, mb.width).index_put(out_at, flat)
-        entropy = None
-        if with_entropy:  # detached, with gradients on or off
-            ent = torch.cat(entropies)
-            entropy = ent.new_zeros(mb.num_rows, mb.width).index_put(out_at, ent)
-        return logp, entropy
+        return flat.new_zeros(mb.num_rows, mb.width).index_put(out_at, flat)
 
 
     def _checkpointed_head(self, temperature: float, entropies: list | None):
@@ -160,14 +233,16 @@ def _entropy(logits: torch.Tensor, log_z: torch.Tensor) -> torch.Tensor:
 
 
 def token_logprobs(
-    model, mb: MicroBatch, *, temperature: float, with_entropy: bool = False, chunk_tokens: int = 1024
+    model, mb: MicroBatch, *, temperature: float, with_entropy: bool = False, chunk_tokens: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each response token, at the sampling temperature: (B, T), and entropy (B, T).
 
-    Only response positions go through the LM head, ``chunk_tokens`` at a time. With gradients on,
-    each chunk is checkpointed: backward recomputes its logits instead of keeping them, so float32
-    logits for more than one chunk never exist at once, in forward or backward. ``model`` is a
-    causal LM or its ``ResponseLogProbs`` (the sharded one under FSDP).
+    Only response positions go through the LM head, ``chunk_tokens`` at a time (default:
+    ``head_chunk_rows``). Backward recomputes each chunk's logits instead of keeping them
+    (``HeadLogProbs``; a head that is not a plain bias-free linear layer, e.g. an adapter's, is
+    checkpointed chunk by chunk instead), so float32 logits for more than one chunk never exist at
+    once, in forward or backward. ``model`` is a causal LM or its ``ResponseLogProbs`` (the sharded
+    one under FSDP).
     """
     logprob_pass = model if isinstance(model, ResponseLogProbs) else ResponseLogProbs(model)
     return logprob_pass(mb, temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens)
