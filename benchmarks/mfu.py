@@ -39,7 +39,7 @@ import torch
 from dapo import algo
 from dapo.batch import RolloutBatch
 from dapo.config import load_config
-from dapo.policy import Policy
+from dapo.policy import Policy, head_chunk_rows
 from dapo.rewards import grade
 from dapo.rollout.base import SamplingParams
 from dapo.rollout.hf import HFRolloutEngine
@@ -185,7 +185,7 @@ def decoder_calls(mb) -> list[tuple[int, int, int]]:
     return [prompts + (0,)] + [tuple(part.input_ids.shape) + (prompts[1],) for part in mb.shared.responses]
 
 
-def pass_shapes(policy: Policy, batch: RolloutBatch, rows_per_pass: list[list[int]], chunk: int = 1024):
+def pass_shapes(policy: Policy, batch: RolloutBatch, rows_per_pass: list[list[int]], chunk: int):
     """The model's matmuls over these micro-batches as (m, k, n, count) at their mean row counts per
     decoder call, and the FLOPs they execute: decoder weights at padded tokens, the LM head at response
     tokens (in ``chunk``-row pieces), causal attention (QK^T and PV: half of L^2 per row, plus L x the
@@ -279,8 +279,9 @@ def real_main(args) -> None:
     # is in, not once per response (counting it per row would credit the update with work it skips)
     old_tokens, upd_tokens = computed_tokens(policy, batch, old_mbs), computed_tokens(policy, batch, upd_mbs)
     tokens = upd_tokens
-    old_shapes, old_dec, old_head, old_attn, old_m, old_mh = pass_shapes(policy, batch, old_mbs, args.head_chunk)
-    upd_shapes, upd_dec, upd_head, upd_attn, upd_m, upd_mh = pass_shapes(policy, batch, upd_mbs, args.head_chunk)
+    chunk = args.head_chunk or head_chunk_rows(c.vocab_size, torch.device("cpu"))  # the head's matmul rows, as trained
+    old_shapes, old_dec, old_head, old_attn, old_m, old_mh = pass_shapes(policy, batch, old_mbs, chunk)
+    upd_shapes, upd_dec, upd_head, upd_attn, upd_m, upd_mh = pass_shapes(policy, batch, upd_mbs, chunk)
     epochs = cfg.train.ppo_epochs
     # executed matmul FLOPs: forward 2x, backward 4x; the LM head's chunks are checkpointed (forward twice)
     upd_exec = epochs * (3 * upd_dec + 4 * upd_head + 3 * upd_attn)
@@ -346,11 +347,11 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=None, help="timed training phases (demo 5 after a warm-up; real 3)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (demo 1; real: torch's default)")
     parser.add_argument("--config", default=str(ROOT / "configs/demo.yaml"), help="demo mode only")
-    parser.add_argument("--head-chunk", type=int, default=1024,
-                        help="response rows per LM-head chunk (the trainer's: 1024); each chunk's float32 logits exist alone")
+    parser.add_argument("--head-chunk", type=int, default=None,
+                        help="response rows per LM-head chunk (default: the trainer's, dapo.policy.head_chunk_rows)")
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = parser.parse_args()
-    if args.head_chunk != 1024:  # measuring only: the trainer's chunk is fixed
+    if args.head_chunk:  # measuring only: the trainer picks its chunk by vocabulary and device
         import functools
 
         import dapo.policy

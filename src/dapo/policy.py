@@ -95,18 +95,21 @@ def _head_logp(head, h: torch.Tensor, targets: torch.Tensor, temperature: float)
     return logits.gather(-1, targets[:, None]).squeeze(-1) - log_z, logits, log_z
 
 
-# Response rows per LM-head chunk on the CPU: a chunk's float32 logits (rows x vocabulary) stay
-# under 24 MiB. glibc serves blocks above its 32 MiB mmap ceiling with fresh pages on every call,
-# and faulting in 200 MB of logits costs more than computing them (benchmarks/RESULTS.md, mfu).
-# CUDA's caching allocator reuses its blocks, so there a chunk is as large as a matmul likes.
+# Response rows per LM-head chunk on the CPU: a chunk's float32 logits (rows x vocabulary) stay near
+# 24 MiB, under glibc's 32 MiB ceiling for serving a block from the heap (a larger one is mapped
+# fresh, and page-faulted in, on every call), and at least 64 rows, below which the head's matmuls
+# slow down. At SmolLM2's shapes 128 to 2,085 rows per chunk cost the same time (benchmarks/RESULTS.md),
+# so the small chunk is free memory. CUDA's caching allocator reuses its blocks: there a chunk is
+# as large as a matmul likes.
 CPU_HEAD_CHUNK_BYTES = 24 * 2**20
+MIN_HEAD_CHUNK_ROWS = 64
 CUDA_HEAD_CHUNK_ROWS = 1024
 
 
 def head_chunk_rows(vocab_size: int, device: torch.device) -> int:
     if device.type == "cuda":
         return CUDA_HEAD_CHUNK_ROWS
-    return max(16, CPU_HEAD_CHUNK_BYTES // (4 * vocab_size))
+    return max(MIN_HEAD_CHUNK_ROWS, CPU_HEAD_CHUNK_BYTES // (4 * vocab_size))
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -148,7 +151,11 @@ class HeadLogProbs(torch.autograd.Function):
         h, weight, targets, log_z = ctx.saved_tensors
         need_h, need_weight = ctx.needs_input_grad[:2]
         grad_h = torch.empty_like(h) if need_h else None
-        grad_weight = None  # float32 accumulation, cast to the weight's dtype once
+        # the weight's gradient accumulates in place, in float32 (a fresh (V, H) product per chunk would
+        # be page-faulted in anew each time on the CPU); a lower-precision weight's chunk products go
+        # through one reused buffer of its dtype
+        grad_weight = None
+        part = None if weight.dtype == torch.float32 or not need_weight else torch.empty_like(weight)
         for t0 in range(0, h.shape[0], ctx.chunk):
             rows = slice(t0, t0 + ctx.chunk)
             g = grad_logp[rows] / ctx.temperature  # (c,)
@@ -158,11 +165,14 @@ class HeadLogProbs(torch.autograd.Function):
             coef = coef.to(weight.dtype)
             if need_h:
                 grad_h[rows] = coef @ weight
-            if need_weight:
-                part = coef.t() @ h[rows]  # (V, H)
-                grad_weight = part.float() if grad_weight is None else grad_weight.add_(part)
+            if need_weight and grad_weight is None:
+                grad_weight = (coef.t() @ h[rows]).float()  # (V, H) = (V, c) @ (c, H); float32: no copy
+            elif need_weight and part is None:
+                grad_weight.addmm_(coef.t(), h[rows])
+            elif need_weight:
+                grad_weight.add_(torch.mm(coef.t(), h[rows], out=part))
         if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
+            grad_weight = grad_weight.to(weight.dtype)  # (no copy for float32)
         return grad_h, grad_weight, None, None, None, None
 
 
