@@ -514,6 +514,31 @@ def test_bf16_compute_updates_float32_master_weights_like_a_float32_update(tiny_
     assert all(torch.equal(a, b) for a, b in zip(restored.model.parameters(), policy.model.parameters()))
 
 
+def test_fused_adamw_takes_the_steps_of_the_reference_adamw(tiny_model_dir, tmp_path):
+    """The trainer's AdamW runs torch's fused kernel on CPU; three updates leave
+    the weights and moments where torch's default (foreach) AdamW leaves them, to float32 rounding."""
+    cfg = small_config(tmp_path, tiny_model_dir, "train.lr=1e-3", "train.weight_decay=0.1")
+    policy = make_policy(cfg)
+    assert policy.optimizer.param_groups[0]["fused"]
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    start = [p.detach().clone() for p in params]
+    twins = [torch.nn.Parameter(p.clone()) for p in start]
+    reference = torch.optim.AdamW(twins, lr=1e-3, betas=tuple(cfg.train.betas), weight_decay=0.1, foreach=True)
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(p.shape, generator=gen) for p in params]
+    for _ in range(3):
+        for p, q, g in zip(params, twins, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        policy.optimizer.step()
+        reference.step()
+    # a constant gradient makes each bias-corrected Adam step exactly lr per weight (decay adds ~1e-4 of it)
+    moved = sum((p.detach() - s).abs().sum().item() for p, s in zip(params, start))
+    assert moved / sum(p.numel() for p in params) == pytest.approx(3e-3, rel=0.01)
+    for p, q in zip(params, twins):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(policy.optimizer.state[p]["exp_avg_sq"], reference.state[q]["exp_avg_sq"])
+
+
 def test_two_step_smoke_trains_every_parameter(tiny_model_dir, tmp_path):
     cfg = small_config(tmp_path, tiny_model_dir, "algo.overlong_filtering=true", "algo.kl_coef=0.01")
     from dapo.models import load_model_and_tokenizer

@@ -510,9 +510,12 @@ class Policy(LogProbModel):
                          temperature=temperature, device=device)
         self.master = self._master_weights()  # float32 copies in one process below float32; None otherwise
         t = train_cfg
+        params = self.master or [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            self.master or [p for p in self.model.parameters() if p.requires_grad],
-            lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
+            params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
+            # torch's fused kernel: the same AdamW update to rounding, in one pass over each tensor and
+            # its moments, with none of the foreach path's tensor-sized temporaries (sharded DTensors: foreach)
+            fused=not self.dist.sharded and all(p.device.type in ("cpu", "cuda") for p in params),
         )
         warmup = t.warmup_steps
         # the schedule advances once per training step (not per optimizer update), like the paper's
