@@ -92,12 +92,17 @@ def test_shared_prompts_give_the_unshared_gradients(arch, attention, checkpointi
     lm = tiny_lm(arch, attention, gradient_checkpointing=checkpointing).train()
     batch = synthetic_batch()
     adv = batch.adv[ROWS]
+    lookups = []  # the embedding's backward builds a dense (V, H) gradient per call: one call per micro-batch
+    lm.get_input_embeddings().register_forward_hook(lambda *_: lookups.append(1))
     grads = []
     for share, split in ((False, False), (True, True), (True, False)):
         lm.zero_grad(set_to_none=True)
         mb = make_micro_batch(batch, ROWS, 0, "cpu", share_prompts=share, split_responses=split)
+        assert not split or len(mb.shared.responses) > 1
+        lookups.clear()
         logp, _ = token_logprobs(lm, mb, temperature=0.9, chunk_tokens=64)
         (logp * adv[:, None]).sum().backward()
+        assert len(lookups) == 1
         grads.append({n: p.grad.clone() for n, p in lm.named_parameters()})
     unshared, *shared = grads
     scale = max(g.abs().max().item() for g in unshared.values())
