@@ -35,8 +35,10 @@ def plot_training(rows: list[dict], out: Path, title: str = "") -> Path:
         ax.set_title(name)
         ax.set_xlabel("training step")
         ax.grid(alpha=0.3)
-        if keys:
+        if ax.get_legend_handles_labels()[1]:
             ax.legend(fontsize=7)
+        else:  # e.g. a run whose only step had nothing to train on
+            ax.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=ax.transAxes, color="gray")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
