@@ -37,7 +37,8 @@ def make_policy(cfg, device="cpu", dist=None):
 
     from dapo.policy import Policy
 
-    return Policy(cfg.model, cfg.train, dist, temperature=cfg.rollout.temperature, device=torch.device(device))
+    return Policy(cfg.model, cfg.train, dist, temperature=cfg.rollout.temperature, device=torch.device(device),
+                  max_seq_tokens=cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens)
 
 
 def training_engine(cfg, policy, dist):

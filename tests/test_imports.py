@@ -90,7 +90,7 @@ FLOORS = [
       for m in ("dapo.policy", "dapo.prefix")],
     ("dapo.rollout", lambda n: n in ("dapo.training", "dapo.policy", "dapo.dynamic_sampling", "dapo.evaluation")),
     *[(m, lambda n: n in ENGINES_AND_UP) for m in ("dapo.config", "dapo.parallel", "dapo.models", "dapo.checkpoint",
-                                                   "dapo.lora")],
+                                                   "dapo.lora", "dapo.logits")],
     *[(m, lambda n: n in ("dapo.training", "dapo.cli", "dapo.ablate", "dapo.cluster", "dapo.api"))
       for m in ("dapo.dynamic_sampling", "dapo.evaluation", "dapo.metrics", "dapo.log", "dapo.plots", "dapo.trackers")],
     ("dapo.training", lambda n: n in ("dapo.cli", "dapo.ablate", "dapo.cluster", "dapo.api")),

@@ -59,3 +59,16 @@ def test_every_verl_name_is_in_the_documented_table():
     expected = {(v, ours) for v, ours in VERL_NAMES.items()}
     expected |= {(v, " + ".join(parts)) for v, parts in VERL_SUMS.items()}
     assert expected <= documented, sorted(expected - documented)
+
+
+def test_engine_gap_warning_by_dtype():
+    from dapo.metrics import engine_gap_warning
+
+    assert engine_gap_warning({"rollout/logprob_abs_diff_mean": torch.tensor(4e-6)}, dtype="float32", step=3) is None
+    line = engine_gap_warning({"rollout/logprob_abs_diff_mean": torch.tensor(2e-3)}, dtype="float32", step=3)
+    assert line.startswith("step 3: the rollout engine's log-probs are 0.002 nats per token from the trainer's "
+                           "(a float32 run stays under 0.001)") and "\n" not in line
+    # bfloat16 rounding alone gives gaps of a few hundredths: not a stale engine
+    assert engine_gap_warning({"rollout/logprob_abs_diff_mean": 0.03}, dtype="bfloat16", step=3) is None
+    assert engine_gap_warning({"rollout/logprob_abs_diff_mean": 0.4}, dtype="bfloat16", step=3) is not None
+    assert engine_gap_warning({}, dtype="float32", step=3) is None  # no engine log-probs (hf)

@@ -267,17 +267,19 @@ def test_what_cannot_share_a_prompt_is_refused_in_one_line(tmp_path, tiny_model_
     assert str(err.value).startswith("train.share_prompt_prefix=true") and "train.pack_sequences" in str(err.value)
     assert "\n" not in str(err.value)
 
-    # a sliding-window cache keeps only the window, not the whole prompt
+    # a sliding window shorter than the run's sequences is not full attention over them
     tokenizer = tiny.build_tokenizer()
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, use_sliding_window=True, sliding_window=32,
                          max_window_layers=1, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     tiny.save(Qwen2ForCausalLM(config), tokenizer, tmp_path / "sliding")
+    cfg = small_config(tmp_path, tmp_path / "sliding", "train.share_prompt_prefix=true")
+    longest = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
     with pytest.raises(ConfigError) as err:
-        make_policy(small_config(tmp_path, tmp_path / "sliding", "train.share_prompt_prefix=true"))
-    assert str(err.value) == (f"train.share_prompt_prefix=true: {tmp_path / 'sliding'} has a cache with "
-                              "DynamicSlidingWindowLayer layers (only full attention shares a prompt); "
-                              "set train.share_prompt_prefix=false")
+        make_policy(cfg)
+    assert str(err.value) == (f"train.share_prompt_prefix=true: {tmp_path / 'sliding'} has sliding-window attention "
+                              f"over 32 tokens, shorter than the longest sequence (data.max_prompt_tokens + "
+                              f"rollout.max_response_tokens = {longest}); set train.share_prompt_prefix=false")
     make_policy(small_config(tmp_path, tmp_path / "sliding"))  # unshared, the same model trains
 
     flash = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))

@@ -325,8 +325,14 @@ def test_tensor_parallel_engine_agrees_with_the_trainer(setup, tmp_path):
 @needs_vllm
 def test_two_training_steps_with_vllm(tmp_path):
     """Step 2 samples with the weights pushed after step 1: if the push failed, its log-prob gap would be large."""
+    import io
+
+    from rich.console import Console
+
     cfg = small_config(tmp_path, MODEL, *VLLM_OVERRIDES, "train.lr=1e-2")
-    train(cfg)
+    out = io.StringIO()
+    train(cfg, console=Console(file=out, width=1000, highlight=False))
+    assert "not sampling from the trained weights" not in out.getvalue()
     rows = read_metrics(cfg.run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -334,3 +340,25 @@ def test_two_training_steps_with_vllm(tmp_path):
               f"max {r['rollout/logprob_abs_diff_max']:.2e}, gen {r['perf/gen_tokens_per_s']:.0f} tokens/s")
         assert r["rollout/logprob_abs_diff_mean"] < LOGP_TOL_MEAN and r["rollout/logprob_abs_diff_max"] < LOGP_TOL_MAX
     assert rows[0]["actor/grad_norm"] > 0
+
+
+@needs_vllm
+def test_a_skipped_weight_push_is_said_in_one_line(tmp_path, monkeypatch):
+    """With the pushes skipped, step 2 samples from the initial weights while the trainer has moved: the run
+    says so once, in one line. The two-step run above (pushes on) stays under the limit and says nothing."""
+    import io
+
+    from rich.console import Console
+
+    from dapo.metrics import ENGINE_GAP_LIMIT
+    from dapo.rollout.vllm import VLLMRolloutEngine
+
+    monkeypatch.setattr(VLLMRolloutEngine, "update_weights", lambda self, named_tensors: None)
+    cfg = small_config(tmp_path, MODEL, *VLLM_OVERRIDES, "train.lr=1e-2", "train.total_steps=3")
+    out = io.StringIO()
+    train(cfg, console=Console(file=out, width=1000, highlight=False))
+    rows = read_metrics(cfg.run_dir)
+    gaps = [r["rollout/logprob_abs_diff_mean"] for r in rows]
+    assert gaps[0] < LOGP_TOL_MEAN and min(gaps[1:]) > ENGINE_GAP_LIMIT["float32"]  # step 1: the weights it sampled
+    said = [line for line in out.getvalue().splitlines() if "not sampling from the trained weights" in line]
+    assert len(said) == 1 and said[0].startswith("step 2: the rollout engine's log-probs are ")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import copy as copy_module
+import json
 import logging
 import os
 import random
@@ -163,6 +164,22 @@ def _as_tuple(x):
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
+def restore_dropout(config_json: Path, model) -> None:
+    """Write the dropout values ``model`` was loaded with back into a saved ``config.json``: a checkpoint or
+    an export is the user's model, trained without dropout but configured as it came."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under peft adapters
+    saved = base.__dict__.get("_dapo_dropout")
+    if not saved or not Path(config_json).exists():
+        return
+    data = json.loads(Path(config_json).read_text())
+    for path, value in saved.items():
+        node = data
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    Path(config_json).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
 def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state: dict, config_yaml: str, keep: int,
                     shards: dict | None = None, dist: parallel.Dist | None = None,
                     writer: CheckpointWriter | None = None) -> Path:
@@ -208,6 +225,7 @@ def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state
         parallel.barrier(d)  # rank 0 renames the directory before anyone goes on
         return final
     model.config.save_pretrained(tmp / "model_meta")
+    restore_dropout(tmp / "model_meta" / "config.json", model)
     tokenizer.save_pretrained(tmp / "model_meta")
     if lora.is_adapted(model):  # the adapters' shape and scale; their weights are in the shards
         lora.save_adapter(model, tmp / lora.ADAPTER_DIR, weights={})
@@ -230,6 +248,7 @@ def _write(run_dir: Path, tmp: Path, final: Path, model, weights: dict | None, f
         lora.save_adapter(model, tmp / lora.ADAPTER_DIR, weights)
     else:
         model.save_pretrained(tmp / "model", state_dict=weights)  # tied weights, format: as the model saves itself
+        restore_dropout(tmp / "model" / "config.json", model)
     for name, data in files.items():
         target = tmp / name
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,7 @@ class ConfigError(ValueError):
     """A bad config value; the message names the key and the fix."""
 
 
-Dtype = Literal["float32", "bfloat16", "float16"]
+Dtype = Literal["float32", "bfloat16"]
 Device = Literal["auto", "cpu", "cuda"]
 Task = Literal["arith"]
 TaskDifficulty = Literal["demo", "hard", "long"]
@@ -81,6 +81,9 @@ class ModelConfig:
     device: Device = "auto"  # auto: cuda if available
     trust_remote_code: bool = False  # run Python files shipped in model.path (auto_map); only for directories you trust
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (off by default)
+    # false: every dropout of the model is off in the policy's and the reference's passes, as the reference trains
+    # (with dropout, pi / pi_old compares two random masks); true keeps the model's own (docs/fidelity.md)
+    keep_dropout: bool = False
 
 
 @dataclass
@@ -439,6 +442,16 @@ def _spelled(value) -> str:
     return ",".join(map(str, value)) if isinstance(value, list) else repr(value)
 
 
+# values a user may well try that are not choices, with why and what to use instead
+REFUSED_CHOICES = {
+    "model.dtype": {
+        # float16's 5 exponent bits underflow most small gradients to 0 without a loss scaler, which dapo does not have
+        "float16": "training in float16 needs loss scaling, which dapo does not do (most small gradients underflow "
+                   "to 0); use model.dtype=bfloat16 (the same memory, float32's range) or float32",
+    },
+}
+
+
 def _check_fields(obj, prefix: str = "") -> None:
     """What each field's type says: a Literal setting holds one of its choices, and no float setting
     takes inf or nan: each bounds something (a time limit, the gradient norm, a clip), and inf would
@@ -459,6 +472,8 @@ def _check_fields(obj, prefix: str = "") -> None:
                 _check(not bad, f"{prefix}{f.name}={_spelled(value)}: {bad[0]!r} is not one of {', '.join(choices)}"
                                 if bad else "")
             else:
+                _check(value not in REFUSED_CHOICES.get(f"{prefix}{f.name}", {}),
+                       f"{prefix}{f.name}={value}: {REFUSED_CHOICES.get(f'{prefix}{f.name}', {}).get(value)}")
                 _check(value in choices, f"{prefix}{f.name}={value!r}: choose {_or_list(choices)}")
         for v in value if isinstance(value, list) else [value]:
             _check(not isinstance(v, float) or math.isfinite(v),

@@ -101,3 +101,25 @@ def sample_records(batch: RolloutBatch, tokenizer, k: int) -> list[dict]:
         "reward": float(batch.reward[i]), "acc": float(batch.acc[i]), "pred": batch.preds[i] if batch.preds else "",
         "ground_truth": batch.ground_truths[i], "length": len(batch.response_ids[i]), "truncated": bool(batch.truncated[i]),
     } for i in rows]
+
+
+# The mean |engine log-prob - trainer log-prob| per response token above which the engine is taken not to be
+# sampling from the trained weights, by the dtype both compute in. In float32 the two agree to float noise
+# (6e-7 on the demo model, 4e-6 on SmolLM2-135M with vLLM on CPU: README, vLLM section), so 1e-3 is far above
+# rounding and below what one optimizer step at the demo's learning rate moves. bfloat16 keeps 8 significant
+# bits: a logit near 10 is rounded by up to 0.04, and two implementations of one model round differently,
+# so the bar sits at 0.1, above rounding alone; a stale engine after many steps lies far beyond it.
+ENGINE_GAP_LIMIT = {"float32": 1e-3, "bfloat16": 0.1}
+
+
+def engine_gap_warning(metrics: dict, *, dtype: str, step: int) -> str | None:
+    """One line when the rollout engine's log-probs are further from the trainer's than ``dtype`` explains
+    (``ENGINE_GAP_LIMIT``): the sign of weights that did not reach the engine. None otherwise."""
+    gap = metrics.get("rollout/logprob_abs_diff_mean")
+    limit = ENGINE_GAP_LIMIT.get(dtype)
+    if gap is None or limit is None or float(gap) <= limit:
+        return None
+    return (f"step {step}: the rollout engine's log-probs are {float(gap):.3g} nats per token from the trainer's "
+            f"(a {dtype} run stays under {limit:g}): the engine is probably not sampling from the trained weights; "
+            "check train.log for a weight push that failed or was skipped, or weights lost across the engine's "
+            "sleep and wake (rollout/logprob_abs_diff_mean follows the gap)")

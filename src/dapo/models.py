@@ -20,7 +20,7 @@ import torch
 from dapo.checkpoint import readable_as_umask
 from dapo.resources import shipped
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # float16: refused (config.REFUSED_CHOICES)
 
 
 def pick_device(name: str) -> torch.device:
@@ -32,10 +32,11 @@ def pick_device(name: str) -> torch.device:
 
 
 def load_model_and_tokenizer(path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu", *,
-                             trust_remote_code: bool = False):
+                             trust_remote_code: bool = False, keep_dropout: bool = False):
     """A model directory's tokenizer and causal LM. Python files it ships (config.json's auto_map) run
     only with ``trust_remote_code``; said explicitly, because left unset transformers asks on the
-    terminal, where a stray 'y' (or a pipe) runs them."""
+    terminal, where a stray 'y' (or a pipe) runs them. Dropout is switched off (``disable_dropout``)
+    unless ``keep_dropout``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = shipped(path)  # assets/arith-base: the package's copy outside the repository
@@ -48,7 +49,41 @@ def load_model_and_tokenizer(path: str | Path, dtype: str = "float32", device: s
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+    if not keep_dropout:
+        disable_dropout(model)
     return model.to(device), tokenizer
+
+
+def _is_dropout_name(name: str) -> bool:
+    return "dropout" in name or "pdrop" in name
+
+
+def _configs(config) -> list[tuple[tuple[str, ...], object]]:
+    """A config and every sub-config inside it (a multimodal model's text_config, ...), with its key path."""
+    from transformers import PretrainedConfig
+
+    return [((), config)] + [((k,), v) for k, v in vars(config).items() if isinstance(v, PretrainedConfig)]
+
+
+def disable_dropout(model) -> None:
+    """Switch off every dropout of ``model``: ``nn.Dropout`` modules, the probabilities attention layers copy
+    from the config, and the config's own (some forwards read it as they run).
+
+    RL compares the log-probs of the same tokens under two passes (the ratio pi / pi_old, the engine's
+    against the trainer's): with dropout on, each pass draws its own mask and the ratio is noise. The
+    reference trains with dropout off. Saved checkpoints keep the config's own values (``checkpoint.restore_dropout``)."""
+    saved = model.__dict__.setdefault("_dapo_dropout", {})
+    for path, cfg in _configs(model.config):
+        for name, value in list(vars(cfg).items()):
+            if _is_dropout_name(name) and isinstance(value, float) and value > 0:
+                saved[(*path, name)] = value
+                setattr(cfg, name, 0.0)
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if _is_dropout_name(name) and isinstance(value, float):
+                setattr(module, name, 0.0)
 
 
 def weightless_model(path, dtype: str, *, trust_remote_code: bool = False):

@@ -13,6 +13,7 @@ from torch import nn
 
 from dapo import lora, parallel
 from dapo.batch import RolloutBatch, pad_rows, plan_micro_batches, plan_shared_prompt_micro_batches, response_passes
+from dapo.logits import LogitTransform, UnsupportedModel, find_logit_transform
 from dapo.models import DTYPES, load_model_and_tokenizer
 from dapo.prefix import SharedPrompts, fed_widths, prompt_of_rows, prompt_then_responses, shared_prompt_passes, unsupported
 
@@ -89,8 +90,8 @@ def _shared_prompt_micro_batch(batch: RolloutBatch, rows: list[int], pad_id: int
                       as_long(out_index), len(rows), width, shared)
 
 
-def _head_logp(head, h: torch.Tensor, targets: torch.Tensor, temperature: float):
-    logits = head(h).float() / temperature  # (n, V): float32 for this chunk only
+def _head_logp(head, h: torch.Tensor, targets: torch.Tensor, temperature: float, transform: LogitTransform):
+    logits = transform(head(h).float()) / temperature  # (n, V): float32 for this chunk only, the model's own logits
     log_z = torch.logsumexp(logits, dim=-1)
     return logits.gather(-1, targets[:, None]).squeeze(-1) - log_z, logits, log_z
 
@@ -112,9 +113,18 @@ def head_chunk_rows(vocab_size: int, device: torch.device) -> int:
     return max(MIN_HEAD_CHUNK_ROWS, CPU_HEAD_CHUNK_BYTES // (4 * vocab_size))
 
 
-def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    """(rows, V) float32 logits at the sampling temperature: ``head(h).float() / temperature``."""
-    return (h @ weight.t()).float().div_(temperature)
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float, transform: LogitTransform,
+                  tanh_out: list | None = None) -> torch.Tensor:
+    """(rows, V) float32 logits at the sampling temperature: ``transform(head(h).float()) / temperature``.
+    With soft-capping and ``tanh_out``, the tanh values (before the cap's multiplication) are appended to it."""
+    z = (h @ weight.t()).float()
+    if transform.softcap is None:
+        return z.div_(temperature / transform.scale)
+    u = z.mul_(transform.scale / transform.softcap).tanh_()
+    if tanh_out is None:
+        return u.mul_(transform.softcap / temperature)
+    tanh_out.append(u)
+    return u * (transform.softcap / temperature)
 
 
 class HeadLogProbs(torch.autograd.Function):
@@ -126,23 +136,26 @@ class HeadLogProbs(torch.autograd.Function):
     chunks. The same arithmetic as checkpointing each chunk of ``_head_logp``, where autograd makes a
     fresh (rows, V) tensor for the division, the log-sum-exp, the gather and each of their gradients,
     and a fresh (V, H) weight gradient per chunk. ``with_entropy``: also each row's entropy (no gradient).
+    ``transform``: what the model's forward does to the head's output (``dapo.logits``); a soft cap's
+    backward keeps a second (rows, V) buffer, its tanh values.
     """
 
     @staticmethod
-    def forward(ctx, h, weight, targets, temperature: float, chunk: int, with_entropy: bool):
+    def forward(ctx, h, weight, targets, temperature: float, chunk: int, with_entropy: bool,
+                transform: LogitTransform = LogitTransform()):
         n = h.shape[0]  # h: (n, H), weight: (V, H), targets: (n,)
         logp = torch.empty(n, dtype=torch.float32, device=h.device)
         log_z = torch.empty_like(logp)
         entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=h.device)
         for t0 in range(0, n, chunk):
             rows = slice(t0, t0 + chunk)
-            logits = _chunk_logits(h[rows], weight, temperature)  # (c, V)
+            logits = _chunk_logits(h[rows], weight, temperature, transform)  # (c, V)
             log_z[rows] = torch.logsumexp(logits, dim=-1)
             logp[rows] = logits.gather(-1, targets[rows, None]).squeeze(-1) - log_z[rows]
             if with_entropy:
                 entropy[rows] = _entropy(logits, log_z[rows])
         ctx.save_for_backward(h, weight, targets, log_z)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.temperature, ctx.chunk, ctx.transform = temperature, chunk, transform
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -156,12 +169,16 @@ class HeadLogProbs(torch.autograd.Function):
         # through one reused buffer of its dtype
         grad_weight = None
         part = None if weight.dtype == torch.float32 or not need_weight else torch.empty_like(weight)
+        transform = ctx.transform
         for t0 in range(0, h.shape[0], ctx.chunk):
             rows = slice(t0, t0 + ctx.chunk)
-            g = grad_logp[rows] / ctx.temperature  # (c,)
-            coef = _chunk_logits(h[rows], weight, ctx.temperature)  # (c, V), turned in place into d loss / d (h W^T)
+            g = grad_logp[rows] * (transform.scale / ctx.temperature)  # (c,): d logits / d (h W^T) without a cap
+            tanh = []
+            coef = _chunk_logits(h[rows], weight, ctx.temperature, transform, tanh)  # (c, V), turned in place into d loss / d (h W^T)
             coef.sub_(log_z[rows, None]).exp_().mul_(-g[:, None])  # -softmax x g
             coef[torch.arange(coef.shape[0], device=coef.device), targets[rows]] += g  # + one-hot x g
+            if tanh:  # the cap's own derivative: d (cap tanh(s z / cap)) / dz = s (1 - tanh^2)
+                coef.mul_(tanh[0].square_().neg_().add_(1))
             coef = coef.to(weight.dtype)
             if need_h:
                 grad_h[rows] = coef @ weight
@@ -173,20 +190,25 @@ class HeadLogProbs(torch.autograd.Function):
                 grad_weight.add_(torch.mm(coef.t(), h[rows], out=part))
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)  # (no copy for float32)
-        return grad_h, grad_weight, None, None, None, None
+        return grad_h, grad_weight, None, None, None, None, None
 
 
 class ResponseLogProbs(nn.Module):
-    """The log-prob pass over response tokens as one module (the decoder and the LM head of ``lm``).
+    """The log-prob pass over response tokens as one module (the decoder and the LM head of ``lm``, and
+    what ``lm``'s own forward does to the head's output, ``transform``).
 
     Under FSDP this module is the root of the sharding, so the decoder and the head run inside one
     forward and their parameters are gathered and their gradients reduced like any other layer's.
     """
 
-    def __init__(self, lm):
+    def __init__(self, lm, transform: LogitTransform | None = None, *, fused_head: bool | None = None):
         super().__init__()
+        self.transform = logit_transform(lm) if transform is None else transform
         self.decoder = lm.get_decoder()
         self.head = lm.get_output_embeddings()
+        plain = isinstance(self.head, nn.Linear) and self.head.bias is None  # not an adapter-wrapped or biased head
+        # HeadLogProbs where the head is a plain weight; the head module checkpointed chunk by chunk otherwise
+        self.fused_head = plain if fused_head is None else fused_head and plain
 
     def forward(self, mb: MicroBatch, *, temperature: float, with_entropy: bool = False, chunk_tokens: int | None = None):
         if mb.shared is None:
@@ -196,8 +218,9 @@ class ResponseLogProbs(nn.Module):
             hidden = prompt_then_responses(self.decoder, mb.shared)  # (prompt and response positions, H)
         h = hidden[mb.token_index]  # (n, H)
         chunk_tokens = chunk_tokens or head_chunk_rows(self.head.weight.shape[0], h.device)
-        if isinstance(self.head, nn.Linear) and self.head.bias is None:  # not an adapter-wrapped or biased head
-            flat, ent = HeadLogProbs.apply(h, self.head.weight, mb.targets, temperature, chunk_tokens, with_entropy)
+        if self.fused_head:
+            flat, ent = HeadLogProbs.apply(h, self.head.weight, mb.targets, temperature, chunk_tokens, with_entropy,
+                                           self.transform)
             return self._scatter(mb, flat), self._scatter(mb, ent) if with_entropy else None
         logps, entropies = [], []
         for t0 in range(0, h.shape[0], chunk_tokens):
@@ -206,7 +229,7 @@ class ResponseLogProbs(nn.Module):
                 head = self._checkpointed_head(temperature, entropies if with_entropy else None)
                 logps.append(torch.utils.checkpoint.checkpoint(head, h_c, y_c, use_reentrant=False))
                 continue
-            logp, logits, log_z = _head_logp(self.head, h_c, y_c, temperature)
+            logp, logits, log_z = _head_logp(self.head, h_c, y_c, temperature, self.transform)
             logps.append(logp)
             if with_entropy:
                 entropies.append(_entropy(logits, log_z))
@@ -226,7 +249,7 @@ class ResponseLogProbs(nn.Module):
         same logits."""
 
         def head(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            logp, logits, log_z = _head_logp(self.head, x, y, temperature)
+            logp, logits, log_z = _head_logp(self.head, x, y, temperature, self.transform)
             if entropies is not None and not done:
                 with torch.no_grad():
                     entropies.append(_entropy(logits.detach(), log_z.detach()))
@@ -235,6 +258,16 @@ class ResponseLogProbs(nn.Module):
 
         done: list[bool] = []
         return head
+
+
+def logit_transform(lm) -> LogitTransform:
+    """What ``lm``'s forward does after its LM head (``dapo.logits``), found once per model. Raises
+    UnsupportedModel when the trainer cannot reproduce it."""
+    found = lm.__dict__.get("_dapo_logit_transform")
+    if found is None:
+        found = find_logit_transform(lm)
+        lm.__dict__["_dapo_logit_transform"] = found
+    return found
 
 
 def _entropy(logits: torch.Tensor, log_z: torch.Tensor) -> torch.Tensor:
@@ -359,23 +392,28 @@ class LogProbModel:
     sharded log-prob pass."""
 
     def __init__(self, lm, pad_id: int, model_cfg: ModelConfig, train_cfg: TrainConfig, dist: parallel.Dist, *,
-                 temperature: float, device: torch.device):
+                 temperature: float, device: torch.device, max_seq_tokens: int | None = None):
         self.model = lm
         self.pad_id = pad_id
         self.model_cfg, self.train_cfg = model_cfg, train_cfg
         self.dist, self.device = dist, device
         self.temperature = temperature  # log-probs are of the distribution that sampled: at its temperature
         self.share_prompts = train_cfg.share_prompt_prefix
-        if self.share_prompts and (why := unsupported(lm)):
-            from dapo.config import ConfigError
+        from dapo.config import ConfigError
 
+        if self.share_prompts and (why := unsupported(lm, max_seq_tokens)):
             raise ConfigError(f"train.share_prompt_prefix=true: {model_cfg.path} has {why}; set train.share_prompt_prefix=false")
+        try:
+            logit_transform(lm)  # found before sharding, on the whole head
+        except UnsupportedModel as err:
+            raise ConfigError(f"model.path={model_cfg.path}: {err}; its log-probs would not be those the engines "
+                              "sample, so it cannot be trained exactly") from None
         self.logprob_pass = self._sharded_logprob_pass(lm)
 
     def _sharded_logprob_pass(self, lm) -> ResponseLogProbs:
         """The model's log-prob pass; under FSDP sharded across ranks (one unit per decoder layer),
         float32 master weights, forward and backward in model.dtype."""
-        logprob_pass = ResponseLogProbs(lm)
+        logprob_pass = ResponseLogProbs(lm, logit_transform(lm))
         return parallel.wrap(logprob_pass, list(logprob_pass.decoder.layers), self.dist,
                              compute_dtype=DTYPES[self.model_cfg.dtype], cpu_offload=self.train_cfg.cpu_offload)
 
@@ -475,12 +513,14 @@ class ReferenceModel(LogProbModel):
     """The initial weights, frozen: log-probs under pi_ref for a KL penalty (GRPO's; DAPO has none)."""
 
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, dist: parallel.Dist | None = None, *,
-                 temperature: float, device: torch.device | None = None):
+                 temperature: float, device: torch.device | None = None, max_seq_tokens: int | None = None):
         dist, device, load_on = _placement(dist, device)
         lm, tokenizer = load_model_and_tokenizer(model_cfg.path, model_cfg.dtype, load_on,
-                                                 trust_remote_code=model_cfg.trust_remote_code)
+                                                 trust_remote_code=model_cfg.trust_remote_code,
+                                                 keep_dropout=model_cfg.keep_dropout)
         lm.requires_grad_(False).train(False)
-        super().__init__(lm, tokenizer.pad_token_id, model_cfg, train_cfg, dist, temperature=temperature, device=device)
+        super().__init__(lm, tokenizer.pad_token_id, model_cfg, train_cfg, dist, temperature=temperature, device=device,
+                         max_seq_tokens=max_seq_tokens)
 
     def logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """(N, T) log-probs of the sampled tokens under the reference weights."""
@@ -496,10 +536,11 @@ class Policy(LogProbModel):
     """
 
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, dist: parallel.Dist | None = None, *,
-                 temperature: float, device: torch.device | None = None):
+                 temperature: float, device: torch.device | None = None, max_seq_tokens: int | None = None):
         dist, device, load_on = _placement(dist, device)
         lm, self.tokenizer = load_model_and_tokenizer(model_cfg.path, model_cfg.dtype, load_on,
-                                                      trust_remote_code=model_cfg.trust_remote_code)
+                                                      trust_remote_code=model_cfg.trust_remote_code,
+                                                      keep_dropout=model_cfg.keep_dropout)
         if model_cfg.gradient_checkpointing:
             lm.gradient_checkpointing_enable()
         lm.config.use_cache = False  # training forward passes never need the KV cache
@@ -507,7 +548,7 @@ class Policy(LogProbModel):
         if self.adapted:  # the base frozen, LoRA adapters trained; the model is the peft model from here on
             lm = lora.add_adapters(lm, model_cfg.lora, seed=train_cfg.seed)
         super().__init__(lm, self.tokenizer.pad_token_id, model_cfg, train_cfg, dist,
-                         temperature=temperature, device=device)
+                         temperature=temperature, device=device, max_seq_tokens=max_seq_tokens)
         self.master = self._master_weights()  # float32 copies in one process below float32; None otherwise
         t = train_cfg
         params = self.master or [p for p in self.model.parameters() if p.requires_grad]

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from dapo.batch import pad_rows
 
@@ -127,15 +127,46 @@ class _PrefixLayer(DynamicLayer):
         return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
 
 
-def unsupported(lm) -> str | None:
-    """Why ``lm`` cannot share prompts (a clause for an error message), or None when it can."""
+# rotary scalings whose frequencies depend on the length of the pass itself: the prompt pass and a response
+# pass would rotate with different frequencies from the one pass over the whole sequence
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def _rope_types(config) -> set[str]:
+    """Every rope type a config names (``rope_parameters``, or the older ``rope_scaling``; per layer type or not)."""
+    found = set()
+    for key in ("rope_parameters", "rope_scaling"):
+        value = getattr(config, key, None)
+        if not isinstance(value, dict):
+            continue
+        per_layer_type = [v for v in value.values() if isinstance(v, dict)]
+        for params in per_layer_type or [value]:
+            if kind := params.get("rope_type", params.get("type")):
+                found.add(str(kind))
+    return found
+
+
+def unsupported(lm, max_seq_tokens: int | None = None) -> str | None:
+    """Why ``lm`` cannot share prompts (a clause for an error message), or None when it can.
+    ``max_seq_tokens``: the longest prompt + response of the run, which a sliding window must hold."""
     attention = getattr(lm.config, "_attn_implementation", None)
     if attention not in SUPPORTED_ATTENTION:
         return f"attention implementation {attention!r} (supported: {', '.join(SUPPORTED_ATTENTION)})"
-    kinds = {type(layer).__name__ for layer in DynamicCache(config=lm.config).layers}
-    if kinds - {DynamicLayer.__name__}:
-        # sliding-window, chunked, linear-attention or hybrid layers keep other states than a full prefix
-        return f"a cache with {', '.join(sorted(kinds - {DynamicLayer.__name__}))} layers (only full attention shares a prompt)"
+    text_config = lm.config.get_text_config(decoder=True)
+    if rope := sorted(_rope_types(text_config) & set(LENGTH_DEPENDENT_ROPE)):
+        return f"rope_type {rope[0]!r}, whose frequencies depend on each pass's length (prompt and response passes would differ)"
+    layers = DynamicCache(config=lm.config).layers
+    kinds = {type(layer).__name__ for layer in layers}
+    windowed = {DynamicSlidingWindowLayer.__name__}
+    if kinds - {DynamicLayer.__name__} - windowed:
+        # linear-attention, recurrent, indexed or hybrid layers keep other states than a full prefix
+        return f"a cache with {', '.join(sorted(kinds - {DynamicLayer.__name__} - windowed))} layers (only attention shares a prompt)"
+    windows = [layer.sliding_window for layer in layers if type(layer) is DynamicSlidingWindowLayer]
+    if windows and (max_seq_tokens is None or max_seq_tokens > min(windows)):
+        # within its window, sliding-window (or chunked) attention is full attention, which the prefix reproduces
+        longest = "not known" if max_seq_tokens is None else max_seq_tokens
+        return (f"sliding-window attention over {min(windows)} tokens, shorter than the longest sequence "
+                f"(data.max_prompt_tokens + rollout.max_response_tokens = {longest})")
     for layer in lm.get_decoder().layers:
         checkpoint = getattr(layer, "_gradient_checkpointing_func", None)
         if getattr(layer, "gradient_checkpointing", False) and getattr(checkpoint, "keywords", {}).get("use_reentrant") is not False:

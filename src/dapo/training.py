@@ -37,7 +37,7 @@ from dapo.dynamic_sampling import BatchCollector, CollectStats, Scorer, record_b
 from dapo.evaluation import evaluate, load_benchmark, sampling_settings
 from dapo.log import NullLogger, RunLogger, setup_library_logging
 from dapo.memory import PhaseMemory
-from dapo.metrics import no_signal_advice, sample_records, sampling_metrics, step_metrics
+from dapo.metrics import engine_gap_warning, no_signal_advice, sample_records, sampling_metrics, step_metrics
 from dapo.models import pick_device
 from dapo.policy import BaseReference, LossFn, Policy, ReferenceModel
 from dapo.rewards.pool import REWARD_FN
@@ -231,6 +231,7 @@ class Run:
     writer: checkpoint.CheckpointWriter = field(default_factory=lambda: checkpoint.CheckpointWriter(asynchronous=False))
     grader: str | None = None  # every row's grader (a caller's reward function); None: reward.grader
     no_signal: int = 0  # steps in a row without an informative group
+    engine_gap_said: bool = False  # the engine-vs-trainer gap has been reported (once a run)
     memory: PhaseMemory | None = None  # each phase's peak memory (perf/peak_*_gb)
 
     def evaluate(self) -> dict:
@@ -265,6 +266,16 @@ class Run:
         self.state = TrainState.from_state_dict(saved)
         checkpoint.set_rng_state(saved["rng"])
 
+    def note_engine_gap(self, metrics: dict, step: int) -> None:
+        """Say once when the engine samples from other weights than the trainer's (``engine_gap_warning``).
+        Only where the engine's log-probs are of the full distribution: top-p and top-k renormalise them."""
+        r = self.cfg.rollout
+        if self.engine_gap_said or r.top_p < 1.0 or r.top_k is not None:
+            return
+        if line := engine_gap_warning(metrics, dtype=self.cfg.model.dtype, step=step):
+            self.logger.warn(line)
+            self.engine_gap_said = True
+
     def note_signal(self, batch: RolloutBatch | None, cstats: CollectStats, step: int) -> None:
         """Say so when a step had nothing to learn from, and what to change after a few in a row."""
         self.no_signal = 0 if batch is not None else self.no_signal + 1
@@ -287,11 +298,12 @@ def start(cfg: Config, stack: contextlib.ExitStack, console=None, inputs: RunInp
     setup_library_logging(cfg.run_dir, cfg.run.log_level, rank=d.rank)  # vLLM, Ray, transformers: train.log
     r, a = cfg.rollout, cfg.algo
     device = d.device if d.sharded else pick_device(cfg.model.device)
-    policy = Policy(cfg.model, cfg.train, d, device=device, temperature=r.temperature)
+    train_seq_tokens = cfg.data.max_prompt_tokens + r.max_response_tokens  # the longest sequence a training pass sees
+    policy = Policy(cfg.model, cfg.train, d, device=device, temperature=r.temperature, max_seq_tokens=train_seq_tokens)
     reference = None
     if a.kl_coef > 0:  # with LoRA the base is the policy with its adapters off: no second copy
-        reference = policy.base_reference() if policy.adapted else ReferenceModel(cfg.model, cfg.train, d, device=device,
-                                                                                   temperature=r.temperature)
+        reference = policy.base_reference() if policy.adapted else ReferenceModel(
+            cfg.model, cfg.train, d, device=device, temperature=r.temperature, max_seq_tokens=train_seq_tokens)
     max_model_len = cfg.data.max_prompt_tokens + max(r.max_response_tokens, cfg.eval.max_response_tokens or 0)
     engine = make_training_engine(r, cfg.model, policy.model, policy.tokenizer, d, max_model_len=max_model_len)
     # the saved config says which engine ran ("auto" resolved)
@@ -365,6 +377,7 @@ def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
                 batch, cstats, update, timer.seconds, max_prompt_tokens=cfg.data.max_prompt_tokens,
                 max_response_tokens=cfg.rollout.max_response_tokens, old_logprob_tokens=old.tokens_computed,
                 engine_vs_trainer=cfg.algo.old_logp != "engine")
+            run.note_engine_gap(metrics, step)
         if step == cfg.train.total_steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0):
             with timer("eval"):
                 metrics |= run.evaluate()
