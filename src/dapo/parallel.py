@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dapo.watchdog import waiting
+
 
 @dataclass(frozen=True)
 class Dist:
@@ -183,7 +185,8 @@ def broadcast_object(obj, d: Dist, src: int = 0):
     if not d.sharded:
         return obj
     box = [obj if d.rank == src else None]
-    dist.broadcast_object_list(box, src=src, device=d.device if d.device.type == "cuda" else None)
+    with waiting(f"broadcast_object from rank {src}"):  # rank 0's grades: the others wait for its grading
+        dist.broadcast_object_list(box, src=src, device=d.device if d.device.type == "cuda" else None)
     return box[0]
 
 
@@ -192,7 +195,8 @@ def all_gather_object(obj, d: Dist) -> list:
     if not d.sharded:
         return [obj]
     out = [None] * d.world_size
-    dist.all_gather_object(out, obj)
+    with waiting("all_gather_object"):  # every rank's samples: the fastest waits for the slowest generation
+        dist.all_gather_object(out, obj)
     return out
 
 
@@ -213,7 +217,8 @@ class OnMain:
 
 def barrier(d: Dist) -> None:
     if d.sharded:
-        dist.barrier()
+        with waiting("barrier"):
+            dist.barrier()
 
 
 # ---- data partition ------------------------------------------------------------------------------

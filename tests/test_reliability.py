@@ -1,0 +1,210 @@
+"""What a long run meets: a hung rank (the step watchdog), a non-finite loss, a rollout engine that fails
+mid-generation, a Ray worker that dies mid-step. Each says so in one line, and nothing earlier is lost.
+
+The 2-rank parts run this file as a torchrun worker (``python -m torch.distributed.run ... this file``).
+"""
+
+import json
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import small_config  # noqa: E402
+
+from dapo import checkpoint, watchdog  # noqa: E402
+from dapo.config import ConfigError, load_config  # noqa: E402
+
+# limits small enough for a test: a phase that ran once is late past max(2 s, 4 x its slowest run); a
+# first run (model loading, the first generation) has a minute; the process ends at twice the limit
+QUICK_WATCHDOG = ["run.watchdog_floor_s=2", "run.watchdog_factor=4", "run.watchdog_first_s=60",
+                  "run.watchdog_exit_factor=2"]
+LATE = re.compile(r"^watchdog: rank (\d) is late in (\S+)(, waiting for the other ranks in [^:]+)?: ([\d.]+) s, its limit "
+                  r"([\d.]+) s \((.*)\); every thread's stack is in (\S+); the process ends at ([\d.]+) s "
+                  r"\(run.watchdog_exit_factor=2\)$")
+
+
+# ---- the watchdog alone --------------------------------------------------------------------------
+def wait_for(cond, seconds=30.0):
+    deadline = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < deadline, "the watchdog never spoke"
+        time.sleep(0.02)
+
+
+def stuck_in_generation(release: threading.Event):  # a name to find in the dumped stacks
+    release.wait()
+
+
+def test_a_late_phase_gets_one_line_the_stacks_and_then_the_exit(tmp_path):
+    phases = watchdog.PHASES
+    phases.slowest.clear()
+    exits, lines = [], []
+
+    class Console:
+        def write(self, text):
+            lines.append(text)
+
+        def flush(self):
+            pass
+
+    log = tmp_path / "train.log"
+    dog = watchdog.Watchdog(rank=3, log_path=log, factor=4.0, floor_s=0.2, first_s=30.0, exit_factor=2.0,
+                            console=Console(), exit=exits.append).start()
+    release = threading.Event()
+    try:
+        with watchdog.phase("generate"):
+            pass  # a first run (fast): the history
+        assert "generate" in phases.slowest and not dog.lines
+        with watchdog.phase("generate"):  # the second run hangs
+            wait_for(lambda: dog.lines)
+            late = dog.lines[0]
+            assert not exits  # a late phase is said before the process ends
+            helper = threading.Thread(target=stuck_in_generation, args=(release,), name="helper")
+            helper.start()
+            wait_for(lambda: exits)
+    finally:
+        release.set()
+        dog.stop()
+    found = LATE.match(late)
+    assert found, late
+    rank, path, _, elapsed, limit, why, where, exit_at = found.groups()
+    # the floor: 4 x a run of microseconds is far below 0.2 s
+    assert (rank, path, float(limit), why, where) == ("3", "generate", 0.2, "the floor run.watchdog_floor_s=0.2", str(log))
+    assert 0.2 <= float(elapsed) < 0.2 + 0.5 and float(exit_at) == 0.4  # seen within a tick (0.05 s here)
+    assert exits == [124] and len(dog.lines) == 2
+    assert dog.lines[1].startswith("watchdog: rank 3 stopped after ") and " in generate, past 2 x its limit; exit code 124" in dog.lines[1]
+    text = log.read_text()
+    # twice every thread's stack: when late (the helper not started yet) and at the exit (the helper stuck)
+    assert text.count("dapo.watchdog: rank 3 late in generate after") == 1
+    assert text.count("dapo.watchdog: rank 3 ends in generate after") == 1
+    assert "in stuck_in_generation" in text.split("ends in generate")[1]
+    assert "test_a_late_phase_gets_one_line_the_stacks_and_then_the_exit" in text  # the main thread, inside the phase
+    assert "".join(lines).count("\n") == 2  # the two lines, nothing else on the console
+
+
+def test_limits_follow_the_runs_own_history():
+    phases = watchdog.Phases()
+    dog = watchdog.Watchdog(rank=0, log_path=Path("x"), factor=5.0, floor_s=10.0, first_s=100.0, exit_factor=3.0,
+                            phases=phases)
+    assert dog.limit("update") == (100.0, "its first run, run.watchdog_first_s=100")
+    phases.slowest["update"] = 1.0
+    assert dog.limit("update") == (10.0, "the floor run.watchdog_floor_s=10")
+    phases.slowest["update"] = 4.0
+    assert dog.limit("update") == (20.0, "5 x its slowest completed run, 4.0 s")
+
+
+def test_phases_nest_and_a_failure_names_the_innermost():
+    with pytest.raises(KeyError):
+        with watchdog.phase("outer"):
+            with watchdog.phase("inner"):
+                raise KeyError("x")
+    assert watchdog.failed_in() == "outer > inner"
+    with watchdog.phase("outer"):
+        with watchdog.waiting("barrier"):
+            assert watchdog.PHASES.here().stack[-1].waiting == "barrier"
+    assert "outer > inner" not in watchdog.PHASES.slowest  # a failed run is no history
+
+
+@pytest.mark.parametrize("override,message", [
+    ("run.watchdog_factor=0.5", "run.watchdog_factor=0.5: must be >= 1"),
+    ("run.watchdog_floor_s=0", "run.watchdog_floor_s=0.0: must be > 0 seconds; switch the watchdog off with run.watchdog=false"),
+    ("run.watchdog_exit_factor=1", "run.watchdog_exit_factor=1.0: must be > 1"),
+    ("run.max_nonfinite_in_a_row=0", "run.max_nonfinite_in_a_row=0: must be > 0, or null"),
+])
+def test_watchdog_settings_are_checked(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config("configs/demo.yaml", [override])
+    assert load_config("configs/demo.yaml", ["run.watchdog=false"]).run.watchdog is False
+
+
+# ---- a normal run --------------------------------------------------------------------------------
+def test_a_normal_run_says_nothing_and_the_watchdog_saw_every_phase(tiny_model_dir, tmp_path, capsys):
+    from dapo.training import train
+
+    # a floor of 20 s: the phases of this run take well under a second, but 4 other jobs share the 2 cores
+    cfg = small_config(tmp_path, tiny_model_dir, *QUICK_WATCHDOG, "run.watchdog_floor_s=20", "train.total_steps=3",
+                       "eval.before_train=true")
+    train(cfg)
+    out = capsys.readouterr()
+    assert "watchdog" not in out.out + out.err
+    assert "dapo.watchdog" not in (tmp_path / "t" / "train.log").read_text()
+    assert set(watchdog.PHASES.slowest) == {"start", "eval", "generate", "reward", "old_logprob", "checkpoint",
+                                            "update", "weight_sync"}
+
+
+# ---- 2 ranks, one of them hung ---------------------------------------------------------------------
+def hang_worker(where: str, model_dir: str, run_dir: str) -> None:
+    """Run under torchrun: 3 training steps, with step 2's generation asleep on rank 1 (``generate``) or
+    its grading on rank 0 never returning (``reward``: a call the pool's per-response time limit does not reach)."""
+    import os
+
+    from dapo.rewards import pool
+    from dapo.rollout import hf
+    from dapo.training import train
+
+    rank, calls = int(os.environ["RANK"]), {"n": 0}
+    if where == "generate" and rank == 1:
+        real = hf.HFRolloutEngine.generate
+
+        def generate(self, *args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                time.sleep(3600)  # the rank that hangs
+            return real(self, *args, **kwargs)
+
+        hf.HFRolloutEngine.generate = generate
+    if where == "reward" and rank == 0:
+        real_execute = pool._Run.execute
+
+        def execute(self):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                threading.Event().wait()  # never returns
+            return real_execute(self)
+
+        pool._Run.execute = execute
+    train(small_config(run_dir, model_dir, *QUICK_WATCHDOG, "train.total_steps=3", "run.save_every=1"))
+
+
+@pytest.mark.parametrize("where,hung_rank", [("generate", 1), ("reward", 0)])
+def test_a_hung_rank_is_named_with_its_stacks_and_the_job_ends(tiny_model_dir, tmp_path, where, hung_rank):
+    from test_parallel import torchrun
+
+    t0 = time.perf_counter()
+    out = torchrun(__file__, "hang", where, tiny_model_dir, tmp_path, check=False, timeout=240)
+    seconds = time.perf_counter() - t0
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("watchdog: ")]
+    print(f"\n{where} hung on rank {hung_rank}: torchrun ended after {seconds:.1f} s (exit {out.returncode}); "
+          + "\n".join(lines))
+    assert out.returncode != 0
+    late = {int(m.group(1)): m for m in map(LATE.match, lines) if m}
+    assert hung_rank in late, (lines, out.stderr[-3000:])
+    hung = late[hung_rank]
+    assert hung.group(2) == where and hung.group(3) is None  # the hung rank is in the phase, not waiting
+    assert float(hung.group(4)) >= float(hung.group(5))  # (to the 0.1 s printed)
+    # the phase ran once at step 1: its limit is the floor or 4 x that run, never the first run's minute
+    assert float(hung.group(5)) < 60 and "its first run" not in hung.group(6)
+    if 1 - hung_rank in late:  # the other rank waits for it and says so
+        assert late[1 - hung_rank].group(3) is not None
+    log = tmp_path / "t" / ("train.log" if hung_rank == 0 else f"train.rank{hung_rank}.log")
+    assert hung.group(7) == str(log)
+    stacks = log.read_text().split(f"dapo.watchdog: rank {hung_rank} late in {where}")[1]
+    assert "Current thread" in stacks or "Thread 0x" in stacks
+    assert ("in generate" if where == "generate" else "in execute") in stacks  # the hook that hangs, by name
+    assert any(line.startswith(f"watchdog: rank {hung_rank} stopped after") or
+               line.startswith(f"watchdog: rank {1 - hung_rank} stopped after") for line in lines)
+    # step 1 is whole: its checkpoint and its row
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "t")] == ["step_000001"]
+    rows = [json.loads(r) for r in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines() if r.strip()]
+    assert [r["step"] for r in rows] == [1]
+
+
+if __name__ == "__main__":  # the torchrun worker
+    mode, *rest = sys.argv[1:]
+    {"hang": hang_worker}[mode](*rest)
