@@ -205,6 +205,119 @@ def test_a_hung_rank_is_named_with_its_stacks_and_the_job_ends(tiny_model_dir, t
     assert [r["step"] for r in rows] == [1]
 
 
+# ---- a non-finite loss -----------------------------------------------------------------------------
+def poison_updates(monkeypatch, steps):
+    """The loss is nan in every optimizer update of the given training steps (Policy.update calls, 1-based)."""
+    from dapo import training
+    from dapo.policy import Policy
+
+    state = {"call": 0}
+    real_update, real_make = Policy.update, training.make_loss_fn
+
+    def update(self, *args, **kwargs):
+        state["call"] += 1
+        return real_update(self, *args, **kwargs)
+
+    def make_loss_fn(*args, **kwargs):
+        loss_fn = real_make(*args, **kwargs)
+
+        def poisoned(*a, **k):
+            loss, stats = loss_fn(*a, **k)
+            return (loss * float("nan"), stats) if state["call"] in steps else (loss, stats)
+
+        return poisoned
+
+    monkeypatch.setattr(Policy, "update", update)
+    monkeypatch.setattr(training, "make_loss_fn", make_loss_fn)
+
+
+def rows_of(run_dir: Path) -> list[dict]:
+    return [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines() if r.strip()]
+
+
+def test_a_nonfinite_loss_skips_the_update_and_leaves_weights_and_adamw_state(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    from safetensors.torch import load_file
+
+    from dapo.training import train
+
+    poison_updates(monkeypatch, steps={2})
+    train(small_config(tmp_path, tiny_model_dir, "train.total_steps=3", "run.save_every=1", "run.keep_checkpoints=3"))
+    out = " ".join(capsys.readouterr().out.split())  # the console wraps its lines at its width
+    said = ("step 2: 2 of 2 optimizer updates skipped, their loss or gradient norm not finite (weights and AdamW state "
+            "left as they were; actor/nonfinite_updates); 2 in a row, the run stops at 5")
+    assert out.count(said) == 1 and out.count("optimizer updates skipped") == 1, out
+    rows = rows_of(tmp_path / "t")
+    assert [(r["step"], r["actor/nonfinite_updates"], r["actor/skipped_updates"]) for r in rows] == \
+        [(1, 0, 0), (2, 2, 2), (3, 0, 2)]
+    ckpt = {p.name: p for p in checkpoint.list_checkpoints(tmp_path / "t")}
+    weights = {k: load_file(p / "model" / "model.safetensors") for k, p in ckpt.items()}
+    adamw = {k: checkpoint.load_trainer_state(p)["policy"]["optimizer"]["state"] for k, p in ckpt.items()}
+    one, two, three = (f"step_00000{i}" for i in (1, 2, 3))
+    assert all(torch.equal(weights[one][k], weights[two][k]) for k in weights[one])  # step 2 changed nothing
+    assert any(not torch.equal(weights[two][k], weights[three][k]) for k in weights[two])  # step 3 trained
+    for i, state in adamw[two].items():
+        assert all(torch.equal(v, adamw[one][i][k]) for k, v in state.items()), i  # moments and AdamW's step count
+    assert float(adamw[one][0]["step"]) == 2 and float(adamw[three][0]["step"]) == 4
+
+
+def test_nonfinite_updates_in_a_row_stop_the_run_in_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    from conftest import SMALL_OVERRIDES
+
+    from dapo import cli
+
+    poison_updates(monkeypatch, steps={2, 3, 4})
+    code = cli.main(["train", "configs/demo.yaml", f"model.path={tiny_model_dir}", f"run.dir={tmp_path}", *SMALL_OVERRIDES,
+                     "train.total_steps=4", "run.save_every=1", "run.max_nonfinite_in_a_row=3"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: step 3: 4 optimizer updates in a row had a non-finite loss or gradient norm "
+                      f"(run.max_nonfinite_in_a_row=3), so the run stops; check the learning rate (train.lr=0.001), "
+                      f"model.dtype=float32 (overflow in low precision), a reward function returning inf or nan, and "
+                      f"the weights of the last checkpoint ({tmp_path}/t/checkpoints/step_000003) for nan"]
+    assert [(r["step"], r["actor/nonfinite_updates"]) for r in rows_of(tmp_path / "t")] == [(1, 0), (2, 2), (3, 2)]
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "t")] == ["step_000002", "step_000003"]  # keep 2
+
+
+# ---- the rollout engine fails mid-generation --------------------------------------------------------
+def test_a_rollout_engine_failing_mid_generation_stops_in_one_line_and_the_run_resumes(tiny_model_dir, tmp_path,
+                                                                                      monkeypatch, capsys):
+    from conftest import SMALL_OVERRIDES
+
+    from dapo import cli
+    from dapo.rollout import hf
+
+    real, calls = hf.HFRolloutEngine.generate, {"n": 0}
+
+    def generate(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:  # step 2's generation
+            raise RuntimeError("CUDA error: an illegal memory access was encountered\nCompile with "
+                               "`TORCH_USE_CUDA_DSA` to enable device-side assertions.")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(hf.HFRolloutEngine, "generate", generate)
+    args = ["train", "configs/demo.yaml", f"model.path={tiny_model_dir}", f"run.dir={tmp_path}", *SMALL_OVERRIDES,
+            "train.total_steps=3", "run.save_every=1"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    run = tmp_path / "t"
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: step 2 failed in generate on rank 0: RuntimeError: CUDA error: an illegal memory access "
+                      f"was encountered Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions. (the "
+                      f"traceback is in {run}/train.log); start the run again to resume from "
+                      f"{run}/checkpoints/step_000001"], err[-3000:]
+    assert "Traceback" not in err
+    log = (run / "train.log").read_text()
+    assert "step 2 failed in generate; the traceback:" in log and "in generate\n    raise RuntimeError" in log
+    assert [p.name for p in checkpoint.list_checkpoints(run)] == ["step_000001"] and [r["step"] for r in rows_of(run)] == [1]
+    monkeypatch.setattr(hf.HFRolloutEngine, "generate", real)  # the engine works again
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out.replace("\n", "")  # the console wraps the path at its width
+    assert f"resumed from {run}/checkpoints/step_000001 (step 1)" in out
+    assert [r["step"] for r in rows_of(run)] == [1, 2, 3]
+
+
 if __name__ == "__main__":  # the torchrun worker
     mode, *rest = sys.argv[1:]
     {"hang": hang_worker}[mode](*rest)
