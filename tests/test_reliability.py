@@ -21,9 +21,9 @@ from conftest import small_config  # noqa: E402
 from dapo import checkpoint, watchdog  # noqa: E402
 from dapo.config import ConfigError, load_config  # noqa: E402
 
-# limits small enough for a test: a phase that ran once is late past max(2 s, 4 x its slowest run); a
+# limits small enough for a test: a phase that ran once is late past max(3 s, 4 x its slowest run); a
 # first run (model loading, the first generation) has a minute; the process ends at twice the limit
-QUICK_WATCHDOG = ["run.watchdog_floor_s=2", "run.watchdog_factor=4", "run.watchdog_first_s=60",
+QUICK_WATCHDOG = ["run.watchdog_floor_s=3", "run.watchdog_factor=4", "run.watchdog_first_s=60",
                   "run.watchdog_exit_factor=2"]
 LATE = re.compile(r"^watchdog: rank (\d) is late in (\S+)(, waiting for the other ranks in [^:]+)?: ([\d.]+) s, its limit "
                   r"([\d.]+) s \((.*)\); every thread's stack is in (\S+); the process ends at ([\d.]+) s "
@@ -135,8 +135,8 @@ def test_a_normal_run_says_nothing_and_the_watchdog_saw_every_phase(tiny_model_d
     out = capsys.readouterr()
     assert "watchdog" not in out.out + out.err
     assert "dapo.watchdog" not in (tmp_path / "t" / "train.log").read_text()
-    assert set(watchdog.PHASES.slowest) == {"start", "eval", "generate", "reward", "old_logprob", "checkpoint",
-                                            "update", "weight_sync"}
+    assert set(watchdog.PHASES.slowest) == {"start", "eval", "generate", "reward", "old_logprob", "checkpoint_wait",
+                                            "checkpoint", "update", "weight_sync"}
 
 
 # ---- 2 ranks, one of them hung ---------------------------------------------------------------------

@@ -63,7 +63,9 @@ def init(device_name: str = "auto", env: dict | None = None) -> Dist:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        timeout = timedelta(hours=1)  # ranks wait for the slowest generation and for grading
+        # ranks wait for the slowest generation and for grading; which rank hangs, and where, the step watchdog
+        # (watchdog.py) says sooner, from each phase's own history
+        timeout = timedelta(hours=1)
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size, timeout=timeout,
                                 store=_rendezvous_store(env, rank, world_size, timeout))
     return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device)

@@ -102,12 +102,14 @@ class Timer:
         self.memory = memory
 
     @contextlib.contextmanager
-    def __call__(self, phase: str):
+    def __call__(self, phase: str, watch_as: str | None = None):
+        """``watch_as``: the block's name for the step watchdog, where its history differs from the other
+        blocks timed under ``phase``."""
         if self.memory is not None:
             self.memory.enter(phase)
         t0 = time.perf_counter()
         try:
-            with contextlib.nullcontext() if phase in UNWATCHED else watchdog.phase(phase):  # the step watchdog's phases
+            with contextlib.nullcontext() if phase in UNWATCHED else watchdog.phase(watch_as or phase):  # the watchdog's phases
                 yield
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
@@ -410,7 +412,9 @@ def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
             engine.sleep()  # a colocated engine frees its memory for the trainer; no-op for hf
             with timer("old_logprob"):
                 old = old_logprobs(batch, run)
-            with timer("checkpoint"):  # an asynchronous save writes the weights and AdamW state from live memory
+            # an asynchronous save writes the weights and AdamW state from live memory (for the watchdog a phase of
+            # its own: a wait of nothing must not set the limit of the save itself)
+            with timer("checkpoint", watch_as="checkpoint_wait"):
                 run.writer.wait()
             with timer("update"):
                 update = policy.update(batch, run.loss_fn, **old.from_update)
