@@ -89,6 +89,36 @@ def test_a_late_phase_gets_one_line_the_stacks_and_then_the_exit(tmp_path):
     assert "".join(lines).count("\n") == 2  # the two lines, nothing else on the console
 
 
+HOLDS_THE_LOCK = """
+import sys, time
+from pathlib import Path
+from dapo import watchdog
+with watchdog.phase("update"):
+    pass
+dog = watchdog.Watchdog(rank=0, log_path=Path(sys.argv[1]), factor=1.0, floor_s=1.0, first_s=60.0, exit_factor=2.0,
+                        backstop=True).start()
+with watchdog.phase("update"):
+    time.sleep(0.5)  # the watchdog thread runs a few ticks, arming faulthandler's timer
+    sum(range(10**13))  # C code that never lets go of the interpreter lock: the watchdog thread runs no more
+"""
+
+
+def test_a_rank_that_holds_the_interpreter_lock_is_still_ended_with_its_stack(tmp_path):
+    """The watchdog thread needs the interpreter lock; faulthandler's timer, re-armed at every tick a little
+    past the exit due (here 2 s + 10 ticks + 2 s), does not, and ends the process with the stacks in the log."""
+    import subprocess
+
+    from test_parallel import REPO, env_for_children
+
+    log = tmp_path / "train.log"
+    out = subprocess.run([sys.executable, "-c", HOLDS_THE_LOCK, str(log)], cwd=REPO, env=env_for_children(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr[-2000:]  # faulthandler's exit
+    text = log.read_text()
+    assert "Timeout (0:00:0" in text and 'File "<string>", line 11 in <module>' in text, text
+    assert "watchdog:" not in out.stderr  # the thread that would have said it never ran again
+
+
 def test_limits_follow_the_runs_own_history():
     phases = watchdog.Phases()
     dog = watchdog.Watchdog(rank=0, log_path=Path("x"), factor=5.0, floor_s=10.0, first_s=100.0, exit_factor=3.0,

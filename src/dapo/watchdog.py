@@ -121,13 +121,17 @@ class Watchdog:
     ``exit`` ends the process (tests pass one that records the call instead)."""
 
     def __init__(self, *, rank: int, log_path: Path, factor: float, floor_s: float, first_s: float,
-                 exit_factor: float, console=None, exit=os._exit, phases: Phases = PHASES):
+                 exit_factor: float, console=None, exit=os._exit, phases: Phases = PHASES, backstop: bool = False):
         self.rank, self.log_path = rank, Path(log_path)
         self.factor, self.floor_s, self.first_s, self.exit_factor = factor, floor_s, first_s, exit_factor
         self.console = console
         self.exit = exit
         self.phases = phases
         self.lines: list[str] = []  # what it printed, for the caller and the tests
+        # a rank stuck in C code that holds the interpreter lock stops this thread too: faulthandler's own timer,
+        # which needs no lock, is re-armed every tick a little past the first exit due, and ends the process
+        # (exit code 1, the stacks in the log) if the ticks stop coming
+        self._backstop = open(self.log_path, "a", encoding="utf-8") if backstop else None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._owner: int | None = None
@@ -153,12 +157,27 @@ class Watchdog:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self._backstop is not None:
+            faulthandler.cancel_dump_traceback_later()
+            self._backstop.close()
+            self._backstop = None
+
+    def exit_limit(self, entry: _Open) -> float:
+        """Seconds after which the open phase ``entry`` ends the process."""
+        return self.limit(entry.path)[0] * self.exit_factor * (self.exit_factor if entry.waiting else 1.0)
 
     def _watch(self) -> None:
         while not self._stop.wait(self.tick):
             t = self.phases.threads.get(self._owner)
-            if t is not None and t.stack:
-                self.check(list(t.stack), time.monotonic())
+            stack, now = (list(t.stack) if t is not None else []), time.monotonic()
+            if stack:
+                self.check(stack, now)
+            if self._backstop is not None and not self._stop.is_set():
+                if stack:
+                    due = min(entry.t0 + self.exit_limit(entry) for entry in stack) - now
+                    faulthandler.dump_traceback_later(max(due, 0.0) + 10 * self.tick + 2.0, exit=True, file=self._backstop)
+                else:
+                    faulthandler.cancel_dump_traceback_later()
 
     def check(self, stack: list[_Open], now: float) -> None:
         """Say (once) the innermost late phase of ``stack``; end the process past the exit limit."""
@@ -170,7 +189,7 @@ class Watchdog:
             waiting = entry.waiting
             # a rank that waits for the others ends at exit_factor x its own exit limit: the rank everyone waits
             # for, whose stack explains the hang, has said so and dumped it by then (ranks' limits differ a little)
-            exit_at = limit * self.exit_factor * (self.exit_factor if waiting else 1.0)
+            exit_at = self.exit_limit(entry)
             if not entry.said:
                 entry.said = True
                 self._dump(f"rank {self.rank} late in {entry.path} after {_seconds(elapsed)}")
@@ -187,6 +206,7 @@ class Watchdog:
                 for stream in (sys.stdout, sys.stderr):
                     with contextlib.suppress(Exception):
                         stream.flush()
+                self._stop.set()  # once (an ``exit`` that returns, as in the tests, ends the watching)
                 self.exit(EXIT_CODE)
             return
 
@@ -213,4 +233,4 @@ def start(cfg, *, rank: int, log_path: Path | None) -> Watchdog | None:
     if not cfg.watchdog or log_path is None:
         return None
     return Watchdog(rank=rank, log_path=log_path, factor=cfg.watchdog_factor, floor_s=cfg.watchdog_floor_s,
-                    first_s=cfg.watchdog_first_s, exit_factor=cfg.watchdog_exit_factor).start()
+                    first_s=cfg.watchdog_first_s, exit_factor=cfg.watchdog_exit_factor, backstop=True).start()
