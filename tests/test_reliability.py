@@ -218,7 +218,7 @@ def test_a_hung_rank_is_named_with_its_stacks_and_the_job_ends(tiny_model_dir, t
     assert hung_rank in late, (lines, out.stderr[-3000:])
     hung = late[hung_rank]
     assert hung.group(2) == where and hung.group(3) is None  # the hung rank is in the phase, not waiting
-    assert float(hung.group(4)) >= float(hung.group(5))  # (to the 0.1 s printed)
+    assert float(hung.group(5)) <= float(hung.group(4)) <= float(hung.group(5)) + 1.0  # said within a tick or so (0.3 s)
     # the phase ran once at step 1: its limit is the floor or 4 x that run, never the first run's minute
     assert float(hung.group(5)) < 60 and "its first run" not in hung.group(6)
     if 1 - hung_rank in late:  # the other rank waits for it and says so
