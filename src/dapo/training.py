@@ -482,10 +482,10 @@ def train(cfg: Config, *, console=None, inputs: RunInputs | None = None) -> dict
             metrics, batch = checked_step(run, step)
             last = run.logger.log(step, metrics)
             run.logger.step_line(step, cfg.train.total_steps, last)
-            run.stop_if_nonfinite(step)  # after its row is written: the skipped updates are counted there
             run.logger.held_out(step, last)
             if batch is not None:
                 run.logger.write_samples(step, sample_records(batch, run.policy.tokenizer, cfg.run.samples_per_step))
+            run.stop_if_nonfinite(step)  # after its row and samples are written: the skipped updates are counted there
         with watchdog.phase("checkpoint"):
             run.finish_saves()  # the last checkpoint is whole on disk before train returns (train.log has how long it took)
         run.logger.log_run_files(title=cfg.run.name)
