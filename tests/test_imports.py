@@ -83,6 +83,7 @@ FLOORS = [
     ("dapo.algo", lambda n: n.startswith("dapo.")),
     ("dapo.resources", lambda n: n.startswith("dapo.")),
     ("dapo.memory", lambda n: n.startswith("dapo.")),
+    ("dapo.watchdog", lambda n: n.startswith("dapo.")),
     ("dapo.rewards", lambda n: not n.startswith("dapo.rewards")),
     ("dapo.batch", lambda n: n.startswith("dapo.")),
     ("dapo.data", lambda n: n not in ("dapo.tasks", "dapo.tasks.arith", "dapo.resources")),

@@ -424,7 +424,7 @@ def test_update_statistics_are_the_token_weighted_micro_batch_ones_synced_once(t
             "up_clipped_prob_mean": sum(s["up_clipped_prob_mean"] * s["num_up_clipped"] for _, s in micro) / max(up_n, 1),
             "up_clipped_prob_max": max(s["up_clipped_prob_max"] for _, s in micro),
         })
-    assert set(out) == {*per_update[0], "grad_norm", "lr", "skipped_updates"}
+    assert set(out) == {*per_update[0], "grad_norm", "lr", "skipped_updates", "nonfinite_updates"}
     assert out["clipfrac_high"] > 0 and out["up_clipped_prob_max"] > 0 and out["kl_loss"] > 0
     for k in per_update[0]:
         expected = (max if k.endswith("_max") else lambda v: sum(v) / 3)([u[k] for u in per_update])

@@ -47,8 +47,8 @@ def _worker_class():
         def __init__(self):
             self.store_socket = None
 
-        def address(self) -> tuple[str, str]:
-            return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+        def address(self) -> tuple[str, str, int]:
+            return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(), os.getpid()
 
         def listen(self, host: str) -> int:
             """Rank 0: bind the rendezvous port on this node's address and keep the socket, which the
@@ -191,6 +191,50 @@ def launch(cfg, placement: Placement, train_fn, *, address: str = "auto", ray_in
             env = {"RANK": str(rank), "WORLD_SIZE": str(p.world_size), "LOCAL_RANK": str(local_rank),
                    "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
             runs.append(actors[i].train.remote(train_fn, dump_yaml(cfg), env))
-        return ray.get(runs)[0]
+        workers = [f"rank {rank} (pid {where[i][2]} on {where[i][0]})" for rank, i in enumerate(order)]
+        return wait_for_ranks(runs, workers, cfg.run_dir, [actors[i] for i in order])[0]
     finally:
         remove_placement_group(pg)
+
+
+class WorkerLostError(RuntimeError):
+    """A rank's Ray worker process died mid-run; the message names it and where the run resumes."""
+
+
+# after one rank fails, how long the others are given to show that a worker died first (a rank whose peer
+# died fails in its next collective, which can be before Ray has reported the death)
+LOST_WORKER_GRACE_S = 30.0
+
+
+def wait_for_ranks(runs: list, workers: list[str], run_dir, actors: list) -> list:
+    """Every rank's result. When a rank's worker process dies (killed, out of memory, its node lost) the job
+    stops at once with one line naming it, instead of the other ranks waiting in their collectives; the
+    other ranks are then ended too, so that a new launch starts clean and resumes."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    from dapo.checkpoint import latest_checkpoint
+
+    pending, failed = list(runs), None
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=None if failed is None else LOST_WORKER_GRACE_S)
+        if not done:
+            break  # the grace ran out: no worker was lost, the first failure stands
+        try:
+            ray.get(done[0])
+        except RayActorError as err:  # the actor's process is gone
+            for actor in actors:
+                ray.kill(actor)
+            last = latest_checkpoint(run_dir)
+            why = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+            raise WorkerLostError(
+                f"launch-ray: the worker of {workers[runs.index(done[0])]} died mid-run ({type(err).__name__}: {why}); "
+                "the job is stopped; launch it again to resume from " + (str(last) if last else "the start (no checkpoint yet)")
+            ) from None
+        except Exception as err:  # a rank's own error: wait a little for a lost worker that caused it
+            failed = failed or err
+    if failed is not None:
+        for actor in actors:
+            ray.kill(actor)
+        raise failed
+    return ray.get(runs)

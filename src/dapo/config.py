@@ -233,6 +233,18 @@ class RunConfig:
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)  # with mlflow in run.loggers
     progress: bool = True  # console progress bar (with console in run.loggers)
     log_level: LogLevel = "warning"  # library messages (vLLM, Ray, transformers) on the console: debug, info, warning or error; train.log has them all
+    # the step watchdog (docs/reliability.md): a phase of a step (generate, reward, old_logprob, update, weight_sync,
+    # checkpoint, eval) that runs past watchdog_factor x its slowest completed run (at least watchdog_floor_s; its first
+    # run: watchdog_first_s) writes every thread's stack to the rank's train.log and prints one line naming the rank and
+    # the phase; past watchdog_exit_factor x that limit the process ends with exit code 124, to be restarted into a resume
+    watchdog: bool = True
+    watchdog_factor: float = 5.0
+    watchdog_floor_s: float = 600.0  # no phase is late sooner (noise in short phases)
+    watchdog_first_s: float = 1800.0  # the limit of a phase that has not completed once yet (first generation, evaluation)
+    watchdog_exit_factor: float = 3.0  # > 1: the process ends at this multiple of the phase's limit
+    # optimizer updates in a row whose loss or gradient norm is not finite (each skipped, the weights and AdamW state
+    # left as they were) before the run stops saying what to check; null: skip them and go on (the reference)
+    max_nonfinite_in_a_row: int | None = 5
 
 
 @dataclass
@@ -562,6 +574,16 @@ def validate(cfg: Config) -> None:
     _check(e.temperature is None or e.temperature >= 0,
            f"eval.temperature={e.temperature}: must be >= 0 (0 = greedy), or null (the benchmark's own)")
     _check_unset_or_positive("run.save_every", cfg.run.save_every, "only at the end")
+    rc = cfg.run
+    _check(rc.watchdog_factor >= 1.0, f"run.watchdog_factor={rc.watchdog_factor}: must be >= 1 (a phase is late past this "
+                                      "multiple of its slowest completed run); switch the watchdog off with run.watchdog=false")
+    for key in ("watchdog_floor_s", "watchdog_first_s"):
+        _check(getattr(rc, key) > 0, f"run.{key}={getattr(rc, key)}: must be > 0 seconds; "
+                                     "switch the watchdog off with run.watchdog=false")
+    _check(rc.watchdog_exit_factor > 1.0,
+           f"run.watchdog_exit_factor={rc.watchdog_exit_factor}: must be > 1 (the process ends at this multiple of a "
+           "phase's limit, after the late line and the stacks); switch the watchdog off with run.watchdog=false")
+    _check_unset_or_positive("run.max_nonfinite_in_a_row", rc.max_nonfinite_in_a_row, "never stop, skip them all")
     _check(cfg.run.keep_checkpoints >= 1, f"run.keep_checkpoints={cfg.run.keep_checkpoints}: must be >= 1")
     name = cfg.run.name
     # the run lives in run.dir/run.name: '..', '/x' or 'a/b' would write into (or over) another directory

@@ -25,6 +25,7 @@ from dapo.batch import RolloutBatch
 from dapo.rewards.graders import TIMEOUT_PRED, graders_for
 from dapo.rewards.pool import CRASH_PRED
 from dapo.rollout.base import SamplingParams
+from dapo.watchdog import phase
 
 
 class GenerationCapError(RuntimeError):
@@ -150,12 +151,14 @@ class BatchCollector:
         factor = a.oversample / max(keep_rate_estimate, 0.05) if a.dynamic_sampling else 1.0
         examples = self.sampler.next(max(missing, math.ceil(missing * factor)))
         t0 = time.perf_counter()
-        gen = self.engine.generate([self.encode(ex) for ex in examples], replace(self.sampling, seed=seed))
+        with phase("generate"):  # the step watchdog's phases (watchdog.py): one round's generation, then its grading
+            gen = self.engine.generate([self.encode(ex) for ex in examples], replace(self.sampling, seed=seed))
         t1 = time.perf_counter()
         per_row = [ex for ex in examples for _ in range(G)]
         lengths = torch.tensor([len(r) for r in gen.response_ids])  # (N,)
-        scored = self.scorer(gen.texts, [ex.ground_truth for ex in per_row], [ex.data_source for ex in per_row],
-                             lengths, gen.truncated)
+        with phase("reward"):
+            scored = self.scorer(gen.texts, [ex.ground_truth for ex in per_row], [ex.data_source for ex in per_row],
+                                 lengths, gen.truncated)
         t2 = time.perf_counter()
         if a.dynamic_sampling:
             # filter on raw correctness, not the shaped reward: length shaping alone must not keep a group

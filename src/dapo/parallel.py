@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dapo.watchdog import waiting
+
 
 @dataclass(frozen=True)
 class Dist:
@@ -61,7 +63,9 @@ def init(device_name: str = "auto", env: dict | None = None) -> Dist:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        timeout = timedelta(hours=1)  # ranks wait for the slowest generation and for grading
+        # ranks wait for the slowest generation and for grading; which rank hangs, and where, the step watchdog
+        # (watchdog.py) says sooner, from each phase's own history
+        timeout = timedelta(hours=1)
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size, timeout=timeout,
                                 store=_rendezvous_store(env, rank, world_size, timeout))
     return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
@@ -183,7 +187,8 @@ def broadcast_object(obj, d: Dist, src: int = 0):
     if not d.sharded:
         return obj
     box = [obj if d.rank == src else None]
-    dist.broadcast_object_list(box, src=src, device=d.device if d.device.type == "cuda" else None)
+    with waiting(f"broadcast_object from rank {src}"):  # rank 0's grades: the others wait for its grading
+        dist.broadcast_object_list(box, src=src, device=d.device if d.device.type == "cuda" else None)
     return box[0]
 
 
@@ -192,7 +197,8 @@ def all_gather_object(obj, d: Dist) -> list:
     if not d.sharded:
         return [obj]
     out = [None] * d.world_size
-    dist.all_gather_object(out, obj)
+    with waiting("all_gather_object"):  # every rank's samples: the fastest waits for the slowest generation
+        dist.all_gather_object(out, obj)
     return out
 
 
@@ -213,7 +219,8 @@ class OnMain:
 
 def barrier(d: Dist) -> None:
     if d.sharded:
-        dist.barrier()
+        with waiting("barrier"):
+            dist.barrier()
 
 
 # ---- data partition ------------------------------------------------------------------------------

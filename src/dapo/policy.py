@@ -563,7 +563,9 @@ class Policy(LogProbModel):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
         )
-        self.skipped_updates = 0
+        self.skipped_updates = 0  # optimizer updates skipped for a non-finite loss or gradient norm, over the run
+        self.nonfinite_in_a_row = 0  # of those, how many came last in a row (0 after a finite update)
+        self.last_updates = (0, 0)  # the last ``update`` call's (optimizer updates, of them skipped)
 
     def _master_weights(self) -> list[nn.Parameter] | None:
         """Float32 master weights for a single process that computes in bfloat16 (or float16).
@@ -615,7 +617,7 @@ class Policy(LogProbModel):
         pending = {k: v.clone().bool() for k, v in first.items() if v is not None and v.any()}
         recorded = {k: torch.zeros_like(getattr(batch, k)) for k in pending}  # this rank's rows (the others stay 0)
         totals: dict[str, list[torch.Tensor]] = {}
-        updates = 0
+        updates, skipped_before = 0, self.skipped_updates
         for _epoch in range(t.ppo_epochs):
             for rows in self.mini_batch_rows(batch):
                 if updates and "old_logp" in pending and pending["old_logp"][rows].any():
@@ -633,6 +635,8 @@ class Policy(LogProbModel):
         out = {k: (torch.stack(v).max() if k.endswith("_max") else torch.stack(v).mean()) for k, v in totals.items()}
         out["lr"] = torch.tensor(self.optimizer.param_groups[0]["lr"])
         out["skipped_updates"] = torch.tensor(float(self.skipped_updates))
+        out["nonfinite_updates"] = torch.tensor(float(self.skipped_updates - skipped_before))  # this step's
+        self.last_updates = (updates, self.skipped_updates - skipped_before)
         return out
 
     def _mini_batch_update(self, batch: RolloutBatch, rows: list[int], loss_fn: LossFn,
@@ -673,11 +677,16 @@ class Policy(LogProbModel):
         summary = stats.summary(self.dist)
         trained = self.master or self.model.parameters()
         grad_norm = parallel.clip_grad_norm(trained, self.train_cfg.grad_clip)
-        if torch.isfinite(grad_norm):
+        # the loss summed over every rank (summary): a non-finite loss skips the update even where the gradient
+        # came out finite (an inf whose gradient is 0); every rank sees the same values, so all skip together
+        losses = torch.stack([v for k, v in summary.items() if k.endswith("_loss")])
+        if torch.isfinite(grad_norm) and bool(torch.isfinite(losses).all()):
             self.optimizer.step()
             self._sync_from_master()
+            self.nonfinite_in_a_row = 0
         else:
-            self.skipped_updates += 1  # one bad batch must not poison the weights
+            self.skipped_updates += 1  # one bad batch must not poison the weights: they and AdamW's state stay
+            self.nonfinite_in_a_row += 1
         self.optimizer.zero_grad(set_to_none=True)
         summary["grad_norm"] = grad_norm.detach().float().cpu()
         return summary

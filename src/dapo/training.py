@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import random
 import sys
 import time
@@ -29,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from dapo import algo, checkpoint, lora, parallel
+from dapo import algo, checkpoint, lora, parallel, watchdog
 from dapo.batch import RolloutBatch
 from dapo.config import AlgoConfig, Config, ConfigError, dump_yaml, load_config
 from dapo.data import PromptSampler, make_encoder
@@ -50,6 +51,17 @@ from dapo.trackers import check_installed, open_trackers, run_status
 # a run whose problems get easier is followed within a few steps.
 KEEP_RATE_MOMENTUM = 0.7
 NO_SIGNAL_STREAK = 3  # steps in a row without an informative group before the run says what to change
+# Timer blocks the watchdog does not time: each is a varying number of watched phases (a step with or without an
+# evaluation or a save; one to algo.max_gen_rounds generation rounds), so its own history would say nothing
+UNWATCHED = ("step", "collect")
+
+
+class StepError(RuntimeError):
+    """A step that failed inside a library (the rollout engine, a CUDA call): one line saying where, and how to resume."""
+
+
+class NonFiniteError(RuntimeError):
+    """Too many optimizer updates in a row with a non-finite loss or gradient norm."""
 
 
 @dataclass
@@ -90,12 +102,15 @@ class Timer:
         self.memory = memory
 
     @contextlib.contextmanager
-    def __call__(self, phase: str):
+    def __call__(self, phase: str, watch_as: str | None = None):
+        """``watch_as``: the block's name for the step watchdog, where its history differs from the other
+        blocks timed under ``phase``."""
         if self.memory is not None:
             self.memory.enter(phase)
         t0 = time.perf_counter()
         try:
-            yield
+            with contextlib.nullcontext() if phase in UNWATCHED else watchdog.phase(watch_as or phase):  # the watchdog's phases
+                yield
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
             if self.memory is not None:
@@ -276,6 +291,28 @@ class Run:
             self.logger.warn(line)
             self.engine_gap_said = True
 
+    def note_nonfinite(self, step: int) -> None:
+        """Say so when the step skipped optimizer updates for a non-finite loss or gradient norm (the weights and
+        AdamW state stayed as they were)."""
+        updates, skipped = self.policy.last_updates
+        if skipped:
+            limit = self.cfg.run.max_nonfinite_in_a_row
+            self.logger.warn(f"step {step}: {skipped} of {updates} optimizer updates skipped, their loss or gradient "
+                             "norm not finite (weights and AdamW state left as they were; actor/nonfinite_updates); "
+                             f"{self.policy.nonfinite_in_a_row} in a row" + (f", the run stops at {limit}" if limit else ""))
+
+    def stop_if_nonfinite(self, step: int) -> None:
+        """Stop after ``run.max_nonfinite_in_a_row`` skipped updates in a row, saying what to check."""
+        limit, streak = self.cfg.run.max_nonfinite_in_a_row, self.policy.nonfinite_in_a_row
+        if limit and streak >= limit:
+            last = checkpoint.latest_checkpoint(self.cfg.run_dir)
+            raise NonFiniteError(
+                f"step {step}: {streak} optimizer updates in a row had a non-finite loss or gradient norm "
+                f"(run.max_nonfinite_in_a_row={limit}), so the run stops; check the learning rate (train.lr="
+                f"{self.cfg.train.lr:g}), model.dtype={self.cfg.model.dtype} (overflow in low precision), a reward "
+                "function returning inf or nan, and the weights of the last checkpoint"
+                + (f" ({last})" if last else "") + " for nan")
+
     def note_signal(self, batch: RolloutBatch | None, cstats: CollectStats, step: int) -> None:
         """Say so when a step had nothing to learn from, and what to change after a few in a row."""
         self.no_signal = 0 if batch is not None else self.no_signal + 1
@@ -295,7 +332,16 @@ def start(cfg: Config, stack: contextlib.ExitStack, console=None, inputs: RunInp
     torch.manual_seed(cfg.train.seed)
     d = parallel.init(cfg.model.device)  # WORLD_SIZE > 1 (torchrun, Ray): FSDP over the ranks
     checkpoint.prepare_run_dir(cfg.run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite, dist=d)
-    setup_library_logging(cfg.run_dir, cfg.run.log_level, rank=d.rank)  # vLLM, Ray, transformers: train.log
+    log_path = setup_library_logging(cfg.run_dir, cfg.run.log_level, rank=d.rank)  # vLLM, Ray, transformers: train.log
+    watchdog.PHASES.slowest.clear()  # a new run, a new history (a process may run several)
+    dog = watchdog.start(cfg.run, rank=d.rank, log_path=log_path)
+    if dog is not None:
+        stack.callback(dog.stop)
+    with watchdog.phase("start"):  # models, engine, grading workers, resume: a hang here is named too
+        return _build(cfg, stack, d, console, inputs)
+
+
+def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, inputs: RunInputs) -> Run:
     r, a = cfg.rollout, cfg.algo
     device = d.device if d.sharded else pick_device(cfg.model.device)
     train_seq_tokens = cfg.data.max_prompt_tokens + r.max_response_tokens  # the longest sequence a training pass sees
@@ -366,10 +412,13 @@ def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
             engine.sleep()  # a colocated engine frees its memory for the trainer; no-op for hf
             with timer("old_logprob"):
                 old = old_logprobs(batch, run)
-            with timer("checkpoint"):  # an asynchronous save writes the weights and AdamW state from live memory
+            # an asynchronous save writes the weights and AdamW state from live memory (for the watchdog a phase of
+            # its own: a wait of nothing must not set the limit of the save itself)
+            with timer("checkpoint", watch_as="checkpoint_wait"):
                 run.writer.wait()
             with timer("update"):
                 update = policy.update(batch, run.loss_fn, **old.from_update)
+            run.note_nonfinite(step)
             with timer("weight_sync"):
                 engine.wake()
                 engine.update_weights(policy.named_weights())
@@ -390,22 +439,55 @@ def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
     return metrics | {f"perf/time_{k}_s": v for k, v in timer.seconds.items()} | peaks, batch
 
 
+def raised_outside(err: BaseException) -> bool:
+    """Whether ``err`` was raised outside this package (an engine, a CUDA call), so that its own message says
+    nothing of where the run was; this package's errors already say what to change."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next  # the frame that raised it
+    return tb is None or tb.tb_frame.f_globals.get("__name__", "").split(".")[0] != "dapo"
+
+
+def checked_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
+    """``train_step``; a failure from inside a library becomes one line (StepError) naming the step, the phase
+    and the checkpoint a new start resumes from, with the traceback in train.log."""
+    watchdog.PHASES.here().failed_in = None
+    try:
+        return train_step(run, step)
+    except Exception as err:
+        if not raised_outside(err):
+            raise
+        where = watchdog.failed_in() or "the step"
+        log = logging.getLogger("dapo.training")
+        log.info("step %d failed in %s; the traceback:", step, where, exc_info=err)  # train.log only (INFO)
+        last = checkpoint.latest_checkpoint(run.cfg.run_dir)
+        why = " ".join(str(err).split())[:300] or "no message"
+        log_name = "train.log" if run.dist.is_main else f"train.rank{run.dist.rank}.log"
+        raise StepError(f"step {step} failed in {where} on rank {run.dist.rank}: {type(err).__name__}: {why} (the "
+                        f"traceback is in {run.cfg.run_dir / log_name}); start the run again to resume from "
+                        + (str(last) if last else "the start (no checkpoint yet)")) from err
+
+
 def train(cfg: Config, *, console=None, inputs: RunInputs | None = None) -> dict:
     """Run (or resume) training; returns the last logged row (with eval/* before and after)."""
     with contextlib.ExitStack() as stack:
         run = start(cfg, stack, console, inputs)
         last: dict = {}
         if run.state.step == 0 and cfg.eval.before_train:
-            last = run.logger.log(0, run.evaluate())
+            with watchdog.phase("eval"):
+                metrics = run.evaluate()
+            last = run.logger.log(0, metrics)
             run.logger.held_out(0, last)
         for step in range(run.state.step + 1, cfg.train.total_steps + 1):
-            metrics, batch = train_step(run, step)
+            metrics, batch = checked_step(run, step)
             last = run.logger.log(step, metrics)
             run.logger.step_line(step, cfg.train.total_steps, last)
             run.logger.held_out(step, last)
             if batch is not None:
                 run.logger.write_samples(step, sample_records(batch, run.policy.tokenizer, cfg.run.samples_per_step))
-        run.finish_saves()  # the last checkpoint is whole on disk before train returns (train.log has how long it took)
+            run.stop_if_nonfinite(step)  # after its row and samples are written: the skipped updates are counted there
+        with watchdog.phase("checkpoint"):
+            run.finish_saves()  # the last checkpoint is whole on disk before train returns (train.log has how long it took)
         run.logger.log_run_files(title=cfg.run.name)
     return last
 
