@@ -20,6 +20,7 @@ import os
 import pickle
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -394,11 +395,13 @@ def _own_errors():
 def read_shards(path) -> dict:
     """The whole state a sharded checkpoint holds (every rank's shards joined, as plain tensors), read in
     this process alone: how a checkpoint of N ranks resumes in one process. Loads no code, as ``load_shards``."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     reader, planner = _safe_dcp_loaders(Path(path), whole=True)
     reader.read_metadata()  # the reason first, as in load_shards
     state: dict = {}
-    with _own_errors():
-        dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
+    with _own_errors(), warnings.catch_warnings():  # one process is the intent: torch's warning says it assumes so
+        warnings.simplefilter("ignore", UserWarning)
+        # as torch's own dcp_to_torch_save reads a whole checkpoint (dcp.load would fill a copy of the dict)
+        _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
     return state
