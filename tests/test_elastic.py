@@ -133,6 +133,25 @@ def test_a_checkpoint_resumes_at_another_world_size_as_the_run_would_have_gone_o
     assert "written by 2 ranks, resharded onto 3" in outs["wide"]
 
 
+@pytest.mark.slow
+def test_a_full_disk_stops_every_rank_of_a_sharded_save_in_one_line(runs):
+    """3 ranks save step 1, then the disk fills: under rank 1's shard of step 2, then under rank 0 just
+    before step 3's rename. Every rank stops with the same line, no partial directory is left, step 1
+    is whole and loads."""
+    root, _ = runs
+    ckpts = root / "full_disk" / "checkpoints"
+    per_rank = [(root / f"full_disk.{r}.txt").read_text().splitlines() for r in range(3)]
+    print("\n" + "\n".join(per_rank[0]))
+    assert per_rank[0] == per_rank[1] == per_rank[2] and len(per_rank[0]) == 2
+    for line, step in zip(per_rank[0], (2, 3)):
+        assert line.startswith(f"writing checkpoint {ckpts / f'step_{step:06d}'} failed (")
+        assert f"({'rank 1: ' if step == 2 else ''}OSError: [Errno 28] No space left on device)" in line
+        assert line.endswith(f"its partial files were removed and starting the run again resumes from "
+                             f"{ckpts / 'step_000001'}, which is whole: free space on that disk (or fix the cause) first")
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000001"]
+    assert len(parallel.read_shards(ckpts / "step_000001" / "shards")["model"]) > 0
+
+
 def bf16_one_process_checkpoint(tiny_model_dir: Path, run_dir: Path) -> Path:
     """A one-process bfloat16 checkpoint after one AdamW step: the model directory holds the weights rounded
     to bfloat16, the trainer state their float32 masters."""
@@ -195,6 +214,40 @@ def bf16_check(model_dir: str, root: Path, step: Path) -> None:
                    root / "bf16_on_2_ranks.pt")
 
 
+def full_disk_check(model_dir: str, root: Path) -> None:
+    """Sharded checkpoints on a full disk: rank 1's shard fails to write (step 2), then rank 0's last
+    step before the rename (step 3). Every rank writes the line it stopped with to full_disk.<rank>.txt."""
+    import errno
+    import os
+
+    from torch.distributed.checkpoint import filesystem
+
+    d = parallel.init("cpu")
+    run_dir = root / "full_disk"
+    policy = make_policy(small_config(run_dir, model_dir), "cpu", d)
+
+    def save(step):
+        checkpoint.save_checkpoint(run_dir, step, model=policy.model, tokenizer=policy.tokenizer, keep=2, dist=d,
+                                   trainer_state={"policy": policy.trainer_state()}, config_yaml="",
+                                   shards=policy.sharded_state())
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    save(1)
+    lines = []
+    for rank, (where, name) in ((1, (filesystem.FileSystem, "create_stream")), (0, (checkpoint, "_complete"))):
+        real = getattr(where, name)
+        if d.rank == rank:
+            setattr(where, name, full)
+        try:
+            save(2 if rank else 3)
+        except checkpoint.CheckpointError as err:
+            lines.append(str(err))
+        setattr(where, name, real)
+    (root / f"full_disk.{d.rank}.txt").write_text("\n".join(lines))
+
+
 def worker(mode: str, model_dir: str, root: str, *rest) -> None:
     from dapo.training import train
 
@@ -208,6 +261,7 @@ def worker(mode: str, model_dir: str, root: str, *rest) -> None:
         train(small_config(root / "lora_up", model_dir, *RUN, *LORA))
     else:
         train(small_config(root / "wide", model_dir, *RUN))
+        full_disk_check(model_dir, root)
     leave(parallel.init("cpu"))
 
 

@@ -256,6 +256,12 @@ def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state
 
 
 def failure(err: BaseException) -> str:
+    """What went wrong, in a few words; for torch.distributed.checkpoint's report of every rank's failure
+    (their tracebacks), the first failing rank's error."""
+    failures = getattr(err, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+    if isinstance(failures, dict) and failures:
+        rank, (first, *_) = min(failures.items(), key=lambda item: item[0])
+        return f"rank {rank}: {type(first).__name__}: {first}"
     return f"{type(err).__name__}: {err}"
 
 
