@@ -229,10 +229,12 @@ def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     parallel.barrier(d)
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
     error = None
     try:
         parallel.save_shards(shards, tmp / "shards")  # a rank's failure is raised on every rank
-    except Exception as err:
+    except (Exception, CheckpointException) as err:
         error = err
     if d.is_main and error is None:
         try:
