@@ -265,7 +265,8 @@ class Run:
         Across world sizes the run goes on as it would have: the prompt stream is one seeded order for the
         whole run (every rank draws the same prompts and the engines split them), the held-over groups,
         step, generation-round count, keep-rate estimate and RNG are global, and AdamW's moments and step
-        count are resharded with the weights (``checkpoint.load_policy``)."""
+        count are resharded with the weights (``checkpoint.load_policy``). The responses are redrawn: each
+        rollout engine samples its share of the prompts with a seed of its own (``ShardedRollout``)."""
         saved = checkpoint.load_trainer_state(path)
         checkpoint.load_policy(self.policy, path, saved["policy"])
         self.engine.update_weights(self.policy.named_weights())  # an engine with its own copy starts from the checkpoint
