@@ -543,17 +543,26 @@ def load_policy(policy, path: Path, policy_state: dict) -> None:
     from the shards (N to one); N ranks to M read the shards resharded."""
     check_kind(path, policy.model_cfg.lora)
     if is_sharded(path) == policy.dist.sharded:
-        load_policy_weights(policy, path)
-        policy.load_trainer_state(policy_state)
+        load_policy_weights(policy, path)  # first: a crafted shard index is refused before anything else is read
+        policy.load_trainer_state(_policy_part(path, policy_state))
         return
     if policy.dist.sharded:  # one process -> N ranks
+        policy_state = _policy_part(path, policy_state)
         weights, optimizer = one_process_state(policy, path, policy_state)
         policy_state = {k: v for k, v in policy_state.items() if k not in ("optimizer", "master_weights")}
     else:  # N ranks -> one process
         whole = parallel.read_shards(Path(path) / "shards")
         weights, optimizer = whole["model"], whole["optim"]
     policy.load_full_state(weights, optimizer)
-    policy.load_trainer_state(policy_state)  # the schedule and the skipped updates
+    policy.load_trainer_state(_policy_part(path, policy_state))  # the schedule and the skipped updates
+
+
+def _policy_part(path: Path, policy_state: dict | None) -> dict:
+    if not isinstance(policy_state, dict) or "scheduler" not in policy_state:
+        raise CheckpointError(f"{Path(path) / 'trainer_state.pt'} holds no optimizer schedule (its 'policy' entry); the "
+                              "checkpoint is incomplete or foreign: delete its step directory to resume from the one "
+                              "before, or use another")
+    return policy_state
 
 
 def one_process_state(policy, path: Path, policy_state: dict) -> tuple[dict, dict]:

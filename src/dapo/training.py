@@ -268,7 +268,7 @@ class Run:
         count are resharded with the weights (``checkpoint.load_policy``). The responses are redrawn: each
         rollout engine samples its share of the prompts with a seed of its own (``ShardedRollout``)."""
         saved = checkpoint.load_trainer_state(path)
-        checkpoint.load_policy(self.policy, path, saved["policy"])
+        checkpoint.load_policy(self.policy, path, saved.get("policy"))
         self.engine.update_weights(self.policy.named_weights())  # an engine with its own copy starts from the checkpoint
         self.sampler.load_state_dict(saved["sampler"])
         self.state = TrainState.from_state_dict(saved)
