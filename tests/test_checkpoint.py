@@ -399,7 +399,8 @@ def test_a_full_disk_during_a_checkpoint_stops_the_run_in_one_line_and_a_restart
     out, err = capsys.readouterr()
     run_dir, first = tmp_path / "t", tmp_path / "t" / "checkpoints" / "step_000001"
     errors = [line for line in err.splitlines() if line.strip()]
-    print(f"\n{'async' if asynchronous else 'sync'} checkpoint, disk full at step 2: {errors}")
+    with capsys.disabled():
+        print(f"\n{'async' if asynchronous else 'sync'} checkpoint, disk full at step 2: {errors}")
     assert len(errors) == 1 and "Traceback" not in err, err
     assert errors[0].startswith(f"error: writing checkpoint {run_dir / 'checkpoints' / 'step_000002'} failed (OSError: "
                                 f"[Errno {errno.ENOSPC}] No space left on device")

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import make_policy, small_config  # noqa: E402
 from test_parallel import env_for_children, REPO  # noqa: E402
 
-from dapo import checkpoint, parallel  # noqa: E402
+from dapo import checkpoint, cli, parallel  # noqa: E402
 
 # dynamic sampling with a buffer: held-over groups (and their behaviour log-probs) cross the world-size change
 RUN = ["train.total_steps=3", "run.save_every=1", "run.keep_checkpoints=3", "algo.dynamic_sampling=true",
@@ -50,23 +50,14 @@ def start_from(source: Path, run_root: Path) -> None:
     shutil.copytree(source, run_root / "t" / "checkpoints" / source.name)
 
 
-def one_process_weights(step: Path) -> dict:
-    from safetensors.torch import load_file
-
-    if checkpoint.is_lora(step):
-        return load_file(str(step / "adapter" / "adapter_model.safetensors"))
-    return load_file(str(step / "model" / "model.safetensors"))
-
-
 def weights(step: Path, tmp: Path) -> dict:
     """A checkpoint's weights (its adapters for LoRA) as `dapo export` writes them, from either format."""
     from safetensors.torch import load_file
 
-    if not checkpoint.is_sharded(step):
-        return one_process_weights(step)
-    out = checkpoint.export_hf(step, tmp / f"export-{step.parent.parent.parent.name}",
-                               adapter=checkpoint.is_lora(step))
-    return load_file(str(out / ("adapter_model.safetensors" if checkpoint.is_lora(step) else "model.safetensors")))
+    run = step.parent.parent.parent.name
+    lora = checkpoint.is_lora(step)
+    assert cli.main(["export", str(step), str(tmp / f"{run}-{step.name}"), *(["--adapter"] if lora else [])]) == 0
+    return load_file(str(tmp / f"{run}-{step.name}" / ("adapter_model.safetensors" if lora else "model.safetensors")))
 
 
 def adam_steps(step: Path) -> list[float]:
