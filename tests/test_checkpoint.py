@@ -339,10 +339,11 @@ def test_a_failed_background_write_is_raised_and_the_previous_checkpoint_kept(ti
 
     monkeypatch.setattr(checkpoint.torch, "save", disk_full)
     save(policy, run_dir, 2, writer)  # returns: the write fails in the background ...
-    with pytest.raises(checkpoint.CheckpointError, match=r"step_000002 failed \(OSError: .*No space left"):
+    with pytest.raises(checkpoint.CheckpointError, match=r"step_000002 failed \(OSError: .*No space left.*partial "
+                       r"files were removed and starting the run again resumes from .*step_000001, which is whole"):
         save(policy, run_dir, 3, writer)  # ... and the next save raises it, before writing anything
     assert checkpoint.list_checkpoints(run_dir) == [first]  # the previous checkpoint is whole and still there
-    assert (run_dir / "checkpoints" / ".tmp_step_000002" / "model" / "model.safetensors").exists()  # the partial one
+    assert not (run_dir / "checkpoints" / ".tmp_step_000002").exists()  # the partial one, removed by the failed write
     checkpoint.load_model_weights(make_policy(small_config(tmp_path, tiny_model_dir)).model, first)
     monkeypatch.setattr(checkpoint.torch, "save", real_save)
     writer.wait()  # raised once
@@ -368,3 +369,48 @@ def test_training_raises_a_failed_last_checkpoint_write(tiny_model_dir, tmp_path
     with pytest.raises(checkpoint.CheckpointError, match="step_000002 failed"):
         train(cfg)
     assert [p.name for p in checkpoint.list_checkpoints(cfg.run_dir)] == ["step_000001"]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_full_disk_during_a_checkpoint_stops_the_run_in_one_line_and_a_restart_resumes(
+        tiny_model_dir, tmp_path, monkeypatch, capsys, asynchronous):
+    """The disk fills while step 2's checkpoint is written (its trainer state half on disk): the run stops
+    with one line, the partial directory is gone, step 1's checkpoint is whole and loads, and the same
+    command resumes from it. Written in the background, the failure stops the run at the next save."""
+    import errno
+
+    from conftest import SMALL_OVERRIDES
+
+    real_save = torch.save
+
+    def disk_full(obj, f, *args, **kwargs):
+        if ".tmp_step_000002" in str(f):
+            Path(f).write_bytes(b"\0" * 512)  # what fitted before the disk was full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
+        return real_save(obj, f, *args, **kwargs)
+
+    command = ["train", "configs/demo.yaml", f"model.path={tiny_model_dir}", f"run.dir={tmp_path}", *SMALL_OVERRIDES,
+               "train.total_steps=3", "run.save_every=1", "run.keep_checkpoints=3",
+               f"run.async_checkpoint={str(asynchronous).lower()}"]
+    monkeypatch.setattr(checkpoint.torch, "save", disk_full)
+    monkeypatch.setenv("COLUMNS", "500")  # the console's lines unwrapped
+    capsys.readouterr()
+    assert cli.main(command) == 2
+    out, err = capsys.readouterr()
+    run_dir, first = tmp_path / "t", tmp_path / "t" / "checkpoints" / "step_000001"
+    errors = [line for line in err.splitlines() if line.strip()]
+    with capsys.disabled():
+        print(f"\n{'async' if asynchronous else 'sync'} checkpoint, disk full at step 2: {errors}")
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert errors[0].startswith(f"error: writing checkpoint {run_dir / 'checkpoints' / 'step_000002'} failed (OSError: "
+                                f"[Errno {errno.ENOSPC}] No space left on device")
+    assert f"its partial files were removed and starting the run again resumes from {first}, which is whole" in errors[0]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000001"]  # no .tmp_step_000002
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == ([1, 2] if asynchronous else [1])  # asynchronous: step 3 stopped at its save, before logging
+    assert checkpoint.load_trainer_state(first)["step"] == 1
+    checkpoint.load_model_weights(make_policy(small_config(tmp_path, tiny_model_dir)).model, first)
+    monkeypatch.setattr(checkpoint.torch, "save", real_save)  # space freed
+    assert cli.main(command) == 0
+    assert f"resumed from {first} (step 1)" in capsys.readouterr().out
+    assert [p.name for p in checkpoint.list_checkpoints(run_dir)] == ["step_000001", "step_000002", "step_000003"]

@@ -20,7 +20,13 @@ state is the adapters'; under FSDP ``shards/`` hold the adapters alone and ``ada
 LoRA, or the reverse, stops with a one-line error.
 
 A checkpoint is written under a temporary name and renamed when complete, so a directory named
-step_* is always whole; a crash mid-write leaves only a .tmp_* directory, removed on the next save.
+step_* is always whole; a crash mid-write leaves only a .tmp_* directory, removed on the next save. A
+write that fails (a full disk) removes its partial files and stops the run with one line naming the
+checkpoint a restart resumes from (an asynchronous write's failure is raised at the next save or at
+the end of training).
+
+Any checkpoint resumes at any world size (``load_policy``): one process's on N ranks, N ranks' in one
+process or on M ranks, the model and AdamW state resharded by torch.distributed.checkpoint.
 A single process can write it in a background thread (``CheckpointWriter``, run.async_checkpoint):
 the small trainer state is copied when save_checkpoint is called, the weights and optimizer state
 are written from live memory, and the loop waits for the write before its next update changes them.
@@ -213,27 +219,61 @@ def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state
             state = {**writer.snapshot(state), **live}
             writer.start(final, lambda: _write(run_dir, tmp, final, model, weights, files, state, keep))
         else:
-            _write(run_dir, tmp, final, model, None, files, state, keep)
+            try:
+                _write(run_dir, tmp, final, model, None, files, state, keep)
+            except Exception as err:
+                raise write_failed(final, failure(err)) from err
         return final
     if d.is_main:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     parallel.barrier(d)
-    parallel.save_shards(shards, tmp / "shards")
-    if not d.is_main:
-        parallel.barrier(d)  # rank 0 renames the directory before anyone goes on
-        return final
-    model.config.save_pretrained(tmp / "model_meta")
-    restore_dropout(tmp / "model_meta" / "config.json", model)
-    tokenizer.save_pretrained(tmp / "model_meta")
-    if lora.is_adapted(model):  # the adapters' shape and scale; their weights are in the shards
-        lora.save_adapter(model, tmp / lora.ADAPTER_DIR, weights={})
-    torch.save(state, tmp / "trainer_state.pt")
-    (tmp / "config.yaml").write_text(config_yaml)
-    _complete(run_dir, tmp, final, keep)
-    parallel.barrier(d)
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+    error = None
+    try:
+        parallel.save_shards(shards, tmp / "shards")  # a rank's failure is raised on every rank
+    except (Exception, CheckpointException) as err:
+        error = err
+    if d.is_main and error is None:
+        try:
+            model.config.save_pretrained(tmp / "model_meta")
+            restore_dropout(tmp / "model_meta" / "config.json", model)
+            tokenizer.save_pretrained(tmp / "model_meta")
+            if lora.is_adapted(model):  # the adapters' shape and scale; their weights are in the shards
+                lora.save_adapter(model, tmp / lora.ADAPTER_DIR, weights={})
+            torch.save(state, tmp / "trainer_state.pt")
+            (tmp / "config.yaml").write_text(config_yaml)
+            _complete(run_dir, tmp, final, keep)
+        except Exception as err:
+            error = err
+    if d.is_main and error is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    # rank 0 has renamed the directory, or says why not, before anyone goes on: every rank stops alike
+    said = parallel.broadcast_object(None if error is None else failure(error), d)
+    if said is not None:
+        raise write_failed(final, said) from error
     return final
+
+
+def failure(err: BaseException) -> str:
+    """What went wrong, in a few words; for torch.distributed.checkpoint's report of every rank's failure
+    (their tracebacks), the first failing rank's error."""
+    failures = getattr(err, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+    if isinstance(failures, dict) and failures:
+        rank, (first, *_) = min(failures.items(), key=lambda item: item[0])
+        return f"rank {rank}: {type(first).__name__}: {first}"
+    return f"{type(err).__name__}: {err}"
+
+
+def write_failed(final: Path, why: str) -> CheckpointError:
+    """The one line for a checkpoint write that failed (a full disk, a lost mount), its partial files removed."""
+    before = [p for p in list_checkpoints(final.parent.parent) if p != final]
+    then = (f"starting the run again resumes from {before[-1]}, which is whole" if before else
+            "there is no earlier checkpoint, so starting the run again starts from step 0")
+    return CheckpointError(f"writing checkpoint {final} failed ({why}); its partial files were "
+                           f"removed and {then}: free space on that disk (or fix the cause) first")
 
 
 def _write(run_dir: Path, tmp: Path, final: Path, model, weights: dict | None, files: dict[str, bytes],
@@ -244,17 +284,21 @@ def _write(run_dir: Path, tmp: Path, final: Path, model, weights: dict | None, f
     tmp.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    if lora.is_adapted(model):
-        lora.save_adapter(model, tmp / lora.ADAPTER_DIR, weights)
-    else:
-        model.save_pretrained(tmp / "model", state_dict=weights)  # tied weights, format: as the model saves itself
-        restore_dropout(tmp / "model" / "config.json", model)
-    for name, data in files.items():
-        target = tmp / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
-    torch.save(state, tmp / "trainer_state.pt")
-    _complete(run_dir, tmp, final, keep)
+    try:
+        if lora.is_adapted(model):
+            lora.save_adapter(model, tmp / lora.ADAPTER_DIR, weights)
+        else:
+            model.save_pretrained(tmp / "model", state_dict=weights)  # tied weights, format: as the model saves itself
+            restore_dropout(tmp / "model" / "config.json", model)
+        for name, data in files.items():
+            target = tmp / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+        torch.save(state, tmp / "trainer_state.pt")
+        _complete(run_dir, tmp, final, keep)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint: on a full disk, the space it holds is needed
+        raise
 
 
 def _complete(run_dir: Path, tmp: Path, final: Path, keep: int) -> None:
@@ -351,9 +395,7 @@ class CheckpointWriter:
             self._thread = None
         if self._error is not None:
             err, self._error = self._error, None
-            raise CheckpointError(f"writing checkpoint {self._target} failed ({type(err).__name__}: {err}); the "
-                                  f"checkpoints before it are whole, and a resumed run starts from the latest "
-                                  f"of them") from err
+            raise write_failed(self._target, failure(err)) from err
 
     def take_write_s(self) -> float | None:
         """The duration of the last finished background write, once (None: none since the last call)."""
@@ -389,13 +431,10 @@ def check_kind(path: Path, lora_cfg) -> None:
 
 
 def load_shards(path: Path, shards: dict) -> dict:
-    """Fill ``shards`` (this rank's model and optimizer state, any number of ranks) from a sharded checkpoint."""
-    if not is_sharded(path) and is_lora(path):
-        raise RuntimeError(f"checkpoint {path} holds single-process LoRA adapters ({lora.ADAPTER_DIR}/), not shards; "
-                           "resume it without torchrun/Ray")
+    """Fill ``shards`` (this rank's model and optimizer state, any number of ranks) from a sharded checkpoint
+    written by any number of ranks (a one-process one goes through ``load_policy``)."""
     if not is_sharded(path):
-        raise RuntimeError(f"checkpoint {path} holds a single-process model (model/), not shards; resume it without "
-                           f"torchrun/Ray, or start a new run from it with model.path={Path(path) / 'model'}")
+        raise CheckpointError(f"checkpoint {path} holds no shards/ (written by one process); load it with load_policy")
     parallel.load_shards(shards, Path(path) / "shards")
     return shards
 
@@ -494,16 +533,71 @@ def load_trainer_state(path: Path) -> dict:
         ) from err
 
 
+def load_policy(policy, path: Path, policy_state: dict) -> None:
+    """Everything of ``policy`` a checkpoint holds (weights, AdamW state, float32 masters, schedule) into it,
+    whatever the number of ranks that wrote it and the number that reads it.
+
+    At the world size's own format (one process: model/ or adapter/ and the trainer state; several ranks:
+    shards) it loads as written, bit for bit. Across the two, the state goes through whole tensors keyed by
+    parameter name, which torch.distributed.checkpoint shards for the ranks (one process to N) or joins
+    from the shards (N to one); N ranks to M read the shards resharded."""
+    check_kind(path, policy.model_cfg.lora)
+    if is_sharded(path) == policy.dist.sharded:
+        load_policy_weights(policy, path)  # first: a crafted shard index is refused before anything else is read
+        policy.load_trainer_state(_policy_part(path, policy_state))
+        return
+    if policy.dist.sharded:  # one process -> N ranks
+        policy_state = _policy_part(path, policy_state)
+        weights, optimizer = one_process_state(policy, path, policy_state)
+        policy_state = {k: v for k, v in policy_state.items() if k not in ("optimizer", "master_weights")}
+    else:  # N ranks -> one process
+        whole = parallel.read_shards(Path(path) / "shards")
+        weights, optimizer = whole["model"], whole["optim"]
+    policy.load_full_state(weights, optimizer)
+    policy.load_trainer_state(_policy_part(path, policy_state))  # the schedule and the skipped updates
+
+
+def _policy_part(path: Path, policy_state: dict | None) -> dict:
+    if not isinstance(policy_state, dict) or "scheduler" not in policy_state:
+        raise CheckpointError(f"{Path(path) / 'trainer_state.pt'} holds no optimizer schedule (its 'policy' entry); the "
+                              "checkpoint is incomplete or foreign: delete its step directory to resume from the one "
+                              "before, or use another")
+    return policy_state
+
+
+def one_process_state(policy, path: Path, policy_state: dict) -> tuple[dict, dict]:
+    """A one-process checkpoint's weights (float32, by parameter name; the float32 masters where the model
+    directory holds them rounded) and its AdamW state by parameter name (``Policy.optimizer_state_by_name``)."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if policy.adapted:
+        weights = lora.saved_adapters_by_name(policy.model, path / lora.ADAPTER_DIR)
+    else:
+        saved = AutoModelForCausalLM.from_pretrained(path / "model", dtype=torch.float32,
+                                                     trust_remote_code=policy.model_cfg.trust_remote_code)
+        weights = dict(saved.state_dict())
+        del saved
+    names = policy.trained_names()
+    for name, master in zip(names, policy_state.get("master_weights") or []):
+        weights[name] = master.float()
+    # a tied weight is one parameter under several names: each takes the value of the first (the master's)
+    first: dict[int, str] = {}
+    for name, p in policy.model.named_parameters(remove_duplicate=False):
+        first.setdefault(id(p), name)
+        if name in weights and first[id(p)] in weights:
+            weights[name] = weights[first[id(p)]]
+    return weights, policy.optimizer_state_by_name(policy_state["optimizer"])
+
+
 def load_policy_weights(policy, path: Path) -> None:
-    """A checkpoint's weights into ``policy``: the HF model alone (or its LoRA adapters), or under FSDP this
-    rank's shards of the model (or the adapters) and the optimizer. A checkpoint of the other kind (LoRA or
-    not, another adapter shape) is refused first."""
+    """A checkpoint's weights into ``policy`` at its world size's own format: the HF model alone (or its LoRA
+    adapters), or under FSDP this rank's shards of the model (or the adapters) and the optimizer."""
     check_kind(path, policy.model_cfg.lora)
     shards = policy.sharded_state()
     if shards is not None:
         policy.load_sharded_state(load_shards(path, shards))
     elif policy.adapted:
-        _refuse_sharded(path)
         lora.load_adapter(policy.model, Path(path) / lora.ADAPTER_DIR)
     else:
         load_model_weights(policy.model, path, trust_remote_code=policy.model_cfg.trust_remote_code)
@@ -511,8 +605,9 @@ def load_policy_weights(policy, path: Path) -> None:
 
 def _refuse_sharded(path: Path) -> None:
     if is_sharded(path):
-        raise RuntimeError(f"checkpoint {path} is sharded (written by several ranks); resume it with torchrun or "
-                           f"`dapo launch-ray`, or turn it into a model directory with `dapo export {path} OUT_DIR`")
+        raise CheckpointError(f"checkpoint {path} is sharded (written by several ranks) and holds no model directory: "
+                              f"a run resumes it at any world size; to use its weights elsewhere, turn it into one "
+                              f"with `dapo export {path} OUT_DIR`")
 
 
 def load_model_weights(model, path: Path, *, trust_remote_code: bool = False) -> None:

@@ -174,6 +174,24 @@ def load_adapter(model, directory: Path) -> None:
     set_peft_model_state_dict(model, weights, adapter_name=ADAPTER)
 
 
+def saved_adapters_by_name(model, directory: Path) -> dict[str, torch.Tensor]:
+    """The adapter weights saved in ``directory`` (one process) keyed by ``model``'s own parameter names, which
+    include the adapter's name that peft's file leaves out: the form they take to FSDP ranks."""
+    from safetensors.torch import load_file
+
+    file = Path(directory) / WEIGHTS_FILE
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing; the checkpoint is incomplete: delete its step directory or use another")
+    weights = load_file(str(file))
+    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+    out = {name: weights.get(name.replace(f".{ADAPTER}", "")) for name in trained}  # peft's renaming on save
+    missing = [name for name, w in out.items() if w is None]
+    if missing or len(weights) != len(out):
+        raise CheckpointError(f"{file} does not fit this model's adapters ({len(weights)} saved, {len(out)} here; "
+                              f"missing {missing[:3]}); resume with the model.path it was trained on")
+    return out
+
+
 def rebuild(base_model, directory: Path):
     """``base_model`` under adapters of the shape saved in ``directory`` (weights not loaded), as in training."""
     from peft import LoraConfig as PeftLoraConfig

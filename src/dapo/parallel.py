@@ -15,10 +15,12 @@ over ranks, never averaged: the objective is the same for any number of ranks.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -269,12 +271,19 @@ def sharded_state(model: nn.Module, optimizer, *, trainable_only: bool = False) 
     return {"model": model_sd, "optim": optim_sd}
 
 
-def load_sharded_state(model: nn.Module, optimizer, state: dict, *, trainable_only: bool = False) -> None:
+def load_sharded_state(model: nn.Module, optimizer, state: dict, *, trainable_only: bool = False,
+                       full: bool = False) -> None:
     """``state`` as ``sharded_state`` made it into the model and optimizer. With ``trainable_only`` the frozen
-    parameters are not in it and keep their values (every key that is in it was filled by the shards' load)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    parameters are not in it and keep their values (every key that is in it was filled by the shards' load).
 
-    options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+    ``full``: ``state`` holds whole tensors keyed by parameter name (a one-process checkpoint's weights and
+    AdamW state), and every rank keeps its shard of each (torch's ``set_state_dict`` slices them)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+
+    options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only, full_state_dict=full)
+    if state["optim"] is None:  # an optimizer that has not stepped yet: nothing of it to load
+        set_model_state_dict(model, state["model"], options=options)
+        return
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
 
 
@@ -315,11 +324,13 @@ class _MetadataUnpickler(pickle.Unpickler):
                               "without running it (a crafted or foreign file): use only checkpoints you wrote")
 
 
-def _safe_dcp_loaders(path: Path):
+def _safe_dcp_loaders(path: Path, *, whole: bool = False):
     """torch.distributed.checkpoint's file reader and load planner, minus their two plain-pickle loads:
     the index goes through the allow-list above, non-tensor entries (the optimizer's param_groups)
-    through torch.load(weights_only=True), like the tensors already are."""
+    through torch.load(weights_only=True), like the tensors already are. ``whole``: the planner builds
+    the state dict from the index (every entry at its full size) instead of filling a given one."""
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
@@ -344,7 +355,7 @@ def _safe_dcp_loaders(path: Path):
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
-    class Planner(DefaultLoadPlanner):
+    class Planner(_EmptyStateDictLoadPlanner if whole else DefaultLoadPlanner):
         def load_bytes(self, read_item, value) -> None:
             fqn = read_item.dest_index.fqn
             try:
@@ -366,14 +377,38 @@ def load_shards(state: dict, path) -> None:
     """Fill ``state`` in place from shards written by any number of ranks (resharded as needed);
     works in a plain process too (the export). Loads no code: see ``_safe_dcp_loaders``."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
 
     reader, planner = _safe_dcp_loaders(Path(path))
     reader.read_metadata()  # here first, so that every rank fails with the reason rather than a wrapped report
-    try:
+    with _own_errors():
         dcp.load(state, storage_reader=reader, planner=planner)
-    except CheckpointException as err:  # torch gathers every rank's failure into one report
+
+
+@contextlib.contextmanager
+def _own_errors():
+    """A CheckpointError of ours raised as itself, not inside the report in which torch gathers every
+    rank's failure."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as err:
         ours = [exc for exc, _ in err.failures.values() if isinstance(exc, CheckpointError)]
         if ours:
             raise ours[0] from None
         raise
+
+
+def read_shards(path) -> dict:
+    """The whole state a sharded checkpoint holds (every rank's shards joined, as plain tensors), read in
+    this process alone: how a checkpoint of N ranks resumes in one process. Loads no code, as ``load_shards``."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    reader, planner = _safe_dcp_loaders(Path(path), whole=True)
+    reader.read_metadata()  # the reason first, as in load_shards
+    state: dict = {}
+    with _own_errors(), warnings.catch_warnings():  # one process is the intent: torch's warning says it assumes so
+        warnings.simplefilter("ignore", UserWarning)
+        # as torch's own dcp_to_torch_save reads a whole checkpoint (dcp.load would fill a copy of the dict)
+        _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
+    return state

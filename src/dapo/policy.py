@@ -527,6 +527,10 @@ class ReferenceModel(LogProbModel):
         return self.compute_logprobs(batch)[0]
 
 
+# AdamW's settings that say how it computes, not what: a checkpoint from another world size keeps this run's
+OPTIMIZER_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
+
+
 class Policy(LogProbModel):
     """The policy being trained: the model and tokenizer from ``model_cfg``, AdamW and its schedule from
     ``train_cfg``, float32 master weights below float32, sharded with FSDP over ``dist``'s ranks.
@@ -719,6 +723,63 @@ class Policy(LogProbModel):
 
     def load_sharded_state(self, state: dict) -> None:
         parallel.load_sharded_state(self.model, self.optimizer, state, trainable_only=self.adapted)
+
+    def trained_names(self) -> list[str]:
+        """The names of the parameters AdamW updates, in its order: a one-process optimizer state keys its
+        entries by these positions, a sharded one (torch's distributed state dict) by these names."""
+        return [name for name, p in self.model.named_parameters() if p.requires_grad]
+
+    def optimizer_state_by_name(self, state: dict) -> dict:
+        """A one-process AdamW state dict (entries by position) keyed by parameter name, as a sharded
+        checkpoint keys it: the form in which it goes to another world size."""
+        names = self.trained_names()
+        positions = {i for g in state["param_groups"] for i in g["params"]}
+        if positions != set(range(len(names))):
+            raise parallel.CheckpointError(f"the checkpoint's AdamW state is for {len(positions)} parameters and this "
+                                           f"model trains {len(names)}: resume it with the model.path and model.lora "
+                                           "settings it was written with")
+        return {"state": {names[i]: s for i, s in state["state"].items()},
+                "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
+
+    def load_full_state(self, weights: dict[str, torch.Tensor], optimizer: dict) -> None:
+        """A checkpoint written at another world size: ``weights``, whole float32 tensors by parameter name
+        (every parameter, or with LoRA the adapters), and ``optimizer``, AdamW's state keyed by name
+        (``optimizer_state_by_name``). Under FSDP each rank keeps its shards; in one process the float32
+        masters (below float32) take the weights as they are and the model takes them rounded.
+
+        The saved hyper-parameters (lr, betas, ...) are restored, this run's AdamW implementation kept
+        (fused in one process, foreach over shards): both take the same steps up to rounding."""
+        names = self.trained_names()
+        missing = [n for n in names if n not in weights]
+        if missing:
+            raise parallel.CheckpointError(f"the checkpoint holds no weights for {', '.join(missing[:3])} "
+                                           f"({len(missing)} of {len(names)} trained parameters): resume it with the "
+                                           "model.path and model.lora settings it was written with")
+        groups = [{**g, **{k: live[k] for k in OPTIMIZER_IMPLEMENTATION if k in live}}
+                  for g, live in zip(optimizer["param_groups"], self.optimizer.param_groups)]
+        if not optimizer["state"]:  # saved before its first update (nothing informative to train on yet)
+            for live, saved in zip(self.optimizer.param_groups, groups):
+                live.update({k: v for k, v in saved.items() if k != "params"})
+        optimizer = {"state": optimizer["state"], "param_groups": groups} if optimizer["state"] else None
+        if self.dist.sharded:
+            parallel.load_sharded_state(self.model, self.optimizer, {"model": weights, "optim": optimizer},
+                                        trainable_only=self.adapted, full=True)
+            return
+        params = dict(self.model.named_parameters(remove_duplicate=False))  # a tied weight under each of its names
+        unknown = [n for n in weights if n not in params]
+        if unknown:
+            raise parallel.CheckpointError(f"the checkpoint holds weights this model does not have ({', '.join(unknown[:3])}"
+                                           "): resume it with the model.path it was written with")
+        with torch.no_grad():
+            for name in (names if self.adapted else weights):  # every weight, or with LoRA the adapters
+                params[name].copy_(weights[name])
+            for master, name in zip(self.master or [], names):
+                master.copy_(weights[name])
+        if optimizer is not None:
+            position = {name: i for i, name in enumerate(names)}
+            self.optimizer.load_state_dict({
+                "state": {position[n]: s for n, s in optimizer["state"].items()},
+                "param_groups": [{**g, "params": [position[n] for n in g["params"]]} for g in groups]})
 
     def load_trainer_state(self, state: dict) -> None:
         if "optimizer" in state:

@@ -260,7 +260,8 @@ class Run:
 
     def save(self) -> None:
         cfg, policy, d = self.cfg, self.policy, self.dist
-        trainer_state = {"policy": policy.trainer_state(), "sampler": self.sampler.state_dict(), **self.state.state_dict()}
+        trainer_state = {"policy": policy.trainer_state(), "sampler": self.sampler.state_dict(), **self.state.state_dict(),
+                         "world_size": d.world_size}
         checkpoint.save_checkpoint(cfg.run_dir, self.state.step, model=policy.model, tokenizer=policy.tokenizer,
                                    trainer_state=trainer_state, config_yaml=dump_yaml(cfg),
                                    keep=cfg.run.keep_checkpoints, shards=policy.sharded_state(), dist=d,
@@ -272,14 +273,22 @@ class Run:
         write_s = self.writer.take_write_s()
         return {} if write_s is None else {"perf/checkpoint_write_s": write_s}
 
-    def resume(self, path) -> None:
+    def resume(self, path) -> int | None:
+        """Continue from checkpoint ``path``, written at this world size or another; returns the number of
+        ranks that wrote it (None: not recorded, an older checkpoint).
+
+        Across world sizes the run goes on as it would have: the prompt stream is one seeded order for the
+        whole run (every rank draws the same prompts and the engines split them), the held-over groups,
+        step, generation-round count, keep-rate estimate and RNG are global, and AdamW's moments and step
+        count are resharded with the weights (``checkpoint.load_policy``). The responses are redrawn: each
+        rollout engine samples its share of the prompts with a seed of its own (``ShardedRollout``)."""
         saved = checkpoint.load_trainer_state(path)
-        checkpoint.load_policy_weights(self.policy, path)
+        checkpoint.load_policy(self.policy, path, saved.get("policy"))
         self.engine.update_weights(self.policy.named_weights())  # an engine with its own copy starts from the checkpoint
-        self.policy.load_trainer_state(saved["policy"])
         self.sampler.load_state_dict(saved["sampler"])
         self.state = TrainState.from_state_dict(saved)
         checkpoint.set_rng_state(saved["rng"])
+        return saved.get("world_size")
 
     def note_engine_gap(self, metrics: dict, step: int) -> None:
         """Say once when the engine samples from other weights than the trainer's (``engine_gap_warning``).
@@ -376,8 +385,7 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
               memory=PhaseMemory(cuda=device.type == "cuda"))
     stack.callback(run.memory.close)
     resume_from = checkpoint.latest_checkpoint(cfg.run_dir) if cfg.run.resume else None
-    if resume_from is not None:
-        run.resume(resume_from)
+    saved_world_size = run.resume(resume_from) if resume_from is not None else None
     if d.is_main:
         (cfg.run_dir / "config.yaml").write_text(dump_yaml(cfg))
         run.logger = RunLogger(cfg.run_dir, total_steps=cfg.train.total_steps, start_step=run.state.step,
@@ -391,7 +399,9 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
     if policy.adapted:
         run.logger.info(lora.summary(policy.model))
     if resume_from is not None:
-        run.logger.info(f"resumed from {resume_from} (step {run.state.step})")
+        resharded = (f"; written by {saved_world_size} rank{'s' * (saved_world_size > 1)}, resharded onto {d.world_size}"
+                     if saved_world_size not in (None, d.world_size) else "")
+        run.logger.info(f"resumed from {resume_from} (step {run.state.step}){resharded}")
     return run
 
 
