@@ -166,10 +166,10 @@ def fsdp_worker(device: str, model_dir: str, batch_file: str, out_dir: str) -> N
 
     from dapo.config import ConfigError
 
+    if device == "cuda":
+        torch.cuda.set_device(0)  # before the group, as parallel.init does
     # the backend parallel.init picks: nccl on CUDA (every collective of FSDP2's on the GPU), gloo on CPU
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    if device == "cuda":
-        torch.cuda.set_device(0)
     d = OneRankFSDP(rank=0, world_size=1, device=torch.device(device, 0) if device == "cuda" else torch.device("cpu"))
     batch = torch.load(batch_file, weights_only=False)
     results = {}
@@ -179,6 +179,10 @@ def fsdp_worker(device: str, model_dir: str, batch_file: str, out_dir: str) -> N
             results[name] = sgd_update(cfg, device, batch, d)
         except ConfigError as err:  # train.cpu_offload on CPU: refused in one line
             results[name] = {"error": str(err)}
+        except Exception:  # noqa: BLE001 - one variant's failure (a CUDA path) must not hide the others'
+            import traceback
+
+            results[name] = {"error": traceback.format_exc()}
     torch.save(results, Path(out_dir) / "fsdp.pt")
     dist.destroy_process_group()
 
@@ -196,6 +200,9 @@ def test_fsdp2_one_rank_agrees_with_cpu_float32(reference_update, tiny_model_dir
     proc = subprocess.run(cmd, cwd=REPO, env=env_for_children(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     results = torch.load(out / "fsdp.pt", weights_only=False)
+    failed = {name: got["error"][-1500:] for name, got in results.items()
+              if "error" in got and not (name == "bf16_offload" and device == "cpu")}
+    assert not failed, failed
     for name, got in results.items():
         if name == "bf16_offload" and device == "cpu":
             assert "train.cpu_offload=true" in got["error"] and "CUDA" in got["error"], got
@@ -212,10 +219,13 @@ def sdpa_backends(name: str):
     """The SDPA kernels a variant allows (torch.nn.attention.sdpa_kernel); None: the model's eager attention."""
     from torch.nn.attention import SDPBackend
 
-    return {"eager": None, "math": [SDPBackend.MATH], "efficient": [SDPBackend.EFFICIENT_ATTENTION],
-            # flash takes no attention mask: passes without padding (and the prompt pass) run it, the response
-            # passes over a cached prompt need a mask and fall to the memory-efficient kernel
-            "flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]}[name]
+    # math stays allowed behind the kernel tried, for the calls that kernel cannot take (torch picks flash, then
+    # memory-efficient, then math): without a mask transformers asks SDPA for grouped-query attention, which the
+    # memory-efficient kernel does not do; flash takes no attention mask, so passes without padding (and the
+    # prompt pass) run it, while response passes over a cached prompt need a mask and fall to memory-efficient.
+    # The test checks that the kernel named did run.
+    return {"eager": None, "math": [SDPBackend.MATH], "efficient": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+            "flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]}[name]
 
 
 # which attention kernels run on each device: CPU has SDPA's math and its own flash kernel, not the CUDA ones
@@ -433,26 +443,40 @@ def driver(run_dir, model_dir, saves, tag, kill_after, device):
 def test_hard_stop_after_a_checkpoint_resumes_to_the_uninterrupted_weights(tiny_model_dir, tmp_path, device):
     """3 steps uninterrupted against: os._exit right after checkpoint 1, then a fresh process resuming. The
     RNG (CUDA's too), sampler, held-over groups and AdamW state resume, and each run issues the same kernels
-    in the same order on the same device, so the weights must be bit-identical; on CUDA a kernel with
-    atomic float additions would make them differ by rounding, and the test reports the measured
-    difference (a resume bug would show as a difference of the order of a step, ~1e-3)."""
+    in the same order, so on the CPU the weights must be bit-identical. On CUDA some kernels add floats
+    atomically in whatever order threads arrive (the memory-efficient and flash attention backward, scatter-adds),
+    so two uninterrupted runs may already differ: there the uninterrupted run goes twice, and the resumed run
+    must be bit-identical where those two are, else within 10x their own difference (a resume bug, a lost
+    AdamW state or RNG, shows as a difference of the order of a step, ~1e-3, against rounding's ~1e-7)."""
     from safetensors.torch import load_file
 
-    ref = driver(tmp_path / "a", tiny_model_dir, tmp_path / "a.txt", "ref", 0, device)
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    def final(run: str):
+        return load_file(str(tmp_path / run / "t" / "checkpoints" / "step_000003" / "model" / "model.safetensors"))
+
+    def max_diff(x: dict, y: dict) -> float:
+        assert x.keys() == y.keys()
+        return max((x[k].float() - y[k].float()).abs().max().item() for k in x)
+
+    refs = ["a", "a2"] if device == "cuda" else ["a"]
+    for run in refs:
+        ref = driver(tmp_path / run, tiny_model_dir, tmp_path / f"{run}.txt", "ref", 0, device)
+        assert ref.returncode == 0, ref.stderr[-3000:]
     killed = driver(tmp_path / "b", tiny_model_dir, tmp_path / "b.txt", "killed", 1, device)
     assert killed.returncode == 1, killed.stderr[-3000:]
     resumed = driver(tmp_path / "b", tiny_model_dir, tmp_path / "b.txt", "resumed", 0, device)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and (tmp_path / "b.txt").read_text().split() == [
         "killed", "1", "resumed", "2", "resumed", "3"]
-    want = load_file(str(tmp_path / "a" / "t" / "checkpoints" / "step_000003" / "model" / "model.safetensors"))
-    got = load_file(str(tmp_path / "b" / "t" / "checkpoints" / "step_000003" / "model" / "model.safetensors"))
-    assert want.keys() == got.keys()
+    want, got = final("a"), final("b")
     differing = [k for k in want if not torch.equal(want[k], got[k])]
-    worst = max(((want[k] - got[k]).abs().max().item() for k in differing), default=0.0)
-    report(f"f resume {device}", tensors=len(want), differing=len(differing), max_abs_diff=worst)
-    assert differing == [], f"{len(differing)} tensors differ, max |diff| {worst:.3e}"
+    figures = {"tensors": len(want), "differing": len(differing), "resumed_max_abs_diff": max_diff(want, got)}
+    if device == "cuda":
+        figures["rerun_max_abs_diff"] = max_diff(want, final("a2"))
+    report(f"f resume {device}", **figures)
+    if figures.get("rerun_max_abs_diff", 0.0) == 0.0:
+        assert differing == [], figures  # deterministic here: nothing may differ
+    else:
+        assert figures["resumed_max_abs_diff"] <= 10 * figures["rerun_max_abs_diff"], figures
 
 
 # ---- g: peak memory per phase --------------------------------------------------------------------
