@@ -368,6 +368,13 @@ def main() -> None:
         print(f"gpu-check: {part} done in {time.monotonic() - t0:.0f} s", flush=True)
     paths = [STATE_DIR / "gpu_report.md"] + ([Path(os.environ["OUT"]) / "gpu_report.md"] if os.environ.get("OUT") else [])
     text = write_report(check.state, paths)
+    if os.environ.get("OUT"):  # the logs beside the report, for what the report's tails do not show
+        import shutil
+
+        keep = Path(os.environ["OUT"]) / "gpu_check"
+        keep.mkdir(parents=True, exist_ok=True)
+        for f in [*STATE_DIR.glob("*.log"), *STATE_DIR.glob("*.json")]:
+            shutil.copy(f, keep / f.name)
     print(text)
     print(f"report: {', '.join(map(str, paths))}")
 
