@@ -82,18 +82,24 @@ class Check:
         return max(5.0, min(own, self.deadline - time.monotonic()))
 
     def run(self, cmd: list[str], timeout: float, log: Path, **env) -> tuple[int | None, str, float]:
-        """(exit code or None on time-out, output, seconds); the output also goes to ``log``."""
-        t0 = time.monotonic()
-        try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=self.env(**env), capture_output=True, text=True,
-                                  timeout=self.limit(timeout))
-            code, out = proc.returncode, proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as err:
-            code = None
-            out = (err.stdout or b"").decode(errors="replace") if isinstance(err.stdout, bytes) else (err.stdout or "")
-            out += (err.stderr or b"").decode(errors="replace") if isinstance(err.stderr, bytes) else (err.stderr or "")
-            out += f"\n[gpu-check: stopped after {self.limit(timeout):.0f} s]"
-        log.write_text(out)
+        """(exit code or None on time-out, output, seconds); the output also goes to ``log``. The command runs
+        in a session of its own, so a time-out stops all of it (torchrun's workers, the grading pool), not
+        only the process started here."""
+        import signal
+
+        t0, limit = time.monotonic(), self.limit(timeout)
+        with open(log, "w+") as out_file:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env(**env), stdout=out_file, stderr=subprocess.STDOUT,
+                                    text=True, start_new_session=True)
+            try:
+                code = proc.wait(timeout=limit)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                code = None
+                out_file.write(f"\n[gpu-check: stopped after {limit:.0f} s]\n")
+            out_file.seek(0)
+            out = out_file.read()
         return code, out, time.monotonic() - t0
 
     # ---- install ----------------------------------------------------------------------------------
