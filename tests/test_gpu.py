@@ -1,19 +1,543 @@
-"""The same training step on a CUDA device; skipped where none is visible (CI has none)."""
+"""The CUDA paths against the CPU and float32 ones (the items of `make gpu-check`, a-g; h is the demo,
+run by scripts/gpu_check.py).
+
+Every test runs on each device of DEVICES: "cpu" always (CI has no GPU; the CPU run of the same test
+catches the mistakes that are not CUDA's own: a tolerance that cannot hold, a comparison of the wrong
+tensors, a path that does not run), "cuda" where a CUDA device is visible (marked ``gpu``). The
+heavier CPU twins (a torchrun process, whole training runs) repeat what tests/test_parallel.py and
+tests/test_train.py already check on CPU; they run only under ``DAPO_GPU_CHECK=1`` (set by
+`make gpu-check`) so that CI does not pay for them twice. Each comparison states its tolerance and why.
+
+  a  one update in float32 and bf16 in one process; under FSDP2 (torchrun, 1 rank: nccl on CUDA, gloo
+     on CPU) with bf16 mixed precision, with train.cpu_offload and with activation checkpointing;
+     against the single-process float32 update on the CPU
+  b  the shared prompt prefix against the unshared pass: eager and SDPA (flash, memory-efficient, math)
+  c  HeadLogProbs against full logits, float32 and bf16, across chunk boundaries
+  d  the trainer's fused AdamW against torch's reference (foreach) AdamW
+  e  LoRA: only the adapters change; the merged export reproduces the trainer's logits
+  f  a run stopped hard after checkpoint k resumes to the final weights of an uninterrupted run
+  g  perf/peak_cuda_<phase>_gb against torch.cuda.max_memory_allocated
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import small_config
-from dapo.log import read_metrics
-from dapo.training import train
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import loss_fn_of, make_policy, small_config  # noqa: E402
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+from dapo import checkpoint, cli, parallel  # noqa: E402
+from dapo.log import read_metrics  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+CUDA = torch.cuda.is_available()
+ON_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]
+DEVICES = ["cpu", pytest.param("cuda", marks=ON_CUDA)]
+# the CPU twin of a test whose CPU side tests/test_parallel.py or tests/test_train.py already covers
+GPU_CHECK = os.environ.get("DAPO_GPU_CHECK") == "1"
+CPU_TWIN_IN_GPU_CHECK = pytest.mark.skipif(not GPU_CHECK, reason="CPU twin of a covered test: make gpu-check runs it")
+HEAVY_DEVICES = [pytest.param("cpu", marks=CPU_TWIN_IN_GPU_CHECK), pytest.param("cuda", marks=ON_CUDA)]
+BF16_EPS = 2.0**-8  # bfloat16 keeps 8 significant bits: one rounding moves a value by up to 2^-8 of it
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def env_for_children(**extra) -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1", **extra}
+
+
+def report(item: str, **figures) -> None:
+    """One line the gpu-check report collects (pytest -s): the measured differences beside their bounds."""
+    print(f"\nGPU-CHECK {item} " + json.dumps({k: (float(v) if isinstance(v, torch.Tensor) else v)
+                                                for k, v in figures.items()}), flush=True)
+
+
+@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=ON_CUDA), pytest.param("bfloat16", marks=ON_CUDA)])
 def test_two_steps_on_gpu(tiny_model_dir, tmp_path, dtype):
     cfg = small_config(tmp_path, tiny_model_dir, "model.device=cuda", f"model.dtype={dtype}")
+    from dapo.training import train
+
     train(cfg)
     rows = read_metrics(cfg.run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     assert all(torch.isfinite(torch.tensor(r["actor/grad_norm"])) for r in rows)
+
+
+# ---- a: one update, float32 / bf16 / FSDP2 ------------------------------------------------------
+# one optimizer update of plain SGD at lr 1 and no clipping: the weight change is minus the gradient
+ONE_SGD_UPDATE = ["train.prompts_per_step=3", "train.mini_batch_prompts=3", "train.micro_batch_size=2",
+                  "train.grad_clip=1e9"]
+FSDP_VARIANTS = {  # name: overrides (every one computes in bf16 with float32 masters, as the presets train)
+    "fp32": [], "bf16": ["model.dtype=bfloat16"],
+    "bf16_offload": ["model.dtype=bfloat16", "train.cpu_offload=true"],
+    "bf16_checkpointing": ["model.dtype=bfloat16", "model.gradient_checkpointing=true"],
+}
+
+
+def sgd_update(cfg, device: str, batch, d=None) -> dict:
+    """log-probs, the statistics and minus the gradient (an SGD step at lr 1) of one update on ``batch``,
+    every tensor on the CPU in float32, keyed by the base model's parameter names."""
+    policy = make_policy(cfg, device, d)
+    trained = policy.master or [p for p in policy.model.parameters() if p.requires_grad]  # float32 either way
+    names = [n for n, p in policy.model.named_parameters() if p.requires_grad]
+    policy.optimizer = torch.optim.SGD(trained, lr=1.0)
+    old_logp, _ = policy.compute_logprobs(batch)
+    before = {n: t.clone() for n, t in parallel.full_tensors(zip(names, trained))}  # DTensors gathered
+    stats = policy.update(batch, loss_fn_of(cfg))
+    delta = {n: (t - before[n]).float().cpu() for n, t in parallel.full_tensors(zip(names, trained))}
+    return {"old_logp": old_logp, "stats": {k: float(v) for k, v in stats.items()}, "delta": delta,
+            "dtypes": sorted({str(p.dtype) for p in trained}), "dtensors": all(hasattr(p, "full_tensor") for p in trained)}
+
+
+@pytest.fixture(scope="module")
+def reference_update(tiny_model_dir, tmp_path_factory):
+    """The batch every variant trains on (sampled on the CPU) and the single-process float32 update on the CPU."""
+    from test_train import sampled_batch
+
+    tmp = tmp_path_factory.mktemp("reference-update")
+    cfg = small_config(tmp, tiny_model_dir, *ONE_SGD_UPDATE)
+    torch.manual_seed(0)
+    batch = sampled_batch(make_policy(cfg))  # 3 prompts x 4 samples, old log-probs from the same weights
+    torch.save(batch, tmp / "batch.pt")
+    return batch, sgd_update(cfg, "cpu", batch), tmp
+
+
+def compare(got: dict, want: dict) -> dict:
+    scale = max(v.abs().max().item() for v in want["delta"].values())
+    diff = max((got["delta"][k] - want["delta"][k]).abs().max().item() for k in want["delta"])
+    l1 = sum((got["delta"][k] - want["delta"][k]).abs().sum().item() for k in want["delta"])
+    l1_ref = sum(v.abs().sum().item() for v in want["delta"].values())
+    return {"grad_max_abs_diff": diff, "grad_scale": scale, "grad_rel_l1": l1 / l1_ref,
+            "loss_diff": abs(got["stats"]["pg_loss"] - want["stats"]["pg_loss"]),
+            "logp_max_abs_diff": (got["old_logp"] - want["old_logp"]).abs().max().item()}
+
+
+# float32 on another device: the same arithmetic in another summation order (TF32 is off by default in
+# torch; were it on, matmuls would keep 10 bits and this would fail, as it should): 1e-4 of the largest
+# gradient, 1e-5 on the loss and log-probs (~100x float32's 1.2e-7 for sums over a few hundred terms).
+# bf16 compute: the weights and every activation rounded to 8 bits (BF16_EPS) through 2 layers and the
+# head: 2% of the largest gradient entry (~5 roundings), 3% of the gradient's L1 norm, the loss within 2e-3
+# (each token's ratio carries ~4e-3 of rounded log-prob, averaged over ~100 tokens of both advantage signs)
+# and log-probs within 0.05 (a logit of size ~5 rounded: 5 x 2^-8 = 0.02, in both log-sum-exp and target).
+TOLERANCE = {"float32": dict(grad=1e-4, l1=1e-4, loss=1e-5, logp=1e-5),
+             "bfloat16": dict(grad=0.02, l1=0.03, loss=2e-3, logp=0.05)}
+
+
+def assert_within(found: dict, dtype: str) -> None:
+    tol = TOLERANCE[dtype]
+    assert found["grad_scale"] > 1e-3  # the update did something
+    assert found["grad_max_abs_diff"] <= tol["grad"] * found["grad_scale"], found
+    assert found["grad_rel_l1"] <= tol["l1"], found
+    assert found["loss_diff"] <= tol["loss"], found
+    assert found["logp_max_abs_diff"] <= tol["logp"], found
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_update_in_one_process_agrees_with_cpu_float32(reference_update, tiny_model_dir, device, dtype):
+    """bf16 keeps float32 masters (Policy._master_weights): the gradient lands in float32 copies."""
+    batch, want, tmp = reference_update
+    cfg = small_config(tmp / f"{device}-{dtype}", tiny_model_dir, *ONE_SGD_UPDATE, f"model.dtype={dtype}")
+    got = sgd_update(cfg, device, batch)
+    assert got["dtypes"] == ["torch.float32"] and not got["dtensors"]  # the masters (bf16) or the weights (float32)
+    found = compare(got, want)
+    report(f"a single-process {device} {dtype}", **found, tolerance=TOLERANCE[dtype])
+    if device == "cpu" and dtype == "float32":
+        assert found["grad_max_abs_diff"] == 0.0  # the reference itself: the comparison sees a difference when there is one
+    assert_within(found, dtype)
+
+
+class OneRankFSDP(parallel.Dist):
+    """A process group of one rank that shards anyway: FSDP2's code path (fully_shard, mixed precision,
+    offload, DTensor gathers) on a machine with one GPU. ``parallel.init`` leaves a world of 1 unsharded."""
+
+    @property
+    def sharded(self) -> bool:
+        return True
+
+
+def fsdp_worker(device: str, model_dir: str, batch_file: str, out_dir: str) -> None:
+    """Run under torchrun with 1 process: each FSDP variant's update on the test's batch."""
+    import torch.distributed as dist
+
+    from dapo.config import ConfigError
+
+    if device == "cuda":
+        torch.cuda.set_device(0)  # before the group, as parallel.init does
+    # the backend parallel.init picks: nccl on CUDA (every collective of FSDP2's on the GPU), gloo on CPU
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    d = OneRankFSDP(rank=0, world_size=1, device=torch.device(device, 0) if device == "cuda" else torch.device("cpu"))
+    batch = torch.load(batch_file, weights_only=False)
+    results = {}
+    for name, overrides in FSDP_VARIANTS.items():
+        cfg = small_config(Path(out_dir) / name, model_dir, *ONE_SGD_UPDATE, *overrides)
+        try:
+            results[name] = sgd_update(cfg, device, batch, d)
+        except ConfigError as err:  # train.cpu_offload on CPU: refused in one line
+            results[name] = {"error": str(err)}
+        except Exception:  # noqa: BLE001 - one variant's failure (a CUDA path) must not hide the others'
+            import traceback
+
+            results[name] = {"error": traceback.format_exc()}
+    torch.save(results, Path(out_dir) / "fsdp.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("device", HEAVY_DEVICES)
+def test_fsdp2_one_rank_agrees_with_cpu_float32(reference_update, tiny_model_dir, device):
+    """FSDP2 keeps float32 masters sharded and computes in model.dtype (MixedPrecisionPolicy, float32
+    reduction): the bf16 variants take the bf16 tolerance, the float32 one the float32 tolerance.
+    train.cpu_offload is CUDA-only: on CPU the config is refused with one line naming the key."""
+    batch, want, tmp = reference_update
+    out = tmp / f"fsdp-{device}"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", __file__,
+           "fsdp", device, str(tiny_model_dir), str(tmp / "batch.pt"), str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env_for_children(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    results = torch.load(out / "fsdp.pt", weights_only=False)
+    failed = {name: got["error"][-1500:] for name, got in results.items()
+              if "error" in got and not (name == "bf16_offload" and device == "cpu")}
+    assert not failed, failed
+    for name, got in results.items():
+        if name == "bf16_offload" and device == "cpu":
+            assert "train.cpu_offload=true" in got["error"] and "CUDA" in got["error"], got
+            continue
+        assert got["dtypes"] == ["torch.float32"] and got["dtensors"], name  # sharded float32 masters
+        dtype = "float32" if name == "fp32" else "bfloat16"
+        found = compare(got, want)
+        report(f"a fsdp2-1rank {device} {name}", **found, tolerance=TOLERANCE[dtype])
+        assert_within(found, dtype)
+
+
+# ---- b: the shared prompt prefix ---------------------------------------------------------------
+def sdpa_backends(name: str):
+    """The SDPA kernels a variant allows (torch.nn.attention.sdpa_kernel); None: the model's eager attention."""
+    from torch.nn.attention import SDPBackend
+
+    # math stays allowed behind the kernel tried, for the calls that kernel cannot take (torch picks flash, then
+    # memory-efficient, then math): without a mask transformers asks SDPA for grouped-query attention, which the
+    # memory-efficient kernel does not do; flash takes no attention mask, so passes without padding (and the
+    # prompt pass) run it, while response passes over a cached prompt need a mask and fall to memory-efficient.
+    # The test checks that the kernel named did run.
+    return {"eager": None, "math": [SDPBackend.MATH], "efficient": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+            "flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]}[name]
+
+
+# which attention kernels run on each device: CPU has SDPA's math and its own flash kernel, not the CUDA ones
+# (float32 eager and sdpa on the CPU: tests/test_prefix.py; the batch without padding matters for flash only)
+PREFIX_VARIANTS = {"cpu": [("eager", "bfloat16")],
+                   "cuda": [("eager", "float32"), ("math", "float32"), ("efficient", "float32"),
+                            ("eager", "bfloat16"), ("efficient", "bfloat16"), ("flash", "bfloat16")]}
+
+
+def logp_and_grads(lm, batch, rows, device, *, share: bool, backends, equal_lengths: bool = False):
+    """log-probs (B, T) and the gradient of sum(logp x advantage), in float32 on the CPU, and the SDPA kernels run."""
+    import contextlib
+
+    from torch.nn.attention import sdpa_kernel
+    from torch.profiler import ProfilerActivity, profile
+
+    from dapo.policy import make_micro_batch, token_logprobs
+
+    lm.zero_grad(set_to_none=True)
+    mb = make_micro_batch(batch, rows, 0, device, share_prompts=share)
+    within = sdpa_kernel(backends) if backends else contextlib.nullcontext()
+    watch = profile(activities=[ProfilerActivity.CPU]) if backends else contextlib.nullcontext()
+    with within, watch as prof:
+        logp, _ = token_logprobs(lm, mb, temperature=0.9, chunk_tokens=64)
+        (logp * batch.adv[rows].to(device)[:, None]).sum().backward()
+    kernels = sorted({e.name for e in prof.events() if "scaled_dot_product" in e.name and "backward" not in e.name}
+                     ) if backends else []
+    grads = {n: p.grad.float().cpu() for n, p in lm.named_parameters()}
+    return logp.detach().float().cpu(), grads, kernels
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_shared_prompt_prefix_gives_the_unshared_log_probs_and_gradients(device):
+    """Prompts of 57-143 tokens with padding, and a batch of equal lengths (no padding, where flash runs).
+    float32: shared and unshared within 1e-5 (log-probs) and 1e-5 of the largest gradient entry (as on the
+    CPU in tests/test_prefix.py, here with each kernel). bf16: the two paths round in different places, so
+    they differ by bf16 noise (with flash allowed, the unshared pass runs flash and the response passes the
+    memory-efficient kernel). With t the float32 pass, u and s the unshared and shared bf16 ones: sharing may
+    not err more than twice what bf16 costs the unshared pass, so |s - u| <= |s - t| + |u - t| <= 3 |u - t|
+    (plus 1e-6)."""
+    from test_prefix import ROWS, synthetic_batch, tiny_lm
+
+    # on the CPU fewer rows (3 of the prompts, one row out of order): CI time
+    batches = [("padded", synthetic_batch(), ROWS if device == "cuda" else [0, 1, 2, 3, 13, 8, 9, 10])]
+    if device == "cuda":
+        batches.append(("equal", synthetic_batch((64, 64), ((16, 16, 16, 16), (16, 16, 16, 16)), seed=1), list(range(8))))
+    figures = {}
+    for attention, dtype in PREFIX_VARIANTS[device]:
+        lm = tiny_lm("qwen2", "eager" if attention == "eager" else "sdpa").to(device).train()
+        truth = {}
+        for name, batch, rows in batches:
+            if dtype == "bfloat16":  # the float32 pass with the same kernels: what bf16 alone costs
+                truth[name] = logp_and_grads(lm, batch, rows, device, share=False, backends=sdpa_backends(attention))
+        lm = lm.to(torch.bfloat16) if dtype == "bfloat16" else lm
+        for name, batch, rows in batches:
+            backends = sdpa_backends(attention)
+            logp, grads, k_unshared = logp_and_grads(lm, batch, rows, device, share=False, backends=backends)
+            logp_s, grads_s, k_shared = logp_and_grads(lm, batch, rows, device, share=True, backends=backends)
+            scale = max(g.abs().max().item() for g in grads.values())
+            d_logp = (logp_s - logp).abs().max().item()
+            d_grad = max((grads_s[n] - g).abs().max().item() for n, g in grads.items())
+            key = f"{attention} {dtype} {name}"
+            figures[key] = {"logp_diff": d_logp, "grad_diff": d_grad, "grad_scale": scale,
+                            "kernels": sorted(set(k_unshared) | set(k_shared))}
+            assert scale > 1e-3 and (logp[logp != 0] < 0).all()
+            if dtype == "float32":
+                bound_logp, bound_grad = 1e-5, 1e-5 * scale
+            else:
+                t_logp, t_grads, _ = truth[name]
+                bound_logp = 3 * (logp - t_logp).abs().max().item() + 1e-6
+                bound_grad = 3 * max((grads[n] - g).abs().max().item() for n, g in t_grads.items()) + 1e-6
+                assert (logp - t_logp).abs().max().item() < 0.05  # bf16 itself: a logit of ~5 rounded, twice
+            figures[key] |= {"bound_logp": bound_logp, "bound_grad": bound_grad}
+            assert d_logp <= bound_logp, (key, figures[key])
+            assert d_grad <= bound_grad, (key, figures[key])
+            if attention == "flash" and name == "equal":  # no padding: the flash kernel itself ran
+                assert any("flash" in k for k in k_unshared), k_unshared
+            if attention == "efficient":
+                assert any("efficient" in k for k in k_unshared + k_shared), k_unshared + k_shared
+    report(f"b prefix {device}", **figures)
+
+
+# ---- c: HeadLogProbs ------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_head_log_probs_against_full_logits_across_chunks(device, dtype):
+    """The trainer's chunk on CUDA (CUDA_HEAD_CHUNK_ROWS, 1024 rows) over 2 full chunks and a partial one;
+    on the CPU the same rows with a chunk forced to 300 (the CPU's own would hold them all in one).
+    The reference: the full (n, V) logits through autograd, from the same dtype's inputs. float32: 2e-5
+    (log-sum-exp over 3,000 logits summed in another order). bf16: both sides round h @ W^T to bf16, but a
+    matmul over a chunk's rows may take another kernel than one over all rows (cuBLAS picks by shape), so a
+    logit may round the other way: one rounding (BF16_EPS of the largest logit) in the target's logit and one
+    in the log-sum-exp. Gradients within 2% of their largest entry (bf16 products of float32 coefficients)."""
+    from dapo.policy import CUDA_HEAD_CHUNK_ROWS, HeadLogProbs, head_chunk_rows
+    from test_train import _head_reference
+
+    V, H, T = 3000, 64, 0.8
+    chunk = head_chunk_rows(V, torch.device(device)) if device == "cuda" else 300
+    n = 2 * (CUDA_HEAD_CHUNK_ROWS if device == "cuda" else chunk) + 37
+    assert device == "cpu" or chunk == CUDA_HEAD_CHUNK_ROWS
+    gen = torch.Generator().manual_seed(0)
+    h0 = torch.randn(n, H, generator=gen)
+    w0 = torch.randn(V, H, generator=gen) * 0.25  # logits ~ N(0, 4)
+    targets = torch.randint(0, V, (n,), generator=gen)
+    upstream = torch.randn(n, generator=gen)
+    dt = getattr(torch, dtype)
+    out = []
+    for fused in (True, False):
+        h = h0.to(device, dt).requires_grad_()
+        w = w0.to(device, dt).requires_grad_()
+        y = targets.to(device)
+        if fused:
+            logp, entropy = HeadLogProbs.apply(h, w, y, T, chunk, True)
+        else:
+            logp, entropy = _head_reference(h, w, y, T)
+        (upstream.to(device) * logp).sum().backward()
+        out.append([t.detach().float().cpu() for t in (logp, entropy, h.grad, w.grad)])
+    (lp, ent, gh, gw), (lp_r, ent_r, gh_r, gw_r) = out
+    tol = 2e-5 if dtype == "float32" else 2 * BF16_EPS * ((h0 @ w0.t()).abs().max().item() / T)
+    grad_tol = 1e-5 if dtype == "float32" else 0.02
+    found = {"logp_diff": (lp - lp_r).abs().max().item(), "entropy_diff": (ent - ent_r).abs().max().item(),
+             "grad_h_rel": ((gh - gh_r).abs().max() / gh_r.abs().max()).item(),
+             "grad_w_rel": ((gw - gw_r).abs().max() / gw_r.abs().max()).item(), "chunk": chunk, "rows": n,
+             "logp_bound": tol}
+    report(f"c head {device} {dtype}", **found)
+    assert found["logp_diff"] <= tol and found["entropy_diff"] <= tol, found
+    assert found["grad_h_rel"] <= grad_tol and found["grad_w_rel"] <= grad_tol, found
+    assert gw_r.abs().max() > 1e-2  # a gradient that means something
+
+
+# ---- d: fused AdamW ------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_adamw_takes_the_reference_adamw_steps(tiny_model_dir, tmp_path, device, dtype):
+    """The trainer's optimizer is torch's fused AdamW on the device (on the float32 masters under bf16);
+    three steps leave weights and moments where the foreach AdamW leaves them. Tolerance: float32
+    rounding of a few elementwise operations per step in another order (rtol 1e-6, atol 1e-7: the
+    weights are ~0.02, the steps 1e-3)."""
+    cfg = small_config(tmp_path, tiny_model_dir, "train.lr=1e-3", "train.weight_decay=0.1", f"model.dtype={dtype}")
+    policy = make_policy(cfg, device)
+    assert policy.optimizer.param_groups[0]["fused"]
+    params = policy.master or [p for p in policy.model.parameters() if p.requires_grad]
+    assert {p.device.type for p in params} == {device} and {p.dtype for p in params} == {torch.float32}
+    start = [p.detach().clone() for p in params]
+    twins = [torch.nn.Parameter(p.clone()) for p in start]
+    reference = torch.optim.AdamW(twins, lr=1e-3, betas=tuple(cfg.train.betas), weight_decay=0.1, foreach=True)
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(p.shape, generator=gen).to(device) for p in params]
+    for _ in range(3):
+        for p, q, g in zip(params, twins, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        policy.optimizer.step()
+        reference.step()
+    moved = sum((p.detach() - s).abs().sum().item() for p, s in zip(params, start)) / sum(p.numel() for p in params)
+    worst = max(((p.detach() - q.detach()).abs().max().item() for p, q in zip(params, twins)))
+    report(f"d adamw {device} {dtype}", mean_step=moved, max_abs_diff=worst)
+    # a constant gradient makes each bias-corrected Adam step exactly lr per weight (decay adds ~1e-4 of it)
+    assert moved == pytest.approx(3e-3, rel=0.01)
+    for p, q in zip(params, twins):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(policy.optimizer.state[p]["exp_avg"], reference.state[q]["exp_avg"])
+        torch.testing.assert_close(policy.optimizer.state[p]["exp_avg_sq"], reference.state[q]["exp_avg_sq"])
+
+
+# ---- e: LoRA -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+def test_lora_trains_only_adapters_and_the_merged_export_gives_its_logits(tiny_model_dir, tmp_path, device):
+    """Two updates at lr 0.05 move the adapters well away from the base. The export (W + scale B A, float32)
+    runs the same matmuls grouped differently from the trainer's W x + scale B (A x): 1e-5 on the CPU
+    (tests/test_lora.py), 1e-4 on CUDA for its other kernels' summation order (logits here are ~1)."""
+    from transformers import AutoModelForCausalLM
+
+    from test_lora import LORA, adapter_params, base_params, sampled
+
+    cfg = small_config(tmp_path, tiny_model_dir, *LORA)
+    torch.manual_seed(0)
+    policy = make_policy(cfg, device)
+    for group in policy.optimizer.param_groups:
+        group["lr"] = 0.05
+    batch = sampled(policy)
+    before_base, before_adapters = base_params(policy.model), adapter_params(policy.model)
+    for _ in range(2):
+        policy.update(batch, loss_fn_of(cfg))
+    after_base, after_adapters = base_params(policy.model), adapter_params(policy.model)
+    assert [n for n in before_base if not torch.equal(before_base[n], after_base[n])] == []
+    moved = [n for n in before_adapters if not torch.equal(before_adapters[n], after_adapters[n])]
+    assert len(moved) == len(before_adapters) == 28
+    step = checkpoint.save_checkpoint(tmp_path / "run", 2, model=policy.model, tokenizer=policy.tokenizer,
+                                      trainer_state={}, config_yaml="", keep=1)
+    ids = torch.tensor([policy.tokenizer("12+7*3=")["input_ids"]], device=device)
+    with torch.no_grad():
+        want = policy.model(input_ids=ids).logits[0].float()
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(device)
+        assert (want - base(input_ids=ids).logits[0].float()).abs().max() > 1e-2  # not the base's logits
+        assert cli.main(["export", str(step), str(tmp_path / "merged")]) == 0
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").to(device)
+        diff = (merged(input_ids=ids).logits[0].float() - want).abs().max().item()
+    report(f"e lora {device}", merged_logit_max_abs_diff=diff)
+    assert diff < (1e-5 if device == "cpu" else 1e-4)
+
+
+# ---- f: stop hard at checkpoint k, resume ---------------------------------------------------------
+HARD_EXIT = ["train.total_steps=3", "run.save_every=1", "algo.dynamic_sampling=true", "algo.filter_metric=reward",
+             "algo.max_gen_rounds=3", "algo.oversample=3.0", "algo.buffer_max_groups=8", "run.async_checkpoint=true"]
+
+
+def driver(run_dir, model_dir, saves, tag, kill_after, device):
+    cmd = [sys.executable, str(REPO / "tests" / "train_until_checkpoint.py"), str(run_dir), str(model_dir), str(saves),
+           tag, str(kill_after), *HARD_EXIT, f"model.device={device}"]
+    return subprocess.run(cmd, cwd=REPO, env=env_for_children(COLUMNS="500"), capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.parametrize("device", HEAVY_DEVICES)
+def test_hard_stop_after_a_checkpoint_resumes_to_the_uninterrupted_weights(tiny_model_dir, tmp_path, device):
+    """3 steps uninterrupted against: os._exit right after checkpoint 1, then a fresh process resuming. The
+    RNG (CUDA's too), sampler, held-over groups and AdamW state resume, and each run issues the same kernels
+    in the same order, so on the CPU the weights must be bit-identical. On CUDA some kernels add floats
+    atomically in whatever order threads arrive (the memory-efficient and flash attention backward, scatter-adds),
+    so two uninterrupted runs may already differ: there the uninterrupted run goes twice, and the resumed run
+    must be bit-identical where those two are, else within 10x their own difference (a resume bug, a lost
+    AdamW state or RNG, shows as a difference of the order of a step, ~1e-3, against rounding's ~1e-7)."""
+    from safetensors.torch import load_file
+
+    def final(run: str):
+        return load_file(str(tmp_path / run / "t" / "checkpoints" / "step_000003" / "model" / "model.safetensors"))
+
+    def max_diff(x: dict, y: dict) -> float:
+        assert x.keys() == y.keys()
+        return max((x[k].float() - y[k].float()).abs().max().item() for k in x)
+
+    refs = ["a", "a2"] if device == "cuda" else ["a"]
+    for run in refs:
+        ref = driver(tmp_path / run, tiny_model_dir, tmp_path / f"{run}.txt", "ref", 0, device)
+        assert ref.returncode == 0, ref.stderr[-3000:]
+    killed = driver(tmp_path / "b", tiny_model_dir, tmp_path / "b.txt", "killed", 1, device)
+    assert killed.returncode == 1, killed.stderr[-3000:]
+    resumed = driver(tmp_path / "b", tiny_model_dir, tmp_path / "b.txt", "resumed", 0, device)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and (tmp_path / "b.txt").read_text().split() == [
+        "killed", "1", "resumed", "2", "resumed", "3"]
+    want, got = final("a"), final("b")
+    differing = [k for k in want if not torch.equal(want[k], got[k])]
+    figures = {"tensors": len(want), "differing": len(differing), "resumed_max_abs_diff": max_diff(want, got)}
+    if device == "cuda":
+        figures["rerun_max_abs_diff"] = max_diff(want, final("a2"))
+    report(f"f resume {device}", **figures)
+    if figures.get("rerun_max_abs_diff", 0.0) == 0.0:
+        assert differing == [], figures  # deterministic here: nothing may differ
+    else:
+        assert figures["resumed_max_abs_diff"] <= 10 * figures["rerun_max_abs_diff"], figures
+
+
+# ---- g: peak memory per phase --------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+def test_phase_peaks_are_the_allocators_peaks(device):
+    """CUDA: a phase's perf/peak_cuda_<phase>_gb is exactly torch.cuda.max_memory_allocated at its end
+    (reset as it opens), the enclosing phase gets the larger, and a later phase does not inherit an earlier
+    one's peak. CPU: no CUDA names at all, the resident-set ones only."""
+    from dapo.memory import GIB, PhaseMemory
+
+    mem = PhaseMemory(interval_s=0.001, cuda=device == "cuda")
+    mem.enter("step")
+    mem.enter("update")
+    block = torch.ones(64 * 2**20, device=device)  # 256 MiB of float32
+    at_exit = torch.cuda.max_memory_allocated() if device == "cuda" else None
+    mem.exit("update")
+    del block
+    mem.enter("eval")
+    small = torch.ones(2**20, device=device)  # 4 MiB
+    mem.exit("eval")
+    mem.exit("step")
+    peaks = mem.take()
+    mem.close()
+    del small
+    if device == "cpu":
+        assert not any("cuda" in k for k in peaks) and "perf/peak_rss_update_gb" in peaks
+        return
+    report("g phase-memory cuda", **peaks, max_memory_allocated_at_update_exit=at_exit / GIB)
+    assert peaks["perf/peak_cuda_update_gb"] == at_exit / GIB
+    assert peaks["perf/peak_cuda_update_gb"] * GIB >= 256 * 2**20
+    assert peaks["perf/peak_cuda_eval_gb"] * GIB < peaks["perf/peak_cuda_update_gb"] * GIB - 200 * 2**20
+    assert peaks["perf/peak_cuda_step_gb"] == peaks["perf/peak_cuda_update_gb"]
+
+
+@pytest.mark.parametrize("device", HEAVY_DEVICES)
+def test_a_training_run_logs_each_phases_peak(tiny_model_dir, tmp_path, device):
+    """Two steps of the loop: every phase's peak is logged under its name, none above the step's, and on
+    CUDA at least the model's weights and gradients (they are allocated throughout the update)."""
+    from dapo.training import train
+
+    cfg = small_config(tmp_path, tiny_model_dir, f"model.device={device}")
+    train(cfg)
+    rows = read_metrics(cfg.run_dir)
+    kind = "cuda" if device == "cuda" else "rss"
+    phases = ("step", "collect", "old_logprob", "update", "weight_sync")
+    params = sum(v.numel() for v in load_weights(tiny_model_dir).values())
+    for r in rows:
+        peaks = {p: r[f"perf/peak_{kind}_{p}_gb"] for p in phases}
+        assert all(0 < v <= peaks["step"] for v in peaks.values()), peaks
+        assert device == "cuda" or not any(k.startswith("perf/peak_cuda_") for k in r)
+        if device == "cuda":
+            assert peaks["update"] * 2**30 >= 2 * 4 * params  # float32 weights and gradients
+            report("g training-run cuda", **{k: v for k, v in r.items() if k.startswith("perf/peak_cuda_")})
+
+
+def load_weights(model_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(model_dir) / "model.safetensors"))
+
+
+if __name__ == "__main__":  # the torchrun worker
+    mode, *rest = sys.argv[1:]
+    {"fsdp": fsdp_worker}[mode](*rest)

@@ -1,0 +1,389 @@
+"""`make gpu-check`: every CUDA path of dapo on a lent GPU machine, offline, in one command and one report.
+
+    python scripts/gpu_check.py [--parts install,tests,demo,bench] [--budget-s 1200] [--allow-cpu]
+
+The machine has torch, transformers, peft and the other runtime libraries but no network: the wheels it
+lacks come from .whl/ (`make gpu-wheels` fetches them here) and go into a directory of their own
+(``--site``, /tmp/dapo-gpu-site), never into the machine's environment, so its torch is untouched;
+dapo itself runs from src/ (PYTHONPATH). A wheel is installed only where the machine's own copy of that
+distribution is missing or older.
+
+Parts, each with its own time limit inside the whole budget (20 minutes by default):
+  install  the wheels, then one import of everything the run needs; the versions found
+  tests    tests/test_gpu.py by item (a-g, see its docstring) with DAPO_GPU_CHECK=1, and every other test
+           marked gpu (tests/test_parallel.py, tests/test_vllm.py: those need 2 GPUs or vLLM and say so)
+  demo     item h: `dapo demo model.device=cuda`; held-out accuracy must rise by at least 15 points
+  bench    benchmarks/gpu.py (the figures for benchmarks/RESULTS.md)
+
+Results accumulate in runs/gpu_check/state.json, so the parts can run as separate commands (a device
+lent 10 minutes per command: `--parts install,tests`, then `--parts demo,bench`); each command rewrites
+the whole report from it: runs/gpu_check/gpu_report.md, and $OUT/gpu_report.md when OUT is set.
+Without a CUDA device it stops, unless --allow-cpu (or GPU_CHECK_ALLOW_CPU=1): then the CUDA cases are
+reported as skipped, the CPU twins run, the demo is shortened by GPU_CHECK_DEMO_ARGS if given, and the
+benchmarks run with --smoke; that checks this script, not the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STATE_DIR = ROOT / "runs" / "gpu_check"
+PARTS = ("install", "tests", "demo", "bench")
+# item: (what it checks, pytest selection in tests/test_gpu.py, time limit in seconds)
+ITEMS = {
+    "a": ("one update in float32 and bf16, and under FSDP2 on 1 rank (nccl) with bf16 mixed precision, "
+          "cpu_offload, activation checkpointing, against the CPU float32 update",
+          "one_update_in_one_process or fsdp2_one_rank or two_steps_on_gpu", 240),
+    "b": ("shared prompt prefix vs unshared: eager, SDPA math / memory-efficient / flash; log-probs and gradients",
+          "shared_prompt_prefix", 120),
+    "c": ("HeadLogProbs vs full logits, float32 and bf16, across CUDA_HEAD_CHUNK_ROWS chunks", "head_log_probs", 60),
+    "d": ("fused AdamW vs torch's reference AdamW", "fused_adamw", 60),
+    "e": ("LoRA: only adapters change; the merged export gives the trainer's logits", "lora_trains", 120),
+    "f": ("checkpoint at step 1, hard stop, resume: final weights vs an uninterrupted run", "hard_stop", 240),
+    "g": ("perf/peak_cuda_<phase>_gb vs torch.cuda.max_memory_allocated", "phase_peaks or training_run_logs", 180),
+}
+OTHER_GPU_TESTS = ["tests/test_parallel.py", "tests/test_vllm.py"]
+DEMO_RISE_POINTS = 15.0
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+
+
+class Check:
+    def __init__(self, args):
+        self.args = args
+        self.site = Path(args.site)
+        self.deadline = time.monotonic() + args.budget_s
+        STATE_DIR.mkdir(parents=True, exist_ok=True)
+        self.state_file = STATE_DIR / "state.json"
+        self.state = json.loads(self.state_file.read_text()) if self.state_file.exists() and not args.fresh else {}
+
+    def save(self) -> None:
+        self.state_file.write_text(json.dumps(self.state, indent=1))
+
+    def env(self, **extra) -> dict:
+        path = [str(self.site), str(ROOT / "src"), str(ROOT / "tests")]
+        return {**os.environ, "PYTHONPATH": os.pathsep.join(path + [os.environ.get("PYTHONPATH", "")]),
+                "DAPO_GPU_CHECK": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+    def limit(self, own: float) -> float:
+        """A part's time limit: its own, cut to what is left of the whole budget."""
+        return max(5.0, min(own, self.deadline - time.monotonic()))
+
+    def run(self, cmd: list[str], timeout: float, log: Path, **env) -> tuple[int | None, str, float]:
+        """(exit code or None on time-out, output, seconds); the output also goes to ``log``. The command runs
+        in a session of its own, so a time-out stops all of it (torchrun's workers, the grading pool), not
+        only the process started here."""
+        import signal
+
+        t0, limit = time.monotonic(), self.limit(timeout)
+        with open(log, "w+") as out_file:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env(**env), stdout=out_file, stderr=subprocess.STDOUT,
+                                    text=True, start_new_session=True)
+            try:
+                code = proc.wait(timeout=limit)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                code = None
+                out_file.write(f"\n[gpu-check: stopped after {limit:.0f} s]\n")
+            out_file.seek(0)
+            out = out_file.read()
+        return code, out, time.monotonic() - t0
+
+    # ---- install ----------------------------------------------------------------------------------
+    def part_install(self) -> None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        wheels = sorted((ROOT / ".whl").glob("*.whl"))
+        installed, kept = [], []
+        todo = []
+        for wheel in wheels:
+            name, wanted = wheel.name.split("-")[:2]
+            try:
+                have = version(name)
+            except PackageNotFoundError:
+                have = None
+            if have is not None and not older(have, wanted) and not self.args.force_wheels:
+                kept.append(f"{name} {have} (the machine's)")
+                continue
+            todo.append(wheel)
+            installed.append(f"{name} {wanted}" + (f" (over the machine's {have})" if have else ""))
+        self.site.mkdir(parents=True, exist_ok=True)
+        how = "none needed"
+        if todo:
+            cmd = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--upgrade", "--target",
+                   str(self.site), *map(str, todo)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            how = "pip install --no-index --no-deps --target"
+            if proc.returncode != 0:  # no pip on the machine: every wheel here is pure Python, a zip to unpack
+                for wheel in todo:
+                    with zipfile.ZipFile(wheel) as z:
+                        z.extractall(self.site)
+                how = f"unzipped (pip failed: {(proc.stderr.strip().splitlines() or ['?'])[-1][:120]})"
+        probe = ("import json, platform, torch, transformers, peft, math_verify, pytest, pytest_timeout, dapo\n"
+                 "from importlib.metadata import version\n"
+                 "cuda = torch.cuda.is_available()\n"
+                 "p = torch.cuda.get_device_properties(0) if cuda else None\n"
+                 "nccl = '.'.join(map(str, torch.cuda.nccl.version())) if cuda else None\n"
+                 "print(json.dumps({'python': platform.python_version(), 'torch': torch.__version__,\n"
+                 " 'cuda': torch.version.cuda, 'cudnn': torch.backends.cudnn.version(), 'nccl': nccl,\n"
+                 " 'device': torch.cuda.get_device_name(0) if cuda else None, 'devices': torch.cuda.device_count(),\n"
+                 " 'memory_gib': round(p.total_memory / 2**30, 1) if p else None,\n"
+                 " 'capability': f'{p.major}.{p.minor}' if p else None,\n"
+                 " 'transformers': transformers.__version__, 'peft': peft.__version__,\n"
+                 " 'math_verify': version('math-verify'), 'pytest': pytest.__version__,\n"
+                 " 'tf32_matmul': torch.backends.cuda.matmul.allow_tf32}))\n")
+        code, out, _ = self.run([sys.executable, "-c", probe], 120, STATE_DIR / "install.log")
+        env = json.loads(out.strip().splitlines()[-1]) if code == 0 else None
+        self.state["install"] = {"ok": code == 0, "installed": installed, "kept": kept, "how": how, "env": env,
+                                 "error": None if code == 0 else out[-2000:], "at": now()}
+        if code != 0:
+            raise SystemExit(f"gpu-check: the environment does not import:\n{out[-2000:]}")
+
+    # ---- tests ------------------------------------------------------------------------------------
+    def pytest(self, name: str, selection: list[str], timeout: float) -> dict:
+        junit = STATE_DIR / f"junit_{name}.xml"
+        junit.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-rs", "-p", "no:cacheprovider", f"--junitxml={junit}",
+               "--timeout", str(int(timeout)), *selection]
+        code, out, seconds = self.run(cmd, timeout + 30, STATE_DIR / f"pytest_{name}.log")
+        cases = parse_junit(junit) if junit.exists() else []
+        figures = [line[len("GPU-CHECK "):] for line in out.splitlines() if line.startswith("GPU-CHECK ")]
+        return {"exit": code, "seconds": round(seconds, 1), "cases": cases, "figures": figures,
+                "tail": "" if code == 0 else out[-4000:]}
+
+    def part_tests(self) -> None:
+        results = self.state.setdefault("tests", {})
+        for item, (_, selection, timeout) in ITEMS.items():
+            print(f"gpu-check: item {item} ...", flush=True)
+            results[item] = self.pytest(item, ["tests/test_gpu.py", "-k", selection], timeout)
+            self.save()
+        print("gpu-check: other tests marked gpu ...", flush=True)
+        results["gpu-marked"] = self.pytest("gpu_marked", ["-m", "gpu", *OTHER_GPU_TESTS], 120)
+        self.save()
+
+    # ---- demo -------------------------------------------------------------------------------------
+    def part_demo(self) -> None:
+        cuda = (self.state.get("install", {}).get("env") or {}).get("device") is not None
+        run_dir = STATE_DIR / "demo"
+        import shutil
+
+        shutil.rmtree(run_dir, ignore_errors=True)  # a finished demo would only be reported again
+        extra = os.environ.get("GPU_CHECK_DEMO_ARGS", "").split()
+        cmd = [sys.executable, "-m", "dapo.cli", "demo", f"model.device={'cuda' if cuda else 'cpu'}",
+               f"run.dir={run_dir}", "run.progress=false", *extra]
+        code, out, seconds = self.run(cmd, 420, STATE_DIR / "demo.log", COLUMNS="200")
+        m = re.search(r"held-out accuracy: \S+ (avg@\d+) ([\d.]+)% \[[^\]]*\] before -> ([\d.]+)% \[[^\]]*\] after step (\d+)", out)
+        wall = re.search(r"wall time: ([\d.]+) s", out)
+        found = {"exit": code, "seconds": round(seconds, 1), "command": " ".join(cmd[2:]), "cuda": cuda,
+                 "shortened": bool(extra), "tail": "" if code == 0 and m else out[-3000:]}
+        if m:
+            before, after = float(m.group(2)), float(m.group(3))
+            found |= {"metric": m.group(1), "before": before, "after": after, "steps": int(m.group(4)),
+                      "rise": round(after - before, 1), "wall_s": float(wall.group(1)) if wall else None}
+        self.state["demo"] = found
+        self.save()
+
+    # ---- bench ------------------------------------------------------------------------------------
+    def part_bench(self) -> None:
+        cuda = (self.state.get("install", {}).get("env") or {}).get("device") is not None
+        out_json = STATE_DIR / "bench.json"
+        out_json.unlink(missing_ok=True)
+        cmd = [sys.executable, "benchmarks/gpu.py", "--json", str(out_json)] + ([] if cuda else ["--smoke"])
+        if parts := os.environ.get("GPU_CHECK_BENCH_PARTS"):
+            cmd += ["--parts", parts]
+        code, out, seconds = self.run(cmd, 480, STATE_DIR / "bench.log")
+        data = json.loads(out_json.read_text()) if out_json.exists() else {}
+        self.state["bench"] = {"exit": code, "seconds": round(seconds, 1), "smoke": not cuda, **data,
+                               "tail": "" if code == 0 else out[-4000:]}
+        self.save()
+
+
+def older(have: str, wanted: str) -> bool:
+    """Whether version ``have`` is below ``wanted`` (numeric parts compared; a pre-release counts as its release)."""
+    def key(v: str) -> tuple:
+        return tuple(int(x) for x in re.findall(r"\d+", v.split("+")[0])[:4])
+
+    return key(have) < key(wanted)
+
+
+def parse_junit(path: Path) -> list[dict]:
+    cases = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        status, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            el = case.find(tag)
+            if el is not None:
+                status = {"failure": "failed", "error": "failed", "skipped": "skipped"}[tag]
+                message = (el.get("message") or "")[:300]
+                break
+        name = case.get("name", "")
+        device = "cuda" if "cuda" in name else "cpu" if "cpu" in name else ("cuda" if "gpu" in name else "other")
+        cases.append({"name": name, "status": status, "device": device, "message": message,
+                      "seconds": float(case.get("time", 0))})
+    return cases
+
+
+def item_status(result: dict | None) -> tuple[str, str]:
+    """(verdict, detail) of one item's pytest run."""
+    if result is None:
+        return "NOT RUN", ""
+    cases = result["cases"]
+    if result["exit"] is None:
+        return "FAIL (time-out)", f"stopped after {result['seconds']} s"
+    count = lambda dev, st: sum(1 for c in cases if c["device"] == dev and c["status"] == st)  # noqa: E731
+    detail = ", ".join(f"{dev}: {count(dev, 'passed')} passed, {count(dev, 'failed')} failed, {count(dev, 'skipped')} skipped"
+                       for dev in ("cuda", "cpu", "other") if any(c["device"] == dev for c in cases))
+    if any(c["status"] == "failed" for c in cases) or (result["exit"] not in (0, 5) and not cases):
+        return "FAIL", detail
+    if count("cuda", "passed") and not count("cuda", "skipped"):
+        return "PASS", detail
+    if count("cuda", "passed"):
+        return "PASS (some CUDA cases skipped)", detail
+    return "SKIPPED on CUDA (cpu twins only)" if count("cpu", "passed") else "SKIPPED", detail
+
+
+def write_report(state: dict, paths: list[Path]) -> str:
+    env = (state.get("install") or {}).get("env") or {}
+    lines = ["# dapo gpu-check report", "", f"written {now()}, commit {git_commit()}", ""]
+    if env.get("device"):
+        lines.append(f"**device: {env['device']}** ({env['devices']} visible, {env['memory_gib']} GiB, compute capability "
+                     f"{env['capability']})")
+    else:
+        lines.append("**device: none: no CUDA device was visible.** This run checked the script on a CPU "
+                     "(--allow-cpu): every CUDA case is skipped, no figure below is a GPU figure.")
+    lines += ["", f"python {env.get('python')}, torch {env.get('torch')}, CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')}, "
+              f"NCCL {env.get('nccl')}, transformers {env.get('transformers')}, peft {env.get('peft')}, "
+              f"math-verify {env.get('math_verify')}, pytest {env.get('pytest')}; TF32 matmul {env.get('tf32_matmul')}", ""]
+    inst = state.get("install")
+    if inst:
+        lines += [f"wheels from .whl ({inst['how']}): " + (", ".join(inst["installed"]) or "none"),
+                  "kept the machine's: " + (", ".join(inst["kept"]) or "none"), ""]
+    lines += ["| item | what | result | cases | seconds |", "|---|---|---|---|---|"]
+    tests = state.get("tests", {})
+    for item, (what, _, _) in ITEMS.items():
+        verdict, detail = item_status(tests.get(item))
+        lines.append(f"| {item} | {what} | {verdict} | {detail} | {(tests.get(item) or {}).get('seconds', '')} |")
+    verdict, detail = item_status(tests.get("gpu-marked"))
+    lines.append(f"| other | tests marked gpu in {', '.join(OTHER_GPU_TESTS)} | {verdict} | {detail} | "
+                 f"{(tests.get('gpu-marked') or {}).get('seconds', '')} |")
+    demo = state.get("demo")
+    if demo is None:
+        lines.append("| h | `dapo demo model.device=cuda`: held-out accuracy +15 points | NOT RUN | | |")
+    else:
+        if "rise" not in demo:
+            verdict = "FAIL (no result line)" if demo["exit"] is not None else "FAIL (time-out)"
+        elif not demo["cuda"]:
+            verdict = f"CPU run{' (shortened)' if demo['shortened'] else ''}: {'rose' if demo['rise'] >= DEMO_RISE_POINTS else 'did not rise'} {demo['rise']} points"
+        else:
+            verdict = "PASS" if demo["rise"] >= DEMO_RISE_POINTS else f"FAIL (rose {demo['rise']} points)"
+        detail = (f"{demo['metric']} {demo['before']}% -> {demo['after']}% after step {demo['steps']}, "
+                  f"wall time {demo['wall_s']} s") if "rise" in demo else ""
+        lines.append(f"| h | `{demo['command']}`: held-out accuracy +{DEMO_RISE_POINTS:.0f} points | {verdict} | {detail} | "
+                     f"{demo['seconds']} |")
+    lines += ["", "## Measured differences (tests/test_gpu.py, each beside the tolerance its test states)", ""]
+    for item in [*ITEMS, "gpu-marked"]:
+        for fig in (tests.get(item) or {}).get("figures", []):
+            lines.append(f"- `{fig}`")
+    skipped = sorted({c["message"] for r in tests.values() for c in r["cases"] if c["status"] == "skipped"})
+    if skipped:
+        lines += ["", "Skip reasons: " + "; ".join(skipped)]
+    bench = state.get("bench")
+    lines += ["", "## Benchmarks (benchmarks/gpu.py)", ""]
+    if bench is None:
+        lines.append("not run")
+    else:
+        if bench.get("smoke"):
+            lines.append("**smoke run (no CUDA device): tiny shapes, the script checked, no figure here is a measurement**")
+            lines.append("")
+        lines += bench.get("header", []) + bench.get("rows", [])
+        if bench.get("failed"):
+            lines += ["", "failed parts: " + "; ".join(f"{k}: {v[:300]}" for k, v in bench["failed"].items())]
+        prof = (bench.get("results") or {}).get("profile")
+        if prof:
+            lines += ["", "profile, top kernels/ops of one 1.5B-shape update:"] + [f"    {s:8.3f} s  {k}" for k, s in prof["top"]]
+        if bench["exit"] is None:
+            lines.append(f"(stopped after {bench['seconds']} s)")
+    failures = [(k, r["tail"]) for k, r in tests.items() if r.get("tail")]
+    failures += [("demo", demo["tail"])] if demo and demo.get("tail") else []
+    failures += [("bench", bench["tail"])] if bench and bench.get("tail") else []
+    if failures:
+        lines += ["", "## Output of what failed (last lines)"]
+        for name, tail in failures:
+            lines += ["", f"### {name}", "```", tail[-3000:], "```"]
+    lines += ["", "Not verifiable on one lent GPU without network: vLLM on GPU (its wheel is pinned to another torch and "
+              "too large to carry), NCCL across several GPUs, Ray across machines."]
+    text = "\n".join(lines) + "\n"
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return text
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "?"
+    except OSError:
+        return "?"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated, of: " + ",".join(PARTS))
+    ap.add_argument("--budget-s", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET_S", 1200)),
+                    help="the whole command's time (default 1200 s; each part also has its own limit)")
+    ap.add_argument("--site", default=os.environ.get("GPU_CHECK_SITE", "/tmp/dapo-gpu-site"),
+                    help="where the wheels are installed (not the machine's environment)")
+    ap.add_argument("--allow-cpu", action="store_true", default=os.environ.get("GPU_CHECK_ALLOW_CPU") == "1",
+                    help="run without a CUDA device (checks this script; CUDA cases skipped)")
+    ap.add_argument("--fresh", action="store_true", help="forget the results of earlier commands")
+    ap.add_argument("--force-wheels", action="store_true", default=os.environ.get("GPU_CHECK_FORCE_WHEELS") == "1",
+                    help="install every wheel of .whl even where the machine has it (to check the install itself)")
+    args = ap.parse_args()
+    parts = [p for p in args.parts.split(",") if p]
+    if unknown := sorted(set(parts) - set(PARTS)):
+        sys.exit(f"--parts: unknown {unknown}; choose from {','.join(PARTS)}")
+    check = Check(args)
+    if "install" in parts or "install" not in check.state:
+        check.part_install()
+        check.save()
+    if not (check.state["install"]["env"] or {}).get("device") and not args.allow_cpu:
+        sys.exit("gpu-check: no CUDA device is visible; this checks the GPU paths (GPU_CHECK_ALLOW_CPU=1 runs it "
+                 "on the CPU to check the script itself)")
+    for part in parts:
+        if part == "install":
+            continue
+        if check.deadline - time.monotonic() < 10:
+            print(f"gpu-check: budget spent; {part} not run", flush=True)
+            continue
+        t0 = time.monotonic()
+        print(f"gpu-check: {part} ...", flush=True)
+        getattr(check, f"part_{part}")()
+        print(f"gpu-check: {part} done in {time.monotonic() - t0:.0f} s", flush=True)
+    paths = [STATE_DIR / "gpu_report.md"] + ([Path(os.environ["OUT"]) / "gpu_report.md"] if os.environ.get("OUT") else [])
+    text = write_report(check.state, paths)
+    if os.environ.get("OUT"):  # the logs beside the report, for what the report's tails do not show
+        import shutil
+
+        keep = Path(os.environ["OUT"]) / "gpu_check"
+        keep.mkdir(parents=True, exist_ok=True)
+        for f in [*STATE_DIR.glob("*.log"), *STATE_DIR.glob("*.json")]:
+            shutil.copy(f, keep / f.name)
+    print(text)
+    print(f"report: {', '.join(map(str, paths))}")
+
+
+if __name__ == "__main__":
+    main()

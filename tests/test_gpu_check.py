@@ -1,0 +1,66 @@
+"""scripts/gpu_check.py's own logic (what `make gpu-check` installs, how it reads pytest's results and the demo's
+last line, what it reports), without a GPU; the whole script runs on a CPU with GPU_CHECK_ALLOW_CPU=1."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
+gpu_check = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gpu_check)
+
+
+@pytest.mark.parametrize("have,wanted,older", [("2.3.1", "2.3.1", False), ("23.2", "26.3", True), ("1.13.3", "1.14.0", True),
+                                               ("2.21.0", "2.7.2", False), ("4.13.2", "4.13.2", False),
+                                               ("2.11.0+cu130", "2.11.0", False), ("1.6.0", "1.7.0", True)])
+def test_a_wheel_goes_in_only_over_an_older_copy(have, wanted, older):
+    assert gpu_check.older(have, wanted) is older
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
+<testcase classname="tests.test_gpu" name="test_x[float32-cpu]" time="1.5"/>
+<testcase classname="tests.test_gpu" name="test_x[float32-cuda]" time="2.0"><failure message="assert 0.3 &lt;= 0.02">...</failure></testcase>
+<testcase classname="tests.test_gpu" name="test_y[cuda]" time="0.0"><skipped message="needs a CUDA device"/></testcase>
+<testcase classname="tests.test_gpu" name="test_two_steps_on_gpu[bfloat16]" time="3.0"/>
+</testsuite></testsuites>"""
+
+
+def test_cases_are_read_by_device_and_an_item_fails_on_any_failure(tmp_path):
+    (tmp_path / "j.xml").write_text(JUNIT)
+    cases = gpu_check.parse_junit(tmp_path / "j.xml")
+    assert [(c["device"], c["status"]) for c in cases] == [("cpu", "passed"), ("cuda", "failed"), ("cuda", "skipped"),
+                                                           ("cuda", "passed")]
+    assert cases[1]["message"] == "assert 0.3 <= 0.02"
+    verdict, detail = gpu_check.item_status({"exit": 1, "seconds": 9, "cases": cases})
+    assert verdict == "FAIL" and detail == "cuda: 1 passed, 1 failed, 1 skipped, cpu: 1 passed, 0 failed, 0 skipped"
+
+
+def test_an_item_passes_only_where_its_cuda_cases_ran():
+    def case(device, status):
+        return {"device": device, "status": status}
+
+    status = lambda *cases, code=0: gpu_check.item_status({"exit": code, "seconds": 1, "cases": list(cases)})[0]  # noqa: E731
+    assert status(case("cuda", "passed"), case("cpu", "passed")) == "PASS"
+    assert status(case("cuda", "passed"), case("cuda", "skipped")) == "PASS (some CUDA cases skipped)"
+    assert status(case("cuda", "skipped"), case("cpu", "passed")) == "SKIPPED on CUDA (cpu twins only)"
+    assert status(code=2) == "FAIL"  # pytest stopped before any case (a collection error)
+    assert gpu_check.item_status({"exit": None, "seconds": 240, "cases": []})[0] == "FAIL (time-out)"
+    assert gpu_check.item_status(None)[0] == "NOT RUN"
+
+
+def test_the_report_says_plainly_when_no_gpu_was_there(tmp_path):
+    state = {"install": {"env": {"device": None, "python": "3.12"}, "installed": [], "kept": [], "how": "none needed"},
+             "demo": {"exit": 0, "seconds": 100, "command": "dapo.cli demo model.device=cpu", "cuda": False,
+                      "shortened": True, "metric": "avg@4", "before": 21.9, "after": 37.5, "steps": 4, "rise": 15.6,
+                      "wall_s": 99.0, "tail": ""}}
+    text = gpu_check.write_report(state, [tmp_path / "r.md"])
+    assert (tmp_path / "r.md").read_text() == text
+    assert "no CUDA device was visible" in text and "no figure below is a GPU figure" in text
+    assert "| h | `dapo.cli demo model.device=cpu`" in text and "CPU run (shortened): rose 15.6 points" in text
+    assert "| a | " in text and "NOT RUN" in text  # the tests part never ran in this state
+    state["install"]["env"] |= {"device": "NVIDIA H100 80GB HBM3", "devices": 1, "memory_gib": 79.1, "capability": "9.0"}
+    state["demo"] |= {"cuda": True, "shortened": False, "rise": 12.0}
+    text = gpu_check.write_report(state, [])
+    assert "**device: NVIDIA H100 80GB HBM3**" in text and "FAIL (rose 12.0 points)" in text
