@@ -463,3 +463,16 @@ def test_launch_ray_refuses_to_join_a_cluster_without_auth(tiny_model_dir, tmp_p
 if __name__ == "__main__":  # the torchrun worker
     mode, *rest = sys.argv[1:]
     {"equivalence": equivalence_worker}[mode](*rest)
+
+
+def test_cpu_offload_in_one_process_is_refused_and_gpus_get_gloo_beside_nccl():
+    # one process is not sharded, so FSDP would never see the offload policy: the run would hold everything
+    # on the GPU while the config says otherwise
+    from dapo.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^train.cpu_offload=true: FSDP does the offloading") as err:
+        parallel.wrap(torch.nn.Linear(2, 2), [], parallel.Dist(), compute_dtype=torch.float32, cpu_offload=True)
+    assert "\n" not in str(err.value)
+    assert parallel.wrap(lin := torch.nn.Linear(2, 2), [], parallel.Dist(), compute_dtype=torch.float32) is lin
+    # offloaded shards are gathered on CPU (weight push, export): nccl alone cannot run those collectives
+    assert parallel.backend_for(True) == "cpu:gloo,cuda:nccl" and parallel.backend_for(False) == "gloo"

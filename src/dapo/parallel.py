@@ -48,6 +48,13 @@ class Dist:
         return self.world_size > 1
 
 
+def backend_for(use_cuda: bool) -> str:
+    """The process group's backends: gloo on CPU; on GPUs nccl, with gloo beside it for the collectives
+    on CPU tensors (train.cpu_offload keeps shards in CPU memory, and gathering them for a weight push
+    or an export is a collective on CPU tensors, which nccl cannot run)."""
+    return "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
+
+
 def init(device_name: str = "auto", env: dict | None = None) -> Dist:
     """Join the process group the launcher set up (nccl on GPUs, gloo on CPU); Dist() when alone."""
     env = os.environ if env is None else env
@@ -68,7 +75,7 @@ def init(device_name: str = "auto", env: dict | None = None) -> Dist:
         # ranks wait for the slowest generation and for grading; which rank hangs, and where, the step watchdog
         # (watchdog.py) says sooner, from each phase's own history
         timeout = timedelta(hours=1)
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size, timeout=timeout,
+        dist.init_process_group(backend_for(use_cuda), rank=rank, world_size=world_size, timeout=timeout,
                                 store=_rendezvous_store(env, rank, world_size, timeout))
     return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
@@ -125,6 +132,12 @@ def wrap(module: nn.Module, layers: list[nn.Module], d: Dist, *, compute_dtype: 
     in ``compute_dtype``; gradients are reduced in float32 and summed across ranks.
     """
     if not d.sharded:
+        if cpu_offload:
+            from dapo.config import ConfigError
+
+            raise ConfigError("train.cpu_offload=true: FSDP does the offloading, across several ranks (torchrun "
+                              "--nproc-per-node N ... or dapo launch-ray); a single process would offload nothing: "
+                              "set train.cpu_offload=false, or train LoRA adapters (model.lora.rank) to fit one GPU")
         return module
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
