@@ -74,7 +74,8 @@ def _config_numbers(config) -> list[float]:
 
 
 def _softcap_of(config) -> float | None:
-    """The final soft-capping the config sets (Gemma 2 and 3 spell it ``final_logit_softcapping``)."""
+    """The final soft-capping the config sets as Gemma 2 and 3 spell it (``final_logit_softcapping``); other
+    spellings (RecurrentGemma's ``logits_soft_cap``, xLSTM's ``output_logit_soft_cap``) are found by the fit."""
     for cfg in (config, getattr(config, "text_config", None)):
         cap = getattr(cfg, "final_logit_softcapping", None) if cfg is not None else None
         if cap:
@@ -82,16 +83,29 @@ def _softcap_of(config) -> float | None:
     return None
 
 
+def _stub_output(hidden: torch.Tensor):
+    """What the stub decoder returns: ``hidden`` as the last hidden state, and None for anything else a
+    CausalLM's forward reads off its decoder's output (a mixture of experts' ``router_logits``, GPT-2's
+    ``cross_attentions``, a recurrent model's ``cache_params`` or ``state``...)."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    class AnyOutput(BaseModelOutputWithPast):
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return None
+
+    return AnyOutput(last_hidden_state=hidden)
+
+
 @contextmanager
 def _decoder_returning(decoder, hidden: torch.Tensor):
     """The decoder's forward replaced by one that returns ``hidden`` as its last hidden state (no layer runs)."""
-    from transformers.modeling_outputs import BaseModelOutputWithPast
-
     calls = []
 
     def stub(*args, **kwargs):
         calls.append(True)
-        return BaseModelOutputWithPast(last_hidden_state=hidden)
+        return _stub_output(hidden)
 
     decoder.forward = stub
     try:
@@ -110,7 +124,9 @@ def probe_logits(lm, hidden: torch.Tensor) -> torch.Tensor:
     decoder answering ``hidden``. Raises UnsupportedModel when the forward does not take them."""
     lm = _unwrapped(lm)
     ids = torch.zeros(1, hidden.shape[0], dtype=torch.long, device=hidden.device)
-    with torch.no_grad(), _decoder_returning(lm.get_decoder(), hidden[None]) as calls:
+    from dapo.models import decoder_of
+
+    with torch.no_grad(), _decoder_returning(decoder_of(lm), hidden[None]) as calls:
         try:
             logits = lm(input_ids=ids, use_cache=False).logits  # (1, n, V)
         except Exception as err:  # noqa: BLE001 - any failure means the forward does not go through get_decoder()
@@ -142,23 +158,29 @@ def find_logit_transform(lm, *, seed: int = 0) -> LogitTransform:
     if y.shape != z.shape:
         raise UnsupportedModel(f"its logits have shape {tuple(y.shape)}, its head gives {tuple(z.shape)}")
     rtol = PROBE_RTOL.get(weight.dtype, 1e-5)
+    numbers = _config_numbers(base.config)
     softcap = _softcap_of(base.config)
     if softcap is not None:
         if not bool((y.abs() <= softcap * (1 + rtol)).all()):
             raise UnsupportedModel(f"final_logit_softcapping={softcap:g} but its logits reach {float(y.abs().max()):.4g}")
-        target = torch.atanh(y / softcap) * softcap  # scale * z, where the cap's inverse is well conditioned
-        keep = y.abs() < 0.9 * softcap
-        scale = float((target[keep] * z[keep]).sum() / z[keep].pow(2).sum())
-    else:
-        scale = float((y * z).sum() / z.pow(2).sum())  # least squares: y = scale * z
-    errors = {}
-    for fitted in (_snap(scale, _config_numbers(base.config)), scale):  # as the config spells it, else as fitted
-        transform = LogitTransform(fitted, softcap)
-        errors[fitted] = float((transform(z) - y).abs().max() / y.abs().max().clamp(min=1e-12))
-        if errors[fitted] <= rtol:
-            return transform
-    raise UnsupportedModel(f"its forward changes the logits after the LM head in a way the trainer cannot "
-                           f"reproduce (the best soft-cap/scale fit is off by {min(errors.values()):.2g} of the largest logit)")
+        caps = [softcap]
+    else:  # no cap, else a cap the config names otherwise: the smallest of its numbers above every logit that fits
+        caps = [None] + sorted(c for c in set(numbers) if c > float(y.abs().max()) * (1 + rtol))
+    errors = []
+    for cap in caps:
+        if cap is not None:
+            target = torch.atanh(y / cap) * cap  # scale * z, where the cap's inverse is well conditioned
+            keep = y.abs() < 0.9 * cap
+            scale = float((target[keep] * z[keep]).sum() / z[keep].pow(2).sum())
+        else:
+            scale = float((y * z).sum() / z.pow(2).sum())  # least squares: y = scale * z
+        for fitted in (_snap(scale, numbers), scale):  # as the config spells it, else as fitted
+            transform = LogitTransform(fitted, cap)
+            errors.append(float((transform(z) - y).abs().max() / y.abs().max().clamp(min=1e-12)))
+            if errors[-1] <= rtol:
+                return transform
+    raise UnsupportedModel(f"its forward computes the logits in a way the trainer cannot reproduce (more than the LM head "
+                           f"and a scale or soft cap: the best such fit is off by {min(errors):.2g} of the largest logit)")
 
 
 def _snap(scale: float, numbers: list[float], rtol: float = 1e-3) -> float:

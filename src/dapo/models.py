@@ -86,6 +86,30 @@ def disable_dropout(model) -> None:
                 setattr(module, name, 0.0)
 
 
+def decoder_of(lm) -> torch.nn.Module:
+    """The causal LM's decoder stack: ``get_decoder()``, except where that returns the causal LM itself
+    (Llama 4's text model), whose base model is then the decoder."""
+    decoder = lm.get_decoder()
+    if decoder is lm:
+        decoder = getattr(lm, lm.base_model_prefix, None) or lm.model
+    return decoder
+
+
+def decoder_layers(decoder) -> list[torch.nn.Module]:
+    """The decoder's stack of layers, whatever its family calls it (``layers``, GPT-2's ``h``, MPT's
+    ``blocks``, BERT's ``encoder.layer``...): its ``layers``, else the first list of modules in it as long
+    as the config's layer count, else its longest list of modules (none: an empty list)."""
+    if isinstance(getattr(decoder, "layers", None), torch.nn.ModuleList):
+        return list(decoder.layers)
+    lists = [m for m in decoder.modules() if isinstance(m, torch.nn.ModuleList)]
+    config = getattr(decoder, "config", None)
+    count = getattr(config.get_text_config(decoder=True), "num_hidden_layers", None) if config is not None else None
+    for modules in lists:
+        if len(modules) == count:
+            return list(modules)
+    return list(max(lists, key=len)) if lists else []
+
+
 def weightless_model(path, dtype: str, *, trust_remote_code: bool = False):
     """The model on the meta device: vLLM reads the checkpoint itself and needs only its directory,
     dtype and generation config (a full copy here would cost every GPU the whole model)."""

@@ -14,7 +14,7 @@ from torch import nn
 from dapo import lora, parallel
 from dapo.batch import RolloutBatch, pad_rows, plan_micro_batches, plan_shared_prompt_micro_batches, response_passes
 from dapo.logits import LogitTransform, UnsupportedModel, find_logit_transform
-from dapo.models import DTYPES, load_model_and_tokenizer
+from dapo.models import DTYPES, decoder_layers, decoder_of, load_model_and_tokenizer
 from dapo.prefix import SharedPrompts, fed_widths, prompt_of_rows, prompt_then_responses, shared_prompt_passes, unsupported
 
 if TYPE_CHECKING:
@@ -204,7 +204,7 @@ class ResponseLogProbs(nn.Module):
     def __init__(self, lm, transform: LogitTransform | None = None, *, fused_head: bool | None = None):
         super().__init__()
         self.transform = logit_transform(lm) if transform is None else transform
-        self.decoder = lm.get_decoder()
+        self.decoder = decoder_of(lm)
         self.head = lm.get_output_embeddings()
         plain = isinstance(self.head, nn.Linear) and self.head.bias is None  # not an adapter-wrapped or biased head
         # HeadLogProbs where the head is a plain weight; the head module checkpointed chunk by chunk otherwise
@@ -414,7 +414,7 @@ class LogProbModel:
         """The model's log-prob pass; under FSDP sharded across ranks (one unit per decoder layer),
         float32 master weights, forward and backward in model.dtype."""
         logprob_pass = ResponseLogProbs(lm, logit_transform(lm))
-        return parallel.wrap(logprob_pass, list(logprob_pass.decoder.layers), self.dist,
+        return parallel.wrap(logprob_pass, decoder_layers(logprob_pass.decoder), self.dist,
                              compute_dtype=DTYPES[self.model_cfg.dtype], cpu_offload=self.train_cfg.cpu_offload)
 
     def _rank_rows(self, batch: RolloutBatch, rows: list[int]) -> list[int]:

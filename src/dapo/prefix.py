@@ -18,6 +18,7 @@ cache under checkpointing when the layer says it may (``_can_checkpoint_with_cac
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from dapo.batch import pad_rows
+from dapo.models import decoder_layers, decoder_of
 
 # the attention implementations whose masks, with padding inside the cached prompt, are checked against the
 # unshared pass (tests/test_prefix.py)
@@ -127,6 +129,10 @@ class _PrefixLayer(DynamicLayer):
         return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
 
 
+# what the families name a decoder layer's attention over an encoder's output (BART, Whisper: "encoder_attn";
+# BERT-like decoders: "crossattention")
+CROSS_ATTENTION = ("encoder_attn", "crossattention", "cross_attention")
+
 # rotary scalings whose frequencies depend on the length of the pass itself: the prompt pass and a response
 # pass would rotate with different frequencies from the one pass over the whole sequence
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -153,6 +159,17 @@ def unsupported(lm, max_seq_tokens: int | None = None) -> str | None:
     if attention not in SUPPORTED_ATTENTION:
         return f"attention implementation {attention!r} (supported: {', '.join(SUPPORTED_ATTENTION)})"
     text_config = lm.config.get_text_config(decoder=True)
+    decoder = decoder_of(lm)
+    takes = inspect.signature(decoder.forward).parameters
+    if "past_key_values" not in takes:
+        return "a decoder that takes no past_key_values (a cache of its own kind, or none)"
+    if "position_ids" not in takes:
+        # learned or ALiBi positions counted from the cache's length, which includes a shorter prompt's padding
+        return "a decoder that takes no position_ids (its positions would count the padding of shorter prompts)"
+    if any(name.rsplit(".", 1)[-1] in CROSS_ATTENTION for name, _ in decoder.named_modules()):
+        return "cross-attention layers (an encoder-decoder's decoder)"
+    if getattr(text_config, "num_kv_shared_layers", 0):
+        return f"num_kv_shared_layers={text_config.num_kv_shared_layers} (layers that read other layers' cached keys and values)"
     if rope := sorted(_rope_types(text_config) & set(LENGTH_DEPENDENT_ROPE)):
         return f"rope_type {rope[0]!r}, whose frequencies depend on each pass's length (prompt and response passes would differ)"
     layers = DynamicCache(config=lm.config).layers
@@ -167,11 +184,46 @@ def unsupported(lm, max_seq_tokens: int | None = None) -> str | None:
         longest = "not known" if max_seq_tokens is None else max_seq_tokens
         return (f"sliding-window attention over {min(windows)} tokens, shorter than the longest sequence "
                 f"(data.max_prompt_tokens + rollout.max_response_tokens = {longest})")
-    for layer in lm.get_decoder().layers:
+    for layer in decoder_layers(decoder):
         checkpoint = getattr(layer, "_gradient_checkpointing_func", None)
         if getattr(layer, "gradient_checkpointing", False) and getattr(checkpoint, "keywords", {}).get("use_reentrant") is not False:
             # reentrant checkpointing passes gradients only to a layer's positional inputs, not to the cache
             return "reentrant activation checkpointing (the cached prompt would get no gradient; use use_reentrant=False)"
+    return _probe(lm, decoder)
+
+
+# the probe's largest difference from the unshared pass, relative to the largest hidden value, by weight dtype
+PROBE_RTOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+
+
+def _probe(lm, decoder) -> str | None:
+    """Why two prompts of different lengths, shared, give other hidden states than one right-padded pass over
+    each whole sequence, or None: what the checks above cannot see (a cache indexed past the layer count, a
+    recurrent state kept outside the cache, positions counted from the cache's length) shows here."""
+    prompts, responses = [[3, 4, 5, 6], [7, 8]], [[9, 10, 11], [12, 13, 14]]
+    weight = next(lm.parameters())
+    shared, index = shared_prompt_passes(prompts, responses, [[0, 1]], 0, weight.device)
+    seqs = [p + r for p, r in zip(prompts, responses)]
+    width = max(map(len, seqs))
+    ids = pad_rows(seqs, 0, width).to(weight.device)
+    mask = (torch.arange(width)[None, :] < torch.tensor([len(s) for s in seqs])[:, None]).long().to(weight.device)
+    at = [b * width + t for b, (p, r) in enumerate(zip(prompts, responses)) for t in range(len(p) - 1, len(p) + len(r) - 1)]
+    was_training = lm.training
+    lm.train(False)
+    try:
+        with torch.no_grad():
+            whole = decoder(input_ids=ids, attention_mask=mask).last_hidden_state.flatten(0, 1)[at].float()
+            try:
+                parts = prompt_then_responses(decoder, shared)[index].float()
+            except Exception as err:  # noqa: BLE001 - any failure of the shared passes is a refusal at start
+                first = str(err).splitlines()[0] if str(err) else ""
+                return f"a decoder whose shared-prefix pass fails ({type(err).__name__}: {first[:120]})"
+    finally:
+        lm.train(was_training)
+    off = float((parts - whole).abs().max() / whole.abs().max().clamp(min=1e-12))
+    if off > PROBE_RTOL.get(weight.dtype, 1e-4):
+        return (f"a decoder whose shared-prefix pass differs from one pass over each sequence ({off:.2g} of the largest "
+                "hidden value on a probe)")
     return None
 
 
@@ -204,7 +256,7 @@ def _embed_once(decoder, ids: list[torch.Tensor]) -> list[torch.Tensor]:
 def prompt_then_responses(decoder, shared: SharedPrompts) -> torch.Tensor:
     """The decoder's last hidden states over the prompts, then over each response pass in turn, flattened:
     (U * P + sum of b * W, H)."""
-    layers = list(decoder.layers)
+    layers = decoder_layers(decoder)
     embeds = _embed_once(decoder, [shared.input_ids] + [part.input_ids for part in shared.responses])
     with _cache_kept_under_checkpointing(layers):
         recorder = Cache(layers=[_RecordingLayer() for _ in layers])
