@@ -189,3 +189,42 @@ def _snap(scale: float, numbers: list[float], rtol: float = 1e-3) -> float:
         if abs(scale - exact) <= rtol * abs(exact):
             return exact
     return scale
+
+
+# the largest logit difference between a sequence alone and the same sequence right-padded beside a longer one,
+# relative to the largest logit, that passes as rounding: float32 kernels differ in summation order only; bf16
+# rounds every activation to 8 significant bits, and a padded batch may take another attention kernel
+PADDING_RTOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+
+
+def padding_problem(lm) -> str | None:
+    """Why the trainer's micro-batches would not give the model's own log-probs, or None. The trainer pads
+    rows on the right and lets the attention mask hide the padding; a forward that lets padding reach the
+    real tokens, or one autograd cannot differentiate, is found here on two short rows, before any run."""
+    lm = _unwrapped(lm)
+    weight = next(lm.parameters())
+    short, long_ = [3, 4, 5], [6, 7, 8, 9, 10, 11]
+    ids = torch.tensor([short + [0] * (len(long_) - len(short)), long_], device=weight.device)
+    mask = torch.tensor([[1] * len(short) + [0] * (len(long_) - len(short)), [1] * len(long_)], device=weight.device)
+    was_training = lm.training
+    lm.train(False)
+    try:
+        with torch.no_grad():
+            alone = lm(input_ids=ids[:1, :len(short)], use_cache=False).logits[0].float()
+            padded = lm(input_ids=ids, attention_mask=mask, use_cache=False).logits[0, :len(short)].float()
+        trainable = [p for p in lm.parameters() if p.requires_grad][:1]
+        if trainable:
+            try:
+                with torch.enable_grad():
+                    out = lm(input_ids=ids, attention_mask=mask, use_cache=False).logits.float().sum()
+                    torch.autograd.grad(out, trainable, allow_unused=True)  # into no .grad: only that it runs
+            except RuntimeError as err:
+                first = str(err).splitlines()[0] if str(err) else ""
+                return f"a forward autograd cannot differentiate ({first[:160]})"
+    finally:
+        lm.train(was_training)
+    off = float((alone - padded).abs().max() / alone.abs().max().clamp(min=1e-12))
+    if not off <= PADDING_RTOL.get(weight.dtype, 1e-4):
+        return (f"logits that change with the padding after a sequence ({off:.2g} of the largest logit on a probe): "
+                "its forward does not keep the attention mask's padding out of the real tokens")
+    return None

@@ -13,7 +13,7 @@ from torch import nn
 
 from dapo import lora, parallel
 from dapo.batch import RolloutBatch, pad_rows, plan_micro_batches, plan_shared_prompt_micro_batches, response_passes
-from dapo.logits import LogitTransform, UnsupportedModel, find_logit_transform
+from dapo.logits import LogitTransform, UnsupportedModel, find_logit_transform, padding_problem
 from dapo.models import DTYPES, decoder_layers, decoder_of, load_model_and_tokenizer
 from dapo.prefix import SharedPrompts, fed_widths, prompt_of_rows, prompt_then_responses, shared_prompt_passes, unsupported
 
@@ -408,6 +408,9 @@ class LogProbModel:
         except UnsupportedModel as err:
             raise ConfigError(f"model.path={model_cfg.path}: {err}; its log-probs would not be those the engines "
                               "sample, so it cannot be trained exactly") from None
+        if why := padding_problem(lm):
+            raise ConfigError(f"model.path={model_cfg.path}: {why}; the trainer's micro-batches would not give its own "
+                              "log-probs, so it cannot be trained exactly")
         self.logprob_pass = self._sharded_logprob_pass(lm)
 
     def _sharded_logprob_pass(self, lm) -> ResponseLogProbs:

@@ -214,7 +214,12 @@ def _probe(lm, decoder) -> str | None:
         with torch.no_grad():
             whole = decoder(input_ids=ids, attention_mask=mask).last_hidden_state.flatten(0, 1)[at].float()
             try:
-                parts = prompt_then_responses(decoder, shared)[index].float()
+                with torch.enable_grad():  # some forwards fail only under autograd (in-place writes into views)
+                    parts = prompt_then_responses(decoder, shared)[index].float()
+                    trainable = [p for p in decoder.parameters() if p.requires_grad][:1]
+                    if trainable and parts.requires_grad:
+                        torch.autograd.grad(parts.sum(), trainable, allow_unused=True)  # into no .grad
+                parts = parts.detach()
             except Exception as err:  # noqa: BLE001 - any failure of the shared passes is a refusal at start
                 first = str(err).splitlines()[0] if str(err) else ""
                 return f"a decoder whose shared-prefix pass fails ({type(err).__name__}: {first[:120]})"
