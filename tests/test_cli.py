@@ -108,7 +108,9 @@ def test_a_failed_start_keeps_an_earlier_runs_directory(tmp_path, capsys):
     assert (run_dir / "notes.txt").read_text() == "mine"
 
 
-def test_resuming_a_sharded_run_in_one_process_is_one_line(tiny_model_dir, tmp_path, capsys):
+def test_a_damaged_sharded_checkpoint_is_one_line(tiny_model_dir, tmp_path, capsys):
+    # a whole sharded checkpoint resumes in one process (tests/test_elastic.py); one without its shards' index
+    # says so, and what to do, in one line
     step = tmp_path / "t" / "checkpoints" / "step_000001"
     (step / "shards").mkdir(parents=True)
     torch.save({"step": 1}, step / "trainer_state.pt")
@@ -116,7 +118,7 @@ def test_resuming_a_sharded_run_in_one_process_is_one_line(tiny_model_dir, tmp_p
                      *SMALL_OVERRIDES])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
-    assert "is sharded" in err and "dapo export" in err
+    assert "shards/.metadata" in err and "the checkpoint is incomplete or damaged: delete its step directory" in err
     assert (step / "trainer_state.pt").exists()  # the earlier run is untouched
 
 
