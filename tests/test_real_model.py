@@ -259,6 +259,36 @@ def test_import_real_smollm2_gguf(tmp_path):
     assert imported.config.vocab_size == 49152 and imported.config.model_type == "llama"
 
 
+QWEN_CODER_GGUF = SMOL_CACHE / "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf"
+QWEN_CODER = SMOL_CACHE / "Qwen2.5-Coder-0.5B-Instruct"
+
+
+@pytest.mark.skipif(not (QWEN_CODER_GGUF.exists() and (QWEN_CODER / "config.json").exists()),
+                    reason="Qwen2.5-Coder-0.5B-Instruct is not cached: run `make qwen-coder`")
+def test_imported_qwen_coder_is_its_gguf(tmp_path):
+    """`make qwen-coder`'s directory computes what transformers' own load of the Q4_K_M GGUF computes
+    (Q5_0/Q4_K/Q6_K/Q8_0 blocks de-quantised, attention biases, the untied Q8_0 head), and renders
+    Qwen's chat template with its default system prompt."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    imported = AutoModelForCausalLM.from_pretrained(QWEN_CODER, dtype=torch.float32)
+    assert (imported.config.model_type, imported.config.num_hidden_layers, imported.config.vocab_size) == ("qwen2", 24, 151936)
+    assert not imported.config.tie_word_embeddings
+    assert sum(p.numel() for p in imported.parameters()) == 630_167_424  # 494M + the untied 136M head
+    tok = AutoTokenizer.from_pretrained(QWEN_CODER)
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 6 * 7?"}], add_generation_prompt=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    assert tok.decode(ids).startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud.")
+    assert tok.decode(ids).endswith("<|im_start|>assistant\n") and tok.eos_token == "<|im_end|>"
+    with torch.no_grad():
+        mine = imported(torch.tensor([ids])).logits
+    del imported
+    direct = AutoModelForCausalLM.from_pretrained(QWEN_CODER_GGUF.parent, gguf_file=QWEN_CODER_GGUF.name, dtype=torch.float32)
+    with torch.no_grad():
+        assert (direct(torch.tensor([ids])).logits - mine).abs().max().item() < 1e-4
+    assert tok.decode(mine[0, -1].argmax().item()).strip()  # a real next token, not padding
+
+
 # ---------------------------------------------------------------------------------------------
 # a run that finds nothing to learn from still finishes properly
 

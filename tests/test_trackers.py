@@ -176,8 +176,8 @@ def test_mlflow_sqlite_store_from_the_environment_gets_params_every_step_and_the
     assert_history_equals_metrics(client, run.info.run_id, rows)
     assert run.data.metrics["eval/arith/avg_at_2"] == rows[-1]["eval/arith/avg@2"]
     files = artefacts(client, run.info.run_id)
-    assert files == ["config.yaml", "metrics.jsonl", "plots/training.png", "samples/step_000001.md",
-                     "samples/step_000002.md"]
+    assert files == ["config.yaml", "metrics.jsonl", "plots/training.png", "samples/step_000000.arith.responses.jsonl",
+                     "samples/step_000001.md", "samples/step_000002.arith.responses.jsonl", "samples/step_000002.md"]
     local = Path(client.download_artifacts(run.info.run_id, "metrics.jsonl", str(tmp_path / "down")))
     assert local.read_text() == (run_dir / "metrics.jsonl").read_text()
     assert f"mlflow: run {run.info.run_id} at sqlite:///" in text.getvalue()
@@ -282,8 +282,8 @@ def test_dapo_eval_of_a_run_logs_its_report_into_the_run(tmp_path, tiny_model_di
     assert main(["eval", "--run", str(run_dir), "eval.num_problems=2", "eval.n=2"]) == 0
     client, run = mlflow_run(run_dir)
     report = [f for f in artefacts(client, run.info.run_id) if f.startswith("eval/")]
-    assert report == ["eval/step_000002/arith.problems.jsonl", "eval/step_000002/eval.json",
-                      "eval/step_000002/eval.md"]
+    assert report == ["eval/step_000002/arith.problems.jsonl", "eval/step_000002/arith.responses.jsonl",
+                      "eval/step_000002/eval.json", "eval/step_000002/eval.md"]
     local = client.download_artifacts(run.info.run_id, "eval/step_000002/eval.md", str(tmp_path / "down"))
     assert Path(local).read_text() == (run_dir / "eval" / "step_000002" / "eval.md").read_text()
     assert run.info.status == "FINISHED"

@@ -1,5 +1,6 @@
 """Training on a tiny model: the step runs, the update is invariant to micro-batching, resume is exact."""
 
+import json
 import math
 import os
 import subprocess
@@ -679,6 +680,17 @@ def test_demo_command_prints_before_and_after(tmp_path, capsys):
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-2].startswith("held-out accuracy: arith avg@2 ") and "] before -> " in out[-2], out
     assert " after step 2  (95% CI)" in out[-2]
+    from dapo.log import read_metrics
+
+    # each evaluation's responses, beside the step samples, named on the console; their verdicts are its avg@2
+    rows = {r["step"]: r for r in read_metrics(tmp_path / "demo")}
+    for step in (0, 2):
+        path = tmp_path / "demo" / "samples" / f"step_{step:06d}.arith.responses.jsonl"
+        assert f"  responses: {path}" in out
+        samples = [json.loads(line) for line in path.read_text().splitlines()]
+        assert len(samples) == 16 and samples[0]["prompt"] and samples[0]["prompt"] == samples[1]["prompt"]
+        assert sum(s["correct"] for s in samples) / 16 == pytest.approx(rows[step]["eval/arith/avg@2"])
+        assert sum(s["length_tokens"] for s in samples) / 16 == pytest.approx(rows[step]["eval/arith/response_length_mean"])
     assert (tmp_path / "demo" / "plots" / "training.png").stat().st_size > 10_000
     # run again: the finished run is reported again from its metrics, not retrained
     assert main(args) == 0

@@ -140,6 +140,8 @@ def cmd_eval(args) -> int:
         log_eval_report(cfg, Path(args.run), out_dir, warn=lambda text: print(text, file=sys.stderr))
     print(table.read_text())
     print(f"written: {out_dir}/eval.json, eval.md, <benchmark>.problems.jsonl  (known benchmarks: {', '.join(BENCHMARKS)})")
+    for r in results:  # what the model wrote, to see why a score is what it is
+        print(f"responses: {out_dir / f'{r.name}.responses.jsonl'}  ({len(r.responses)} samples, one JSON line each)")
     return 0
 
 
@@ -245,6 +247,10 @@ n=32 samples per problem, temperature 1.0, top-p 0.7, up to 20,480 tokens each. 
 on a CPU; eval.num_problems=5 eval.n=4 eval.max_response_tokens=512 is a quick look. eval.n,
 eval.temperature, eval.top_p and eval.max_response_tokens left null take each benchmark's own
 setting (a data file: n=4, temperature 1.0, top-p 1.0, rollout.max_response_tokens).
+
+The report (eval.json, eval.md, <benchmark>.problems.jsonl) comes with <benchmark>.responses.jsonl:
+every sampled response, one JSON line each (id, sample, prompt, response, extracted_answer,
+ground_truth, correct, length_tokens, truncated).
 
   dapo eval --model ~/models/SmolLM2-135M-Instruct eval.benchmarks=[word] data.template=raw
   dapo eval --run runs/demo eval.n=8 rollout.backend=vllm""")

@@ -6,6 +6,7 @@ the DAPO paper: n=32, temperature 1.0, top-p 0.7.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
@@ -138,6 +139,7 @@ class EvalResult:
     mean_length: float
     truncated_frac: float
     per_problem: list[dict] = field(default_factory=list)
+    responses: list[dict] = field(default_factory=list)  # one per sample: what the model wrote and its verdict
 
     def metrics(self, prefix: str = "eval") -> dict[str, float]:
         avg = f"{prefix}/{self.name}/avg@{self.n}"
@@ -151,10 +153,12 @@ class EvalResult:
 
 
 def evaluate(engine, encode, examples, pool, sampling: SamplingParams, *, name: str, grader: str = "auto",
-             progress=None) -> EvalResult:
+             progress=None, render=None) -> EvalResult:
     """Sample ``sampling.n`` responses per problem, grade them (raw correctness, no shaping) and summarise.
 
-    ``encode(example)`` gives the prompt ids; ``progress(k)``, if given, hears of every k samples graded."""
+    ``encode(example)`` gives the prompt ids; ``progress(k)``, if given, hears of every k samples graded;
+    ``render(example)`` is the prompt text the responses record (the chat template applied), else the
+    example's own text."""
     from dapo.rewards import graders_for
 
     n, seed = sampling.n, sampling.seed
@@ -163,6 +167,7 @@ def evaluate(engine, encode, examples, pool, sampling: SamplingParams, *, name: 
     preds: list[str] = []
     lengths: list[int] = []
     truncated: list[bool] = []
+    responses: list[dict] = []
     chunk = max(1, 4096 // n)  # problems per generate call, so progress moves and memory stays flat
     for start in range(0, len(examples), chunk):
         part = examples[start : start + chunk]
@@ -173,6 +178,12 @@ def evaluate(engine, encode, examples, pool, sampling: SamplingParams, *, name: 
         preds += [g.pred for g in result.grades]
         lengths += [len(r) for r in gen.response_ids]
         truncated += gen.truncated.tolist()
+        prompts = {ex.uid: render(ex) if render is not None else ex.text() for ex in part}
+        for j, (ex, text, g, ids, cut) in enumerate(zip(rows, gen.texts, result.grades, gen.response_ids,
+                                                        gen.truncated.tolist())):
+            responses.append({"id": ex.uid, "sample": j % n, "prompt": prompts[ex.uid], "response": text,
+                              "extracted_answer": g.pred, "ground_truth": ex.ground_truth, "correct": g.acc,
+                              "length_tokens": len(ids), "truncated": cut})
         if progress is not None:
             progress(len(rows))
     per_problem = []
@@ -193,6 +204,7 @@ def evaluate(engine, encode, examples, pool, sampling: SamplingParams, *, name: 
         mean_length=sum(lengths) / max(len(lengths), 1),
         truncated_frac=sum(truncated) / max(len(truncated), 1),
         per_problem=per_problem,
+        responses=responses,
     )
 
 
@@ -202,7 +214,7 @@ def evaluate_model(model_dir, benches: list, cfg, *, reward_fn=None, progress=No
     model.dtype/device/trust_remote_code. ``reward_fn`` (a caller's reward function) grades every
     response instead of reward.grader, in the same worker pool. ``progress(name, total)``, if given,
     returns the callback that hears of every k samples of that benchmark graded."""
-    from dapo.data import make_encoder
+    from dapo.data import make_encoder, render_prompt
     from dapo.models import load_model_and_tokenizer, pick_device
     from dapo.rewards import REWARD_FN, RewardPool
     from dapo.rollout import make_rollout
@@ -214,21 +226,35 @@ def evaluate_model(model_dir, benches: list, cfg, *, reward_fn=None, progress=No
     engine = make_rollout(cfg.rollout, model, tokenizer,
                           max_model_len=d.max_prompt_tokens + max(s["max_new_tokens"] for s in settings))
     encode = make_encoder(tokenizer, d.max_prompt_tokens)
+    render = functools.partial(render_prompt, tokenizer=tokenizer)
     results = []
     with RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
                     reward_fns=None if reward_fn is None else {REWARD_FN: reward_fn}) as pool:
         for (bench, examples), setting in zip(benches, settings):
             results.append(evaluate(engine, encode, examples, pool, SamplingParams(**setting, seed=e.seed),
                                     name=bench.name, grader=cfg.reward.grader if reward_fn is None else REWARD_FN,
-                                    progress=progress and progress(bench.name, setting["n"] * len(examples))))
+                                    progress=progress and progress(bench.name, setting["n"] * len(examples)),
+                                    render=render))
     return results
 
 
+def write_responses(result: EvalResult, path: Path) -> Path:
+    """Every sampled response of ``result``, one JSON line each (id, sample, prompt, response,
+    extracted_answer, ground_truth, correct, length_tokens, truncated), in ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for row in result.responses:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return path
+
+
 def write_report(results: list[EvalResult], out_dir: Path) -> Path:
-    """eval.json, eval.md (a Markdown table) and <benchmark>.problems.jsonl in out_dir."""
+    """eval.json, eval.md (a Markdown table), <benchmark>.problems.jsonl (one line per problem) and
+    <benchmark>.responses.jsonl (one line per sampled response) in out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    summary = {r.name: {k: v for k, v in asdict(r).items() if k != "per_problem"} for r in results}
+    summary = {r.name: {k: v for k, v in asdict(r).items() if k not in ("per_problem", "responses")} for r in results}
     (out_dir / "eval.json").write_text(json.dumps(summary, indent=2))
     lines = ["| benchmark | problems | n | avg@n | 95% CI | maj@n | pass@k | mean length | truncated |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -241,4 +267,5 @@ def write_report(results: list[EvalResult], out_dir: Path) -> Path:
         with open(out_dir / f"{r.name}.problems.jsonl", "w") as f:
             for row in r.per_problem:
                 f.write(json.dumps(row) + "\n")
+        write_responses(r, out_dir / f"{r.name}.responses.jsonl")
     return out_dir / "eval.md"

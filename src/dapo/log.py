@@ -1,6 +1,7 @@
 """Where metrics go: metrics.jsonl (always), and as run.loggers says the console (progress bar + one
 line per step), TensorBoard and the experiment trackers (trackers.py: W&B, MLflow); a few decoded
-samples per step in samples/step_NNNNNN.md.
+samples per step in samples/step_NNNNNN.md, and every response of each evaluation in
+samples/step_NNNNNN.<benchmark>.responses.jsonl.
 
 The libraries underneath (vLLM, Ray, transformers, torch.distributed) log to ``<run>/train.log`` at
 INFO (``setup_library_logging``); the console shows their warnings only, less the ones listed in
@@ -296,6 +297,7 @@ class RunLogger:
         self.step_lines = step_lines
         self.trackers = None
         self._legend_shown = False
+        self._eval_files: dict[int, list[Path]] = {}  # evaluations' responses files not yet named on the console
         self._truncate_after(start_step)
         self.tb = None
         if tensorboard:
@@ -354,9 +356,21 @@ class RunLogger:
         self.console.print(text)
 
     def held_out(self, step: int, row: dict) -> None:
-        """An evaluation on the console as it happens (every metric of it is in metrics.jsonl)."""
+        """An evaluation on the console as it happens (every metric of it is in metrics.jsonl), with
+        the files holding its responses."""
         if self.step_lines and held_out_keys(row):
             self.console.print(f"held-out at step {step}: {held_out_line(row)}", soft_wrap=True)
+            for path in self._eval_files.pop(step, []):
+                self.console.print(f"  responses: {path}", soft_wrap=True, markup=False)
+
+    def write_eval_responses(self, step: int, result) -> Path:
+        """An evaluation's sampled responses (an ``EvalResult``), one JSON line each, in
+        samples/step_NNNNNN.<benchmark>.responses.jsonl; ``held_out`` names the file."""
+        from dapo.evaluation import write_responses
+
+        path = write_responses(result, self.run_dir / "samples" / f"step_{step:06d}.{result.name}.responses.jsonl")
+        self._eval_files.setdefault(step, []).append(path)
+        return path
 
     def warn(self, text: str) -> None:
         self.console.print(f"[yellow]{escape(text)}[/]")
@@ -420,6 +434,9 @@ class NullLogger:
             yield
 
     def write_samples(self, step: int, records: list[dict]) -> None:
+        pass
+
+    def write_eval_responses(self, step: int, result) -> None:
         pass
 
     def log_run_files(self, title: str) -> None:

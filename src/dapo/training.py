@@ -33,7 +33,7 @@ import torch
 from dapo import algo, checkpoint, lora, parallel, watchdog
 from dapo.batch import RolloutBatch
 from dapo.config import AlgoConfig, Config, ConfigError, dump_yaml, load_config
-from dapo.data import PromptSampler, make_encoder
+from dapo.data import PromptSampler, make_encoder, render_prompt
 from dapo.dynamic_sampling import BatchCollector, CollectStats, Scorer, record_behaviour_logp
 from dapo.evaluation import evaluate, load_benchmark, sampling_settings
 from dapo.log import NullLogger, RunLogger, setup_library_logging
@@ -249,12 +249,16 @@ class Run:
     engine_gap_said: bool = False  # the engine-vs-trainer gap has been reported (once a run)
     memory: PhaseMemory | None = None  # each phase's peak memory (perf/peak_*_gb)
 
-    def evaluate(self) -> dict:
+    def evaluate(self, step: int) -> dict:
+        """The held-out metrics; every sampled response goes to samples/step_NNNNNN.<benchmark>.responses.jsonl."""
         e, out = self.cfg.eval, {}
+        tokenizer = self.policy.tokenizer
         for bench, examples in self.eval_sets:
             sampling = SamplingParams(**sampling_settings(bench, self.cfg, in_training=True), seed=e.seed)
             res = evaluate(self.engine, self.encode, examples, self.pool, sampling, name=bench.name,
-                           grader=self.grader or self.cfg.reward.grader)
+                           grader=self.grader or self.cfg.reward.grader,
+                           render=lambda ex: render_prompt(ex, tokenizer))
+            self.logger.write_eval_responses(step, res)
             out.update(res.metrics())
         return out
 
@@ -439,7 +443,7 @@ def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
             run.note_engine_gap(metrics, step)
         if step == cfg.train.total_steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0):
             with timer("eval"):
-                metrics |= run.evaluate()
+                metrics |= run.evaluate(step)
         state.step = step
         with timer("checkpoint"):  # the time the loop waits: with run.async_checkpoint, copying the small state
             if step == cfg.train.total_steps or (cfg.run.save_every and step % cfg.run.save_every == 0):
@@ -485,7 +489,7 @@ def train(cfg: Config, *, console=None, inputs: RunInputs | None = None) -> dict
         last: dict = {}
         if run.state.step == 0 and cfg.eval.before_train:
             with watchdog.phase("eval"):
-                metrics = run.evaluate()
+                metrics = run.evaluate(0)
             last = run.logger.log(0, metrics)
             run.logger.held_out(0, last)
         for step in range(run.state.step + 1, cfg.train.total_steps + 1):
