@@ -308,6 +308,14 @@ def test_nonfinite_updates_in_a_row_stop_the_run_in_one_line(tiny_model_dir, tmp
                       f"the weights of the last checkpoint ({tmp_path}/t/checkpoints/step_000003) for nan"]
     assert [(r["step"], r["actor/nonfinite_updates"]) for r in rows_of(tmp_path / "t")] == [(1, 0), (2, 2), (3, 2)]
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "t")] == ["step_000002", "step_000003"]  # keep 2
+    # the streak is saved with the checkpoint and read back: started again, the run goes on counting from 4
+    from conftest import make_policy, small_config
+
+    saved = checkpoint.load_trainer_state(tmp_path / "t" / "checkpoints" / "step_000003")["policy"]
+    assert (saved["skipped_updates"], saved["nonfinite_in_a_row"]) == (4, 4)
+    policy = make_policy(small_config(tmp_path / "again", tiny_model_dir))
+    policy.load_trainer_state({**saved, "optimizer": policy.optimizer.state_dict()})
+    assert (policy.skipped_updates, policy.nonfinite_in_a_row) == (4, 4)
 
 
 # ---- the rollout engine fails mid-generation --------------------------------------------------------

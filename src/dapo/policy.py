@@ -711,7 +711,9 @@ class Policy(LogProbModel):
         return BaseReference(self)
 
     def trainer_state(self) -> dict:
-        state = {"scheduler": self.scheduler.state_dict(), "skipped_updates": self.skipped_updates}
+        # the streak too: a run stopped by run.max_nonfinite_in_a_row and started again stops at the next bad update
+        state = {"scheduler": self.scheduler.state_dict(), "skipped_updates": self.skipped_updates,
+                 "nonfinite_in_a_row": self.nonfinite_in_a_row}
         if not self.dist.sharded:  # under FSDP the optimizer is saved in shards, with the model
             state["optimizer"] = self.optimizer.state_dict()
         if self.master is not None:  # the model directory holds the bf16 weights; the float32 masters go here
@@ -794,6 +796,7 @@ class Policy(LogProbModel):
             self._sync_from_master()
         self.scheduler.load_state_dict(state["scheduler"])
         self.skipped_updates = int(state["skipped_updates"])
+        self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))  # (checkpoints written before it was saved)
 
 
 class BaseReference:
