@@ -18,8 +18,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 import arch_zoo
 import pytest
 from conftest import small_config
+from test_prefix import synthetic_batch
 from test_vllm import needs_vllm
-from dapo.algo import group_advantages
 from dapo.batch import RolloutBatch
 from dapo.config import ConfigError
 from dapo.policy import Policy, ResponseLogProbs, logit_transform, make_micro_batch, token_logprobs
@@ -46,21 +46,8 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def tiny_batch(vocab: int = 258) -> RolloutBatch:
-    rng = torch.Generator().manual_seed(0)
-    prompts, responses = [], []
-    for p, lengths in zip(PROMPT_LENGTHS, RESPONSE_LENGTHS):
-        prompt = torch.randint(2, vocab, (p,), generator=rng).tolist()
-        for r in lengths:
-            prompts.append(prompt)
-            responses.append(torch.randint(2, vocab, (r,), generator=rng).tolist())
-    n, g = len(responses), len(RESPONSE_LENGTHS[0])
-    reward = torch.tensor([1.0, -1.0, 1.0, -1.0, -1.0, 1.0])
-    batch = RolloutBatch(group_size=g, prompt_ids=prompts, response_ids=responses, truncated=torch.zeros(n, dtype=torch.bool),
-                         texts=[""] * n, example_uids=["x"] * n, ground_truths=["0"] * n, acc=(reward > 0).float(),
-                         reward=reward, overlong_penalty=torch.zeros(n))
-    batch.adv = group_advantages(reward, g)
-    return batch
+def tiny_batch() -> RolloutBatch:
+    return synthetic_batch(PROMPT_LENGTHS, RESPONSE_LENGTHS)
 
 
 def own_forward_logprobs(lm, batch: RolloutBatch) -> torch.Tensor:

@@ -108,6 +108,11 @@ def route_library_logger(name: str) -> None:
     lg.propagate = True
 
 
+def rank_log_path(run_dir: Path, rank: int = 0) -> Path:
+    """The rank's log file: ``train.log`` for rank 0, ``train.rank<k>.log`` for the others."""
+    return Path(run_dir) / ("train.log" if rank == 0 else f"train.rank{rank}.log")
+
+
 def setup_library_logging(run_dir: Path | None = None, console_level: str = "warning", *, rank: int = 0) -> Path | None:
     """Route the libraries' logging: everything at INFO and above to ``<run_dir>/train.log`` (other ranks
     than 0: ``train.rank<k>.log``), and to the console (stderr) what reaches ``console_level``, less
@@ -145,7 +150,7 @@ def setup_library_logging(run_dir: Path | None = None, console_level: str = "war
     root.addHandler(console)
     if run_dir is None:
         return None
-    path = Path(run_dir) / ("train.log" if rank == 0 else f"train.rank{rank}.log")
+    path = rank_log_path(run_dir, rank)
     file = logging.FileHandler(path, encoding="utf-8")
     file.setLevel(min(logging.INFO, level))
     file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))

@@ -36,7 +36,7 @@ from dapo.config import AlgoConfig, Config, ConfigError, dump_yaml, load_config
 from dapo.data import PromptSampler, make_encoder, render_prompt
 from dapo.dynamic_sampling import BatchCollector, CollectStats, Scorer, record_behaviour_logp
 from dapo.evaluation import evaluate, load_benchmark, sampling_settings
-from dapo.log import NullLogger, RunLogger, setup_library_logging
+from dapo.log import NullLogger, RunLogger, rank_log_path, setup_library_logging
 from dapo.memory import PhaseMemory
 from dapo.metrics import engine_gap_warning, no_signal_advice, sample_records, sampling_metrics, step_metrics
 from dapo.models import pick_device
@@ -476,9 +476,8 @@ def checked_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
         log.info("step %d failed in %s; the traceback:", step, where, exc_info=err)  # train.log only (INFO)
         last = checkpoint.latest_checkpoint(run.cfg.run_dir)
         why = " ".join(str(err).split())[:300] or "no message"
-        log_name = "train.log" if run.dist.is_main else f"train.rank{run.dist.rank}.log"
         raise StepError(f"step {step} failed in {where} on rank {run.dist.rank}: {type(err).__name__}: {why} (the "
-                        f"traceback is in {run.cfg.run_dir / log_name}); start the run again to resume from "
+                        f"traceback is in {rank_log_path(run.cfg.run_dir, run.dist.rank)}); start the run again to resume from "
                         + (str(last) if last else "the start (no checkpoint yet)")) from err
 
 
