@@ -333,6 +333,10 @@ def write_report(state: dict, paths: list[Path]) -> str:
 
 
 def git_commit() -> str:
+    """The commit checked. A lent machine gets a copy of the working tree without .git, so the command
+    there names it: GPU_CHECK_COMMIT=$(git rev-parse --short HEAD), filled in here when the command is written."""
+    if os.environ.get("GPU_CHECK_COMMIT"):
+        return os.environ["GPU_CHECK_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "?"
     except OSError:

@@ -64,3 +64,12 @@ def test_the_report_says_plainly_when_no_gpu_was_there(tmp_path):
     state["demo"] |= {"cuda": True, "shortened": False, "rise": 12.0}
     text = gpu_check.write_report(state, [])
     assert "**device: NVIDIA H100 80GB HBM3**" in text and "FAIL (rose 12.0 points)" in text
+
+
+def test_the_report_names_the_commit_given_where_the_copy_has_no_git(tmp_path, monkeypatch):
+    state = {"install": {"env": {"device": None}, "installed": [], "kept": [], "how": "none needed"}}
+    monkeypatch.setattr(gpu_check, "ROOT", tmp_path)  # a copy of the tree without .git, as a lent machine gets
+    monkeypatch.delenv("GPU_CHECK_COMMIT", raising=False)
+    assert ", commit ?" in gpu_check.write_report(state, [])
+    monkeypatch.setenv("GPU_CHECK_COMMIT", "94e06aa")
+    assert ", commit 94e06aa" in gpu_check.write_report(state, [])
