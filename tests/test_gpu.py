@@ -308,6 +308,39 @@ def test_shared_prompt_prefix_gives_the_unshared_log_probs_and_gradients(device)
     report(f"b prefix {device}", **figures)
 
 
+def test_a_batch_without_padding_reaches_sdpa_without_a_mask_so_flash_can_take_it(monkeypatch):
+    """Item b's flash case rests on transformers dropping an all-ones mask: flash takes no attention mask, so
+    the unshared pass over equal lengths and the shared prompt pass must reach SDPA with none (is_causal
+    instead). Checked here on the CPU, where the same call is made; padding and the response passes over a
+    cached prompt must keep theirs."""
+    import torch.nn.functional as F
+
+    from dapo.policy import make_micro_batch, token_logprobs
+    from test_prefix import synthetic_batch, tiny_lm
+
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, *args, is_causal=False, **kwargs):
+        calls.append((attn_mask is None, is_causal, q.shape[-2], k.shape[-2]))
+        return sdpa(q, k, v, attn_mask, *args, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    lm = tiny_lm("qwen2", "sdpa")
+    seen = {}
+    for name, batch in (("equal", synthetic_batch((64, 64), ((16, 16, 16, 16), (16, 16, 16, 16)), seed=1)),
+                        ("padded", synthetic_batch())):
+        for share in (False, True):
+            calls.clear()
+            with torch.no_grad():
+                token_logprobs(lm, make_micro_batch(batch, list(range(8)), 0, "cpu", share_prompts=share),
+                               temperature=0.9, chunk_tokens=64)
+            seen[name, share] = list(calls)
+    # 2 layers each: one pass of 64 + 16 tokens; shared: the 64-token prompts, then 15 response tokens over 79 keys
+    assert seen["equal", False] == [(True, True, 80, 80)] * 2
+    assert seen["equal", True] == [(True, True, 64, 64)] * 2 + [(False, False, 15, 79)] * 2
+    assert all(not no_mask for no_mask, *_ in seen["padded", False] + seen["padded", True])
+
+
 # ---- c: HeadLogProbs ------------------------------------------------------------------------------
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
