@@ -68,6 +68,8 @@ class Bench:
         self.peak_flops: float | None = None
         self.results: dict[str, dict] = {}
         self.rows: list[str] = []
+        self.rows_by_part: dict[str, list[str]] = {}
+        self.part = ""  # the part running, whose rows these are
 
     # ---- helpers ----------------------------------------------------------------------------------
     def sync(self) -> None:
@@ -157,6 +159,7 @@ class Bench:
     def row(self, what: str, figure: str, note: str = "") -> None:
         line = f"| {what} | {figure} | {note} |"
         self.rows.append(line)
+        self.rows_by_part.setdefault(self.part, []).append(line)
         print(line, flush=True)
 
     @staticmethod
@@ -410,9 +413,18 @@ def main() -> None:
     lines = header(bench, args)
     if "peak" not in parts and any(p in parts for p in ("update", "lora7b")):
         parts.insert(0, "peak")  # MFU needs it
-    failed = {}
+    failed, done = {}, []
+
+    def save() -> None:  # after every part: a run stopped by its time limit keeps the figures it has
+        if args.json:
+            Path(args.json).write_text(json.dumps({"header": lines, "rows": bench.rows, "rows_by_part": bench.rows_by_part,
+                                                   "results": bench.results, "failed": failed, "done": done,
+                                                   "all_parts": list(PARTS)},
+                                                  indent=1, default=str))
+
     for part in parts:
         t0 = time.perf_counter()
+        bench.part = part
         try:
             getattr(bench, f"part_{part}")()
         except Exception as err:  # one part's failure (an OOM, an API change) must not hide the others' figures
@@ -420,10 +432,10 @@ def main() -> None:
             bench.row(part, "FAILED", failed[part].splitlines()[0][:200])
             traceback.print_exc()
             bench.free()
+        done.append(part)
+        save()
         print(f"    ({part}: {time.perf_counter() - t0:.0f} s)", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"header": lines, "rows": bench.rows, "results": bench.results,
-                                               "failed": failed}, indent=1, default=str))
+    save()
     sys.exit(1 if failed else 0)
 
 

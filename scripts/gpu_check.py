@@ -206,9 +206,28 @@ class Check:
             cmd += ["--parts", parts]
         code, out, seconds = self.run(cmd, 480, STATE_DIR / "bench.log")
         data = json.loads(out_json.read_text()) if out_json.exists() else {}
-        self.state["bench"] = {"exit": code, "seconds": round(seconds, 1), "smoke": not cuda, **data,
-                               "tail": "" if code == 0 else out[-4000:]}
+        new = {"exit": code, "seconds": round(seconds, 1), "smoke": not cuda, **data, "tail": "" if code == 0 else out[-4000:]}
+        self.state["bench"] = merge_bench(self.state.get("bench"), new)
         self.save()
+
+
+def merge_bench(old: dict | None, new: dict) -> dict:
+    """The figures of a bench run over those of an earlier one on the same device: a part run again replaces
+    its rows, the parts not run again keep theirs. So a bench cut short by its time limit goes on with
+    GPU_CHECK_BENCH_PARTS=<the parts left> without losing what it measured."""
+    same = old and old.get("smoke") == new.get("smoke") and old.get("header", [""])[:1] == new.get("header", [""])[:1]
+    if not same or "rows_by_part" not in old or "rows_by_part" not in new:
+        return new
+    redone = set(new.get("done", [])) | set(new["rows_by_part"])
+    by_part = {k: v for k, v in old["rows_by_part"].items() if k not in redone} | new["rows_by_part"]
+    order = new.get("all_parts") or list(by_part)
+    merged = dict(new)
+    merged["rows_by_part"] = by_part
+    merged["rows"] = [row for part in order for row in by_part.get(part, [])]
+    merged["results"] = {**old.get("results", {}), **new.get("results", {})}
+    merged["failed"] = {**{k: v for k, v in old.get("failed", {}).items() if k not in redone}, **new.get("failed", {})}
+    merged["done"] = [part for part in order if part in redone or part in old.get("done", [])]
+    return merged
 
 
 def older(have: str, wanted: str) -> bool:
@@ -316,6 +335,10 @@ def write_report(state: dict, paths: list[Path]) -> str:
             lines += ["", "profile, top kernels/ops of one 1.5B-shape update:"] + [f"    {s:8.3f} s  {k}" for k, s in prof["top"]]
         if bench["exit"] is None:
             lines.append(f"(stopped after {bench['seconds']} s)")
+        left = [part for part in bench.get("all_parts", []) if part not in bench.get("done", [])]
+        if left:
+            lines += ["", f"not measured yet: {', '.join(left)}; measure them (the rows above stay) with "
+                          f"`make gpu-check GPU_CHECK_PARTS=bench GPU_CHECK_BENCH_PARTS={','.join(left)}`"]
     failures = [(k, r["tail"]) for k, r in tests.items() if r.get("tail")]
     failures += [("demo", demo["tail"])] if demo and demo.get("tail") else []
     failures += [("bench", bench["tail"])] if bench and bench.get("tail") else []

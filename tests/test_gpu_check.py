@@ -73,3 +73,38 @@ def test_the_report_names_the_commit_given_where_the_copy_has_no_git(tmp_path, m
     assert ", commit ?" in gpu_check.write_report(state, [])
     monkeypatch.setenv("GPU_CHECK_COMMIT", "94e06aa")
     assert ", commit 94e06aa" in gpu_check.write_report(state, [])
+
+
+def test_a_bench_cut_short_keeps_its_figures_and_a_rerun_of_the_rest_adds_to_them(tmp_path):
+    """benchmarks/gpu.py writes its JSON after every part; gpu-check merges a rerun of some parts into the
+    earlier rows (same device), and the report names the parts still unmeasured with the command for them."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "b.json"
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu.py"), "--smoke", "--parts", "peak,rollout",
+                          "--json", str(out)], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    first = json.loads(out.read_text())
+    assert first["done"] == ["peak", "rollout"] and first["all_parts"][0] == "peak"
+    assert [len(first["rows_by_part"][p]) for p in ("peak", "rollout")] == [1, 1]
+    assert first["rows_by_part"]["rollout"][0].startswith("| HF generate rollout")
+
+    # as stopped by the time limit during "update": peak done, nothing of update saved
+    cut = {**first, "exit": None, "seconds": 480.0, "smoke": True, "done": ["peak"], "tail": "...",
+           "rows_by_part": {"peak": first["rows_by_part"]["peak"]}, "rows": first["rows_by_part"]["peak"]}
+    state = {"install": {"env": {"device": None}, "installed": [], "kept": [], "how": "none needed"}, "bench": cut}
+    text = gpu_check.write_report(state, [])
+    left = [p for p in first["all_parts"] if p != "peak"]
+    assert f"GPU_CHECK_BENCH_PARTS={','.join(left)}`" in text and "(stopped after 480.0 s)" in text
+
+    rerun = {**first, "exit": 0, "seconds": 20.0, "smoke": True, "done": ["rollout"], "tail": "",
+             "rows_by_part": {"rollout": first["rows_by_part"]["rollout"]}, "rows": first["rows_by_part"]["rollout"],
+             "failed": {"rollout": "x"}}
+    merged = gpu_check.merge_bench(cut, rerun)
+    assert merged["rows"] == first["rows_by_part"]["peak"] + first["rows_by_part"]["rollout"]
+    assert merged["done"] == ["peak", "rollout"] and merged["failed"] == {"rollout": "x"}
+    assert "peak" in merged["results"] and merged["exit"] == 0
+    # another device (or a smoke run over GPU figures): nothing is merged
+    assert gpu_check.merge_bench({**cut, "smoke": False}, rerun) is rerun
