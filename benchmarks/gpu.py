@@ -67,9 +67,8 @@ class Bench:
         self.cuda = self.device.type == "cuda"
         self.peak_flops: float | None = None
         self.results: dict[str, dict] = {}
-        self.rows: list[str] = []
-        self.rows_by_part: dict[str, list[str]] = {}
-        self.part = ""  # the part running, whose rows these are
+        self.rows: dict[str, list[str]] = {}  # the table's rows, by the part that measured them
+        self.part = ""  # the part running
 
     # ---- helpers ----------------------------------------------------------------------------------
     def sync(self) -> None:
@@ -158,8 +157,7 @@ class Bench:
 
     def row(self, what: str, figure: str, note: str = "") -> None:
         line = f"| {what} | {figure} | {note} |"
-        self.rows.append(line)
-        self.rows_by_part.setdefault(self.part, []).append(line)
+        self.rows.setdefault(self.part, []).append(line)
         print(line, flush=True)
 
     @staticmethod
@@ -417,8 +415,7 @@ def main() -> None:
 
     def save() -> None:  # after every part: a run stopped by its time limit keeps the figures it has
         if args.json:
-            Path(args.json).write_text(json.dumps({"header": lines, "rows": bench.rows, "rows_by_part": bench.rows_by_part,
-                                                   "results": bench.results, "failed": failed, "done": done,
+            Path(args.json).write_text(json.dumps({"header": lines, "rows": bench.rows, "results": bench.results, "failed": failed, "done": done,
                                                    "all_parts": list(PARTS)},
                                                   indent=1, default=str))
 

@@ -216,18 +216,17 @@ def merge_bench(old: dict | None, new: dict) -> dict:
     its rows, the parts not run again keep theirs. So a bench cut short by its time limit goes on with
     GPU_CHECK_BENCH_PARTS=<the parts left> without losing what it measured."""
     same = old and old.get("smoke") == new.get("smoke") and old.get("header", [""])[:1] == new.get("header", [""])[:1]
-    if not same or "rows_by_part" not in old or "rows_by_part" not in new:
+    if not same or not isinstance(old.get("rows"), dict) or not isinstance(new.get("rows"), dict):  # (or one cut before its JSON)
         return new
-    redone = set(new.get("done", [])) | set(new["rows_by_part"])
-    by_part = {k: v for k, v in old["rows_by_part"].items() if k not in redone} | new["rows_by_part"]
-    order = new.get("all_parts") or list(by_part)
-    merged = dict(new)
-    merged["rows_by_part"] = by_part
-    merged["rows"] = [row for part in order for row in by_part.get(part, [])]
-    merged["results"] = {**old.get("results", {}), **new.get("results", {})}
-    merged["failed"] = {**{k: v for k, v in old.get("failed", {}).items() if k not in redone}, **new.get("failed", {})}
-    merged["done"] = [part for part in order if part in redone or part in old.get("done", [])]
-    return merged
+    redone = set(new.get("done", []))
+
+    def kept(by_part: dict) -> dict:
+        return {k: v for k, v in by_part.items() if k not in redone}
+
+    return {**new, "rows": kept(old["rows"]) | new["rows"],
+            "results": {**old.get("results", {}), **new.get("results", {})},
+            "failed": kept(old.get("failed", {})) | new.get("failed", {}),
+            "done": [part for part in new["all_parts"] if part in redone or part in old.get("done", [])]}
 
 
 def older(have: str, wanted: str) -> bool:
@@ -327,7 +326,8 @@ def write_report(state: dict, paths: list[Path]) -> str:
         if bench.get("smoke"):
             lines.append("**smoke run (no CUDA device): tiny shapes, the script checked, no figure here is a measurement**")
             lines.append("")
-        lines += bench.get("header", []) + bench.get("rows", [])
+        rows = bench.get("rows", {})
+        lines += bench.get("header", []) + [row for part in bench.get("all_parts", rows) for row in rows.get(part, [])]
         if bench.get("failed"):
             lines += ["", "failed parts: " + "; ".join(f"{k}: {v[:300]}" for k, v in bench["failed"].items())]
         prof = (bench.get("results") or {}).get("profile")

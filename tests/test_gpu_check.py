@@ -88,23 +88,28 @@ def test_a_bench_cut_short_keeps_its_figures_and_a_rerun_of_the_rest_adds_to_the
     assert run.returncode == 0, run.stderr[-2000:]
     first = json.loads(out.read_text())
     assert first["done"] == ["peak", "rollout"] and first["all_parts"][0] == "peak"
-    assert [len(first["rows_by_part"][p]) for p in ("peak", "rollout")] == [1, 1]
-    assert first["rows_by_part"]["rollout"][0].startswith("| HF generate rollout")
+    assert [len(first["rows"][p]) for p in ("peak", "rollout")] == [1, 1]
+    assert first["rows"]["rollout"][0].startswith("| HF generate rollout")
 
     # as stopped by the time limit during "update": peak done, nothing of update saved
     cut = {**first, "exit": None, "seconds": 480.0, "smoke": True, "done": ["peak"], "tail": "...",
-           "rows_by_part": {"peak": first["rows_by_part"]["peak"]}, "rows": first["rows_by_part"]["peak"]}
+           "rows": {"peak": first["rows"]["peak"]}}
     state = {"install": {"env": {"device": None}, "installed": [], "kept": [], "how": "none needed"}, "bench": cut}
     text = gpu_check.write_report(state, [])
     left = [p for p in first["all_parts"] if p != "peak"]
     assert f"GPU_CHECK_BENCH_PARTS={','.join(left)}`" in text and "(stopped after 480.0 s)" in text
+    assert first["rows"]["peak"][0] in text and first["rows"]["rollout"][0] not in text
 
     rerun = {**first, "exit": 0, "seconds": 20.0, "smoke": True, "done": ["rollout"], "tail": "",
-             "rows_by_part": {"rollout": first["rows_by_part"]["rollout"]}, "rows": first["rows_by_part"]["rollout"],
-             "failed": {"rollout": "x"}}
+             "rows": {"rollout": first["rows"]["rollout"]}, "failed": {"rollout": "x"}}
     merged = gpu_check.merge_bench(cut, rerun)
-    assert merged["rows"] == first["rows_by_part"]["peak"] + first["rows_by_part"]["rollout"]
+    assert merged["rows"] == {"peak": first["rows"]["peak"], "rollout": first["rows"]["rollout"]}
+    text = gpu_check.write_report({**state, "bench": merged}, [])
+    assert text.index(first["rows"]["peak"][0]) < text.index(first["rows"]["rollout"][0])
     assert merged["done"] == ["peak", "rollout"] and merged["failed"] == {"rollout": "x"}
     assert "peak" in merged["results"] and merged["exit"] == 0
     # another device (or a smoke run over GPU figures): nothing is merged
     assert gpu_check.merge_bench({**cut, "smoke": False}, rerun) is rerun
+    # a run stopped before it wrote any JSON, or a state of an older layout: the new run stands alone
+    assert gpu_check.merge_bench(cut, {"exit": None, "seconds": 480.0, "smoke": True}) == {"exit": None, "seconds": 480.0, "smoke": True}
+    assert gpu_check.merge_bench({**cut, "rows": ["| a | b | c |"]}, rerun) is rerun
