@@ -18,7 +18,7 @@ QWEN_CODER_VERSION := 0.9.0
 QWEN_CODER_SHA256 := 1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
 QWEN_CODER_GGUF := $(dir $(QWEN_CODER_DIR))Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf
 
-.PHONY: demo test install bench clean smollm2 qwen-coder gpu-wheels gpu-check
+.PHONY: demo test lint format install bench clean smollm2 qwen-coder gpu-wheels gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -67,7 +67,16 @@ $(QWEN_CODER_DIR)/config.json: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/dapo demo
 
-test: $(STAMP) $(VLLM_STAMP)
+# ruff's lint and format check first: a style error fails `make test`, so CI
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+test: $(STAMP) $(VLLM_STAMP) lint
 	$(PY) -m pytest -q
 
 clean:

@@ -60,13 +60,21 @@ def save_once(policy: Policy, run_dir: Path, step: int, asynchronous: bool) -> d
         def measured():
             write()
             cpu_box["cpu"] = thread_cpu_s(threading.current_thread())
+
         start(target, measured)
 
     writer.start = watched_start
     t0, c0 = time.perf_counter(), time.process_time()
-    checkpoint.save_checkpoint(run_dir, step, model=policy.model, tokenizer=policy.tokenizer,
-                               trainer_state={"policy": policy.trainer_state(), "step_note": step},
-                               config_yaml="run: {}\n", keep=2, writer=writer)
+    checkpoint.save_checkpoint(
+        run_dir,
+        step,
+        model=policy.model,
+        tokenizer=policy.tokenizer,
+        trainer_state={"policy": policy.trainer_state(), "step_note": step},
+        config_yaml="run: {}\n",
+        keep=2,
+        writer=writer,
+    )
     blocked, blocked_cpu = time.perf_counter() - t0, time.process_time() - c0
     writer.wait()
     whole = time.perf_counter() - t0
@@ -87,10 +95,16 @@ def main() -> None:
     policy.optimizer.step()
     policy.optimizer.zero_grad(set_to_none=True)
     size = sum(t.numel() * t.element_size() for t in policy.model.state_dict().values())
-    size += sum(t.numel() * t.element_size() for s in policy.optimizer.state.values() for t in s.values()
-                if isinstance(t, torch.Tensor))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; "
-          f"state saved: {size / 2**30:.2f} GiB (weights + AdamW); load average {os.getloadavg()[0]:.2f}")
+    size += sum(
+        t.numel() * t.element_size()
+        for s in policy.optimizer.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor)
+    )
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; "
+        f"state saved: {size / 2**30:.2f} GiB (weights + AdamW); load average {os.getloadavg()[0]:.2f}"
+    )
     res: dict[str, list[dict]] = {"sync": [], "async": []}
     with tempfile.TemporaryDirectory(dir=ROOT) as tmp:  # the disk training runs write to
         step = 0
@@ -99,14 +113,19 @@ def main() -> None:
                 step += 1
                 r = save_once(policy, Path(tmp), step, mode == "async")
                 res[mode].append(r)
-                print(f"run {run + 1} {mode:5s} blocked {r['blocked']:.2f} s, whole on disk after {r['write']:.2f} s, "
-                      f"write CPU {r['write_cpu']:.2f} s", flush=True)
+                print(
+                    f"run {run + 1} {mode:5s} blocked {r['blocked']:.2f} s, whole on disk after {r['write']:.2f} s, "
+                    f"write CPU {r['write_cpu']:.2f} s",
+                    flush=True,
+                )
     cores = min(2, os.cpu_count() or 1)
     print(f"\nmedian of {args.runs} runs; share of a {args.step_s:.0f} s step")
     for mode, rs in res.items():
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-        line = (f"{mode:5s} blocked {med['blocked']:6.2f} s ({100 * med['blocked'] / args.step_s:4.1f}% of a step), "
-                f"whole after {med['write']:5.2f} s, write CPU {med['write_cpu']:5.2f} s")
+        line = (
+            f"{mode:5s} blocked {med['blocked']:6.2f} s ({100 * med['blocked'] / args.step_s:4.1f}% of a step), "
+            f"whole after {med['write']:5.2f} s, write CPU {med['write_cpu']:5.2f} s"
+        )
         if mode == "async":
             bound = med["blocked"] + med["write_cpu"] / cores
             line += f"; with the write's CPU taken from the step: <= {100 * bound / args.step_s:.1f}%"

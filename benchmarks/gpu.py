@@ -88,10 +88,19 @@ class Bench:
         tok = tokenizer or tiny.build_tokenizer()
         eos = tok.eos_token_id
         # (max: a smoke shape under a real tokenizer still embeds all of its ids)
-        common = dict(vocab_size=max(s["vocab"], len(tok)), hidden_size=s["hidden"], intermediate_size=s["inter"],
-                      num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv"],
-                      max_position_embeddings=32768, tie_word_embeddings=s["tied"], pad_token_id=tok.pad_token_id,
-                      eos_token_id=eos, bos_token_id=None)
+        common = dict(
+            vocab_size=max(s["vocab"], len(tok)),
+            hidden_size=s["hidden"],
+            intermediate_size=s["inter"],
+            num_hidden_layers=s["layers"],
+            num_attention_heads=s["heads"],
+            num_key_value_heads=s["kv"],
+            max_position_embeddings=32768,
+            tie_word_embeddings=s["tied"],
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=eos,
+            bos_token_id=None,
+        )
         config = Qwen2Config(**common) if s["arch"] == "qwen2" else LlamaConfig(**common)
         torch.manual_seed(0)
         with torch.device(self.device):
@@ -116,8 +125,16 @@ class Bench:
         from dapo.config import load_config
         from dapo.policy import Policy
 
-        cfg = load_config(None, ["model.path=unused", f"model.device={self.device.type}", "model.dtype=bfloat16",
-                                 "algo.soft_overlong_punishment=false", *overrides])
+        cfg = load_config(
+            None,
+            [
+                "model.path=unused",
+                f"model.device={self.device.type}",
+                "model.dtype=bfloat16",
+                "algo.soft_overlong_punishment=false",
+                *overrides,
+            ],
+        )
         with self.handed(model, tok):
             policy = Policy(cfg.model, cfg.train, temperature=1.0, device=self.device)
         return policy, cfg
@@ -134,11 +151,22 @@ class Bench:
             p = torch.randint(2, min(vocab, 50000), (prompt_len,), generator=gen).tolist()
             for _ in range(group):
                 prompt_ids.append(p)
-                response_ids.append(torch.randint(2, min(vocab, 50000), (rng.randint(*response_lens),), generator=gen).tolist())
+                response_ids.append(
+                    torch.randint(2, min(vocab, 50000), (rng.randint(*response_lens),), generator=gen).tolist()
+                )
         reward = torch.tensor([1.0 if i % 2 else -1.0 for i in range(n)])
-        b = RolloutBatch(group_size=group, prompt_ids=prompt_ids, response_ids=response_ids,
-                         truncated=torch.zeros(n, dtype=torch.bool), texts=[""] * n, example_uids=["x"] * n,
-                         ground_truths=["0"] * n, acc=(reward > 0).float(), reward=reward, overlong_penalty=torch.zeros(n))
+        b = RolloutBatch(
+            group_size=group,
+            prompt_ids=prompt_ids,
+            response_ids=response_ids,
+            truncated=torch.zeros(n, dtype=torch.bool),
+            texts=[""] * n,
+            example_uids=["x"] * n,
+            ground_truths=["0"] * n,
+            acc=(reward > 0).float(),
+            reward=reward,
+            overlong_penalty=torch.zeros(n),
+        )
         b.adv = algo.group_advantages(reward, group)
         return b
 
@@ -183,9 +211,18 @@ class Bench:
     def update_rate(self, name: str, overrides: list[str], *, lora: bool = False, flops_per_param: int = 6) -> dict:
         s = self.shape(name)
         model, tok = self.build(name)
-        policy, cfg = self.policy(model, tok, ["train.prompts_per_step=8", "train.mini_batch_prompts=8",
-                                               "rollout.group_size=8", "rollout.max_response_tokens=1024",
-                                               "train.max_tokens_per_micro_batch=8192", *overrides])
+        policy, cfg = self.policy(
+            model,
+            tok,
+            [
+                "train.prompts_per_step=8",
+                "train.mini_batch_prompts=8",
+                "rollout.group_size=8",
+                "rollout.max_response_tokens=1024",
+                "train.max_tokens_per_micro_batch=8192",
+                *overrides,
+            ],
+        )
         from dapo.training import make_loss_fn
 
         loss_fn = make_loss_fn(cfg.algo, cfg.rollout.max_response_tokens)
@@ -195,16 +232,23 @@ class Bench:
         tokens = sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
         # causal attention per layer and sequence of L tokens: QK^T and PV, 2 FLOPs x L^2/2 x hidden each, in
         # forward (2 L^2 h) and twice that in backward (the inputs' gradients are needed even under a frozen base)
-        attn = sum(6 * s["layers"] * s["hidden"] * (len(p) + len(r)) ** 2 for p, r in zip(batch.prompt_ids, batch.response_ids))
+        attn = sum(
+            6 * s["layers"] * s["hidden"] * (len(p) + len(r)) ** 2 for p, r in zip(batch.prompt_ids, batch.response_ids)
+        )
         n_params = self.matmul_params(policy.model.get_base_model() if lora else policy.model)
         policy.update(batch, loss_fn)  # warm-up: kernels, allocator, AdamW state
-        times = [self.timed(lambda: policy.update(batch, loss_fn)) for _ in range(1 if self.smoke else 3)]
+        times = [self.timed(lambda: policy.update(batch, loss_fn)) for _ in range(1 if self.smoke else 3)]  # noqa: F821 (called before the del below)
         t = statistics.median(times)
         flops = flops_per_param * n_params * tokens
-        out = {"tokens_per_s": tokens / t, "seconds": t, "tokens": tokens, "params": n_params,
-               "mfu": flops / t / self.peak_flops if self.peak_flops else None,
-               "mfu_with_attention": (flops + attn) / t / self.peak_flops if self.peak_flops else None,
-               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None}
+        out = {
+            "tokens_per_s": tokens / t,
+            "seconds": t,
+            "tokens": tokens,
+            "params": n_params,
+            "mfu": flops / t / self.peak_flops if self.peak_flops else None,
+            "mfu_with_attention": (flops + attn) / t / self.peak_flops if self.peak_flops else None,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None,
+        }
         del policy, model
         self.free()
         return out
@@ -221,18 +265,28 @@ class Bench:
         for name in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
             r = self.update_rate(name, [])
             self.results[f"update {name}"] = r
-            self.row(f"update, {name} shape, bf16 + fp32 masters, budget 8192, {r['tokens']:,} tokens",
-                     f"{r['tokens_per_s']:,.0f} tokens/s, MFU {pct(r['mfu'])} (with attention {pct(r['mfu_with_attention'])})",
-                     f"{r['seconds']:.2f} s per update, peak {gib(r['peak_gib'])}")
+            self.row(
+                f"update, {name} shape, bf16 + fp32 masters, budget 8192, {r['tokens']:,} tokens",
+                f"{r['tokens_per_s']:,.0f} tokens/s, MFU {pct(r['mfu'])} (with attention "
+                f"{pct(r['mfu_with_attention'])})",
+                f"{r['seconds']:.2f} s per update, peak {gib(r['peak_gib'])}",
+            )
 
     def part_lora7b(self) -> None:
         name = "qwen2.5-7b"
-        r = self.update_rate(name, ["model.lora.rank=16", "model.gradient_checkpointing=true", "train.lr=2e-4"],
-                             lora=True, flops_per_param=4)
+        r = self.update_rate(
+            name,
+            ["model.lora.rank=16", "model.gradient_checkpointing=true", "train.lr=2e-4"],
+            lora=True,
+            flops_per_param=4,
+        )
         self.results[f"update {name} lora"] = r
-        self.row(f"update, {name} shape, LoRA rank 16, bf16 base, activation checkpointing, {r['tokens']:,} tokens",
-                 f"{r['tokens_per_s']:,.0f} tokens/s, MFU {pct(r['mfu'])} on 4N (with attention {pct(r['mfu_with_attention'])})",
-                 f"{r['seconds']:.2f} s per update, peak {gib(r['peak_gib'])}")
+        self.row(
+            f"update, {name} shape, LoRA rank 16, bf16 base, activation checkpointing, {r['tokens']:,} tokens",
+            f"{r['tokens_per_s']:,.0f} tokens/s, MFU {pct(r['mfu'])} on 4N (with attention "
+            f"{pct(r['mfu_with_attention'])})",
+            f"{r['seconds']:.2f} s per update, peak {gib(r['peak_gib'])}",
+        )
 
     def part_memory(self) -> None:
         name = "qwen2.5-1.5b"
@@ -243,9 +297,18 @@ class Bench:
         model, tok = self.build(name)
         from dapo.training import make_loss_fn
 
-        policy, cfg = self.policy(model, tok, [
-            "train.prompts_per_step=1", "train.mini_batch_prompts=1", "rollout.group_size=4",
-            f"rollout.max_response_tokens={length}", "model.gradient_checkpointing=true", f"data.max_prompt_tokens={prompt}"])
+        policy, cfg = self.policy(
+            model,
+            tok,
+            [
+                "train.prompts_per_step=1",
+                "train.mini_batch_prompts=1",
+                "rollout.group_size=4",
+                f"rollout.max_response_tokens={length}",
+                "model.gradient_checkpointing=true",
+                f"data.max_prompt_tokens={prompt}",
+            ],
+        )
         loss_fn = make_loss_fn(cfg.algo, length)
         warm = self.batch(1, 4, 8, (8, 8), s["vocab"])
         self.old_logp(policy, warm)
@@ -257,15 +320,21 @@ class Bench:
             policy.train_cfg.max_tokens_per_micro_batch = budget  # the plan reads it at each update
             self.free()
             try:
-                seconds = self.timed(lambda: policy.update(batch, loss_fn))
+                seconds = self.timed(lambda: policy.update(batch, loss_fn))  # noqa: F821 (called before the del below)
                 peak = torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None
                 fits = "" if total is None else (" (fits)" if peak < total else " (does not fit)")
                 self.results[f"memory budget {budget}"] = {"peak_gib": peak, "seconds": seconds, "total_gib": total}
-                self.row(f"peak memory, {name} update, 4 x {length:,}-token responses, checkpointing, budget {budget:,}"
-                         f" ({rows_per_pass} row(s) per pass)", f"{gib(peak)} of {gib(total)}{fits}", f"{seconds:.1f} s")
+                self.row(
+                    f"peak memory, {name} update, 4 x {length:,}-token responses, checkpointing, budget {budget:,}"
+                    f" ({rows_per_pass} row(s) per pass)",
+                    f"{gib(peak)} of {gib(total)}{fits}",
+                    f"{seconds:.1f} s",
+                )
             except torch.cuda.OutOfMemoryError as err:
                 self.results[f"memory budget {budget}"] = {"oom": str(err).splitlines()[0]}
-                self.row(f"peak memory, {name} update, budget {budget:,}", "out of memory", str(err).splitlines()[0][:80])
+                self.row(
+                    f"peak memory, {name} update, budget {budget:,}", "out of memory", str(err).splitlines()[0][:80]
+                )
         del policy, model
         self.free()
 
@@ -279,16 +348,21 @@ class Bench:
         engine = HFRolloutEngine(model, tok)
         prompts, new = (4, 16) if self.smoke else (32, 512)
         gen = torch.Generator().manual_seed(0)
-        ids = [torch.randint(2, min(s["vocab"], 50000), (16 if self.smoke else 128,), generator=gen).tolist()
-               for _ in range(prompts)]
+        ids = [
+            torch.randint(2, min(s["vocab"], 50000), (16 if self.smoke else 128,), generator=gen).tolist()
+            for _ in range(prompts)
+        ]
         params = SamplingParams(n=8, temperature=1.0, max_new_tokens=new, seed=0)
         engine.generate(ids[:2], SamplingParams(n=2, max_new_tokens=4))  # warm-up
         out = {}
-        seconds = self.timed(lambda: out.setdefault("g", engine.generate(ids, params)))
+        seconds = self.timed(lambda: out.setdefault("g", engine.generate(ids, params)))  # noqa: F821 (called before the del below)
         tokens = out["g"].num_tokens
         self.results["rollout hf"] = {"tokens_per_s": tokens / seconds, "tokens": tokens, "seconds": seconds}
-        self.row(f"HF generate rollout, {name} shape bf16, {prompts} x 8 rows, {new} new tokens",
-                 f"{tokens / seconds:,.0f} tokens/s", f"{tokens:,} tokens in {seconds:.1f} s")
+        self.row(
+            f"HF generate rollout, {name} shape bf16, {prompts} x 8 rows, {new} new tokens",
+            f"{tokens / seconds:,.0f} tokens/s",
+            f"{tokens:,} tokens in {seconds:.1f} s",
+        )
         del engine, model
         self.free()
 
@@ -307,13 +381,30 @@ class Bench:
             del model
             self.free()
             steps = 2
-            overrides = [f"model.path={Path(tmp) / 'model'}", f"model.device={self.device.type}", "rollout.backend=hf",
-                         f"train.total_steps={steps}", "algo.dynamic_sampling=false", "eval.before_train=false",
-                         "eval.every_steps=null", "eval.benchmarks=[]", "run.save_every=null", f"run.dir={tmp}",
-                         "run.name=p", "run.progress=false", "run.loggers=console", "reward.num_workers=2"]
+            overrides = [
+                f"model.path={Path(tmp) / 'model'}",
+                f"model.device={self.device.type}",
+                "rollout.backend=hf",
+                f"train.total_steps={steps}",
+                "algo.dynamic_sampling=false",
+                "eval.before_train=false",
+                "eval.every_steps=null",
+                "eval.benchmarks=[]",
+                "run.save_every=null",
+                f"run.dir={tmp}",
+                "run.name=p",
+                "run.progress=false",
+                "run.loggers=console",
+                "reward.num_workers=2",
+            ]
             if self.smoke:
-                overrides += ["rollout.max_response_tokens=16", "algo.overlong_buffer_tokens=4",
-                              "train.prompts_per_step=2", "train.mini_batch_prompts=1", "rollout.group_size=2"]
+                overrides += [
+                    "rollout.max_response_tokens=16",
+                    "algo.overlong_buffer_tokens=4",
+                    "train.prompts_per_step=2",
+                    "train.mini_batch_prompts=1",
+                    "rollout.group_size=2",
+                ]
             wall = time.perf_counter()
             train(load_config(str(ROOT / "configs" / "smollm2_135m.yaml"), overrides))
             wall = time.perf_counter() - wall
@@ -321,12 +412,18 @@ class Bench:
         keys = ("step", "collect", "generate", "old_logprob", "update", "weight_sync", "checkpoint")
         times = {k: r.get(f"perf/time_{k}_s") for k in keys}
         peaks = {k: v for k, v in r.items() if k.startswith("perf/peak_cuda_")}
-        self.results["preset smollm2_135m hf"] = {"times": times, "peaks_gib": peaks, "wall_s": wall,
-                                                  "tokens_per_s": {k: v for k, v in r.items() if "tokens_per_s" in k}}
-        self.row(f"configs/smollm2_135m.yaml step {steps}, rollout.backend=hf, random model of its shape",
-                 f"{times['step']:.2f} s per step", ", ".join(f"{k} {v:.2f} s" for k, v in times.items()
-                                                             if v is not None and k != "step")
-                 + (f"; peak {max(peaks.values()):.2f} GiB" if peaks else ""))
+        self.results["preset smollm2_135m hf"] = {
+            "times": times,
+            "peaks_gib": peaks,
+            "wall_s": wall,
+            "tokens_per_s": {k: v for k, v in r.items() if "tokens_per_s" in k},
+        }
+        self.row(
+            f"configs/smollm2_135m.yaml step {steps}, rollout.backend=hf, random model of its shape",
+            f"{times['step']:.2f} s per step",
+            ", ".join(f"{k} {v:.2f} s" for k, v in times.items() if v is not None and k != "step")
+            + (f"; peak {max(peaks.values()):.2f} GiB" if peaks else ""),
+        )
 
     def part_profile(self) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -336,34 +433,56 @@ class Bench:
         name = "qwen2.5-1.5b"
         s = self.shape(name)
         model, tok = self.build(name)
-        policy, cfg = self.policy(model, tok, ["train.prompts_per_step=8", "train.mini_batch_prompts=8",
-                                               "rollout.group_size=8", "train.max_tokens_per_micro_batch=8192"])
+        policy, cfg = self.policy(
+            model,
+            tok,
+            [
+                "train.prompts_per_step=8",
+                "train.mini_batch_prompts=8",
+                "rollout.group_size=8",
+                "train.max_tokens_per_micro_batch=8192",
+            ],
+        )
         loss_fn = make_loss_fn(cfg.algo, cfg.rollout.max_response_tokens)
         batch = self.batch(8, 8, 16 if self.smoke else 256, (24, 32) if self.smoke else (768, 1024), s["vocab"])
         self.old_logp(policy, batch)
         policy.update(batch, loss_fn)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         with profile(activities=activities) as prof:
-            wall = self.timed(lambda: policy.update(batch, loss_fn))
+            wall = self.timed(lambda: policy.update(batch, loss_fn))  # noqa: F821 (called before the del below)
         attr = "self_device_time_total" if self.cuda else "self_cpu_time_total"
-        kinds = {"matmul (gemm)": ("gemm", "mm", "matmul", "cutlass", "sm90", "sm80"),
-                 "attention": ("flash", "fmha", "attention", "efficient"),
-                 "softmax / logsumexp / cross-entropy": ("softmax", "logsumexp", "log_softmax"),
-                 "optimizer": ("adam", "multi_tensor", "foreach"),
-                 "copies / casts": ("copy", "cast", "convert", "to_copy", "cat", "index", "gather", "scatter")}
+        kinds = {
+            "matmul (gemm)": ("gemm", "mm", "matmul", "cutlass", "sm90", "sm80"),
+            "attention": ("flash", "fmha", "attention", "efficient"),
+            "softmax / logsumexp / cross-entropy": ("softmax", "logsumexp", "log_softmax"),
+            "optimizer": ("adam", "multi_tensor", "foreach"),
+            "copies / casts": ("copy", "cast", "convert", "to_copy", "cat", "index", "gather", "scatter"),
+        }
         by_kind: dict[str, float] = {}
-        events = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0 and (not self.cuda or not e.key.startswith("aten::"))]
+        events = [
+            e
+            for e in prof.key_averages()
+            if getattr(e, attr, 0) > 0 and (not self.cuda or not e.key.startswith("aten::"))
+        ]
         for e in events:
             low = e.key.lower()
             kind = next((k for k, keys in kinds.items() if any(x in low for x in keys)), "elementwise / other")
             by_kind[kind] = by_kind.get(kind, 0.0) + getattr(e, attr)
         busy = sum(by_kind.values()) / 1e6
-        self.results["profile"] = {"wall_s": wall, "busy_s": busy, "by_kind_s": {k: v / 1e6 for k, v in by_kind.items()},
-                                   "top": [(e.key[:90], getattr(e, attr) / 1e6) for e in
-                                           sorted(events, key=lambda e: -getattr(e, attr))[:12]]}
+        self.results["profile"] = {
+            "wall_s": wall,
+            "busy_s": busy,
+            "by_kind_s": {k: v / 1e6 for k, v in by_kind.items()},
+            "top": [(e.key[:90], getattr(e, attr) / 1e6) for e in sorted(events, key=lambda e: -getattr(e, attr))[:12]],
+        }
         what = "GPU kernel" if self.cuda else "CPU op"
-        self.row(f"profile of one {name} update", f"{wall:.2f} s wall, {busy:.2f} s of {what} time",
-                 "; ".join(f"{k} {v / 1e6 / max(busy, 1e-9):.0%}" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])))
+        self.row(
+            f"profile of one {name} update",
+            f"{wall:.2f} s wall, {busy:.2f} s of {what} time",
+            "; ".join(
+                f"{k} {v / 1e6 / max(busy, 1e-9):.0%}" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])
+            ),
+        )
         for key, secs in self.results["profile"]["top"]:
             print(f"    {secs:8.3f} s  {key}")
         del policy, model
@@ -386,11 +505,19 @@ def header(bench: Bench, args) -> list[str]:
 
     name = torch.cuda.get_device_name(0) if bench.cuda else "CPU (no CUDA device)"
     versions = f"torch {torch.__version__}, CUDA {torch.version.cuda}, transformers {transformers.__version__}"
-    command = "python benchmarks/gpu.py" + (" --smoke" if args.smoke else "") + (
-        f" --parts {args.parts}" if args.parts != ",".join(PARTS) else "")
-    lines = [f"### {name}: {versions}{' (smoke: tiny shapes, not figures)' if args.smoke else ''}", "",
-             f"`{command}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
-             "| measurement | figure | detail |", "|---|---|---|"]
+    command = (
+        "python benchmarks/gpu.py"
+        + (" --smoke" if args.smoke else "")
+        + (f" --parts {args.parts}" if args.parts != ",".join(PARTS) else "")
+    )
+    lines = [
+        f"### {name}: {versions}{' (smoke: tiny shapes, not figures)' if args.smoke else ''}",
+        "",
+        f"`{command}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        "",
+        "| measurement | figure | detail |",
+        "|---|---|---|",
+    ]
     for line in lines:
         print(line, flush=True)
     return lines
@@ -415,9 +542,20 @@ def main() -> None:
 
     def save() -> None:  # after every part: a run stopped by its time limit keeps the figures it has
         if args.json:
-            Path(args.json).write_text(json.dumps({"header": lines, "rows": bench.rows, "results": bench.results, "failed": failed, "done": done,
-                                                   "all_parts": list(PARTS)},
-                                                  indent=1, default=str))
+            Path(args.json).write_text(
+                json.dumps(
+                    {
+                        "header": lines,
+                        "rows": bench.rows,
+                        "results": bench.results,
+                        "failed": failed,
+                        "done": done,
+                        "all_parts": list(PARTS),
+                    },
+                    indent=1,
+                    default=str,
+                )
+            )
 
     for part in parts:
         t0 = time.perf_counter()

@@ -98,8 +98,15 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
 
-    dapo_truths = sorted(set(pq.read_table(ROOT / "data/dapo_math_17k/dapo_math_17k.parquet", columns=["reward_model"])
-                             .column("reward_model").combine_chunks().field("ground_truth").to_pylist()))
+    dapo_truths = sorted(
+        set(
+            pq.read_table(ROOT / "data/dapo_math_17k/dapo_math_17k.parquet", columns=["reward_model"])
+            .column("reward_model")
+            .combine_chunks()
+            .field("ground_truth")
+            .to_pylist()
+        )
+    )
     with open(ROOT / "data/math500/test.jsonl", encoding="utf-8") as f:
         math_truths = [json.loads(line)["answer"] for line in f]
 

@@ -59,10 +59,19 @@ def build_model(path: str, vocab: int) -> None:
     from dapo.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
-    config = Qwen2Config(vocab_size=vocab, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4096,
-                         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
     Qwen2ForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
 
@@ -74,21 +83,33 @@ def point(args) -> dict:
     from dapo import algo
     from dapo.batch import RolloutBatch
     from dapo.config import load_config
+    from dapo.data import make_encoder
     from dapo.policy import Policy
     from dapo.tasks import arith
-    from dapo.data import make_encoder
     from dapo.training import make_loss_fn
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     G, B, L = 8, args.batch, args.length
-    cfg = load_config(None, [
-        f"model.path={args.model}", f"model.device={'cuda' if torch.cuda.is_available() else 'cpu'}",
-        f"rollout.group_size={G}", f"rollout.max_response_tokens={L}", "algo.soft_overlong_punishment=false",
-        f"train.prompts_per_step={B // G}", f"train.mini_batch_prompts={B // G}", args.micro_batching,
-    ])
-    policy = Policy(cfg.model, cfg.train, temperature=cfg.rollout.temperature,
-                    device=torch.device(cfg.model.device if cfg.model.device != "auto" else "cpu"))
+    cfg = load_config(
+        None,
+        [
+            f"model.path={args.model}",
+            f"model.device={'cuda' if torch.cuda.is_available() else 'cpu'}",
+            f"rollout.group_size={G}",
+            f"rollout.max_response_tokens={L}",
+            "algo.soft_overlong_punishment=false",
+            f"train.prompts_per_step={B // G}",
+            f"train.mini_batch_prompts={B // G}",
+            args.micro_batching,
+        ],
+    )
+    policy = Policy(
+        cfg.model,
+        cfg.train,
+        temperature=cfg.rollout.temperature,
+        device=torch.device(cfg.model.device if cfg.model.device != "auto" else "cpu"),
+    )
     loss_fn = make_loss_fn(cfg.algo, cfg.rollout.max_response_tokens)
     encode = make_encoder(policy.tokenizer, 64)
     gen = torch.Generator().manual_seed(0)
@@ -96,11 +117,18 @@ def point(args) -> dict:
     def make_batch(n: int, length: int) -> RolloutBatch:
         rows = [ex for ex in arith.make_examples("train", n // G, seed=0) for _ in range(G)]
         reward = torch.randint(0, 2, (n,), generator=gen).float() * 2 - 1
-        batch = RolloutBatch(group_size=G, prompt_ids=[encode(ex) for ex in rows],
-                             response_ids=torch.randint(2, 258, (n, length), generator=gen).tolist(),
-                             truncated=torch.zeros(n, dtype=torch.bool), texts=[""] * n,
-                             example_uids=[ex.uid for ex in rows], ground_truths=[ex.ground_truth for ex in rows],
-                             acc=(reward > 0).float(), reward=reward, overlong_penalty=torch.zeros(n))
+        batch = RolloutBatch(
+            group_size=G,
+            prompt_ids=[encode(ex) for ex in rows],
+            response_ids=torch.randint(2, 258, (n, length), generator=gen).tolist(),
+            truncated=torch.zeros(n, dtype=torch.bool),
+            texts=[""] * n,
+            example_uids=[ex.uid for ex in rows],
+            ground_truths=[ex.ground_truth for ex in rows],
+            acc=(reward > 0).float(),
+            reward=reward,
+            overlong_penalty=torch.zeros(n),
+        )
         batch.adv = algo.group_advantages(batch.reward, G)
         return batch
 
@@ -121,8 +149,11 @@ def point(args) -> dict:
     t0 = time.perf_counter()
     training_phase(batch)
     seconds = time.perf_counter() - t0
-    out = {"rss_peak_mb": (status_kb("VmHWM") - rss_before) / 1024, "rss_total_mb": status_kb("VmHWM") / 1024,
-           "seconds": seconds}
+    out = {
+        "rss_peak_mb": (status_kb("VmHWM") - rss_before) / 1024,
+        "rss_total_mb": status_kb("VmHWM") / 1024,
+        "seconds": seconds,
+    }
     if cuda:
         out["gpu_peak_mb"] = (torch.cuda.max_memory_allocated() - before) / 2**20
     return out
@@ -131,8 +162,22 @@ def point(args) -> dict:
 def launch(args, model: str, batch: int, length: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
-    cmd = [sys.executable, __file__, "--point", out, "--model", model, "--batch", str(batch), "--length", str(length),
-           "--threads", str(args.threads), "--micro-batching", micro_batching(args)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--point",
+        out,
+        "--model",
+        model,
+        "--batch",
+        str(batch),
+        "--length",
+        str(length),
+        "--threads",
+        str(args.threads),
+        "--micro-batching",
+        micro_batching(args),
+    ]
     # large blocks straight from and back to the OS, so RSS follows the live tensors, not the heap's history
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MALLOC_MMAP_THRESHOLD_": "65536"}
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
@@ -148,8 +193,11 @@ def show(label: str, value: int, res: dict) -> None:
         print(f"  {label} {value:6d}  failed: {res['error']}", flush=True)
         return
     gpu = f"  GPU peak {res['gpu_peak_mb']:8.0f} MB" if "gpu_peak_mb" in res else ""
-    print(f"  {label} {value:6d}  peak RSS +{res['rss_peak_mb']:7.0f} MB (process {res['rss_total_mb']:6.0f} MB)"
-          f"{gpu}  {res['seconds']:6.1f} s", flush=True)
+    print(
+        f"  {label} {value:6d}  peak RSS +{res['rss_peak_mb']:7.0f} MB (process {res['rss_total_mb']:6.0f} MB)"
+        f"{gpu}  {res['seconds']:6.1f} s",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -169,8 +217,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as model:
         build_model(model, args.vocab)
         mode = micro_batching(args)
-        print(f"model: hidden 128, 2 layers, vocab {args.vocab}; micro-batching: {mode}; "
-              f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        print(
+            f"model: hidden 128, 2 layers, vocab {args.vocab}; micro-batching: {mode}; "
+            f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+        )
         print(f"batch sweep, {args.length} response tokens:")
         for b in BATCHES:
             show("batch", b, launch(args, model, b, args.length))

@@ -39,17 +39,23 @@ import torch
 from dapo import algo
 from dapo.batch import RolloutBatch
 from dapo.config import load_config
+from dapo.data import load_examples, make_encoder
 from dapo.policy import Policy, head_chunk_rows
 from dapo.rewards import grade
 from dapo.rollout.base import SamplingParams
 from dapo.rollout.hf import HFRolloutEngine
 from dapo.tasks import arith
-from dapo.data import load_examples, make_encoder
 from dapo.training import make_loss_fn
 
 ROOT = Path(__file__).resolve().parents[1]
-MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
-              "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
+MATMUL_OPS = (
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::baddbmm",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+)
 
 
 def mm_rate(m: int, k: int, n: int, min_seconds: float = 0.05) -> float:
@@ -95,14 +101,30 @@ def rollout_batch(policy: Policy, cfg) -> RolloutBatch:
     examples = arith.make_examples("train", cfg.train.prompts_per_step, seed=0, difficulty=cfg.data.task_difficulty)
     encode = make_encoder(policy.tokenizer, cfg.data.max_prompt_tokens)
     engine = HFRolloutEngine(policy.model, policy.tokenizer)
-    gen = engine.generate([encode(ex) for ex in examples], SamplingParams(
-        n=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_response_tokens))
+    gen = engine.generate(
+        [encode(ex) for ex in examples],
+        SamplingParams(
+            n=r.group_size,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_new_tokens=r.max_response_tokens,
+        ),
+    )
     rows = [ex for ex in examples for _ in range(r.group_size)]
     acc = torch.tensor([float(grade(t, ex.ground_truth, "arith").acc) for t, ex in zip(gen.texts, rows)])
-    batch = RolloutBatch(group_size=r.group_size, prompt_ids=gen.prompt_ids, response_ids=gen.response_ids,
-                         truncated=gen.truncated, texts=gen.texts, example_uids=[ex.uid for ex in rows],
-                         ground_truths=[ex.ground_truth for ex in rows], acc=acc, reward=acc * 2 - 1,
-                         overlong_penalty=torch.zeros_like(acc))
+    batch = RolloutBatch(
+        group_size=r.group_size,
+        prompt_ids=gen.prompt_ids,
+        response_ids=gen.response_ids,
+        truncated=gen.truncated,
+        texts=gen.texts,
+        example_uids=[ex.uid for ex in rows],
+        ground_truths=[ex.ground_truth for ex in rows],
+        acc=acc,
+        reward=acc * 2 - 1,
+        overlong_penalty=torch.zeros_like(acc),
+    )
     batch.adv = algo.group_advantages(batch.reward, r.group_size)
     return batch
 
@@ -157,10 +179,18 @@ def synthetic_batch(policy: Policy, cfg, seed: int = 0) -> RolloutBatch:
             truncated.append(cut)
     rows = [ex for ex in chosen for _ in range(r.group_size)]
     acc = torch.tensor([float(j % 2) for j in range(len(rows))])
-    batch = RolloutBatch(group_size=r.group_size, prompt_ids=prompt_ids, response_ids=response_ids,
-                         truncated=torch.tensor(truncated), texts=[tok.decode(x) for x in response_ids],
-                         example_uids=[ex.uid for ex in rows], ground_truths=[ex.ground_truth for ex in rows],
-                         acc=acc, reward=acc * 2 - 1, overlong_penalty=torch.zeros_like(acc))
+    batch = RolloutBatch(
+        group_size=r.group_size,
+        prompt_ids=prompt_ids,
+        response_ids=response_ids,
+        truncated=torch.tensor(truncated),
+        texts=[tok.decode(x) for x in response_ids],
+        example_uids=[ex.uid for ex in rows],
+        ground_truths=[ex.ground_truth for ex in rows],
+        acc=acc,
+        reward=acc * 2 - 1,
+        overlong_penalty=torch.zeros_like(acc),
+    )
     batch.adv = algo.group_advantages(batch.reward, r.group_size)
     return batch
 
@@ -168,10 +198,18 @@ def synthetic_batch(policy: Policy, cfg, seed: int = 0) -> RolloutBatch:
 def sub_batch(batch: RolloutBatch, groups: int) -> RolloutBatch:
     """The first ``groups`` groups of ``batch`` (a warm-up pass)."""
     n = groups * batch.group_size
-    b = RolloutBatch(group_size=batch.group_size, prompt_ids=batch.prompt_ids[:n], response_ids=batch.response_ids[:n],
-                     truncated=batch.truncated[:n], texts=batch.texts[:n], example_uids=batch.example_uids[:n],
-                     ground_truths=batch.ground_truths[:n], acc=batch.acc[:n], reward=batch.reward[:n],
-                     overlong_penalty=batch.overlong_penalty[:n])
+    b = RolloutBatch(
+        group_size=batch.group_size,
+        prompt_ids=batch.prompt_ids[:n],
+        response_ids=batch.response_ids[:n],
+        truncated=batch.truncated[:n],
+        texts=batch.texts[:n],
+        example_uids=batch.example_uids[:n],
+        ground_truths=batch.ground_truths[:n],
+        acc=batch.acc[:n],
+        reward=batch.reward[:n],
+        overlong_penalty=batch.overlong_penalty[:n],
+    )
     b.adv = batch.adv[:n]
     return b
 
@@ -200,8 +238,10 @@ def pass_shapes(policy: Policy, batch: RolloutBatch, rows_per_pass: list[list[in
     shapes = [(m_dec, k, n, c.num_hidden_layers) for k, n in layer] + [(m_head, c.hidden_size, c.vocab_size, 1)]
     decoder_flops = sum(2 * mb.num_tokens * k * n for mb in mbs for k, n in layer) * c.num_hidden_layers
     head_flops = 2 * sum(resp) * c.hidden_size * c.vocab_size
-    attn_flops = sum(2 * rows * (length**2 + 2 * length * cached) * c.hidden_size
-                     for rows, length, cached in calls) * c.num_hidden_layers
+    attn_flops = (
+        sum(2 * rows * (length**2 + 2 * length * cached) * c.hidden_size for rows, length, cached in calls)
+        * c.num_hidden_layers
+    )
     return shapes, decoder_flops, head_flops, attn_flops, m_dec, m_head
 
 
@@ -244,8 +284,11 @@ def profile_table(policy: Policy, batch: RolloutBatch, loss_fn) -> list[str]:
         parent, in_step = e.cpu_parent, False
         while parent is not None and not in_step:
             in_step, parent = parent.name.startswith("Optimizer.step"), parent.cpu_parent
-        cat = "optimizer (AdamW step)" if in_step else next(
-            (name for name, keys in CATEGORIES if any(k in e.name for k in keys)), "elementwise / other aten")
+        cat = (
+            "optimizer (AdamW step)"
+            if in_step
+            else next((name for name, keys in CATEGORIES if any(k in e.name for k in keys)), "elementwise / other aten")
+        )
         by_cat[cat] = by_cat.get(cat, 0.0) + e.self_cpu_time_total
     ops = sum(by_cat.values())
     by_cat["outside aten ops (Python, autograd, profiler)"] = max(0.0, wall - ops)
@@ -254,7 +297,9 @@ def profile_table(policy: Policy, batch: RolloutBatch, loss_fn) -> list[str]:
         lines.append(f"  {cat:48s} {us / 1e6:8.2f} s  {us / wall:5.1%}")
     lines.append("  top ops:")
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:10]:
-        lines.append(f"    {e.key:46s} {e.self_cpu_time_total / 1e6:8.2f} s  {e.self_cpu_time_total / wall:5.1%}  x{e.count}")
+        lines.append(
+            f"    {e.key:46s} {e.self_cpu_time_total / 1e6:8.2f} s  {e.self_cpu_time_total / wall:5.1%}  x{e.count}"
+        )
     return lines
 
 
@@ -274,11 +319,12 @@ def real_main(args) -> None:
     rows = list(range(len(batch)))
     old_mbs = policy.micro_batches(batch, rows)
     per_update = cfg.train.mini_batch_prompts * batch.group_size
-    upd_mbs = [mb for s in range(0, len(batch), per_update) for mb in policy.micro_batches(batch, rows[s : s + per_update])]
+    upd_mbs = [
+        mb for s in range(0, len(batch), per_update) for mb in policy.micro_batches(batch, rows[s : s + per_update])
+    ]
     # the tokens the model must see: with a shared prompt prefix a prompt counts once per micro-batch it
     # is in, not once per response (counting it per row would credit the update with work it skips)
     old_tokens, upd_tokens = computed_tokens(policy, batch, old_mbs), computed_tokens(policy, batch, upd_mbs)
-    tokens = upd_tokens
     chunk = args.head_chunk or head_chunk_rows(c.vocab_size, torch.device("cpu"))  # the head's matmul rows, as trained
     old_shapes, old_dec, old_head, old_attn, old_m, old_mh = pass_shapes(policy, batch, old_mbs, chunk)
     upd_shapes, upd_dec, upd_head, upd_attn, upd_m, upd_mh = pass_shapes(policy, batch, upd_mbs, chunk)
@@ -302,8 +348,11 @@ def real_main(args) -> None:
         e = clock()
         t_old.append((b[0] - a[0], b[1] - a[1]))
         t_upd.append((e[0] - b[0], e[1] - b[1]))
-        print(f"  iteration: old log-probs {t_old[-1][0]:.1f} s wall / {t_old[-1][1]:.1f} s CPU, update "
-              f"{t_upd[-1][0]:.1f} s wall / {t_upd[-1][1]:.1f} s CPU", flush=True)
+        print(
+            f"  iteration: old log-probs {t_old[-1][0]:.1f} s wall / {t_old[-1][1]:.1f} s CPU, update "
+            f"{t_upd[-1][0]:.1f} s wall / {t_upd[-1][1]:.1f} s CPU",
+            flush=True,
+        )
     med = lambda xs, i: statistics.median(x[i] for x in xs)  # noqa: E731
     old_w, old_c, upd_w, upd_c = med(t_old, 0), med(t_old, 1), med(t_upd, 0), med(t_upd, 1)
     mm_old, mm_upd = statistics.median(ref_old), statistics.median(ref_upd)
@@ -312,30 +361,47 @@ def real_main(args) -> None:
 
     upd_6n = 6 * n_params * upd_tokens * epochs
     old_2n = 2 * n_params * old_tokens
-    print(f"torch {torch.__version__}, {threads} threads (interop {torch.get_num_interop_threads()}), load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; times are medians of {args.updates}")
-    print(f"model SmolLM2-135M-Instruct, {n_params:,} parameters (hidden {c.hidden_size}, {c.num_hidden_layers} layers, "
-          f"vocab {c.vocab_size}), {cfg.model.dtype}")
-    print(f"batch {len(batch)} responses: {row_tokens:,} tokens ({prompt_tok:,} prompt, {resp_tok:,} response; prompts "
-          f"{min(map(len, batch.prompt_ids))}-{max(map(len, batch.prompt_ids))}, responses "
-          f"{min(map(len, batch.response_ids))}-{max(map(len, batch.response_ids))}); token budget "
-          f"{cfg.train.max_tokens_per_micro_batch}, packed {policy.packed}, prompts shared {policy.share_prompts}")
-    print(f"tokens counted below (real, without padding; a shared prompt once per micro-batch): old log-probs "
-          f"{old_tokens:,}, update {upd_tokens:,} per epoch")
-    print(f"micro-batches: old log-probs {len(old_mbs)} (~{old_m} tokens incl. padding per decoder call, head {old_mh} rows), "
-          f"update {len(upd_mbs)} x {epochs} epoch(s) (~{upd_m} tokens, head {upd_mh} rows)")
+    print(
+        f"torch {torch.__version__}, {threads} threads (interop {torch.get_num_interop_threads()}), load average "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; times are medians of {args.updates}"
+    )
+    print(
+        f"model SmolLM2-135M-Instruct, {n_params:,} parameters (hidden {c.hidden_size}, {c.num_hidden_layers} layers, "
+        f"vocab {c.vocab_size}), {cfg.model.dtype}"
+    )
+    print(
+        f"batch {len(batch)} responses: {row_tokens:,} tokens ({prompt_tok:,} prompt, {resp_tok:,} response; prompts "
+        f"{min(map(len, batch.prompt_ids))}-{max(map(len, batch.prompt_ids))}, responses "
+        f"{min(map(len, batch.response_ids))}-{max(map(len, batch.response_ids))}); token budget "
+        f"{cfg.train.max_tokens_per_micro_batch}, packed {policy.packed}, prompts shared {policy.share_prompts}"
+    )
+    print(
+        f"tokens counted below (real, without padding; a shared prompt once per micro-batch): old log-probs "
+        f"{old_tokens:,}, update {upd_tokens:,} per epoch"
+    )
+    print(
+        f"micro-batches: old log-probs {len(old_mbs)} (~{old_m} tokens incl. padding per decoder "
+        f"call, head {old_mh} rows), "
+        f"update {len(upd_mbs)} x {epochs} epoch(s) (~{upd_m} tokens, head {upd_mh} rows)"
+    )
     print("CPU-time rates (the process's CPU seconds over all threads; torch.mm measured the same way):")
     for name, flops, exec_flops, w, cpu, mm, n_tok in (
         ("old log-probs (2N/token)", old_2n, old_exec, old_w, old_c, mm_old, old_tokens),
         ("update (6N/token)", upd_6n, upd_exec, upd_w, upd_c, mm_upd, upd_tokens * epochs),
     ):
-        print(f"  {name:26s} {w:7.1f} s wall {cpu:7.1f} s CPU  {n_tok / w:7.0f} tok/s wall"
-              f" ({row_tokens * (1 if 'old' in name else epochs) / w:.0f} of the rows' prompt + response)"
-              f"  {flops / cpu / 1e9:6.1f} GFLOP/s per CPU s ({flops / w / 1e9:6.1f} per wall s)"
-              f"  torch.mm {mm / 1e9:6.1f}  -> {flops / cpu / mm:5.1%}; executed matmul FLOPs {exec_flops / flops:.2f}x of "
-              f"that -> {exec_flops / cpu / mm:5.1%}")
+        print(
+            f"  {name:26s} {w:7.1f} s wall {cpu:7.1f} s CPU  {n_tok / w:7.0f} tok/s wall"
+            f" ({row_tokens * (1 if 'old' in name else epochs) / w:.0f} of the rows' prompt + response)"
+            f"  {flops / cpu / 1e9:6.1f} GFLOP/s per CPU s ({flops / w / 1e9:6.1f} per wall s)"
+            f"  torch.mm {mm / 1e9:6.1f}  -> {flops / cpu / mm:5.1%}; executed matmul FLOPs "
+            f"{exec_flops / flops:.2f}x of "
+            f"that -> {exec_flops / cpu / mm:5.1%}"
+        )
     print(f"torch.mm 1024x1024x1024: {square / 1e9:.1f} GFLOP/s per CPU s")
-    print(f"training phase (old log-probs + update, 8N/token): {(old_2n + upd_6n) / (old_c + upd_c) / mm_upd:.1%} of torch.mm")
+    print(
+        "training phase (old log-probs + update, 8N/token): "
+        f"{(old_2n + upd_6n) / (old_c + upd_c) / mm_upd:.1%} of torch.mm"
+    )
     for line in profile_table(policy, batch, loss_fn):
         print(line)
     print(f"update MFU: {upd_6n / upd_c / mm_upd:.0%}")
@@ -344,11 +410,17 @@ def real_main(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--real", action="store_true", help="SmolLM2-135M-Instruct with its preset, synthetic batch")
-    parser.add_argument("--updates", type=int, default=None, help="timed training phases (demo 5 after a warm-up; real 3)")
+    parser.add_argument(
+        "--updates", type=int, default=None, help="timed training phases (demo 5 after a warm-up; real 3)"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (demo 1; real: torch's default)")
     parser.add_argument("--config", default=str(ROOT / "configs/demo.yaml"), help="demo mode only")
-    parser.add_argument("--head-chunk", type=int, default=None,
-                        help="response rows per LM-head chunk (default: the trainer's, dapo.policy.head_chunk_rows)")
+    parser.add_argument(
+        "--head-chunk",
+        type=int,
+        default=None,
+        help="response rows per LM-head chunk (default: the trainer's, dapo.policy.head_chunk_rows)",
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = parser.parse_args()
     if args.head_chunk:  # measuring only: the trainer picks its chunk by vocabulary and device
@@ -402,21 +474,30 @@ def main() -> None:
     updates = cfg.train.prompts_per_step // cfg.train.mini_batch_prompts * cfg.train.ppo_epochs
     achieved = 6 * n_params * tokens * cfg.train.ppo_epochs / upd
     phase = (2 + 6 * cfg.train.ppo_epochs) * n_params * tokens / (old + upd)
-    print(f"torch {torch.__version__}, {args.threads} threads, load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"model {n_params:,} parameters (hidden {policy.model.config.hidden_size}, vocab "
-          f"{policy.model.config.vocab_size}); batch {len(batch)} responses, {tokens:,} tokens, {updates} updates, "
-          f"~{m:,} tokens per micro-batch")
+    print(
+        f"torch {torch.__version__}, {args.threads} threads, load average "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
+    print(
+        f"model {n_params:,} parameters (hidden {policy.model.config.hidden_size}, vocab "
+        f"{policy.model.config.vocab_size}); batch {len(batch)} responses, {tokens:,} tokens, {updates} updates, "
+        f"~{m:,} tokens per micro-batch"
+    )
     print(f"old log-probs {old:.3f} s, update {upd:.3f} s (median of {args.updates})")
     print(f"achieved, update (6N tokens / time):              {achieved / 1e9:8.2f} GFLOP/s")
     print(f"achieved, training phase (8N tokens / time):      {phase / 1e9:8.2f} GFLOP/s")
     print(f"torch.mm at the model's shapes ({m} rows):        {mm / 1e9:8.2f} GFLOP/s")
     print(f"torch.mm 1024x1024x1024:                          {square / 1e9:8.2f} GFLOP/s")
-    print(f"MFU update: {achieved / mm:.1%} of the model-shape matmul rate ({achieved / square:.1%} of the square's); "
-          f"training phase: {phase / mm:.1%}")
+    print(
+        f"MFU update: {achieved / mm:.1%} of the model-shape matmul rate ({achieved / square:.1%} of the square's); "
+        f"training phase: {phase / mm:.1%}"
+    )
     print(f"profile of one update: matmuls {matmul / total_self:.0%} of CPU self time; top ops:")
     for e in top:
-        print(f"  {e.key:48s} {e.self_cpu_time_total / 1e3:8.1f} ms  {e.self_cpu_time_total / total_self:5.1%}  x{e.count}")
+        print(
+            f"  {e.key:48s} {e.self_cpu_time_total / 1e3:8.1f} ms  "
+            f"{e.self_cpu_time_total / total_self:5.1%}  x{e.count}"
+        )
 
 
 if __name__ == "__main__":

@@ -35,20 +35,34 @@ def main() -> None:
         for setting in SETTINGS if run % 2 == 0 else SETTINGS[::-1]:
             out = run_point(BASE, args.steps, extra=(f"algo.old_logp={setting}",))
             r = out["row"]
-            res[setting].append({"old": r.get("perf/time_old_logprob_s", 0.0), "update": r["perf/time_update_s"],
-                                 "step": r["perf/time_step_s"] - r.get("perf/time_checkpoint_s", 0.0),
-                                 "cpu": out["cpu_s"], "entropy": r.get("actor/entropy", float("nan"))})
+            res[setting].append(
+                {
+                    "old": r.get("perf/time_old_logprob_s", 0.0),
+                    "update": r["perf/time_update_s"],
+                    "step": r["perf/time_step_s"] - r.get("perf/time_checkpoint_s", 0.0),
+                    "cpu": out["cpu_s"],
+                    "entropy": r.get("actor/entropy", float("nan")),
+                }
+            )
             x = res[setting][-1]
-            print(f"run {run + 1} {setting:12s} old log-probs {x['old']:5.1f} s  update {x['update']:5.1f} s  "
-                  f"step {x['step']:5.1f} s  process CPU {x['cpu']:6.1f} s", flush=True)
+            print(
+                f"run {run + 1} {setting:12s} old log-probs {x['old']:5.1f} s  update {x['update']:5.1f} s  "
+                f"step {x['step']:5.1f} s  process CPU {x['cpu']:6.1f} s",
+                flush=True,
+            )
     med = {s: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for s, rs in res.items()}
     base = med["recompute"]
     print(f"\nmedian of {args.runs} runs (last of {args.steps} steps)")
-    print(f"{'setting':12s} {'old logp s':>10s} {'update s':>9s} {'step s':>7s} {'CPU s/run':>9s}  saving per step vs recompute")
+    print(
+        f"{'setting':12s} {'old logp s':>10s} {'update s':>9s} {'step s':>7s} {'CPU s/run':>9s}  "
+        "saving per step vs recompute"
+    )
     for s, m in med.items():
-        print(f"{s:12s} {m['old']:10.1f} {m['update']:9.1f} {m['step']:7.1f} {m['cpu']:9.1f}  "
-              f"{base['step'] - m['step']:+.1f} s ({100 * (base['step'] - m['step']) / base['step']:+.0f}%), "
-              f"CPU {base['cpu'] - m['cpu']:+.0f} s per run")
+        print(
+            f"{s:12s} {m['old']:10.1f} {m['update']:9.1f} {m['step']:7.1f} {m['cpu']:9.1f}  "
+            f"{base['step'] - m['step']:+.1f} s ({100 * (base['step'] - m['step']) / base['step']:+.0f}%), "
+            f"CPU {base['cpu'] - m['cpu']:+.0f} s per run"
+        )
 
 
 if __name__ == "__main__":

@@ -77,9 +77,19 @@ def side_ours(args) -> dict:
     engine.generate(ids, SamplingParams(n=G, temperature=TEMPERATURE, max_new_tokens=MAX_NEW, seed=999))  # warm-up
     _, push_s, push_cpu = timed(lambda: engine.update_weights(model.named_parameters()))
     _, sleep_s, _ = timed(lambda: (engine.sleep(), engine.wake()))
-    gen, wall, cpu = timed(lambda: engine.generate(ids, SamplingParams(n=G, temperature=TEMPERATURE,
-                                                                      max_new_tokens=MAX_NEW, seed=args.seed)))
-    return {"tokens": gen.num_tokens, "wall": wall, "cpu": cpu, "push_s": push_s, "push_cpu": push_cpu, "sleep_wake_s": sleep_s}
+    gen, wall, cpu = timed(
+        lambda: engine.generate(
+            ids, SamplingParams(n=G, temperature=TEMPERATURE, max_new_tokens=MAX_NEW, seed=args.seed)
+        )
+    )
+    return {
+        "tokens": gen.num_tokens,
+        "wall": wall,
+        "cpu": cpu,
+        "push_s": push_s,
+        "push_cpu": push_cpu,
+        "sleep_wake_s": sleep_s,
+    }
 
 
 def side_bare(args) -> dict:
@@ -89,15 +99,26 @@ def side_bare(args) -> dict:
 
     tok = AutoTokenizer.from_pretrained(MODEL)
     # the settings vLLM needs on a CPU for seeded sampling (see rollout/vllm.py), nothing of the trainer's
-    llm = LLM(model=str(MODEL), dtype="float32", seed=0, max_model_len=256 + MAX_NEW, kv_cache_memory_bytes=int(KV_GIB * 2**30),
-              enable_chunked_prefill=False, max_num_batched_tokens=8192, long_prefill_token_threshold=0,
-              enforce_eager=True, generation_config="vllm")
+    llm = LLM(
+        model=str(MODEL),
+        dtype="float32",
+        seed=0,
+        max_model_len=256 + MAX_NEW,
+        kv_cache_memory_bytes=int(KV_GIB * 2**30),
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=8192,
+        long_prefill_token_threshold=0,
+        enforce_eager=True,
+        generation_config="vllm",
+    )
     ids = prompts(tok, args.prompts)
     reqs = [TokensPrompt(prompt_token_ids=p) for p in ids]
 
     def run(seed):
-        params = [SamplingParams(n=G, temperature=TEMPERATURE, top_p=1.0, max_tokens=MAX_NEW, seed=seed * 10_007 + i)
-                  for i in range(len(reqs))]
+        params = [
+            SamplingParams(n=G, temperature=TEMPERATURE, top_p=1.0, max_tokens=MAX_NEW, seed=seed * 10_007 + i)
+            for i in range(len(reqs))
+        ]
         return llm.generate(reqs, params, use_tqdm=False)
 
     run(999)
@@ -114,8 +135,11 @@ def side_hf(args) -> dict:
     engine = HFRolloutEngine(model, tok)
     ids = prompts(tok, args.prompts)
     engine.generate(ids[:2], SamplingParams(n=G, temperature=TEMPERATURE, max_new_tokens=8, seed=999))
-    gen, wall, cpu = timed(lambda: engine.generate(ids, SamplingParams(n=G, temperature=TEMPERATURE,
-                                                                      max_new_tokens=MAX_NEW, seed=args.seed)))
+    gen, wall, cpu = timed(
+        lambda: engine.generate(
+            ids, SamplingParams(n=G, temperature=TEMPERATURE, max_new_tokens=MAX_NEW, seed=args.seed)
+        )
+    )
     return {"tokens": gen.num_tokens, "wall": wall, "cpu": cpu}
 
 
@@ -146,25 +170,44 @@ def main() -> None:
     for run in range(args.runs):
         for side in sides if run % 2 == 0 else sides[::-1]:
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
-                cmd = [sys.executable, __file__, "--side", side, "--json", f.name, "--prompts", str(args.prompts),
-                       "--seed", str(run)]
-                proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--side",
+                    side,
+                    "--json",
+                    f.name,
+                    "--prompts",
+                    str(args.prompts),
+                    "--seed",
+                    str(run),
+                ]
+                proc = subprocess.run(
+                    cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+                )
                 if proc.returncode:
                     sys.exit(f"{side} failed:\n{proc.stderr[-3000:]}")
                 r = json.loads(Path(f.name).read_text())
             res[side].append(r)
-            print(f"run {run + 1} {side:11s} {r['tokens']} tokens, {r['tokens'] / r['wall']:.0f} tokens/s wall, "
-                  f"{r['tokens'] / r['cpu']:.0f} per CPU s" + (f"; weight push {r['push_s']:.2f} s" if "push_s" in r else ""),
-                  flush=True)
+            print(
+                f"run {run + 1} {side:11s} {r['tokens']} tokens, {r['tokens'] / r['wall']:.0f} tokens/s wall, "
+                f"{r['tokens'] / r['cpu']:.0f} per CPU s"
+                + (f"; weight push {r['push_s']:.2f} s" if "push_s" in r else ""),
+                flush=True,
+            )
     rate = {s: statistics.median(r["tokens"] / r["wall"] for r in rs) for s, rs in res.items()}
     cpu_rate = {s: statistics.median(r["tokens"] / r["cpu"] for r in rs) for s, rs in res.items()}
-    print(f"\n{args.prompts} prompts x G={G}, <= {MAX_NEW} tokens, temperature {TEMPERATURE}; median of {args.runs} runs")
+    print(
+        f"\n{args.prompts} prompts x G={G}, <= {MAX_NEW} tokens, temperature {TEMPERATURE}; median of {args.runs} runs"
+    )
     for s in sides:
         print(f"{s:11s} {rate[s]:7.0f} tokens/s wall  {cpu_rate[s]:7.0f} tokens per CPU s")
     for bare in ("bare-inproc", "bare"):
         if "ours" in rate and bare in rate:
-            print(f"ours vs {bare} vLLM: {100 * (rate[bare] / rate['ours'] - 1):+.1f}% overhead (wall), "
-                  f"{100 * (cpu_rate[bare] / cpu_rate['ours'] - 1):+.1f}% (CPU)")
+            print(
+                f"ours vs {bare} vLLM: {100 * (rate[bare] / rate['ours'] - 1):+.1f}% overhead (wall), "
+                f"{100 * (cpu_rate[bare] / cpu_rate['ours'] - 1):+.1f}% (CPU)"
+            )
     if "ours" in rate and "hf" in rate:
         print(f"ours vs HF generate: {rate['ours'] / rate['hf']:.2f}x")
     if "ours" in res:

@@ -69,8 +69,10 @@ def main() -> None:
     print(f"RewardPool, {args.workers} workers, limit {limit:.2f} s, median of {args.runs} runs")
     print(f"  time-out latency     {med['timeout']:7.3f} s   {med['timeout'] / limit:5.2f} x limit")
     print(f"  recovery (next call) {med['recovery']:7.3f} s   {med['recovery'] / limit:5.2f} x limit")
-    print(f"  time-out + recovery  {med['timeout'] + med['recovery']:7.3f} s   "
-          f"{(med['timeout'] + med['recovery']) / limit:5.2f} x limit")
+    print(
+        f"  time-out + recovery  {med['timeout'] + med['recovery']:7.3f} s   "
+        f"{(med['timeout'] + med['recovery']) / limit:5.2f} x limit"
+    )
     print(f"  crash latency        {med['crash']:7.3f} s   {med['crash'] / limit:5.2f} x limit")
     print(f"  crash recovery       {med['crash_recovery']:7.3f} s   {med['crash_recovery'] / limit:5.2f} x limit")
     print(f"  throughput           {med['tput']:7.0f} short dapo responses/s")

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
+from dapo.data import make_encoder
 from dapo.models import load_model_and_tokenizer
 from dapo.rollout.base import SamplingParams
 from dapo.rollout.hf import HFRolloutEngine
 from dapo.tasks import arith
-from dapo.data import make_encoder
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = [  # name, split, difficulty, prompts, samples per prompt, max new tokens
@@ -51,9 +51,17 @@ def bare_generate(model, tokenizer, texts: list[str], params: SamplingParams, eo
     enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left")
     torch.manual_seed(params.seed)
     with torch.no_grad():
-        out = model.generate(**enc, do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0,
-                             max_new_tokens=params.max_new_tokens, num_return_sequences=params.n,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=sorted(eos))
+        out = model.generate(
+            **enc,
+            do_sample=True,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=0,
+            max_new_tokens=params.max_new_tokens,
+            num_return_sequences=params.n,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=sorted(eos),
+        )
     return count_tokens(out[:, enc["input_ids"].shape[1] :].tolist(), eos)
 
 
@@ -68,8 +76,10 @@ def main() -> None:
     model.train(False)
     engine = HFRolloutEngine(model, tokenizer)
     encode = make_encoder(tokenizer, 2048)
-    print(f"torch {torch.__version__}, {args.threads} threads, median of {args.runs} alternated runs, "
-          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(
+        f"torch {torch.__version__}, {args.threads} threads, median of {args.runs} alternated runs, "
+        f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
     print(f"{'workload':24s} {'tokens':>7s} {'bare tok/s':>11s} {'ours tok/s':>11s} {'overhead':>9s} {'(wall)':>9s}")
     for name, split, difficulty, prompts, n, max_new in WORKLOADS:
         examples = arith.make_examples(split, prompts, seed=0, difficulty=difficulty)
@@ -95,9 +105,12 @@ def main() -> None:
             ours_rates.append(ours)
             ratios.append(bare / ours)
             wall_ratios.append((timings["bare"][0] / timings["bare"][2]) / (timings["ours"][0] / timings["ours"][2]))
-        print(f"{name:24s} {timings['ours'][0]:7d} {statistics.median(bare_rates):11,.0f} "
-              f"{statistics.median(ours_rates):11,.0f} {100 * (statistics.median(ratios) - 1):+8.1f}% "
-              f"{100 * (statistics.median(wall_ratios) - 1):+8.1f}%", flush=True)
+        print(
+            f"{name:24s} {timings['ours'][0]:7d} {statistics.median(bare_rates):11,.0f} "
+            f"{statistics.median(ours_rates):11,.0f} {100 * (statistics.median(ratios) - 1):+8.1f}% "
+            f"{100 * (statistics.median(wall_ratios) - 1):+8.1f}%",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

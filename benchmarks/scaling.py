@@ -25,23 +25,45 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = Path("~/.cache/dapo/models/SmolLM2-135M-Instruct").expanduser()
 BASE = {"G": 8, "P": 8, "L": 96}
-POINTS = {"base": BASE, "G4": {**BASE, "G": 4}, "G16": {**BASE, "G": 16}, "P4": {**BASE, "P": 4},
-          "P16": {**BASE, "P": 16}, "L48": {**BASE, "L": 48}, "L192": {**BASE, "L": 192}}
+POINTS = {
+    "base": BASE,
+    "G4": {**BASE, "G": 4},
+    "G16": {**BASE, "G": 16},
+    "P4": {**BASE, "P": 4},
+    "P16": {**BASE, "P": 16},
+    "L48": {**BASE, "L": 48},
+    "L192": {**BASE, "L": 192},
+}
 
 
 def run_point(point: dict, steps: int, extra: tuple[str, ...] = ()) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         overrides = [
-            f"rollout.group_size={point['G']}", f"train.prompts_per_step={point['P']}",
-            f"train.mini_batch_prompts={point['P'] // 2}", f"rollout.max_response_tokens={point['L']}",
-            f"algo.overlong_buffer_tokens={point['L'] // 4}", "algo.dynamic_sampling=false", "rollout.backend=vllm",
-            "eval.benchmarks=[]", "eval.before_train=false", "run.save_every=null", f"train.total_steps={steps}",
-            f"run.dir={tmp}", "run.name=p", "run.progress=false", "run.loggers=console", *extra,
+            f"rollout.group_size={point['G']}",
+            f"train.prompts_per_step={point['P']}",
+            f"train.mini_batch_prompts={point['P'] // 2}",
+            f"rollout.max_response_tokens={point['L']}",
+            f"algo.overlong_buffer_tokens={point['L'] // 4}",
+            "algo.dynamic_sampling=false",
+            "rollout.backend=vllm",
+            "eval.benchmarks=[]",
+            "eval.before_train=false",
+            "run.save_every=null",
+            f"train.total_steps={steps}",
+            f"run.dir={tmp}",
+            "run.name=p",
+            "run.progress=false",
+            "run.loggers=console",
+            *extra,
         ]
         with open(Path(tmp) / "stderr.txt", "w+") as err:
-            proc = subprocess.Popen([sys.executable, "-m", "dapo.training", str(ROOT / "configs/smollm2_135m.yaml"), *overrides],
-                                    cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err,
-                                    env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "dapo.training", str(ROOT / "configs/smollm2_135m.yaml"), *overrides],
+                cwd=ROOT,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+            )
             _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak memory
             proc.returncode = os.waitstatus_to_exitcode(status)
             err.seek(0)
@@ -60,9 +82,12 @@ def main() -> None:
     extra = (f"train.max_tokens_per_micro_batch={args.budget}",) if args.budget else ()
     if not (MODEL / "config.json").exists():
         sys.exit(f"needs {MODEL}: run `make smollm2` once")
-    print(f"{'G':>3s} {'P':>3s} {'L':>4s} {'rows':>5s} {'s/step':>7s} {'generate':>9s} {'gen %':>6s} {'old logp':>9s} "
-          f"{'update':>7s} {'push':>5s} {'trained tok':>11s} {'peak GiB: collect':>17s} {'old logp':>8s} {'update':>6s} "
-          f"{'process':>7s}", flush=True)
+    print(
+        f"{'G':>3s} {'P':>3s} {'L':>4s} {'rows':>5s} {'s/step':>7s} {'generate':>9s} {'gen %':>6s} {'old logp':>9s} "
+        f"{'update':>7s} {'push':>5s} {'trained tok':>11s} {'peak GiB: collect':>17s} {'old logp':>8s} {'update':>6s} "
+        f"{'process':>7s}",
+        flush=True,
+    )
     for name in args.points.split(","):
         point = POINTS[name]
         res = run_point(point, args.steps, extra)
@@ -73,12 +98,20 @@ def main() -> None:
 
         step = r["perf/time_step_s"] - r.get("perf/time_checkpoint_s", 0.0)
         gen = r["perf/time_generate_s"]
-        tokens = r["sampling/samples_generated"] / max(r["sampling/samples_per_trained_sample"], 1e-9) * \
-            r["rollout/response_length_mean"]
-        print(f"{point['G']:3d} {point['P']:3d} {point['L']:4d} {point['G'] * point['P']:5d} {step:7.1f} {gen:9.1f} "
-              f"{100 * gen / step:5.0f}% {r.get('perf/time_old_logprob_s', 0):9.1f} {r.get('perf/time_update_s', 0):7.1f} "
-              f"{r.get('perf/time_weight_sync_s', 0):5.2f} {tokens:11.0f} {peak('collect'):17.2f} {peak('old_logprob'):8.2f} "
-              f"{peak('update'):6.2f} {res['peak_gb']:7.2f}", flush=True)
+        tokens = (
+            r["sampling/samples_generated"]
+            / max(r["sampling/samples_per_trained_sample"], 1e-9)
+            * r["rollout/response_length_mean"]
+        )
+        print(
+            f"{point['G']:3d} {point['P']:3d} {point['L']:4d} {point['G'] * point['P']:5d} {step:7.1f} {gen:9.1f} "
+            f"{100 * gen / step:5.0f}% {r.get('perf/time_old_logprob_s', 0):9.1f} "
+            f"{r.get('perf/time_update_s', 0):7.1f} "
+            f"{r.get('perf/time_weight_sync_s', 0):5.2f} {tokens:11.0f} {peak('collect'):17.2f} "
+            f"{peak('old_logprob'):8.2f} "
+            f"{peak('update'):6.2f} {res['peak_gb']:7.2f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -13,10 +13,10 @@ import time
 import torch
 
 from dapo.config import RolloutConfig
+from dapo.data import make_encoder
 from dapo.models import load_model_and_tokenizer
 from dapo.rollout import SamplingParams, make_rollout
 from dapo.tasks import arith
-from dapo.data import make_encoder
 
 
 def main() -> None:
@@ -47,8 +47,11 @@ def main() -> None:
             rate = gen.num_tokens / (time.perf_counter() - t)
             best[name] = max(best.get(name, 0.0), rate)
             print(f"{name}: round {r}: {gen.num_tokens} tokens, {rate:,.0f} tokens/s")
-    print(f"best tokens/s: hf {best['hf']:,.0f}, vllm {best['vllm']:,.0f}, ratio vllm/hf {best['vllm'] / best['hf']:.2f} "
-          f"({args.prompts} prompts x {args.n} samples, <= {args.max_new_tokens} tokens, {torch.get_num_threads()} threads)")
+    print(
+        f"best tokens/s: hf {best['hf']:,.0f}, vllm {best['vllm']:,.0f}, ratio vllm/hf {best['vllm'] / best['hf']:.2f} "
+        f"({args.prompts} prompts x {args.n} samples, <= {args.max_new_tokens} tokens, "
+        f"{torch.get_num_threads()} threads)"
+    )
 
 
 if __name__ == "__main__":

@@ -71,8 +71,12 @@ SIDES = ("ours-equal", "trl", "ours-default")
 G, MAX_NEW, LR, PROMPTS, UPDATES, MICRO, WARMUP = 8, 48, 5e-4, 32, 2, 64, 5
 EVAL_PROBLEMS, EVAL_N, EVAL_SEED = 200, 4, 1234
 OURS_EQUAL = [
-    "algo.dynamic_sampling=false", "algo.overlong_filtering=true", "algo.soft_overlong_punishment=false",
-    "algo.dual_clip=null", "algo.loss_agg=token-mean", "algo.kl_coef=0",
+    "algo.dynamic_sampling=false",
+    "algo.overlong_filtering=true",
+    "algo.soft_overlong_punishment=false",
+    "algo.dual_clip=null",
+    "algo.loss_agg=token-mean",
+    "algo.kl_coef=0",
 ]
 REAL_MODEL = Path("~/.cache/dapo/models/SmolLM2-135M-Instruct").expanduser()
 REAL_PRESET = ROOT / "configs/smollm2_135m.yaml"
@@ -90,7 +94,14 @@ class Setting:
             self.eval_problems, self.eval_n, self.eval_seed = 50, 4, 1234
         else:
             self.model, self.preset = ROOT / "assets/arith-base", ROOT / "configs/demo.yaml"
-            self.G, self.max_new, self.lr, self.prompts, self.updates, self.warmup = G, MAX_NEW, LR, PROMPTS, UPDATES, WARMUP
+            self.G, self.max_new, self.lr, self.prompts, self.updates, self.warmup = (
+                G,
+                MAX_NEW,
+                LR,
+                PROMPTS,
+                UPDATES,
+                WARMUP,
+            )
             self.micro, self.temperature, self.grader, self.bench = MICRO, 1.0, "arith", "arith"
             self.eval_problems, self.eval_n, self.eval_seed = EVAL_PROBLEMS, EVAL_N, EVAL_SEED
 
@@ -132,21 +143,50 @@ def run_ours(args, overrides: list[str]) -> dict:
         return out
 
     dapo.training.evaluate, dapo.log.RunLogger.log = timed_evaluate, timed_log
-    real = ["rollout.backend=vllm", f"eval.benchmarks=[{st.bench}]", f"eval.temperature={st.temperature}",
-            f"reward.grader={st.grader}"] if st.real else []
+    real = (
+        [
+            "rollout.backend=vllm",
+            f"eval.benchmarks=[{st.bench}]",
+            f"eval.temperature={st.temperature}",
+            f"reward.grader={st.grader}",
+        ]
+        if st.real
+        else []
+    )
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config(st.preset, [
-            f"model.path={st.model}", f"run.dir={tmp}", "run.name=bench", "run.progress=false",
-            "run.loggers=console", "run.save_every=null", "run.resume=false", "run.samples_per_step=0",
-            "model.device=cpu", f"rollout.group_size={st.G}", f"rollout.max_response_tokens={st.max_new}",
-            f"rollout.temperature={st.temperature}",
-            f"train.lr={st.lr}", f"train.prompts_per_step={st.prompts}", f"train.mini_batch_prompts={st.prompts // st.updates}",
-            f"train.warmup_steps={st.warmup}", f"train.total_steps={args.total}",
-            f"data.seed={args.seed}", f"rollout.seed={args.seed}", f"train.seed={args.seed}",
-            f"eval.every_steps={args.eval_every or 'null'}", f"eval.before_train={str(bool(args.eval_every)).lower()}",
-            f"eval.num_problems={st.eval_problems}", f"eval.n={st.eval_n}", f"eval.seed={st.eval_seed}", *real, *overrides,
-            *([] if args.eval_every else ["eval.benchmarks=[]"]),  # timing runs: no evaluation after the last step
-        ])
+        cfg = load_config(
+            st.preset,
+            [
+                f"model.path={st.model}",
+                f"run.dir={tmp}",
+                "run.name=bench",
+                "run.progress=false",
+                "run.loggers=console",
+                "run.save_every=null",
+                "run.resume=false",
+                "run.samples_per_step=0",
+                "model.device=cpu",
+                f"rollout.group_size={st.G}",
+                f"rollout.max_response_tokens={st.max_new}",
+                f"rollout.temperature={st.temperature}",
+                f"train.lr={st.lr}",
+                f"train.prompts_per_step={st.prompts}",
+                f"train.mini_batch_prompts={st.prompts // st.updates}",
+                f"train.warmup_steps={st.warmup}",
+                f"train.total_steps={args.total}",
+                f"data.seed={args.seed}",
+                f"rollout.seed={args.seed}",
+                f"train.seed={args.seed}",
+                f"eval.every_steps={args.eval_every or 'null'}",
+                f"eval.before_train={str(bool(args.eval_every)).lower()}",
+                f"eval.num_problems={st.eval_problems}",
+                f"eval.n={st.eval_n}",
+                f"eval.seed={st.eval_seed}",
+                *real,
+                *overrides,
+                *([] if args.eval_every else ["eval.benchmarks=[]"]),  # timing runs: no evaluation after the last step
+            ],
+        )
         t0 = time.perf_counter()
         cpu["marks"].append((0, time.process_time(), 0.0))
         try:
@@ -166,9 +206,16 @@ def run_ours(args, overrides: list[str]) -> dict:
         cpu_s = (c1 - c0) - (e1 - e0)
         clock += seconds
         cpu_clock += cpu_s
-        steps.append({"s": seconds, "cpu_s": cpu_s, "generate": r["perf/time_generate_s"],
-                      "old_logprob": r.get("perf/time_old_logprob_s", 0.0), "update": r.get("perf/time_update_s", 0.0),
-                      "gen_rounds": r["sampling/gen_rounds"]})
+        steps.append(
+            {
+                "s": seconds,
+                "cpu_s": cpu_s,
+                "generate": r["perf/time_generate_s"],
+                "old_logprob": r.get("perf/time_old_logprob_s", 0.0),
+                "update": r.get("perf/time_update_s", 0.0),
+                "gen_rounds": r["sampling/gen_rounds"],
+            }
+        )
         if st.eval_key in r:
             evals.append({"step": r["step"], "train_s": clock, "train_cpu_s": cpu_clock, "acc": r[st.eval_key]})
     return {"steps": steps, "evals": evals, "total_s": total}
@@ -191,7 +238,10 @@ def run_trl(args) -> dict:
     model = AutoModelForCausalLM.from_pretrained(st.model, dtype=torch.float32, trust_remote_code=False)
     if st.real:  # the problems as user turns: TRL applies the chat template, as our side does
         train_examples = load_examples(ROOT / "data/word_problems/train.jsonl", template="raw")
-        rows = [{"prompt": [{"role": "user", "content": ex.text()}], "ground_truth": ex.ground_truth} for ex in train_examples]
+        rows = [
+            {"prompt": [{"role": "user", "content": ex.text()}], "ground_truth": ex.ground_truth}
+            for ex in train_examples
+        ]
     else:
         train_examples = arith.make_examples("train", 3000, seed=0, difficulty="demo")  # what data.task=arith uses
         rows = [{"prompt": ex.text(), "ground_truth": ex.ground_truth} for ex in train_examples]
@@ -216,13 +266,15 @@ def run_trl(args) -> dict:
             from dapo.rollout import make_rollout
 
             backend = "vllm" if st.real else "hf"
-            evaluator["engine"] = make_rollout(RolloutConfig(backend=backend, kv_cache_gib=0.5), model, tokenizer,
-                                               max_model_len=256 + st.max_new)
+            evaluator["engine"] = make_rollout(
+                RolloutConfig(backend=backend, kv_cache_gib=0.5), model, tokenizer, max_model_len=256 + st.max_new
+            )
         engine = evaluator["engine"]
         if engine.backend == "vllm":
             engine.update_weights(model.named_parameters())
-        sampling = SamplingParams(n=st.eval_n, temperature=st.temperature, top_p=1.0, max_new_tokens=st.max_new,
-                                  seed=st.eval_seed)
+        sampling = SamplingParams(
+            n=st.eval_n, temperature=st.temperature, top_p=1.0, max_new_tokens=st.max_new, seed=st.eval_seed
+        )
         return evaluate(engine, encode, eval_examples, pool, sampling, name=st.bench, grader=st.grader).avg
 
     class Timer(TrainerCallback):
@@ -238,8 +290,10 @@ def run_trl(args) -> dict:
             clock["train"] += seconds
             clock["train_cpu"] += cpu_s
             steps.append({"s": seconds, "cpu_s": cpu_s, "generate": timings["generate"]})
-            print(f"trl step {state.global_step // st.updates}: {seconds:.1f} s (generate {timings['generate']:.1f} s)",
-                  flush=True)
+            print(
+                f"trl step {state.global_step // st.updates}: {seconds:.1f} s (generate {timings['generate']:.1f} s)",
+                flush=True,
+            )
             timings["generate"] = 0.0
             step = state.global_step // st.updates
             if args.eval_every and step % args.eval_every == 0:
@@ -254,18 +308,49 @@ def run_trl(args) -> dict:
     vllm = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3} if args.trl_vllm else {}
     with tempfile.TemporaryDirectory() as tmp:
         config = GRPOConfig(
-            output_dir=tmp, use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
-            save_strategy="no", logging_steps=10, seed=args.seed, data_seed=args.seed, max_steps=args.total * st.updates,
-            learning_rate=st.lr, lr_scheduler_type="constant_with_warmup", warmup_steps=st.warmup * st.updates,
-            weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0,
-            per_device_train_batch_size=st.micro, gradient_accumulation_steps=per_update // st.micro,
-            steps_per_generation=st.prompts * st.G // st.micro, num_iterations=1, num_generations=st.G,
-            max_completion_length=st.max_new, temperature=st.temperature, top_p=1.0, top_k=0,
-            loss_type="dapo", epsilon=0.2, epsilon_high=0.28, mask_truncated_completions=True, beta=0.0,
-            scale_rewards="group", disable_tqdm=True, **({"use_vllm": False} if not vllm else vllm),
+            output_dir=tmp,
+            use_cpu=True,
+            bf16=False,
+            gradient_checkpointing=False,
+            report_to="none",
+            save_strategy="no",
+            logging_steps=10,
+            seed=args.seed,
+            data_seed=args.seed,
+            max_steps=args.total * st.updates,
+            learning_rate=st.lr,
+            lr_scheduler_type="constant_with_warmup",
+            warmup_steps=st.warmup * st.updates,
+            weight_decay=0.0,
+            adam_beta1=0.9,
+            adam_beta2=0.999,
+            max_grad_norm=1.0,
+            per_device_train_batch_size=st.micro,
+            gradient_accumulation_steps=per_update // st.micro,
+            steps_per_generation=st.prompts * st.G // st.micro,
+            num_iterations=1,
+            num_generations=st.G,
+            max_completion_length=st.max_new,
+            temperature=st.temperature,
+            top_p=1.0,
+            top_k=0,
+            loss_type="dapo",
+            epsilon=0.2,
+            epsilon_high=0.28,
+            mask_truncated_completions=True,
+            beta=0.0,
+            scale_rewards="group",
+            disable_tqdm=True,
+            **({"use_vllm": False} if not vllm else vllm),
         )
-        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
-                              processing_class=tokenizer, callbacks=[Timer()])
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=reward,
+            args=config,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            callbacks=[Timer()],
+        )
         generate_turn = trainer._generate_single_turn
 
         def timed_generate(*a, **kw):  # measures only; TRL's own generation runs unchanged
@@ -313,8 +398,24 @@ def worker(args) -> None:
 def launch(side: str, args, *, total: int, eval_every: int, target: float, seed: int = 0) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
-    cmd = [sys.executable, __file__, "--worker", side, "--json", out, "--threads", str(args.threads),
-           "--total", str(total), "--eval-every", str(eval_every), "--target", str(target), "--seed", str(seed)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        side,
+        "--json",
+        out,
+        "--threads",
+        str(args.threads),
+        "--total",
+        str(total),
+        "--eval-every",
+        str(eval_every),
+        "--target",
+        str(target),
+        "--seed",
+        str(seed),
+    ]
     cmd += ["--real"] if args.real else []
     cmd += ["--trl-vllm"] if args.trl_vllm else []
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
@@ -343,7 +444,10 @@ def per_step(args, sides: list[str]) -> dict[str, dict]:
             kept = res["steps"][args.warmup :]
             med = {k: statistics.median(s[k] for s in kept) for k in kept[0]}
             runs[side].append(med)
-            print(f"  run {run + 1} {side:13s} {med['s']:.2f} s/step, {med['cpu_s']:.2f} CPU s/step  ({load()})", flush=True)
+            print(
+                f"  run {run + 1} {side:13s} {med['s']:.2f} s/step, {med['cpu_s']:.2f} CPU s/step  ({load()})",
+                flush=True,
+            )
     return {s: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for s, rs in runs.items()}
 
 
@@ -358,32 +462,60 @@ def to_target(args, sides: list[str]) -> dict[str, dict]:
             hit = next((e for e in res["evals"] if e["acc"] >= args.target), None)
             races[side].append({"hit": hit, "evals": res["evals"]})
             best = max((e["acc"] for e in res["evals"]), default=0.0)
-            where = (f"{hit['train_cpu_s']:.1f} CPU s, {hit['train_s']:.1f} s wall (step {hit['step']}, avg@n {hit['acc']:.3f})"
-                     if hit else f"not reached in {args.max_steps} steps (best {best:.3f})")
+            where = (
+                f"{hit['train_cpu_s']:.1f} CPU s, {hit['train_s']:.1f} s wall (step {hit['step']}, "
+                f"avg@n {hit['acc']:.3f})"
+                if hit
+                else f"not reached in {args.max_steps} steps (best {best:.3f})"
+            )
             print(f"  seed {seed} {side:13s} {where}  ({load()})", flush=True)
-            print("    " + ", ".join(f"step {e['step']}: {e['acc']:.3f} @ {e['train_cpu_s']:.0f} CPU s" for e in res["evals"]),
-                  flush=True)
+            print(
+                "    "
+                + ", ".join(f"step {e['step']}: {e['acc']:.3f} @ {e['train_cpu_s']:.0f} CPU s" for e in res["evals"]),
+                flush=True,
+            )
     out = {}
     for side, rs in races.items():
-        med = {k: statistics.median(r["hit"][k] if r["hit"] else math.inf for r in rs) for k in ("train_s", "train_cpu_s")}
+        med = {
+            k: statistics.median(r["hit"][k] if r["hit"] else math.inf for r in rs) for k in ("train_s", "train_cpu_s")
+        }
         med["steps"] = [r["hit"]["step"] if r["hit"] else None for r in rs]
         out[side] = {"hit": None if math.isinf(med["train_s"]) else med, "races": rs}
     for side in sides:
         hit = out[side]["hit"]
-        print(f"  {side:13s} median over {args.seeds} seed(s): " + (
-            f"{hit['train_cpu_s']:.1f} CPU s, {hit['train_s']:.1f} s wall (steps at the target: {hit['steps']})" if hit
-            else "did not reach the target in most runs"), flush=True)
+        print(
+            f"  {side:13s} median over {args.seeds} seed(s): "
+            + (
+                f"{hit['train_cpu_s']:.1f} CPU s, {hit['train_s']:.1f} s wall (steps at the target: {hit['steps']})"
+                if hit
+                else "did not reach the target in most runs"
+            ),
+            flush=True,
+        )
     return out
 
 
-REAL_DEFAULTS = {"runs": 3, "steps": 2, "warmup": 1, "threads": 0, "target": 0.2, "max_steps": 6, "eval_every": 2,
-                 "seeds": 1, "sides": "ours-equal,trl"}
+REAL_DEFAULTS = {
+    "runs": 3,
+    "steps": 2,
+    "warmup": 1,
+    "threads": 0,
+    "target": 0.2,
+    "max_steps": 6,
+    "eval_every": 2,
+    "seeds": 1,
+    "sides": "ours-equal,trl",
+}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--real", action="store_true", help="SmolLM2-135M-Instruct at the real-model preset's settings "
-                        "(defaults then: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in REAL_DEFAULTS.items()) + ")")
+    parser.add_argument(
+        "--real",
+        action="store_true",
+        help="SmolLM2-135M-Instruct at the real-model preset's settings "
+        "(defaults then: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in REAL_DEFAULTS.items()) + ")",
+    )
     parser.add_argument("--runs", type=int, default=None, help="alternated runs of each side for s/step (3)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run, after the warm-up (6)")
     parser.add_argument("--warmup", type=int, default=None, help="steps dropped at the start of each run (2)")
@@ -401,8 +533,17 @@ def main() -> None:
     parser.add_argument("--json", help=argparse.SUPPRESS)
     parser.add_argument("--total", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    demo = {"runs": 3, "steps": 6, "warmup": 2, "threads": 1, "target": 0.6, "max_steps": 60, "eval_every": 5,
-            "seeds": 1, "sides": ",".join(SIDES)}
+    demo = {
+        "runs": 3,
+        "steps": 6,
+        "warmup": 2,
+        "threads": 1,
+        "target": 0.6,
+        "max_steps": 60,
+        "eval_every": 5,
+        "seeds": 1,
+        "sides": ",".join(SIDES),
+    }
     for key, value in (REAL_DEFAULTS if args.real else demo).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -419,25 +560,37 @@ def main() -> None:
         sys.exit(f"--real needs the model in {REAL_MODEL}: run `make smollm2` once")
     sides = [s for s in SIDES if s in args.sides.split(",")]
     threads = args.threads or torch.get_num_threads()
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
-          f"{threads} threads, {os.cpu_count()} CPUs, {load()}")
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
+        f"{threads} threads, {os.cpu_count()} CPUs, {load()}"
+    )
     if args.real and "trl" in sides:
         t0 = time.perf_counter()
         probe = launch("trl-vllm-probe", args, total=1, eval_every=0, target=0.0)
         args.trl_vllm = bool(probe.get("ok"))
-        print(f"TRL rollout: {'vLLM colocate' if args.trl_vllm else 'transformers generate'}"
-              + ("" if args.trl_vllm else f" (its vLLM colocate mode failed here: {probe.get('error')})")
-              + f"  [probe {time.perf_counter() - t0:.0f} s]", flush=True)
+        print(
+            f"TRL rollout: {'vLLM colocate' if args.trl_vllm else 'transformers generate'}"
+            + ("" if args.trl_vllm else f" (its vLLM colocate mode failed here: {probe.get('error')})")
+            + f"  [probe {time.perf_counter() - t0:.0f} s]",
+            flush=True,
+        )
     speedup = None
     if not args.skip_steps:
         print(f"s/step: {args.runs} alternated runs x {args.steps} steps (+{args.warmup} warm-up) per side")
         med = per_step(args, sides)
-        print(f"\n{'side':13s} {'CPU s/step':>10s} {'s/step':>7s} {'generate':>9s} {'rest':>6s}  "
-              f"TRL / side (CPU)  (wall)")
+        print(
+            f"\n{'side':13s} {'CPU s/step':>10s} {'s/step':>7s} {'generate':>9s} {'rest':>6s}  TRL / side (CPU)  (wall)"
+        )
         for side in sides:
             m = med[side]
-            print(f"{side:13s} {m['cpu_s']:10.2f} {m['s']:7.2f} {m['generate']:9.2f} {m['s'] - m['generate']:6.2f}  "
-                  + (f"{med['trl']['cpu_s'] / m['cpu_s']:15.2f}x  {med['trl']['s'] / m['s']:5.2f}x" if "trl" in med else ""))
+            print(
+                f"{side:13s} {m['cpu_s']:10.2f} {m['s']:7.2f} {m['generate']:9.2f} {m['s'] - m['generate']:6.2f}  "
+                + (
+                    f"{med['trl']['cpu_s'] / m['cpu_s']:15.2f}x  {med['trl']['s'] / m['s']:5.2f}x"
+                    if "trl" in med
+                    else ""
+                )
+            )
         if "trl" in med and "ours-equal" in med:
             speedup = med["trl"]["s"] / med["ours-equal"]["s"]
     if not args.skip_accuracy:
@@ -447,8 +600,10 @@ def main() -> None:
         for side in sides:
             hit = res[side]["hit"]
             if side != "trl" and hit and trl_hit:
-                print(f"{side}: {hit['train_cpu_s'] / trl_hit['train_cpu_s']:.2f} of TRL's CPU time to the target, "
-                      f"{hit['train_s'] / trl_hit['train_s']:.2f} of its wall time")
+                print(
+                    f"{side}: {hit['train_cpu_s'] / trl_hit['train_cpu_s']:.2f} of TRL's CPU time to the target, "
+                    f"{hit['train_s'] / trl_hit['train_s']:.2f} of its wall time"
+                )
     if speedup is not None:
         print(f"per-step speedup vs TRL: {speedup:.2f}x")
 

@@ -1,6 +1,6 @@
 """Fill docs/architecture.md's code references: @@file:text@@ -> `file:line` of text's first line.
 
-    python scripts/architecture_lines.py scripts/architecture.in.md > docs/architecture.md
+python scripts/architecture_lines.py scripts/architecture.in.md > docs/architecture.md
 """
 
 import re

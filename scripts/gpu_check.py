@@ -41,11 +41,17 @@ STATE_DIR = ROOT / "runs" / "gpu_check"
 PARTS = ("install", "tests", "demo", "bench")
 # item: (what it checks, pytest selection in tests/test_gpu.py, time limit in seconds)
 ITEMS = {
-    "a": ("one update in float32 and bf16, and under FSDP2 on 1 rank (nccl) with bf16 mixed precision, "
-          "cpu_offload, activation checkpointing, against the CPU float32 update",
-          "one_update_in_one_process or fsdp2_one_rank or two_steps_on_gpu", 240),
-    "b": ("shared prompt prefix vs unshared: eager, SDPA math / memory-efficient / flash; log-probs and gradients",
-          "shared_prompt_prefix", 120),
+    "a": (
+        "one update in float32 and bf16, and under FSDP2 on 1 rank (nccl) with bf16 mixed precision, "
+        "cpu_offload, activation checkpointing, against the CPU float32 update",
+        "one_update_in_one_process or fsdp2_one_rank or two_steps_on_gpu",
+        240,
+    ),
+    "b": (
+        "shared prompt prefix vs unshared: eager, SDPA math / memory-efficient / flash; log-probs and gradients",
+        "shared_prompt_prefix",
+        120,
+    ),
     "c": ("HeadLogProbs vs full logits, float32 and bf16, across CUDA_HEAD_CHUNK_ROWS chunks", "head_log_probs", 60),
     "d": ("fused AdamW vs torch's reference AdamW", "fused_adamw", 60),
     "e": ("LoRA: only adapters change; the merged export gives the trainer's logits", "lora_trains", 120),
@@ -74,8 +80,13 @@ class Check:
 
     def env(self, **extra) -> dict:
         path = [str(self.site), str(ROOT / "src"), str(ROOT / "tests")]
-        return {**os.environ, "PYTHONPATH": os.pathsep.join(path + [os.environ.get("PYTHONPATH", "")]),
-                "DAPO_GPU_CHECK": "1", "PYTHONUNBUFFERED": "1", **extra}
+        return {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(path + [os.environ.get("PYTHONPATH", "")]),
+            "DAPO_GPU_CHECK": "1",
+            "PYTHONUNBUFFERED": "1",
+            **extra,
+        }
 
     def limit(self, own: float) -> float:
         """A part's time limit: its own, cut to what is left of the whole budget."""
@@ -89,8 +100,15 @@ class Check:
 
         t0, limit = time.monotonic(), self.limit(timeout)
         with open(log, "w+") as out_file:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env(**env), stdout=out_file, stderr=subprocess.STDOUT,
-                                    text=True, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                env=self.env(**env),
+                stdout=out_file,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
             try:
                 code = proc.wait(timeout=limit)
             except subprocess.TimeoutExpired:
@@ -123,8 +141,18 @@ class Check:
         self.site.mkdir(parents=True, exist_ok=True)
         how = "none needed"
         if todo:
-            cmd = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--upgrade", "--target",
-                   str(self.site), *map(str, todo)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--no-index",
+                "--no-deps",
+                "--upgrade",
+                "--target",
+                str(self.site),
+                *map(str, todo),
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             how = "pip install --no-index --no-deps --target"
             if proc.returncode != 0:  # no pip on the machine: every wheel here is pure Python, a zip to unpack
@@ -132,23 +160,32 @@ class Check:
                     with zipfile.ZipFile(wheel) as z:
                         z.extractall(self.site)
                 how = f"unzipped (pip failed: {(proc.stderr.strip().splitlines() or ['?'])[-1][:120]})"
-        probe = ("import json, platform, torch, transformers, peft, math_verify, pytest, pytest_timeout, dapo\n"
-                 "from importlib.metadata import version\n"
-                 "cuda = torch.cuda.is_available()\n"
-                 "p = torch.cuda.get_device_properties(0) if cuda else None\n"
-                 "nccl = '.'.join(map(str, torch.cuda.nccl.version())) if cuda else None\n"
-                 "print(json.dumps({'python': platform.python_version(), 'torch': torch.__version__,\n"
-                 " 'cuda': torch.version.cuda, 'cudnn': torch.backends.cudnn.version(), 'nccl': nccl,\n"
-                 " 'device': torch.cuda.get_device_name(0) if cuda else None, 'devices': torch.cuda.device_count(),\n"
-                 " 'memory_gib': round(p.total_memory / 2**30, 1) if p else None,\n"
-                 " 'capability': f'{p.major}.{p.minor}' if p else None,\n"
-                 " 'transformers': transformers.__version__, 'peft': peft.__version__,\n"
-                 " 'math_verify': version('math-verify'), 'pytest': pytest.__version__,\n"
-                 " 'tf32_matmul': torch.backends.cuda.matmul.allow_tf32}))\n")
+        probe = (
+            "import json, platform, torch, transformers, peft, math_verify, pytest, pytest_timeout, dapo\n"
+            "from importlib.metadata import version\n"
+            "cuda = torch.cuda.is_available()\n"
+            "p = torch.cuda.get_device_properties(0) if cuda else None\n"
+            "nccl = '.'.join(map(str, torch.cuda.nccl.version())) if cuda else None\n"
+            "print(json.dumps({'python': platform.python_version(), 'torch': torch.__version__,\n"
+            " 'cuda': torch.version.cuda, 'cudnn': torch.backends.cudnn.version(), 'nccl': nccl,\n"
+            " 'device': torch.cuda.get_device_name(0) if cuda else None, 'devices': torch.cuda.device_count(),\n"
+            " 'memory_gib': round(p.total_memory / 2**30, 1) if p else None,\n"
+            " 'capability': f'{p.major}.{p.minor}' if p else None,\n"
+            " 'transformers': transformers.__version__, 'peft': peft.__version__,\n"
+            " 'math_verify': version('math-verify'), 'pytest': pytest.__version__,\n"
+            " 'tf32_matmul': torch.backends.cuda.matmul.allow_tf32}))\n"
+        )
         code, out, _ = self.run([sys.executable, "-c", probe], 120, STATE_DIR / "install.log")
         env = json.loads(out.strip().splitlines()[-1]) if code == 0 else None
-        self.state["install"] = {"ok": code == 0, "installed": installed, "kept": kept, "how": how, "env": env,
-                                 "error": None if code == 0 else out[-2000:], "at": now()}
+        self.state["install"] = {
+            "ok": code == 0,
+            "installed": installed,
+            "kept": kept,
+            "how": how,
+            "env": env,
+            "error": None if code == 0 else out[-2000:],
+            "at": now(),
+        }
         if code != 0:
             raise SystemExit(f"gpu-check: the environment does not import:\n{out[-2000:]}")
 
@@ -156,13 +193,30 @@ class Check:
     def pytest(self, name: str, selection: list[str], timeout: float) -> dict:
         junit = STATE_DIR / f"junit_{name}.xml"
         junit.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-rs", "-p", "no:cacheprovider", f"--junitxml={junit}",
-               "--timeout", str(int(timeout)), *selection]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-s",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={junit}",
+            "--timeout",
+            str(int(timeout)),
+            *selection,
+        ]
         code, out, seconds = self.run(cmd, timeout + 30, STATE_DIR / f"pytest_{name}.log")
         cases = parse_junit(junit) if junit.exists() else []
-        figures = [line[len("GPU-CHECK "):] for line in out.splitlines() if line.startswith("GPU-CHECK ")]
-        return {"exit": code, "seconds": round(seconds, 1), "cases": cases, "figures": figures,
-                "tail": "" if code == 0 else out[-4000:]}
+        figures = [line[len("GPU-CHECK ") :] for line in out.splitlines() if line.startswith("GPU-CHECK ")]
+        return {
+            "exit": code,
+            "seconds": round(seconds, 1),
+            "cases": cases,
+            "figures": figures,
+            "tail": "" if code == 0 else out[-4000:],
+        }
 
     def part_tests(self) -> None:
         results = self.state.setdefault("tests", {})
@@ -182,17 +236,40 @@ class Check:
 
         shutil.rmtree(run_dir, ignore_errors=True)  # a finished demo would only be reported again
         extra = os.environ.get("GPU_CHECK_DEMO_ARGS", "").split()
-        cmd = [sys.executable, "-m", "dapo.cli", "demo", f"model.device={'cuda' if cuda else 'cpu'}",
-               f"run.dir={run_dir}", "run.progress=false", *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "dapo.cli",
+            "demo",
+            f"model.device={'cuda' if cuda else 'cpu'}",
+            f"run.dir={run_dir}",
+            "run.progress=false",
+            *extra,
+        ]
         code, out, seconds = self.run(cmd, 420, STATE_DIR / "demo.log", COLUMNS="200")
-        m = re.search(r"held-out accuracy: \S+ (avg@\d+) ([\d.]+)% \[[^\]]*\] before -> ([\d.]+)% \[[^\]]*\] after step (\d+)", out)
+        m = re.search(
+            r"held-out accuracy: \S+ (avg@\d+) ([\d.]+)% \[[^\]]*\] before -> ([\d.]+)% \[[^\]]*\] after step (\d+)",
+            out,
+        )
         wall = re.search(r"wall time: ([\d.]+) s", out)
-        found = {"exit": code, "seconds": round(seconds, 1), "command": " ".join(cmd[2:]), "cuda": cuda,
-                 "shortened": bool(extra), "tail": "" if code == 0 and m else out[-3000:]}
+        found = {
+            "exit": code,
+            "seconds": round(seconds, 1),
+            "command": " ".join(cmd[2:]),
+            "cuda": cuda,
+            "shortened": bool(extra),
+            "tail": "" if code == 0 and m else out[-3000:],
+        }
         if m:
             before, after = float(m.group(2)), float(m.group(3))
-            found |= {"metric": m.group(1), "before": before, "after": after, "steps": int(m.group(4)),
-                      "rise": round(after - before, 1), "wall_s": float(wall.group(1)) if wall else None}
+            found |= {
+                "metric": m.group(1),
+                "before": before,
+                "after": after,
+                "steps": int(m.group(4)),
+                "rise": round(after - before, 1),
+                "wall_s": float(wall.group(1)) if wall else None,
+            }
         self.state["demo"] = found
         self.save()
 
@@ -206,7 +283,13 @@ class Check:
             cmd += ["--parts", parts]
         code, out, seconds = self.run(cmd, 480, STATE_DIR / "bench.log")
         data = json.loads(out_json.read_text()) if out_json.exists() else {}
-        new = {"exit": code, "seconds": round(seconds, 1), "smoke": not cuda, **data, "tail": "" if code == 0 else out[-4000:]}
+        new = {
+            "exit": code,
+            "seconds": round(seconds, 1),
+            "smoke": not cuda,
+            **data,
+            "tail": "" if code == 0 else out[-4000:],
+        }
         self.state["bench"] = merge_bench(self.state.get("bench"), new)
         self.save()
 
@@ -216,21 +299,27 @@ def merge_bench(old: dict | None, new: dict) -> dict:
     its rows, the parts not run again keep theirs. So a bench cut short by its time limit goes on with
     GPU_CHECK_BENCH_PARTS=<the parts left> without losing what it measured."""
     same = old and old.get("smoke") == new.get("smoke") and old.get("header", [""])[:1] == new.get("header", [""])[:1]
-    if not same or not isinstance(old.get("rows"), dict) or not isinstance(new.get("rows"), dict):  # (or one cut before its JSON)
+    if (
+        not same or not isinstance(old.get("rows"), dict) or not isinstance(new.get("rows"), dict)
+    ):  # (or one cut before its JSON)
         return new
     redone = set(new.get("done", []))
 
     def kept(by_part: dict) -> dict:
         return {k: v for k, v in by_part.items() if k not in redone}
 
-    return {**new, "rows": kept(old["rows"]) | new["rows"],
-            "results": {**old.get("results", {}), **new.get("results", {})},
-            "failed": kept(old.get("failed", {})) | new.get("failed", {}),
-            "done": [part for part in new["all_parts"] if part in redone or part in old.get("done", [])]}
+    return {
+        **new,
+        "rows": kept(old["rows"]) | new["rows"],
+        "results": {**old.get("results", {}), **new.get("results", {})},
+        "failed": kept(old.get("failed", {})) | new.get("failed", {}),
+        "done": [part for part in new["all_parts"] if part in redone or part in old.get("done", [])],
+    }
 
 
 def older(have: str, wanted: str) -> bool:
     """Whether version ``have`` is below ``wanted`` (numeric parts compared; a pre-release counts as its release)."""
+
     def key(v: str) -> tuple:
         return tuple(int(x) for x in re.findall(r"\d+", v.split("+")[0])[:4])
 
@@ -249,8 +338,15 @@ def parse_junit(path: Path) -> list[dict]:
                 break
         name = case.get("name", "")
         device = "cuda" if "cuda" in name else "cpu" if "cpu" in name else ("cuda" if "gpu" in name else "other")
-        cases.append({"name": name, "status": status, "device": device, "message": message,
-                      "seconds": float(case.get("time", 0))})
+        cases.append(
+            {
+                "name": name,
+                "status": status,
+                "device": device,
+                "message": message,
+                "seconds": float(case.get("time", 0)),
+            }
+        )
     return cases
 
 
@@ -262,8 +358,11 @@ def item_status(result: dict | None) -> tuple[str, str]:
     if result["exit"] is None:
         return "FAIL (time-out)", f"stopped after {result['seconds']} s"
     count = lambda dev, st: sum(1 for c in cases if c["device"] == dev and c["status"] == st)  # noqa: E731
-    detail = ", ".join(f"{dev}: {count(dev, 'passed')} passed, {count(dev, 'failed')} failed, {count(dev, 'skipped')} skipped"
-                       for dev in ("cuda", "cpu", "other") if any(c["device"] == dev for c in cases))
+    detail = ", ".join(
+        f"{dev}: {count(dev, 'passed')} passed, {count(dev, 'failed')} failed, {count(dev, 'skipped')} skipped"
+        for dev in ("cuda", "cpu", "other")
+        if any(c["device"] == dev for c in cases)
+    )
     if any(c["status"] == "failed" for c in cases) or (result["exit"] not in (0, 5) and not cases):
         return "FAIL", detail
     if count("cuda", "passed") and not count("cuda", "skipped"):
@@ -277,26 +376,39 @@ def write_report(state: dict, paths: list[Path]) -> str:
     env = (state.get("install") or {}).get("env") or {}
     lines = ["# dapo gpu-check report", "", f"written {now()}, commit {git_commit()}", ""]
     if env.get("device"):
-        lines.append(f"**device: {env['device']}** ({env['devices']} visible, {env['memory_gib']} GiB, compute capability "
-                     f"{env['capability']})")
+        lines.append(
+            f"**device: {env['device']}** ({env['devices']} visible, {env['memory_gib']} GiB, compute capability "
+            f"{env['capability']})"
+        )
     else:
-        lines.append("**device: none: no CUDA device was visible.** This run checked the script on a CPU "
-                     "(--allow-cpu): every CUDA case is skipped, no figure below is a GPU figure.")
-    lines += ["", f"python {env.get('python')}, torch {env.get('torch')}, CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')}, "
-              f"NCCL {env.get('nccl')}, transformers {env.get('transformers')}, peft {env.get('peft')}, "
-              f"math-verify {env.get('math_verify')}, pytest {env.get('pytest')}; TF32 matmul {env.get('tf32_matmul')}", ""]
+        lines.append(
+            "**device: none: no CUDA device was visible.** This run checked the script on a CPU "
+            "(--allow-cpu): every CUDA case is skipped, no figure below is a GPU figure."
+        )
+    lines += [
+        "",
+        f"python {env.get('python')}, torch {env.get('torch')}, CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')}, "
+        f"NCCL {env.get('nccl')}, transformers {env.get('transformers')}, peft {env.get('peft')}, "
+        f"math-verify {env.get('math_verify')}, pytest {env.get('pytest')}; TF32 matmul {env.get('tf32_matmul')}",
+        "",
+    ]
     inst = state.get("install")
     if inst:
-        lines += [f"wheels from .whl ({inst['how']}): " + (", ".join(inst["installed"]) or "none"),
-                  "kept the machine's: " + (", ".join(inst["kept"]) or "none"), ""]
+        lines += [
+            f"wheels from .whl ({inst['how']}): " + (", ".join(inst["installed"]) or "none"),
+            "kept the machine's: " + (", ".join(inst["kept"]) or "none"),
+            "",
+        ]
     lines += ["| item | what | result | cases | seconds |", "|---|---|---|---|---|"]
     tests = state.get("tests", {})
     for item, (what, _, _) in ITEMS.items():
         verdict, detail = item_status(tests.get(item))
         lines.append(f"| {item} | {what} | {verdict} | {detail} | {(tests.get(item) or {}).get('seconds', '')} |")
     verdict, detail = item_status(tests.get("gpu-marked"))
-    lines.append(f"| other | tests marked gpu in {', '.join(OTHER_GPU_TESTS)} | {verdict} | {detail} | "
-                 f"{(tests.get('gpu-marked') or {}).get('seconds', '')} |")
+    lines.append(
+        f"| other | tests marked gpu in {', '.join(OTHER_GPU_TESTS)} | {verdict} | {detail} | "
+        f"{(tests.get('gpu-marked') or {}).get('seconds', '')} |"
+    )
     demo = state.get("demo")
     if demo is None:
         lines.append("| h | `dapo demo model.device=cuda`: held-out accuracy +15 points | NOT RUN | | |")
@@ -304,13 +416,23 @@ def write_report(state: dict, paths: list[Path]) -> str:
         if "rise" not in demo:
             verdict = "FAIL (no result line)" if demo["exit"] is not None else "FAIL (time-out)"
         elif not demo["cuda"]:
-            verdict = f"CPU run{' (shortened)' if demo['shortened'] else ''}: {'rose' if demo['rise'] >= DEMO_RISE_POINTS else 'did not rise'} {demo['rise']} points"
+            shortened = " (shortened)" if demo["shortened"] else ""
+            rose = "rose" if demo["rise"] >= DEMO_RISE_POINTS else "did not rise"
+            verdict = f"CPU run{shortened}: {rose} {demo['rise']} points"
         else:
             verdict = "PASS" if demo["rise"] >= DEMO_RISE_POINTS else f"FAIL (rose {demo['rise']} points)"
-        detail = (f"{demo['metric']} {demo['before']}% -> {demo['after']}% after step {demo['steps']}, "
-                  f"wall time {demo['wall_s']} s") if "rise" in demo else ""
-        lines.append(f"| h | `{demo['command']}`: held-out accuracy +{DEMO_RISE_POINTS:.0f} points | {verdict} | {detail} | "
-                     f"{demo['seconds']} |")
+        detail = (
+            (
+                f"{demo['metric']} {demo['before']}% -> {demo['after']}% after step {demo['steps']}, "
+                f"wall time {demo['wall_s']} s"
+            )
+            if "rise" in demo
+            else ""
+        )
+        lines.append(
+            f"| h | `{demo['command']}`: held-out accuracy +{DEMO_RISE_POINTS:.0f} points | {verdict} | {detail} | "
+            f"{demo['seconds']} |"
+        )
     lines += ["", "## Measured differences (tests/test_gpu.py, each beside the tolerance its test states)", ""]
     for item in [*ITEMS, "gpu-marked"]:
         for fig in (tests.get(item) or {}).get("figures", []):
@@ -324,7 +446,9 @@ def write_report(state: dict, paths: list[Path]) -> str:
         lines.append("not run")
     else:
         if bench.get("smoke"):
-            lines.append("**smoke run (no CUDA device): tiny shapes, the script checked, no figure here is a measurement**")
+            lines.append(
+                "**smoke run (no CUDA device): tiny shapes, the script checked, no figure here is a measurement**"
+            )
             lines.append("")
         rows = bench.get("rows", {})
         lines += bench.get("header", []) + [row for part in bench.get("all_parts", rows) for row in rows.get(part, [])]
@@ -332,13 +456,18 @@ def write_report(state: dict, paths: list[Path]) -> str:
             lines += ["", "failed parts: " + "; ".join(f"{k}: {v[:300]}" for k, v in bench["failed"].items())]
         prof = (bench.get("results") or {}).get("profile")
         if prof:
-            lines += ["", "profile, top kernels/ops of one 1.5B-shape update:"] + [f"    {s:8.3f} s  {k}" for k, s in prof["top"]]
+            lines += ["", "profile, top kernels/ops of one 1.5B-shape update:"] + [
+                f"    {s:8.3f} s  {k}" for k, s in prof["top"]
+            ]
         if bench["exit"] is None:
             lines.append(f"(stopped after {bench['seconds']} s)")
         left = [part for part in bench.get("all_parts", []) if part not in bench.get("done", [])]
         if left:
-            lines += ["", f"not measured yet: {', '.join(left)}; measure them (the rows above stay) with "
-                          f"`make gpu-check GPU_CHECK_PARTS=bench GPU_CHECK_BENCH_PARTS={','.join(left)}`"]
+            lines += [
+                "",
+                f"not measured yet: {', '.join(left)}; measure them (the rows above stay) with "
+                f"`make gpu-check GPU_CHECK_PARTS=bench GPU_CHECK_BENCH_PARTS={','.join(left)}`",
+            ]
     failures = [(k, r["tail"]) for k, r in tests.items() if r.get("tail")]
     failures += [("demo", demo["tail"])] if demo and demo.get("tail") else []
     failures += [("bench", bench["tail"])] if bench and bench.get("tail") else []
@@ -346,8 +475,11 @@ def write_report(state: dict, paths: list[Path]) -> str:
         lines += ["", "## Output of what failed (last lines)"]
         for name, tail in failures:
             lines += ["", f"### {name}", "```", tail[-3000:], "```"]
-    lines += ["", "Not verifiable on one lent GPU without network: vLLM on GPU (its wheel is pinned to another torch and "
-              "too large to carry), NCCL across several GPUs, Ray across machines."]
+    lines += [
+        "",
+        "Not verifiable on one lent GPU without network: vLLM on GPU (its wheel is pinned to another torch and "
+        "too large to carry), NCCL across several GPUs, Ray across machines.",
+    ]
     text = "\n".join(lines) + "\n"
     for path in paths:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -361,7 +493,12 @@ def git_commit() -> str:
     if os.environ.get("GPU_CHECK_COMMIT"):
         return os.environ["GPU_CHECK_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "?"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+            ).stdout.strip()
+            or "?"
+        )
     except OSError:
         return "?"
 
@@ -369,15 +506,30 @@ def git_commit() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated, of: " + ",".join(PARTS))
-    ap.add_argument("--budget-s", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET_S", 1200)),
-                    help="the whole command's time (default 1200 s; each part also has its own limit)")
-    ap.add_argument("--site", default=os.environ.get("GPU_CHECK_SITE", "/tmp/dapo-gpu-site"),
-                    help="where the wheels are installed (not the machine's environment)")
-    ap.add_argument("--allow-cpu", action="store_true", default=os.environ.get("GPU_CHECK_ALLOW_CPU") == "1",
-                    help="run without a CUDA device (checks this script; CUDA cases skipped)")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=float(os.environ.get("GPU_CHECK_BUDGET_S", 1200)),
+        help="the whole command's time (default 1200 s; each part also has its own limit)",
+    )
+    ap.add_argument(
+        "--site",
+        default=os.environ.get("GPU_CHECK_SITE", "/tmp/dapo-gpu-site"),
+        help="where the wheels are installed (not the machine's environment)",
+    )
+    ap.add_argument(
+        "--allow-cpu",
+        action="store_true",
+        default=os.environ.get("GPU_CHECK_ALLOW_CPU") == "1",
+        help="run without a CUDA device (checks this script; CUDA cases skipped)",
+    )
     ap.add_argument("--fresh", action="store_true", help="forget the results of earlier commands")
-    ap.add_argument("--force-wheels", action="store_true", default=os.environ.get("GPU_CHECK_FORCE_WHEELS") == "1",
-                    help="install every wheel of .whl even where the machine has it (to check the install itself)")
+    ap.add_argument(
+        "--force-wheels",
+        action="store_true",
+        default=os.environ.get("GPU_CHECK_FORCE_WHEELS") == "1",
+        help="install every wheel of .whl even where the machine has it (to check the install itself)",
+    )
     args = ap.parse_args()
     parts = [p for p in args.parts.split(",") if p]
     if unknown := sorted(set(parts) - set(PARTS)):
@@ -387,8 +539,10 @@ def main() -> None:
         check.part_install()
         check.save()
     if not (check.state["install"]["env"] or {}).get("device") and not args.allow_cpu:
-        sys.exit("gpu-check: no CUDA device is visible; this checks the GPU paths (GPU_CHECK_ALLOW_CPU=1 runs it "
-                 "on the CPU to check the script itself)")
+        sys.exit(
+            "gpu-check: no CUDA device is visible; this checks the GPU paths (GPU_CHECK_ALLOW_CPU=1 runs it "
+            "on the CPU to check the script itself)"
+        )
     for part in parts:
         if part == "install":
             continue
@@ -399,7 +553,9 @@ def main() -> None:
         print(f"gpu-check: {part} ...", flush=True)
         getattr(check, f"part_{part}")()
         print(f"gpu-check: {part} done in {time.monotonic() - t0:.0f} s", flush=True)
-    paths = [STATE_DIR / "gpu_report.md"] + ([Path(os.environ["OUT"]) / "gpu_report.md"] if os.environ.get("OUT") else [])
+    paths = [STATE_DIR / "gpu_report.md"] + (
+        [Path(os.environ["OUT"]) / "gpu_report.md"] if os.environ.get("OUT") else []
+    )
     text = write_report(check.state, paths)
     if os.environ.get("OUT"):  # the logs beside the report, for what the report's tails do not show
         import shutil

@@ -63,14 +63,20 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--error-rate", type=float, default=0.35, help="chance that a step's result is wrong")
     p.add_argument(
-        "--clean-frac", type=float, default=0.6,
+        "--clean-frac",
+        type=float,
+        default=0.6,
         help="share of the steps, at the start, trained on correct solutions only",
     )
     p.add_argument(
-        "--ramble-rate", type=float, default=0.0,
+        "--ramble-rate",
+        type=float,
+        default=0.0,
         help="chance that the result line is written once more before the answer (repeatable)",
     )
-    p.add_argument("--init", type=Path, default=None, help="continue from this model directory instead of a fresh model")
+    p.add_argument(
+        "--init", type=Path, default=None, help="continue from this model directory instead of a fresh model"
+    )
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -104,7 +110,7 @@ def training_batch(rng: random.Random, tokenizer, args, error_rate: float):
     pad = tokenizer.pad_token_id
     ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
     mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-    lab = torch.tensor([l + [-100] * (width - len(l)) for l in labels])
+    lab = torch.tensor([row + [-100] * (width - len(row)) for row in labels])
     return ids, mask, lab
 
 
@@ -127,8 +133,9 @@ def accuracy(model, tokenizer, examples, *, samples: int, do_sample: bool, max_n
     (the trainer's own sampling and grading path)."""
     engine = HFRolloutEngine(model, tokenizer)
     prompt_ids = [tokenizer(e.prompt, add_special_tokens=False)["input_ids"] for e in examples]
-    params = SamplingParams(n=samples, temperature=1.0 if do_sample else 0.0, top_p=1.0, top_k=0,
-                            max_new_tokens=max_new_tokens, seed=seed)
+    params = SamplingParams(
+        n=samples, temperature=1.0 if do_sample else 0.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens, seed=seed
+    )
     gen = engine.generate(prompt_ids, params)
     truths = [e.ground_truth for e in examples for _ in range(samples)]  # prompt-major, as gen's rows
     return sum(grade(text, truth, "arith").acc for text, truth in zip(gen.texts, truths)) / len(truths)
@@ -184,12 +191,22 @@ def main(argv=None) -> int:
 
     held_out = arith.make_examples("test", args.eval_problems, seed=0, difficulty=args.difficulty)
     sampled = accuracy(
-        model, tokenizer, held_out, samples=args.eval_samples, do_sample=True,
-        max_new_tokens=args.max_new_tokens, seed=args.seed,
+        model,
+        tokenizer,
+        held_out,
+        samples=args.eval_samples,
+        do_sample=True,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
     )
     greedy = accuracy(
-        model, tokenizer, held_out, samples=1, do_sample=False,
-        max_new_tokens=args.max_new_tokens, seed=args.seed,
+        model,
+        tokenizer,
+        held_out,
+        samples=1,
+        do_sample=False,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
     )
 
     tiny.save(model, tokenizer, args.out)
@@ -203,8 +220,17 @@ def main(argv=None) -> int:
         "greedy_accuracy": round(greedy, 4),
         "train_seconds": round(train_s, 1),
         "total_seconds": round(time.time() - started, 1),
-        "args": {k: (str(v.relative_to(REPO)) if isinstance(v, Path) and v.is_relative_to(REPO) else
-                     str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "out"},
+        "args": {
+            k: (
+                str(v.relative_to(REPO))
+                if isinstance(v, Path) and v.is_relative_to(REPO)
+                else str(v)
+                if isinstance(v, Path)
+                else v
+            )
+            for k, v in vars(args).items()
+            if k != "out"
+        },
         "torch": torch.__version__,
     }
     (Path(args.out) / "base_model_eval.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -18,10 +18,46 @@ import json
 import random
 from pathlib import Path
 
-NAMES = ["Tom", "Anna", "Ben", "Lily", "Sam", "Mia", "Jack", "Emma", "Leo", "Zoe", "Max", "Ella",
-         "Noah", "Ava", "Omar", "Sara", "Ravi", "Nina", "Paul", "Kate"]
-ITEMS = ["apples", "pencils", "stickers", "marbles", "books", "cookies", "cards", "balloons",
-         "stamps", "shells", "coins", "flowers", "toy cars", "candies", "eggs", "oranges"]
+NAMES = [
+    "Tom",
+    "Anna",
+    "Ben",
+    "Lily",
+    "Sam",
+    "Mia",
+    "Jack",
+    "Emma",
+    "Leo",
+    "Zoe",
+    "Max",
+    "Ella",
+    "Noah",
+    "Ava",
+    "Omar",
+    "Sara",
+    "Ravi",
+    "Nina",
+    "Paul",
+    "Kate",
+]
+ITEMS = [
+    "apples",
+    "pencils",
+    "stickers",
+    "marbles",
+    "books",
+    "cookies",
+    "cards",
+    "balloons",
+    "stamps",
+    "shells",
+    "coins",
+    "flowers",
+    "toy cars",
+    "candies",
+    "eggs",
+    "oranges",
+]
 # Asked of every problem: a small model that is told the form of the answer rambles less, and the
 # gsm8k grader reads the number on an "Answer:" line or else the last number of the response.
 INSTRUCTION = "Reply with the final answer as a number."
@@ -45,8 +81,9 @@ def _one_step(rng: random.Random) -> tuple[str, int]:
         return f"There are {a} {box} with {b} {item} in each. How many {item} are there in total?", a * b
     if kind == 3:
         each, k = rng.randint(2, 9), rng.randint(2, 6)
-        return (f"{name} shares {each * k} {item} equally among {k} friends. "
-                f"How many {item} does each friend get?"), each
+        return (
+            f"{name} shares {each * k} {item} equally among {k} friends. How many {item} does each friend get?"
+        ), each
     if kind == 4:
         a, b = rng.randint(2, 30), rng.randint(2, 30)
         return f"{name} has {a} {item} and {other} has {b} {item}. How many {item} do they have together?", a + b
@@ -62,16 +99,21 @@ def _two_step(rng: random.Random) -> tuple[str, int]:
     if kind == 0:
         a, b = rng.randint(5, 30), rng.randint(2, 20)
         c = rng.randint(1, a + b - 1)
-        return (f"{name} has {a} {item}. {name} finds {b} more and then gives {c} to {other}. "
-                f"How many {item} does {name} have now?"), a + b - c
+        return (
+            f"{name} has {a} {item}. {name} finds {b} more and then gives {c} to {other}. "
+            f"How many {item} does {name} have now?"
+        ), a + b - c
     if kind == 1:
         a, b, c = rng.randint(2, 6), rng.randint(2, 6), rng.randint(1, 10)
         box = rng.choice(CONTAINERS)
-        return (f"{name} buys {a} {box} of {item} with {b} {item} in each, and already had {c} {item}. "
-                f"How many {item} does {name} have?"), a * b + c
+        return (
+            f"{name} buys {a} {box} of {item} with {b} {item} in each, and already had {c} {item}. "
+            f"How many {item} does {name} have?"
+        ), a * b + c
     a = rng.randint(2, 15)
-    return (f"{name} has {a} {item}. {other} has twice as many {item} as {name}. "
-            f"How many {item} do they have together?"), 3 * a
+    return (
+        f"{name} has {a} {item}. {other} has twice as many {item} as {name}. How many {item} do they have together?"
+    ), 3 * a
 
 
 def split_of(text: str) -> str:

@@ -32,16 +32,22 @@ def main(run_dir: str = "runs/demo") -> None:
         ci = f" [{100 * r[key + '_ci_low']:.1f}, {100 * r[key + '_ci_high']:.1f}]" if key + "_ci_low" in r else ""
         return f"{100 * r[key]:.1f}%{ci}"
 
-    med = {p: statistics.median(r.get(f"perf/time_{p}_s", 0.0) for r in steps)
-           for p in ("step", "generate", "old_logprob", "update", "eval", "checkpoint")}
+    med = {
+        p: statistics.median(r.get(f"perf/time_{p}_s", 0.0) for r in steps)
+        for p in ("step", "generate", "old_logprob", "update", "eval", "checkpoint")
+    }
     train_s = sum(r["perf/time_step_s"] for r in steps)
     print(f"{key}: {pct(evals[0])} at step {evals[0]['step']} -> {pct(evals[-1])} at step {evals[-1]['step']}")
     print("along the way: " + ", ".join(f"step {r['step']} {100 * r[key]:.1f}%" for r in evals[1:]))
-    print(f"{len(steps)} steps, median {med['step']:.2f} s (generation {med['generate']:.2f} s, log-probs "
-          f"{med['old_logprob']:.2f} s, update {med['update']:.2f} s); {train_s:.0f} s of steps with their evaluations "
-          f"and checkpoints")
-    print(f"training accuracy (rollout/acc_mean) first and last step: {steps[0]['rollout/acc_mean']:.3f} -> "
-          f"{steps[-1]['rollout/acc_mean']:.3f}")
+    print(
+        f"{len(steps)} steps, median {med['step']:.2f} s (generation {med['generate']:.2f} s, log-probs "
+        f"{med['old_logprob']:.2f} s, update {med['update']:.2f} s); {train_s:.0f} s of steps with their evaluations "
+        f"and checkpoints"
+    )
+    print(
+        f"training accuracy (rollout/acc_mean) first and last step: {steps[0]['rollout/acc_mean']:.3f} -> "
+        f"{steps[-1]['rollout/acc_mean']:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -12,23 +12,58 @@ import torch
 
 # the sizes every family gets, where its config has the setting (names as transformers spells them)
 TINY = dict(
-    vocab_size=258, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    intermediate_size=128, head_dim=16, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=1,
+    vocab_size=258,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    head_dim=16,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=1,
     # mixtures of experts
-    num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-    shared_expert_intermediate_size=32, n_shared_experts=1, n_group=1, topk_group=1,
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
     # multi-head latent attention (DeepSeek V2/V3 and their kin)
-    kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+    kv_lora_rank=16,
+    q_lora_rank=32,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
     # sliding windows wider than every test sequence: the shared prefix is allowed (prefix.unsupported)
     sliding_window=64,
     # the encoder-decoder families' decoders, alone (their ForCausalLM is the decoder stack)
-    d_model=64, decoder_layers=2, encoder_layers=1, decoder_attention_heads=4, encoder_attention_heads=4,
-    decoder_ffn_dim=128, encoder_ffn_dim=128,
+    d_model=64,
+    decoder_layers=2,
+    encoder_layers=1,
+    decoder_attention_heads=4,
+    encoder_attention_heads=4,
+    decoder_ffn_dim=128,
+    encoder_ffn_dim=128,
     # state-space and recurrent layers
-    state_size=8, ssm_state_size=8, mamba_d_state=8, mamba_n_heads=8, mamba_d_head=16, mamba_head_dim=16,
-    mamba_expand=2, mamba_n_groups=1, n_groups=1, rotary_dim=8, partial_rotary_factor=0.5,
+    state_size=8,
+    ssm_state_size=8,
+    mamba_d_state=8,
+    mamba_n_heads=8,
+    mamba_d_head=16,
+    mamba_head_dim=16,
+    mamba_expand=2,
+    mamba_n_groups=1,
+    n_groups=1,
+    rotary_dim=8,
+    partial_rotary_factor=0.5,
     # Gemma 3n and 4's per-layer input embeddings
-    vocab_size_per_layer_input=258, hidden_size_per_layer_input=8,
+    vocab_size_per_layer_input=258,
+    hidden_size_per_layer_input=8,
     # BERT-like families are causal LMs only as decoders
     is_decoder=True,
 )
@@ -36,17 +71,40 @@ TINY = dict(
 # per family: settings on top of TINY (a layer pattern with every kind of layer; what a family names otherwise)
 MLA = dict(num_key_value_heads=4)  # multi-head latent attention: as many key/value heads as query heads
 DROP = object()  # an OVERRIDES value: leave TINY's setting out (the family's default stands)
-INDEXER = dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=16, indexer_compress_ratio=4)  # sparse attention
+INDEXER = dict(
+    indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=16, indexer_compress_ratio=4
+)  # sparse attention
 HYBRID = ["linear_attention", "full_attention"]  # a linear-attention or state-space layer, then attention
 OVERRIDES: dict[str, dict] = {
-    **{family: MLA for family in ("axk1", "axk2", "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite",
-                                  "glm_moe_dsa", "kimi_linear", "longcat_flash", "minicpm3", "youtu")},
+    **{
+        family: MLA
+        for family in (
+            "axk1",
+            "axk2",
+            "deepseek_v2",
+            "deepseek_v3",
+            "deepseek_v32",
+            "glm4_moe_lite",
+            "glm_moe_dsa",
+            "kimi_linear",
+            "longcat_flash",
+            "minicpm3",
+            "youtu",
+        )
+    },
     "bamba": dict(attn_layer_indices=[1]),
-    "dbrx": dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=256,
-                 attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
-                 ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2}),
+    "dbrx": dict(
+        d_model=64,
+        n_heads=4,
+        n_layers=2,
+        max_seq_len=256,
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2},
+    ),
     "falcon_h1": dict(mamba_d_ssm=128),
-    "gemma3n_text": dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2),
+    "gemma3n_text": dict(
+        num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2
+    ),
     "gemma4_text": dict(layer_types=["sliding_attention", "full_attention"], head_dim=DROP),
     "gemma4_unified_text": dict(layer_types=["sliding_attention", "full_attention"], head_dim=DROP),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
@@ -76,10 +134,11 @@ OVERRIDES: dict[str, dict] = {
 # families that cannot be built here as a decoder-only causal LM, and why
 NOT_BUILT: dict[str, str] = {
     "emu3": "from_config builds it from the composite config, but the text config it saves does not load back with "
-            "AutoModelForCausalLM",
+    "AutoModelForCausalLM",
     "mllama": "from_config builds it from the composite config, but the text config it saves does not load back with "
-              "AutoModelForCausalLM",
-    "blt": "Byte Latent Transformer: a patcher and local encoder/decoder around the global model, not one decoder stack",
+    "AutoModelForCausalLM",
+    "blt": "Byte Latent Transformer: a patcher and local encoder/decoder around the global model, "
+    "not one decoder stack",
     "cohere_compass_text": "its rotary embedding asks for per-layer-type rope parameters its config does not build",
     "kimi_linear": "its attention's head counts disagree at every tiny size tried (4 against 8 in sdpa)",
     "gemma3": "Gemma3ForConditionalGeneration: a vision tower; its text model is gemma3_text",

@@ -18,11 +18,24 @@ def tiny_model_dir(tmp_path_factory):
 
 # a training config that runs a step in about a second on 2 CPU cores (as dotted overrides of the demo)
 SMALL_OVERRIDES = [
-    "run.name=t", "run.progress=false",
-    "run.loggers=console", "train.total_steps=2", "train.prompts_per_step=4", "train.mini_batch_prompts=2",
-    "train.max_tokens_per_micro_batch=256", "rollout.group_size=4", "rollout.max_response_tokens=16",
-    "algo.overlong_buffer_tokens=4", "algo.dynamic_sampling=false", "eval.num_problems=4", "eval.n=2",
-    "eval.every_steps=null", "eval.before_train=false", "reward.num_workers=1", "train.lr=1e-3", "train.warmup_steps=0",
+    "run.name=t",
+    "run.progress=false",
+    "run.loggers=console",
+    "train.total_steps=2",
+    "train.prompts_per_step=4",
+    "train.mini_batch_prompts=2",
+    "train.max_tokens_per_micro_batch=256",
+    "rollout.group_size=4",
+    "rollout.max_response_tokens=16",
+    "algo.overlong_buffer_tokens=4",
+    "algo.dynamic_sampling=false",
+    "eval.num_problems=4",
+    "eval.n=2",
+    "eval.every_steps=null",
+    "eval.before_train=false",
+    "reward.num_workers=1",
+    "train.lr=1e-3",
+    "train.warmup_steps=0",
 ]
 
 
@@ -37,16 +50,28 @@ def make_policy(cfg, device="cpu", dist=None):
 
     from dapo.policy import Policy
 
-    return Policy(cfg.model, cfg.train, dist, temperature=cfg.rollout.temperature, device=torch.device(device),
-                  max_seq_tokens=cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens)
+    return Policy(
+        cfg.model,
+        cfg.train,
+        dist,
+        temperature=cfg.rollout.temperature,
+        device=torch.device(device),
+        max_seq_tokens=cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens,
+    )
 
 
 def training_engine(cfg, policy, dist):
     """The rollout engine a training run with ``cfg`` builds for ``policy`` (None: only the checks)."""
     from dapo.rollout import make_training_engine
 
-    return make_training_engine(cfg.rollout, cfg.model, policy and policy.model, policy and policy.tokenizer, dist,
-                                max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens)
+    return make_training_engine(
+        cfg.rollout,
+        cfg.model,
+        policy and policy.model,
+        policy and policy.tokenizer,
+        dist,
+        max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens,
+    )
 
 
 def loss_fn_of(cfg):

@@ -110,7 +110,18 @@ def prescreen_worst_inputs(n: int) -> list[str]:
     """Texts of about `n` characters shaped to make the `math` grader's own regexes backtrack
     (overlapping `\\s*` runs, nested scans); `n` is the grader's tail length less a little."""
     return [
-        "^" + " " * n, "^" + " " * (n - 1) + "x", "(" + "^" * n, "{" + "^" * n, "(" * (n // 2) + "^" * (n // 2),
-        "1" * n + "x", ")" + " " * (n - 1) + "^", "(" + ")^" * (n // 2), "^1" + "." * (n - 1), "**" + " " * n,
-        "\\binom" + "a" * (n - 6), "1" + " " * (n - 1) + "x", "$" + " " * n, "\\frac{" + " " * n,
+        "^" + " " * n,
+        "^" + " " * (n - 1) + "x",
+        "(" + "^" * n,
+        "{" + "^" * n,
+        "(" * (n // 2) + "^" * (n // 2),
+        "1" * n + "x",
+        ")" + " " * (n - 1) + "^",
+        "(" + ")^" * (n // 2),
+        "^1" + "." * (n - 1),
+        "**" + " " * n,
+        "\\binom" + "a" * (n - 6),
+        "1" + " " * (n - 1) + "x",
+        "$" + " " * n,
+        "\\frac{" + " " * n,
     ]

@@ -1,6 +1,5 @@
 """The ablation study: each row adds exactly one technique; `dapo ablate` trains, reports and resumes."""
 
-import dataclasses
 import json
 import math
 from pathlib import Path
@@ -34,9 +33,25 @@ EXPECTED = {
     "8_no_overlong_filtering": ("algo.overlong_filtering", False),
 }
 # the technique switches: what the last row must share with the DAPO preset on any base
-SWITCHES = ("eps_low", "eps_high", "loss_agg", "kl_coef", "kl_kind", "dual_clip", "correct_reward", "wrong_reward",
-            "soft_overlong_punishment", "overlong_penalty_factor", "overlong_filtering", "truncated_in_group_stats",
-            "dynamic_sampling", "filter_metric", "scale_adv_by_std", "buffer_max_groups", "rollout_is_cap")
+SWITCHES = (
+    "eps_low",
+    "eps_high",
+    "loss_agg",
+    "kl_coef",
+    "kl_kind",
+    "dual_clip",
+    "correct_reward",
+    "wrong_reward",
+    "soft_overlong_punishment",
+    "overlong_penalty_factor",
+    "overlong_filtering",
+    "truncated_in_group_stats",
+    "dynamic_sampling",
+    "filter_metric",
+    "scale_adv_by_std",
+    "buffer_max_groups",
+    "rollout_is_cap",
+)
 DAPO = REPO / "configs" / "dapo_qwen2.5_32b.yaml"
 
 
@@ -49,7 +64,9 @@ def test_each_row_adds_exactly_one_technique(base):
     # naive GRPO: symmetric clip, sample-level loss, KL loss, hard truncation penalty, no filtering or resampling
     assert (first["algo.eps_low"], first["algo.eps_high"], first["algo.loss_agg"]) == (0.2, 0.2, "seq-mean-token-mean")
     assert first["algo.kl_coef"] == 0.001 and first["algo.kl_kind"] == "k3" and first["algo.dual_clip"] == 10.0
-    assert not (first["algo.soft_overlong_punishment"] or first["algo.overlong_filtering"] or first["algo.dynamic_sampling"])
+    assert not (
+        first["algo.soft_overlong_punishment"] or first["algo.overlong_filtering"] or first["algo.dynamic_sampling"]
+    )
     for row, prev, cur in zip(rows[1:], cfgs, cfgs[1:]):
         diff = {k: (prev[k], cur[k]) for k in cur if cur[k] != prev[k]}
         key, value = EXPECTED[row.stem]
@@ -63,7 +80,12 @@ def test_the_last_row_is_the_dapo_preset(base):
     dapo = load_config(DAPO).algo
     assert {k: getattr(last, k) for k in SWITCHES} == {k: getattr(dapo, k) for k in SWITCHES}
     assert (last.eps_high, last.loss_agg, last.kl_coef, last.overlong_filtering, last.dynamic_sampling) == (
-        0.28, "token-mean", 0.0, False, True)
+        0.28,
+        "token-mean",
+        0.0,
+        False,
+        True,
+    )
     if base.endswith("32b.yaml"):  # on the paper's scale, the whole algorithm section
         assert last == dapo
 
@@ -79,7 +101,9 @@ def test_a_run_directory_of_another_config_is_refused(tmp_path):
     base_run, runs = ablate.plan(REPO / "configs/ablation/base.yaml", ablate.find_rows(ROWS, ["1"]), [0], tmp_path, [])
     run = runs[0]
     run.dir.mkdir(parents=True)
-    (run.dir / "ablation_config.yaml").write_text(ablate.dump_yaml(run.cfg).replace("total_steps: 40", "total_steps: 80"))
+    (run.dir / "ablation_config.yaml").write_text(
+        ablate.dump_yaml(run.cfg).replace("total_steps: 40", "total_steps: 80")
+    )
     assert not ablate.conflicts(run)  # a longer (or shorter) study continues the run from its checkpoint
     (run.dir / "ablation_config.yaml").write_text(ablate.dump_yaml(run.cfg).replace("kl_coef: 0.001", "kl_coef: 0.04"))
     assert ablate.conflicts(run)  # an old definition of the row would be resumed and reported as the new one
@@ -111,17 +135,40 @@ def test_mean_and_t_interval_over_seeds():
 
 
 def tiny_overrides(tiny_model_dir):
-    return [f"model.path={tiny_model_dir}", "train.prompts_per_step=4", "train.mini_batch_prompts=2",
-            "train.micro_batch_size=16", "rollout.group_size=4", "rollout.max_response_tokens=16",
-            "algo.overlong_buffer_tokens=4", "algo.max_gen_rounds=2", "eval.num_problems=4", "eval.n=2",
-            "eval.every_steps=1", "train.warmup_steps=0", "data.task_train_size=200",
-            # an untrained model is never right: keep groups whose (length-shaped) rewards differ
-            "algo.filter_metric=reward"]
+    return [
+        f"model.path={tiny_model_dir}",
+        "train.prompts_per_step=4",
+        "train.mini_batch_prompts=2",
+        "train.micro_batch_size=16",
+        "rollout.group_size=4",
+        "rollout.max_response_tokens=16",
+        "algo.overlong_buffer_tokens=4",
+        "algo.max_gen_rounds=2",
+        "eval.num_problems=4",
+        "eval.n=2",
+        "eval.every_steps=1",
+        "train.warmup_steps=0",
+        "data.task_train_size=200",
+        # an untrained model is never right: keep groups whose (length-shaped) rewards differ
+        "algo.filter_metric=reward",
+    ]
 
 
 def smoke_args(out, tiny_model_dir, steps=2):
-    return ["--out", str(out), "--rows", "1", "6", "--seeds", "1", "--jobs", "2", "--steps", str(steps),
-            *tiny_overrides(tiny_model_dir)]
+    return [
+        "--out",
+        str(out),
+        "--rows",
+        "1",
+        "6",
+        "--seeds",
+        "1",
+        "--jobs",
+        "2",
+        "--steps",
+        str(steps),
+        *tiny_overrides(tiny_model_dir),
+    ]
 
 
 def test_ablate_smoke_report_figures_and_resume(tiny_model_dir, tmp_path, capsys):
@@ -139,15 +186,29 @@ def test_ablate_smoke_report_figures_and_resume(tiny_model_dir, tmp_path, capsys
     for row in ("1_grpo", "6_dynamic_sampling"):
         metrics = [json.loads(line) for line in (out / row / "seed0" / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in metrics] == [1, 2]
-        for key in ("actor/up_clipped_prob_max", "actor/up_clipped_prob_mean", "actor/token_prob_mean",
-                    "sampling/all_correct_frac", "sampling/all_wrong_frac", "sampling/samples_generated"):
+        for key in (
+            "actor/up_clipped_prob_max",
+            "actor/up_clipped_prob_mean",
+            "actor/token_prob_mean",
+            "sampling/all_correct_frac",
+            "sampling/all_wrong_frac",
+            "sampling/samples_generated",
+        ):
             assert key in metrics[-1], key
         assert 0.0 <= metrics[-1]["sampling/all_correct_frac"] + metrics[-1]["sampling/all_wrong_frac"] <= 1.0
     grpo = load_config(out / "1_grpo" / "seed0" / "ablation_config.yaml")
     assert grpo.algo.kl_coef == 0.001 and grpo.train.total_steps == 2 and grpo.train.seed == 0
     pngs = {p.name for p in (out / "figures").glob("*.png")}
-    assert {"accuracy.png", "entropy.png", "response_length.png", "clipfrac_high.png", "up_clipped_prob_max.png",
-            "all_correct_frac.png", "all_wrong_frac.png", "accuracy_vs_samples.png"} <= pngs
+    assert {
+        "accuracy.png",
+        "entropy.png",
+        "response_length.png",
+        "clipfrac_high.png",
+        "up_clipped_prob_max.png",
+        "all_correct_frac.png",
+        "all_wrong_frac.png",
+        "accuracy_vs_samples.png",
+    } <= pngs
 
     # a second call finds every run finished and trains nothing
     logs = {p: p.read_text() for p in out.glob("*/seed0/train.log")}
@@ -157,8 +218,14 @@ def test_ablate_smoke_report_figures_and_resume(tiny_model_dir, tmp_path, capsys
     assert {p: p.read_text() for p in out.glob("*/seed0/train.log")} == logs
 
     # a longer study continues each run from its last checkpoint instead of starting again
-    base_run, runs = ablate.plan(REPO / "configs/ablation/base.yaml", ablate.find_rows(ROWS, ["1"]), [0], out,
-                                 tiny_overrides(tiny_model_dir), steps=3)
+    base_run, runs = ablate.plan(
+        REPO / "configs/ablation/base.yaml",
+        ablate.find_rows(ROWS, ["1"]),
+        [0],
+        out,
+        tiny_overrides(tiny_model_dir),
+        steps=3,
+    )
     assert base_run.row == "base_model" and ablate.is_done(base_run) and not ablate.is_done(runs[0])
     ablate.execute(runs[0], threads=2)
     metrics = [json.loads(line) for line in (out / "1_grpo" / "seed0" / "metrics.jsonl").read_text().splitlines()]
@@ -168,8 +235,9 @@ def test_ablate_smoke_report_figures_and_resume(tiny_model_dir, tmp_path, capsys
 
 def test_summary_of_hand_written_runs(tmp_path):
     """Final, last-three and all-evaluation accuracies, per seed then over seeds, from known curves."""
-    base_run, runs = ablate.plan(REPO / "configs/ablation/base.yaml", ablate.find_rows(ROWS, ["1"]), [0, 1],
-                                 tmp_path, [])
+    base_run, runs = ablate.plan(
+        REPO / "configs/ablation/base.yaml", ablate.find_rows(ROWS, ["1"]), [0, 1], tmp_path, []
+    )
     base_run.dir.joinpath("base_model").mkdir(parents=True)
     base_run.dir.joinpath("base_model", "metrics.jsonl").write_text(json.dumps({"step": 0, "eval/arith/avg@4": 0.25}))
     curves = {0: [0.40, 0.50, 0.60, 0.70], 1: [0.30, 0.50, 0.50, 0.50]}  # evaluations at steps 10..40

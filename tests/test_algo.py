@@ -41,7 +41,9 @@ def test_truncated_rows_out_of_the_baseline_hand_computed():
     plain = algo.group_advantages(rewards, 4, scale_by_std=False, in_baseline=~truncated)
     assert torch.allclose(plain, torch.tensor([4 / 3, -2 / 3, -2 / 3, 0.0]), atol=1e-6)
     # a group left with one untruncated answer has no baseline, so no advantage
-    lone = algo.group_advantages(torch.tensor([1.0, -2.0, -2.0, -2.0]), 4, in_baseline=torch.tensor([1, 0, 0, 0]).bool())
+    lone = algo.group_advantages(
+        torch.tensor([1.0, -2.0, -2.0, -2.0]), 4, in_baseline=torch.tensor([1, 0, 0, 0]).bool()
+    )
     assert torch.equal(lone, torch.zeros(4))
 
 
@@ -71,7 +73,9 @@ def test_overlong_penalty_eq13():
     half = algo.overlong_penalty(lengths, max_response_tokens=20, overlong_buffer_tokens=4, penalty_factor=0.5)
     assert torch.allclose(half, pen * 0.5)
     # the paper's numbers: 16384 expected + 4096 buffer
-    paper = algo.overlong_penalty(torch.tensor([16384, 18432, 20480]), max_response_tokens=20480, overlong_buffer_tokens=4096)
+    paper = algo.overlong_penalty(
+        torch.tensor([16384, 18432, 20480]), max_response_tokens=20480, overlong_buffer_tokens=4096
+    )
     assert torch.allclose(paper, torch.tensor([0.0, -0.5, -1.0]))
     with pytest.raises(ValueError):
         algo.overlong_penalty(lengths, max_response_tokens=4, overlong_buffer_tokens=8)
@@ -151,7 +155,9 @@ def test_truncated_is_weights_hand_computed():
     w, stats = algo.truncated_is_weights(old_logp, rollout_logp, mask, cap=3.0)
     assert torch.allclose(w, torch.tensor([[1.0, 2.0, 3.0], [0.5, 3.0, 0.0]]), atol=1e-5)
     assert stats["is_weight_mean"].item() == pytest.approx((1 + 2 + 3 + 0.5 + 3) / 5, abs=1e-5)
-    assert stats["is_truncated_frac"].item() == pytest.approx(2 / 5)  # 4.0 and 3.5 exceed the cap; padding does not count
+    assert stats["is_truncated_frac"].item() == pytest.approx(
+        2 / 5
+    )  # 4.0 and 3.5 exceed the cap; padding does not count
     # each token's clipped loss is scaled by its weight: ratio 1 everywhere, adv +1 and -1
     logp = torch.zeros(2, 3, requires_grad=True)
     loss, _ = algo.policy_loss(logp, logp.detach(), torch.tensor([1.0, -1.0]), mask, is_weights=w)
@@ -199,7 +205,9 @@ def test_micro_batch_split_leaves_loss_and_gradient_unchanged(loss_agg):
     num_tokens, num_seqs = mask.sum(), (mask.sum(-1) > 0).sum()
     total = 0.0
     for rows in (slice(0, 3), slice(3, 4), slice(4, 8)):
-        part, _ = algo.policy_loss(logp[rows], old[rows], adv[rows], mask[rows], num_tokens=num_tokens, num_seqs=num_seqs, **kw)
+        part, _ = algo.policy_loss(
+            logp[rows], old[rows], adv[rows], mask[rows], num_tokens=num_tokens, num_seqs=num_seqs, **kw
+        )
         part.backward()
         total += part.item()
     assert total == pytest.approx(full.item(), abs=1e-6)

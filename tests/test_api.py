@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 import user_rewards
 from conftest import SMALL_OVERRIDES
 
@@ -26,14 +25,25 @@ ROWS = [{"problem": f"{a}+{a}=", "answer": str(2 * a)} for a in range(1, 5)]
 
 def env() -> dict:
     """The environment of a child Python: this checkout's package and tests/ first."""
-    return {**os.environ, "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+    }
 
 
 def small(tmp_path, model_dir, *extra):
     # no overlong penalty: the reward of a row is then exactly what the reward function gave it
-    return load_config("demo", [f"model.path={model_dir}", f"run.dir={tmp_path}", *SMALL_OVERRIDES,
-                                "algo.soft_overlong_punishment=false", *extra])
+    return load_config(
+        "demo",
+        [
+            f"model.path={model_dir}",
+            f"run.dir={tmp_path}",
+            *SMALL_OVERRIDES,
+            "algo.soft_overlong_punishment=false",
+            *extra,
+        ],
+    )
 
 
 def test_the_package_gives_the_functions_also_after_their_modules_are_imported():
@@ -98,15 +108,20 @@ def test_a_reward_fn_that_kills_its_process_or_raises_is_a_crash(tiny_model_dir,
     # the exception is shown once, with the step it happened in
     console = " ".join(capsys.readouterr().out.split())
     assert console.count("reward_fn raised") == 1
-    assert ("warning (step 1): reward_fn raised ValueError: the user's bug; the response scores as a crash "
-            "([CRASH], -1, counted in reward/worker_crashes)") in console, console
+    assert (
+        "warning (step 1): reward_fn raised ValueError: the user's bug; the response scores as a crash "
+        "([CRASH], -1, counted in reward/worker_crashes)"
+    ) in console, console
 
 
 def test_reward_fns_the_workers_cannot_receive_are_refused_before_anything_runs(tiny_model_dir, tmp_path):
     cfg = small(tmp_path, tiny_model_dir)
     for fn, what in [(lambda r, t: 1.0, "<lambda>"), (user_rewards.make_closure(), "make_closure.<locals>.inner")]:
-        with pytest.raises(RewardFnError, match=rf"^reward_fn=\S*{re.escape(what)} cannot be sent to the reward worker "
-                                                r"processes .*define it with def at the top level"):
+        with pytest.raises(
+            RewardFnError,
+            match=rf"^reward_fn=\S*{re.escape(what)} cannot be sent to the reward worker "
+            r"processes .*define it with def at the top level",
+        ):
             train(cfg, reward_fn=fn, train_data=ROWS)
     with pytest.raises(RewardFnError, match=r"^reward_fn=3 is not callable"):
         evaluate(tiny_model_dir, ROWS, reward_fn=3)
@@ -115,15 +130,20 @@ def test_reward_fns_the_workers_cannot_receive_are_refused_before_anything_runs(
 
 def test_a_reward_fn_returning_the_wrong_type_stops_at_its_first_call(tiny_model_dir, tmp_path):
     cfg = small(tmp_path, tiny_model_dir)
-    with pytest.raises(RewardFnError, match=r"^reward_fn returned 'yes' \(str\); return a float score, or a tuple "
-                                            r"\(score, correct\) with correct a bool$"):
+    with pytest.raises(
+        RewardFnError,
+        match=r"^reward_fn returned 'yes' \(str\); return a float score, or a tuple "
+        r"\(score, correct\) with correct a bool$",
+    ):
         train(cfg, reward_fn=user_rewards.wrong_type, train_data=ROWS)
     assert not (tmp_path / "t").exists()  # it failed before the first step: the run directory is gone
 
 
 def test_bad_rows_name_the_row_and_the_field(tiny_model_dir, tmp_path):
     cfg = small(tmp_path, tiny_model_dir)
-    with pytest.raises(DataError, match=r"^train_data\[1\]: field 'answer' is missing; each row needs 'problem' and 'answer'$"):
+    with pytest.raises(
+        DataError, match=r"^train_data\[1\]: field 'answer' is missing; each row needs 'problem' and 'answer'$"
+    ):
         train(cfg, train_data=[ROWS[0], {"problem": "2+2="}])
     with pytest.raises(DataError, match=r"^eval_data\[0\]: field 'problem' must be a string, got int"):
         train(cfg, eval_data=[{"problem": 7, "answer": "7"}])
@@ -175,17 +195,22 @@ def test_the_readme_example_runs_as_a_script(tmp_path):
         f"c.load_config = lambda preset, overrides=(): load(preset, [*overrides, *{extra!r}])\n"
         f"runpy.run_path({str(script)!r}, run_name='__main__')\n"
     )
-    out = subprocess.run([sys.executable, "-c", launcher], env=env(), capture_output=True, text=True,
-                         cwd=tmp_path, timeout=900)
+    out = subprocess.run(
+        [sys.executable, "-c", launcher], env=env(), capture_output=True, text=True, cwd=tmp_path, timeout=900
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert re.search(r"^held-out accuracy: eval_data avg@2 \d+\.\d% \[.*\] at step 2", out.stdout, flags=re.M), out.stdout
+    assert re.search(r"^held-out accuracy: eval_data avg@2 \d+\.\d% \[.*\] at step 2", out.stdout, flags=re.M), (
+        out.stdout
+    )
     assert re.search(r"^held-out avg@2 \d\.\d{3}, 95% CI \(", out.stdout, flags=re.M), out.stdout
     rows = [json.loads(line) for line in (tmp_path / "runs" / "t" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     # every sample written was graded by the example's function: right exactly when its last line (the
     # prediction a reward function gets) is "Answer: <ground truth>", rewarded +1, else -1
-    samples = re.findall(r"\(reward ([-+]\d\.\d+), acc (\d), pred '(.*?)', ground truth '(\d+)'",
-                         "".join(p.read_text() for p in (tmp_path / "runs" / "t" / "samples").glob("*.md")))
+    samples = re.findall(
+        r"\(reward ([-+]\d\.\d+), acc (\d), pred '(.*?)', ground truth '(\d+)'",
+        "".join(p.read_text() for p in (tmp_path / "runs" / "t" / "samples").glob("*.md")),
+    )
     assert len(samples) == 8, samples
     for reward, acc, pred, truth in samples:
         assert (float(reward), acc == "1") == ((1.0, True) if pred == f"Answer: {truth}" else (-1.0, False)), samples
@@ -198,13 +223,17 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tiny_model_dir, tmp_pa
         "def reward(response, ground_truth):\n"
         "    return 1.0\n"
         f"cfg = load_config('demo', [*{[f'model.path={tiny_model_dir}', f'run.dir={tmp_path}', *SMALL_OVERRIDES]!r}])\n"
-        "train(cfg, reward_fn=reward, train_data=[{'problem': '1+1=', 'answer': '2'}])\n")
-    out = subprocess.run([sys.executable, str(script)], env=env(), capture_output=True, text=True, cwd=tmp_path,
-                         timeout=900)
+        "train(cfg, reward_fn=reward, train_data=[{'problem': '1+1=', 'answer': '2'}])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)], env=env(), capture_output=True, text=True, cwd=tmp_path, timeout=900
+    )
     assert out.returncode != 0
-    assert ("a reward worker could not load the reward function: RuntimeError: dapo.train() was called while a reward "
-            "worker ran your script to find its reward_fn; put the script's training code under "
-            "if __name__ == '__main__':") in out.stderr, out.stderr[-3000:]
+    assert (
+        "a reward worker could not load the reward function: RuntimeError: dapo.train() was called while a reward "
+        "worker ran your script to find its reward_fn; put the script's training code under "
+        "if __name__ == '__main__':"
+    ) in out.stderr, out.stderr[-3000:]
 
 
 def test_the_pool_reads_numbers_and_pairs_and_refuses_the_rest():
@@ -216,7 +245,10 @@ def test_the_pool_reads_numbers_and_pairs_and_refuses_the_rest():
     assert result.grades == [Grade(0.5, False, "last line"), Grade(-0.25, False, "y")]
     for fn, returned in [(user_rewards.boolean, r"True \(bool\)"), (user_rewards.not_a_number, None)]:
         with RewardPool(num_workers=1, reward_fns={"reward_fn": fn}) as pool:
-            message = (rf"^reward_fn returned {returned}; return a float score" if returned
-                       else r"^reward_fn returned the score nan; return a finite number$")
+            message = (
+                rf"^reward_fn returned {returned}; return a float score"
+                if returned
+                else r"^reward_fn returned the score nan; return a finite number$"
+            )
             with pytest.raises(RewardFnError, match=message):
                 pool.score(["x"], ["1"], "reward_fn")

@@ -12,14 +12,14 @@ old-log-prob pass) and in training mode (the update), which must also agree with
 
 from __future__ import annotations
 
-import torch
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
 import arch_zoo
 import pytest
+import torch
 from conftest import small_config
 from test_prefix import synthetic_batch
 from test_vllm import needs_vllm
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
 from dapo.batch import RolloutBatch
 from dapo.config import ConfigError
 from dapo.policy import Policy, ResponseLogProbs, logit_transform, make_micro_batch, token_logprobs
@@ -51,13 +51,16 @@ def tiny_batch() -> RolloutBatch:
 
 
 def own_forward_logprobs(lm, batch: RolloutBatch) -> torch.Tensor:
-    """(N, T) log-probs of the response tokens from log_softmax of the model's own forward logits (right-padded rows)."""
+    """(N, T) log-probs of the response tokens from log_softmax of the model's own forward logits
+    (right-padded rows)."""
     seqs = [p + r for p, r in zip(batch.prompt_ids, batch.response_ids)]
     ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for b, seq in enumerate(seqs):
         ids[b, : len(seq)], mask[b, : len(seq)] = torch.tensor(seq), 1
-    logp_all = torch.log_softmax(lm(input_ids=ids, attention_mask=mask, use_cache=False).logits.float() / TEMPERATURE, -1)
+    logp_all = torch.log_softmax(
+        lm(input_ids=ids, attention_mask=mask, use_cache=False).logits.float() / TEMPERATURE, -1
+    )
     rows = []
     for b, (p, r) in enumerate(zip(batch.prompt_ids, batch.response_ids)):
         picked = logp_all[b, len(p) - 1 : len(p) + len(r) - 1].gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
@@ -66,15 +69,26 @@ def own_forward_logprobs(lm, batch: RolloutBatch) -> torch.Tensor:
 
 
 def policy_cfg(path, tmp_path, *overrides):
-    return small_config(tmp_path / "run", path, "data.max_prompt_tokens=16", "rollout.max_response_tokens=16",
-                        "train.max_tokens_per_micro_batch=64", *overrides)
+    return small_config(
+        tmp_path / "run",
+        path,
+        "data.max_prompt_tokens=16",
+        "rollout.max_response_tokens=16",
+        "train.max_tokens_per_micro_batch=64",
+        *overrides,
+    )
 
 
 def start(path, tmp_path, *overrides) -> Policy:
     """The policy a run on ``path`` starts with (raises the run's ConfigError when it refuses)."""
     cfg = policy_cfg(path, tmp_path, *overrides)
-    return Policy(cfg.model, cfg.train, temperature=TEMPERATURE, device=torch.device("cpu"),
-                  max_seq_tokens=cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens)
+    return Policy(
+        cfg.model,
+        cfg.train,
+        temperature=TEMPERATURE,
+        device=torch.device("cpu"),
+        max_seq_tokens=cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens,
+    )
 
 
 def assert_one_line_refusal(err: ConfigError, path) -> str:
@@ -105,8 +119,13 @@ def check_family(model_type: str, tmp_path) -> dict:
     passes = [ResponseLogProbs(lm, logit_transform(lm), fused_head=fused) for fused in (True, False)]
     passes = [p for p in passes if p.fused_head] + [passes[1]]  # a head that is not a plain weight has one path
     sharing = [False] if why_not_shared else [False, True]
-    result = {"paths": [], "logp": 0.0, "grad": 0.0, "shared": why_not_shared or "yes",
-              "transform": logit_transform(lm).describe()}
+    result = {
+        "paths": [],
+        "logp": 0.0,
+        "grad": 0.0,
+        "shared": why_not_shared or "yes",
+        "transform": logit_transform(lm).describe(),
+    }
     gen = torch.Generator().manual_seed(1)
     weights = torch.randn(len(batch), batch.max_response_len, generator=gen)
     params = [p for p in lm.parameters() if p.requires_grad]
@@ -119,7 +138,9 @@ def check_family(model_type: str, tmp_path) -> dict:
     # the update (training mode, with gradients)
     lm.train()
     ref = own_forward_logprobs(lm, batch)
-    assert (ref.detach() - ref_eval).abs().max().item() < LOGP_TOL, "the model's own forward differs between train and eval mode"
+    assert (ref.detach() - ref_eval).abs().max().item() < LOGP_TOL, (
+        "the model's own forward differs between train and eval mode"
+    )
     ref_grads = gradients(ref, weights, params)
     for logprob_pass in passes:
         for shared in sharing:
@@ -142,9 +163,24 @@ def check_family(model_type: str, tmp_path) -> dict:
 NOT_A_CAUSAL_HEAD = "its forward computes the logits in a way the trainer cannot reproduce (more than the LM head"
 NOT_THE_DECODER = "its forward does not run the decoder that get_decoder() returns"
 REFUSED = {
-    **{family: NOT_A_CAUSAL_HEAD for family in (  # BERT-like LM heads: a dense layer and a norm before the projection
-        "bert", "big_bird", "camembert", "data2vec-text", "ernie", "megatron-bert", "roberta", "roberta-prelayernorm",
-        "roc_bert", "roformer", "xlm-roberta", "xlm-roberta-xl", "xmod")},
+    **{
+        family: NOT_A_CAUSAL_HEAD
+        for family in (  # BERT-like LM heads: a dense layer and a norm before the projection
+            "bert",
+            "big_bird",
+            "camembert",
+            "data2vec-text",
+            "ernie",
+            "megatron-bert",
+            "roberta",
+            "roberta-prelayernorm",
+            "roc_bert",
+            "roformer",
+            "xlm-roberta",
+            "xlm-roberta-xl",
+            "xmod",
+        )
+    },
     **{family: NOT_THE_DECODER for family in ("electra", "prophetnet", "rembert")},
     "modernbert-decoder": "its logits have shape (1, 32, 64), its head gives (32, 258)",
     # CPM-Ant lets the padding after a sequence reach its tokens (37 nats between micro-batches and one padded pass)
@@ -175,8 +211,11 @@ def test_family(model_type, tmp_path, request):
 # plain one; vLLM's CPU attention takes heads of 32 and up, so these are built with 2 heads of 32
 VLLM_FAMILIES = ("granite", "cohere", "gemma2", "qwen3", "qwen3_moe")
 VLLM_SIZES = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32)
-VLLM_TRANSFORMS = {"granite": dict(logits_scaling=8.0), "cohere": dict(logit_scale=0.0625),
-                   "gemma2": dict(final_logit_softcapping=3.0)}
+VLLM_TRANSFORMS = {
+    "granite": dict(logits_scaling=8.0),
+    "cohere": dict(logit_scale=0.0625),
+    "gemma2": dict(final_logit_softcapping=3.0),
+}
 
 
 @needs_vllm
@@ -189,25 +228,40 @@ def test_vllm_log_probs_are_the_trainers(model_type, tmp_path, monkeypatch):
     from dapo.metrics import ENGINE_GAP_LIMIT, engine_gap_warning
     from dapo.rollout import SamplingParams, make_rollout
 
-    monkeypatch.setitem(arch_zoo.OVERRIDES, model_type, {**arch_zoo.OVERRIDES.get(model_type, {}), **VLLM_SIZES,
-                                                           **VLLM_TRANSFORMS.get(model_type, {})})
+    monkeypatch.setitem(
+        arch_zoo.OVERRIDES,
+        model_type,
+        {**arch_zoo.OVERRIDES.get(model_type, {}), **VLLM_SIZES, **VLLM_TRANSFORMS.get(model_type, {})},
+    )
     path = tmp_path / model_type
     arch_zoo.save(arch_zoo.build(model_type), path)
     overrides = ("rollout.backend=vllm", "rollout.kv_cache_gib=0.0625", "model.device=cpu")
     policy = start(path, tmp_path, *overrides)
-    engine = make_rollout(policy_cfg(path, tmp_path, *overrides).rollout, policy.model, policy.tokenizer, max_model_len=64)
+    engine = make_rollout(
+        policy_cfg(path, tmp_path, *overrides).rollout, policy.model, policy.tokenizer, max_model_len=64
+    )
     prompts = [[5, 17, 33, 80, 2], [100, 7, 9]]
     gen = engine.generate(prompts, SamplingParams(n=4, temperature=TEMPERATURE, max_new_tokens=12, seed=0))
-    batch = RolloutBatch(group_size=4, prompt_ids=gen.prompt_ids, response_ids=gen.response_ids, truncated=gen.truncated,
-                         texts=gen.texts, example_uids=["x"] * 8, ground_truths=["0"] * 8, rollout_logp=gen.logprobs)
+    batch = RolloutBatch(
+        group_size=4,
+        prompt_ids=gen.prompt_ids,
+        response_ids=gen.response_ids,
+        truncated=gen.truncated,
+        texts=gen.texts,
+        example_uids=["x"] * 8,
+        ground_truths=["0"] * 8,
+        rollout_logp=gen.logprobs,
+    )
     engine_logp = [torch.tensor(lp) for lp in gen.logprobs]
 
     def gap(logp):
         return torch.cat([(logp[i, : len(lp)] - lp).abs() for i, lp in enumerate(engine_logp)])
 
     diff = gap(policy.compute_logprobs(batch)[0])
-    print(f"{model_type}: vLLM vs trainer |log-prob diff| over {diff.numel()} tokens: mean {diff.mean():.2e}, "
-          f"max {diff.max():.2e}")
+    print(
+        f"{model_type}: vLLM vs trainer |log-prob diff| over {diff.numel()} tokens: mean {diff.mean():.2e}, "
+        f"max {diff.max():.2e}"
+    )
     assert diff.max() < ENGINE_GAP_LIMIT["float32"]
     assert engine_gap_warning({"rollout/logprob_abs_diff_mean": diff.mean()}, dtype="float32", step=1) is None
     if model_type in VLLM_TRANSFORMS:  # the check can fail: the head's output as it is is another distribution

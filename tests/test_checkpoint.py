@@ -4,20 +4,20 @@ export` copies no symlinked file, a model directory's own Python files run only 
 model.trust_remote_code says so, and a fresh start never writes into an earlier run."""
 
 import json
-import random
-import threading
 import os
 import pickle
+import random
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import make_policy, small_config
+
 from dapo import checkpoint, cli, parallel
 
 
@@ -75,11 +75,15 @@ def test_a_shard_entry_that_runs_code_is_refused(tmp_path):
 
 
 def test_plain_shard_entries_still_load(tmp_path):
-    saved = {"optim": {"param_groups": [{"lr": 1e-3, "betas": (0.9, 0.99), "foreach": None, "params": ["w"]}]},
-             "w": torch.arange(4.0)}
+    saved = {
+        "optim": {"param_groups": [{"lr": 1e-3, "betas": (0.9, 0.99), "foreach": None, "params": ["w"]}]},
+        "w": torch.arange(4.0),
+    }
     parallel.save_shards(saved, tmp_path / "shards")
-    state = {"optim": {"param_groups": [{"lr": 0.0, "betas": (0.0, 0.0), "foreach": False, "params": []}]},
-             "w": torch.zeros(4)}
+    state = {
+        "optim": {"param_groups": [{"lr": 0.0, "betas": (0.0, 0.0), "foreach": False, "params": []}]},
+        "w": torch.zeros(4),
+    }
     parallel.load_shards(state, tmp_path / "shards")
     assert state["optim"] == saved["optim"] and torch.equal(state["w"], saved["w"])
 
@@ -132,8 +136,18 @@ def test_fresh_start_in_an_earlier_run_refuses_and_keeps_it(tiny_model_dir, tmp_
 
     run_dir = tmp_path / "t"
     earlier_run(run_dir)
-    code = cli.main(["train", "configs/demo.yaml", f"model.path={tiny_model_dir}", f"run.dir={tmp_path}",
-                     *SMALL_OVERRIDES, "run.resume=false", "run.keep_checkpoints=1", "train.total_steps=1"])
+    code = cli.main(
+        [
+            "train",
+            "configs/demo.yaml",
+            f"model.path={tiny_model_dir}",
+            f"run.dir={tmp_path}",
+            *SMALL_OVERRIDES,
+            "run.resume=false",
+            "run.keep_checkpoints=1",
+            "train.total_steps=1",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert "holds an earlier run" in err and "give a new run.name, or set run.overwrite=true" in err
@@ -149,8 +163,16 @@ def test_overwrite_moves_the_earlier_run_aside_whole(tiny_model_dir, tmp_path):
 
     run_dir = tmp_path / "t"
     earlier_run(run_dir)
-    train(small_config(tmp_path, tiny_model_dir, "run.resume=false", "run.overwrite=true", "run.keep_checkpoints=1",
-                       "train.total_steps=1"))
+    train(
+        small_config(
+            tmp_path,
+            tiny_model_dir,
+            "run.resume=false",
+            "run.overwrite=true",
+            "run.keep_checkpoints=1",
+            "train.total_steps=1",
+        )
+    )
     (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("t.")]
     assert (aside / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
     assert [p.name for p in checkpoint.list_checkpoints(aside)] == ["step_000002"]
@@ -171,22 +193,29 @@ def remote_code_model_dir(tiny_model_dir: Path, root: Path, marker: Path) -> Pat
     model_dir = root / "remote-model"
     shutil.copytree(tiny_model_dir, model_dir)
     config = json.loads((model_dir / "config.json").read_text())
-    config.update(model_type="not_in_transformers",
-                  auto_map={"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XModel"})
+    config.update(
+        model_type="not_in_transformers",
+        auto_map={"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XModel"},
+    )
     (model_dir / "config.json").write_text(json.dumps(config))
     (model_dir / "configuration_x.py").write_text(
         f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
-        "from transformers import PretrainedConfig\nclass XConfig(PretrainedConfig):\n    model_type = 'not_in_transformers'\n")
+        "from transformers import PretrainedConfig\nclass XConfig(PretrainedConfig):\n    model_type "
+        "= 'not_in_transformers'\n"
+    )
     return model_dir
 
 
 def load_answering_yes(model_dir: Path, **kwargs) -> subprocess.CompletedProcess:
     """Load the directory in a fresh process whose stdin answers 'y' to any question."""
-    code = ("import sys; from dapo.models import load_model_and_tokenizer\n"
-            f"load_model_and_tokenizer({str(model_dir)!r}, **{kwargs!r})")
+    code = (
+        "import sys; from dapo.models import load_model_and_tokenizer\n"
+        f"load_model_and_tokenizer({str(model_dir)!r}, **{kwargs!r})"
+    )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
-    return subprocess.run([sys.executable, "-c", code], input="y\n" * 10, capture_output=True, text=True,
-                          env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", code], input="y\n" * 10, capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def test_a_model_directorys_own_code_never_runs_by_default(tiny_model_dir, tmp_path):
@@ -221,9 +250,16 @@ def trained_policy(tiny_model_dir, tmp_path, dtype="bfloat16"):
 
 
 def save(policy, run_dir, step, writer=None, **state):
-    return checkpoint.save_checkpoint(run_dir, step, model=policy.model, tokenizer=policy.tokenizer,
-                                      trainer_state={"policy": policy.trainer_state(), **state},
-                                      config_yaml="run: {}\n", keep=2, writer=writer)
+    return checkpoint.save_checkpoint(
+        run_dir,
+        step,
+        model=policy.model,
+        tokenizer=policy.tokenizer,
+        trainer_state={"policy": policy.trainer_state(), **state},
+        config_yaml="run: {}\n",
+        keep=2,
+        writer=writer,
+    )
 
 
 def files_of(step_dir: Path) -> dict[str, bytes]:
@@ -309,9 +345,16 @@ def test_training_waits_for_an_async_write_before_the_next_update(tiny_model_dir
     monkeypatch.setattr(checkpoint, "_write", lambda *args: (time.sleep(1.0), real_write(*args)))
     runs = {}
     for mode in ("false", "true"):
-        cfg = small_config(tmp_path / mode, tiny_model_dir, "train.total_steps=3", "run.save_every=1",
-                           "run.keep_checkpoints=3", "eval.before_train=false", "eval.benchmarks=[]",
-                           f"run.async_checkpoint={mode}")
+        cfg = small_config(
+            tmp_path / mode,
+            tiny_model_dir,
+            "train.total_steps=3",
+            "run.save_every=1",
+            "run.keep_checkpoints=3",
+            "eval.before_train=false",
+            "eval.benchmarks=[]",
+            f"run.async_checkpoint={mode}",
+        )
         train(cfg)
         runs[mode] = cfg.run_dir
     from safetensors.torch import load_file
@@ -339,8 +382,11 @@ def test_a_failed_background_write_is_raised_and_the_previous_checkpoint_kept(ti
 
     monkeypatch.setattr(checkpoint.torch, "save", disk_full)
     save(policy, run_dir, 2, writer)  # returns: the write fails in the background ...
-    with pytest.raises(checkpoint.CheckpointError, match=r"step_000002 failed \(OSError: .*No space left.*partial "
-                       r"files were removed and starting the run again resumes from .*step_000001, which is whole"):
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=r"step_000002 failed \(OSError: .*No space left.*partial "
+        r"files were removed and starting the run again resumes from .*step_000001, which is whole",
+    ):
         save(policy, run_dir, 3, writer)  # ... and the next save raises it, before writing anything
     assert checkpoint.list_checkpoints(run_dir) == [first]  # the previous checkpoint is whole and still there
     assert not (run_dir / "checkpoints" / ".tmp_step_000002").exists()  # the partial one, removed by the failed write
@@ -364,8 +410,14 @@ def test_training_raises_a_failed_last_checkpoint_write(tiny_model_dir, tmp_path
         return real_write(run_dir, tmp, final, *args)
 
     monkeypatch.setattr(checkpoint, "_write", failing)
-    cfg = small_config(tmp_path, tiny_model_dir, "train.total_steps=2", "run.save_every=1", "eval.before_train=false",
-                       "run.async_checkpoint=true")
+    cfg = small_config(
+        tmp_path,
+        tiny_model_dir,
+        "train.total_steps=2",
+        "run.save_every=1",
+        "eval.before_train=false",
+        "run.async_checkpoint=true",
+    )
     with pytest.raises(checkpoint.CheckpointError, match="step_000002 failed"):
         train(cfg)
     assert [p.name for p in checkpoint.list_checkpoints(cfg.run_dir)] == ["step_000001"]
@@ -373,7 +425,8 @@ def test_training_raises_a_failed_last_checkpoint_write(tiny_model_dir, tmp_path
 
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_a_full_disk_during_a_checkpoint_stops_the_run_in_one_line_and_a_restart_resumes(
-        tiny_model_dir, tmp_path, monkeypatch, capsys, asynchronous):
+    tiny_model_dir, tmp_path, monkeypatch, capsys, asynchronous
+):
     """The disk fills while step 2's checkpoint is written (its trainer state half on disk): the run stops
     with one line, the partial directory is gone, step 1's checkpoint is whole and loads, and the same
     command resumes from it. Written in the background, the failure stops the run at the next save."""
@@ -389,9 +442,17 @@ def test_a_full_disk_during_a_checkpoint_stops_the_run_in_one_line_and_a_restart
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
         return real_save(obj, f, *args, **kwargs)
 
-    command = ["train", "configs/demo.yaml", f"model.path={tiny_model_dir}", f"run.dir={tmp_path}", *SMALL_OVERRIDES,
-               "train.total_steps=3", "run.save_every=1", "run.keep_checkpoints=3",
-               f"run.async_checkpoint={str(asynchronous).lower()}"]
+    command = [
+        "train",
+        "configs/demo.yaml",
+        f"model.path={tiny_model_dir}",
+        f"run.dir={tmp_path}",
+        *SMALL_OVERRIDES,
+        "train.total_steps=3",
+        "run.save_every=1",
+        "run.keep_checkpoints=3",
+        f"run.async_checkpoint={str(asynchronous).lower()}",
+    ]
     monkeypatch.setattr(checkpoint.torch, "save", disk_full)
     monkeypatch.setenv("COLUMNS", "500")  # the console's lines unwrapped
     capsys.readouterr()
@@ -402,9 +463,13 @@ def test_a_full_disk_during_a_checkpoint_stops_the_run_in_one_line_and_a_restart
     with capsys.disabled():
         print(f"\n{'async' if asynchronous else 'sync'} checkpoint, disk full at step 2: {errors}")
     assert len(errors) == 1 and "Traceback" not in err, err
-    assert errors[0].startswith(f"error: writing checkpoint {run_dir / 'checkpoints' / 'step_000002'} failed (OSError: "
-                                f"[Errno {errno.ENOSPC}] No space left on device")
-    assert f"its partial files were removed and starting the run again resumes from {first}, which is whole" in errors[0]
+    assert errors[0].startswith(
+        f"error: writing checkpoint {run_dir / 'checkpoints' / 'step_000002'} failed (OSError: "
+        f"[Errno {errno.ENOSPC}] No space left on device"
+    )
+    assert (
+        f"its partial files were removed and starting the run again resumes from {first}, which is whole" in errors[0]
+    )
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000001"]  # no .tmp_step_000002
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == ([1, 2] if asynchronous else [1])  # asynchronous: step 3 stopped at its save, before logging

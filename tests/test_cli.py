@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import SMALL_OVERRIDES
 
 from dapo import ablate, checkpoint, cli
@@ -28,8 +27,9 @@ def library_logging():
 
 
 # ---- library logging -------------------------------------------------------------------------------
-def test_library_info_goes_to_the_run_log_and_warnings_also_to_the_console(tmp_path, capsys, library_logging,
-                                                                            monkeypatch):
+def test_library_info_goes_to_the_run_log_and_warnings_also_to_the_console(
+    tmp_path, capsys, library_logging, monkeypatch
+):
     monkeypatch.setenv("DAPO_VERBOSE", "0")  # and restored after: --verbose sets it
     path = library_logging(tmp_path, "warning")
     assert path == tmp_path / "train.log"
@@ -42,8 +42,13 @@ def test_library_info_goes_to_the_run_log_and_warnings_also_to_the_console(tmp_p
     err = capsys.readouterr().err
     assert err.splitlines() == ["WARNING (vllm.engine.x): the GPU ran out of memory"]
     text = path.read_text()
-    for message in ("kv cache sized", "the GPU ran out of memory", "Chat template warmup failed", "loading weights",
-                    "rendezvous done"):
+    for message in (
+        "kv cache sized",
+        "the GPU ran out of memory",
+        "Chat template warmup failed",
+        "loading weights",
+        "rendezvous done",
+    ):
         assert message in text
 
 
@@ -74,12 +79,19 @@ def test_a_library_that_prints_through_its_own_handler_is_routed_too(tmp_path, c
 
 def test_a_console_sent_to_train_log_gets_each_warning_once(tmp_path):
     """`dapo ablate` sends a run's console to its train.log, where the library log goes too."""
-    code = ("import logging, sys; from pathlib import Path; from dapo.log import setup_library_logging\n"
-            "setup_library_logging(Path(sys.argv[1]), 'warning')\n"
-            "logging.getLogger('vllm.x').warning('the GPU ran out of memory')\n")
+    code = (
+        "import logging, sys; from pathlib import Path; from dapo.log import setup_library_logging\n"
+        "setup_library_logging(Path(sys.argv[1]), 'warning')\n"
+        "logging.getLogger('vllm.x').warning('the GPU ran out of memory')\n"
+    )
     with open(tmp_path / "train.log", "a") as log:
-        subprocess.run([sys.executable, "-c", code, str(tmp_path)], stdout=log, stderr=subprocess.STDOUT, check=True,
-                       env={**os.environ, "PYTHONPATH": str(REPO / "src"), "DAPO_VERBOSE": "0"})
+        subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            check=True,
+            env={**os.environ, "PYTHONPATH": str(REPO / "src"), "DAPO_VERBOSE": "0"},
+        )
     assert (tmp_path / "train.log").read_text().count("the GPU ran out of memory") == 1
 
 
@@ -91,8 +103,9 @@ def test_log_level_is_checked():
 # ---- errors in one line, nothing left behind ------------------------------------------------------
 def test_a_missing_model_is_one_line_exit_2_and_leaves_no_run_directory(tmp_path, capsys):
     runs = tmp_path / "runs"
-    code = cli.main(["train", "configs/demo.yaml", f"model.path={tmp_path / 'nope'}", f"run.dir={runs}",
-                     *SMALL_OVERRIDES])
+    code = cli.main(
+        ["train", "configs/demo.yaml", f"model.path={tmp_path / 'nope'}", f"run.dir={runs}", *SMALL_OVERRIDES]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: model.path="), err
     assert not runs.exists()
@@ -102,8 +115,9 @@ def test_a_failed_start_keeps_an_earlier_runs_directory(tmp_path, capsys):
     run_dir = tmp_path / "t"
     run_dir.mkdir()
     (run_dir / "notes.txt").write_text("mine")
-    code = cli.main(["train", "configs/demo.yaml", f"model.path={tmp_path / 'nope'}", f"run.dir={tmp_path}",
-                     *SMALL_OVERRIDES])
+    code = cli.main(
+        ["train", "configs/demo.yaml", f"model.path={tmp_path / 'nope'}", f"run.dir={tmp_path}", *SMALL_OVERRIDES]
+    )
     assert code == 2 and capsys.readouterr().err.count("\n") == 1
     assert (run_dir / "notes.txt").read_text() == "mine"
 
@@ -114,8 +128,9 @@ def test_a_damaged_sharded_checkpoint_is_one_line(tiny_model_dir, tmp_path, caps
     step = tmp_path / "t" / "checkpoints" / "step_000001"
     (step / "shards").mkdir(parents=True)
     torch.save({"step": 1}, step / "trainer_state.pt")
-    code = cli.main(["train", "configs/demo.yaml", f"model.path={tiny_model_dir}", f"run.dir={tmp_path}",
-                     *SMALL_OVERRIDES])
+    code = cli.main(
+        ["train", "configs/demo.yaml", f"model.path={tiny_model_dir}", f"run.dir={tmp_path}", *SMALL_OVERRIDES]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
     assert "shards/.metadata" in err and "the checkpoint is incomplete or damaged: delete its step directory" in err
@@ -124,8 +139,16 @@ def test_a_damaged_sharded_checkpoint_is_one_line(tiny_model_dir, tmp_path, caps
 
 def test_verbose_adds_the_traceback(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("DAPO_VERBOSE", "0")  # and restored after: --verbose sets it
-    code = cli.main(["train", "configs/demo.yaml", f"model.path={tmp_path / 'nope'}", f"run.dir={tmp_path / 'r'}",
-                     *SMALL_OVERRIDES, "--verbose"])
+    code = cli.main(
+        [
+            "train",
+            "configs/demo.yaml",
+            f"model.path={tmp_path / 'nope'}",
+            f"run.dir={tmp_path / 'r'}",
+            *SMALL_OVERRIDES,
+            "--verbose",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" in err and err.splitlines()[-1].startswith("error: model.path=")
 
@@ -145,15 +168,27 @@ def test_errors_of_the_package_are_one_line_and_faults_of_libraries_are_not():
 
 
 # ---- --help ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("command, expected", [
-    ("ablate", ["(default: 5)", "(default: runs/ablation)", "(default: configs/ablation/base.yaml)",
-                "8 rows x 5 seeds", "about 30 minutes", "name (grpo)"]),
-    ("launch-ray", ["(default: auto)", "(default: 1)", "--address local", "1 for CPU workers"]),
-    ("import-model", ["(default: float32)"]),
-    ("train", ["--verbose", "runs/"]),
-    ("demo", ["--verbose", "minutes"]),
-    ("export", ["--trust-remote-code", "--verbose"]),
-])
+@pytest.mark.parametrize(
+    "command, expected",
+    [
+        (
+            "ablate",
+            [
+                "(default: 5)",
+                "(default: runs/ablation)",
+                "(default: configs/ablation/base.yaml)",
+                "8 rows x 5 seeds",
+                "about 30 minutes",
+                "name (grpo)",
+            ],
+        ),
+        ("launch-ray", ["(default: auto)", "(default: 1)", "--address local", "1 for CPU workers"]),
+        ("import-model", ["(default: float32)"]),
+        ("train", ["--verbose", "runs/"]),
+        ("demo", ["--verbose", "minutes"]),
+        ("export", ["--trust-remote-code", "--verbose"]),
+    ],
+)
 def test_help_says_the_defaults(command, expected, capsys):
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args([command, "--help"])
@@ -166,7 +201,10 @@ def test_rows_by_short_name_number_or_file_stem():
     rows_dir = REPO / "configs" / "ablation"
     assert ablate.find_rows(rows_dir, ["grpo"]) == [rows_dir / "1_grpo.yaml"]
     assert ablate.find_rows(rows_dir, ["3", "3_clip_higher", "no_kl"]) == [
-        rows_dir / "3_clip_higher.yaml", rows_dir / "3_clip_higher.yaml", rows_dir / "7_no_kl.yaml"]
+        rows_dir / "3_clip_higher.yaml",
+        rows_dir / "3_clip_higher.yaml",
+        rows_dir / "7_no_kl.yaml",
+    ]
     with pytest.raises(ConfigError, match=r"--rows dapo: no such row; .*grpo, overlong_filtering"):
         ablate.find_rows(rows_dir, ["dapo"])
 
@@ -175,31 +213,48 @@ def test_rows_by_short_name_number_or_file_stem():
 def test_a_placement_larger_than_the_cluster_says_what_to_change():
     two_cores = [{"CPU": 2.0}]
     check_fits(Placement(nodes=1, workers_per_node=2, gpus_per_worker=0.0, cpus_per_worker=1.0), two_cores)
-    with pytest.raises(ConfigError, match=r"2 worker\(s\) x 4 CPUs = 8 CPUs, the Ray cluster has 2 .*"
-                                          r"lower --cpus-per-worker \(to 1 or less\), or give the private cluster "
-                                          r"more slots with --num-cpus"):
-        check_fits(Placement(nodes=1, workers_per_node=2, gpus_per_worker=0.0, cpus_per_worker=4.0), two_cores,
-                   local=True)
+    with pytest.raises(
+        ConfigError,
+        match=r"2 worker\(s\) x 4 CPUs = 8 CPUs, the Ray cluster has 2 .*"
+        r"lower --cpus-per-worker \(to 1 or less\), or give the private cluster "
+        r"more slots with --num-cpus",
+    ):
+        check_fits(
+            Placement(nodes=1, workers_per_node=2, gpus_per_worker=0.0, cpus_per_worker=4.0), two_cores, local=True
+        )
     with pytest.raises(ConfigError, match=r"8 GPUs, the Ray cluster has 0 .*--cpu-workers-per-node"):
         check_fits(Placement(nodes=1, workers_per_node=8, gpus_per_worker=1.0, cpus_per_worker=1.0), [{"CPU": 64.0}])
     with pytest.raises(ConfigError, match=r"add nodes"):  # 3 CPUs, but on no single node
-        check_fits(Placement(nodes=1, workers_per_node=1, gpus_per_worker=0.0, cpus_per_worker=3.0),
-                   [{"CPU": 2.0}, {"CPU": 2.0}])
+        check_fits(
+            Placement(nodes=1, workers_per_node=1, gpus_per_worker=0.0, cpus_per_worker=3.0),
+            [{"CPU": 2.0}, {"CPU": 2.0}],
+        )
 
 
 def _env(tmp_path, ray_tmp):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "DAPO_VERBOSE"}
-    return {**env, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "HOME": str(tmp_path),
-            "RAY_TMPDIR": ray_tmp, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
+    return {
+        **env,
+        "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "HOME": str(tmp_path),
+        "RAY_TMPDIR": ray_tmp,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "OMP_NUM_THREADS": "1",
+    }
 
 
 def test_launch_ray_without_a_cluster_says_how_to_start_one(tmp_path):
     pytest.importorskip("ray")
     ray_tmp = tempfile.mkdtemp(prefix="dray", dir="/tmp")
     try:
-        out = subprocess.run([sys.executable, "-m", "dapo.cli", "launch-ray", "configs/demo.yaml",
-                              "--cpu-workers-per-node", "1"], cwd=REPO, env={**_env(tmp_path, ray_tmp),
-                              "RAY_ADDRESS": ""}, capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "dapo.cli", "launch-ray", "configs/demo.yaml", "--cpu-workers-per-node", "1"],
+            cwd=REPO,
+            env={**_env(tmp_path, ray_tmp), "RAY_ADDRESS": ""},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         subprocess.run(["rm", "-rf", ray_tmp])
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-2000:]
@@ -212,10 +267,29 @@ def test_launch_ray_local_refuses_a_placement_the_machine_cannot_hold(tmp_path):
     pytest.importorskip("ray")
     ray_tmp = tempfile.mkdtemp(prefix="dray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     try:
-        out = subprocess.run([sys.executable, "-m", "dapo.cli", "launch-ray", "configs/demo.yaml",
-                              f"run.dir={tmp_path / 'runs'}", "--address", "local", "--num-cpus", "2",
-                              "--cpu-workers-per-node", "2", "--cpus-per-worker", "4"],
-                             cwd=REPO, env=_env(tmp_path, ray_tmp), capture_output=True, text=True, timeout=200)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dapo.cli",
+                "launch-ray",
+                "configs/demo.yaml",
+                f"run.dir={tmp_path / 'runs'}",
+                "--address",
+                "local",
+                "--num-cpus",
+                "2",
+                "--cpu-workers-per-node",
+                "2",
+                "--cpus-per-worker",
+                "4",
+            ],
+            cwd=REPO,
+            env=_env(tmp_path, ray_tmp),
+            capture_output=True,
+            text=True,
+            timeout=200,
+        )
     finally:
         subprocess.run(["rm", "-rf", ray_tmp])
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-3000:]
@@ -240,8 +314,9 @@ def test_checkpoints_and_exports_follow_the_umask(tiny_model_dir, tmp_path, umas
     from dapo.policy import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(tiny_model_dir)
-    step = checkpoint.save_checkpoint(tmp_path / "run", 1, model=model, tokenizer=tokenizer, trainer_state={},
-                                      config_yaml="{}\n", keep=1)
+    step = checkpoint.save_checkpoint(
+        tmp_path / "run", 1, model=model, tokenizer=tokenizer, trainer_state={}, config_yaml="{}\n", keep=1
+    )
     assert _mode(step) == 0o755 and _mode(step / "model") == 0o755
     assert _mode(step / "model" / "model.safetensors") == 0o644
     assert {_mode(p) for p in step.rglob("*") if p.is_file()} == {0o644}

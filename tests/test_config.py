@@ -11,15 +11,17 @@ from dapo import config as config_module
 from dapo.config import ConfigError, config_from_dict, dump_yaml, load_config, validate
 
 PRESETS = sorted(str(p) for p in Path("configs").glob("*.yaml")) + [
-    ["configs/ablation/base.yaml", str(p)] for p in sorted(Path("configs/ablation").glob("[0-9]_*.yaml"))]
+    ["configs/ablation/base.yaml", str(p)] for p in sorted(Path("configs/ablation").glob("[0-9]_*.yaml"))
+]
 
 
 def _fields(predicate):
     """(dotted key, annotation) of every setting whose resolved annotation satisfies ``predicate``."""
     out = []
     for section in dataclasses.fields(config_module.Config):
-        hints = typing.get_type_hints(section.type if isinstance(section.type, type) else
-                                      getattr(config_module, section.type))
+        hints = typing.get_type_hints(
+            section.type if isinstance(section.type, type) else getattr(config_module, section.type)
+        )
         out += [(f"{section.name}.{name}", tp) for name, tp in hints.items() if predicate(tp)]
     return out
 
@@ -45,35 +47,46 @@ def test_presets_load():
 
 
 def test_dotted_overrides_and_types():
-    cfg = load_config("configs/demo.yaml", ["algo.eps_high=0.3", "train.total_steps=3", "algo.dual_clip=null",
-                                            "eval.benchmarks=[arith,aime2024]", "algo.dynamic_sampling=false"])
+    cfg = load_config(
+        "configs/demo.yaml",
+        [
+            "algo.eps_high=0.3",
+            "train.total_steps=3",
+            "algo.dual_clip=null",
+            "eval.benchmarks=[arith,aime2024]",
+            "algo.dynamic_sampling=false",
+        ],
+    )
     assert cfg.algo.eps_high == 0.3 and cfg.train.total_steps == 3 and cfg.algo.dual_clip is None
     assert cfg.eval.benchmarks == ["arith", "aime2024"] and cfg.algo.dynamic_sampling is False
 
 
-@pytest.mark.parametrize("override, key", [
-    ("algo.eps_hgh=0.3", "algo.eps_hgh"),                  # unknown key
-    ("trainer.lr=1", "trainer"),                           # unknown section
-    ("train.total_steps=ten", "train.total_steps"),        # wrong type
-    ("algo.dynamic_sampling=maybe", "algo.dynamic_sampling"),
-    ("algo.eps_low=1.5", "algo.eps_low"),                  # out of range
-    ("algo.overlong_buffer_tokens=100", "algo.overlong_buffer_tokens"),  # buffer longer than max length
-    ("train.mini_batch_prompts=5", "train.prompts_per_step"),            # does not divide
-    ("algo.loss_agg=mean", "algo.loss_agg"),
-    ("rollout.backend=sglang", "rollout.backend"),
-    ("rollout.group_size=1", "rollout.group_size"),
-    ("rollout.tensor_parallel_size=0", "rollout.tensor_parallel_size"),
-    ("rollout.kv_cache_gib=-1", "rollout.kv_cache_gib"),
-    ("rollout.gpu_memory_utilization=1.5", "rollout.gpu_memory_utilization"),
-    ("algo.buffer_max_groups=-1", "algo.buffer_max_groups"),
-    ("algo.buffer_logp=engine", "algo.buffer_logp"),            # the hf engine reports no log-probs
-    ("algo.rollout_is_cap=0.5", "algo.rollout_is_cap"),          # below 1
-    ("algo.rollout_is_cap=2", "algo.rollout_is_cap"),            # needs vllm's log-probs
-    ("algo.truncated_in_group_stats=false", "algo.truncated_in_group_stats"),  # without overlong filtering
-    ("algo.old_logp=engine", "algo.old_logp"),                   # the hf engine reports no log-probs
-    ("algo.old_logp=latest", "algo.old_logp"),
-    ("reward.grader=minerva", "reward.grader"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("algo.eps_hgh=0.3", "algo.eps_hgh"),  # unknown key
+        ("trainer.lr=1", "trainer"),  # unknown section
+        ("train.total_steps=ten", "train.total_steps"),  # wrong type
+        ("algo.dynamic_sampling=maybe", "algo.dynamic_sampling"),
+        ("algo.eps_low=1.5", "algo.eps_low"),  # out of range
+        ("algo.overlong_buffer_tokens=100", "algo.overlong_buffer_tokens"),  # buffer longer than max length
+        ("train.mini_batch_prompts=5", "train.prompts_per_step"),  # does not divide
+        ("algo.loss_agg=mean", "algo.loss_agg"),
+        ("rollout.backend=sglang", "rollout.backend"),
+        ("rollout.group_size=1", "rollout.group_size"),
+        ("rollout.tensor_parallel_size=0", "rollout.tensor_parallel_size"),
+        ("rollout.kv_cache_gib=-1", "rollout.kv_cache_gib"),
+        ("rollout.gpu_memory_utilization=1.5", "rollout.gpu_memory_utilization"),
+        ("algo.buffer_max_groups=-1", "algo.buffer_max_groups"),
+        ("algo.buffer_logp=engine", "algo.buffer_logp"),  # the hf engine reports no log-probs
+        ("algo.rollout_is_cap=0.5", "algo.rollout_is_cap"),  # below 1
+        ("algo.rollout_is_cap=2", "algo.rollout_is_cap"),  # needs vllm's log-probs
+        ("algo.truncated_in_group_stats=false", "algo.truncated_in_group_stats"),  # without overlong filtering
+        ("algo.old_logp=engine", "algo.old_logp"),  # the hf engine reports no log-probs
+        ("algo.old_logp=latest", "algo.old_logp"),
+        ("reward.grader=minerva", "reward.grader"),
+    ],
+)
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError) as err:
         load_config("configs/demo.yaml", [override])
@@ -123,16 +136,19 @@ def test_overwrite_needs_a_fresh_start():
     assert load_config("configs/demo.yaml", ["run.overwrite=true", "run.resume=false"]).run.overwrite
 
 
-@pytest.mark.parametrize("override, key", [
-    ("reward.timeout_s=inf", "reward.timeout_s"),  # grading without a time limit
-    ("reward.timeout_s=nan", "reward.timeout_s"),
-    ("train.grad_clip=.inf", "train.grad_clip"),  # no gradient clipping
-    ("algo.dual_clip=inf", "algo.dual_clip"),  # null is how dual-clip is switched off
-    ("algo.overlong_penalty_factor=inf", "algo.overlong_penalty_factor"),
-    ("train.betas=[0.9,nan]", "train.betas"),
-    ("train.weight_decay=nan", "train.weight_decay"),
-    ("data.max_prompt_tokens=0", "data.max_prompt_tokens"),  # ids[-0:] keeps every token
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("reward.timeout_s=inf", "reward.timeout_s"),  # grading without a time limit
+        ("reward.timeout_s=nan", "reward.timeout_s"),
+        ("train.grad_clip=.inf", "train.grad_clip"),  # no gradient clipping
+        ("algo.dual_clip=inf", "algo.dual_clip"),  # null is how dual-clip is switched off
+        ("algo.overlong_penalty_factor=inf", "algo.overlong_penalty_factor"),
+        ("train.betas=[0.9,nan]", "train.betas"),
+        ("train.weight_decay=nan", "train.weight_decay"),
+        ("data.max_prompt_tokens=0", "data.max_prompt_tokens"),  # ids[-0:] keeps every token
+    ],
+)
 def test_settings_that_would_switch_a_limit_off_are_refused(override, key):
     with pytest.raises(ConfigError) as err:
         load_config("configs/demo.yaml", [override])
@@ -141,9 +157,20 @@ def test_settings_that_would_switch_a_limit_off_are_refused(override, key):
 
 def test_every_choice_setting_is_found_by_its_type():
     keys = {key for key, _ in LITERAL_FIELDS}
-    assert {"algo.loss_agg", "reward.grader", "model.dtype", "data.template", "rollout.backend", "algo.kl_kind",
-            "algo.filter_metric", "algo.on_max_gen_rounds", "algo.buffer_logp", "train.pack_sequences",
-            "model.device", "data.task_difficulty"} <= keys
+    assert {
+        "algo.loss_agg",
+        "reward.grader",
+        "model.dtype",
+        "data.template",
+        "rollout.backend",
+        "algo.kl_kind",
+        "algo.filter_metric",
+        "algo.on_max_gen_rounds",
+        "algo.buffer_logp",
+        "train.pack_sequences",
+        "model.device",
+        "data.task_difficulty",
+    } <= keys
 
 
 @pytest.mark.parametrize("key, tp", LITERAL_FIELDS, ids=[k for k, _ in LITERAL_FIELDS])
@@ -155,15 +182,20 @@ def test_a_choice_setting_refuses_other_values_and_lists_its_choices(key, tp):
     assert all(choice in msg for choice in typing.get_args(tp))
     for choice in typing.get_args(tp):  # and takes each of its choices
         section, name = key.split(".")
-        extra = ["rollout.backend=vllm"] if (key, choice) in (("algo.buffer_logp", "engine"), ("algo.old_logp", "engine")) else []
+        extra = (
+            ["rollout.backend=vllm"]
+            if (key, choice) in (("algo.buffer_logp", "engine"), ("algo.old_logp", "engine"))
+            else []
+        )
         assert getattr(getattr(load_config(None, [f"{key}={choice}", *extra]), section), name) == choice
 
 
 def test_a_choice_setting_built_in_code_is_checked_too():
     cfg = config_module.Config()
     cfg.algo.loss_agg = "mean"
-    with pytest.raises(ConfigError, match="algo.loss_agg='mean': choose token-mean, seq-mean-token-mean or "
-                                          "seq-mean-token-sum-norm"):
+    with pytest.raises(
+        ConfigError, match="algo.loss_agg='mean': choose token-mean, seq-mean-token-mean or seq-mean-token-sum-norm"
+    ):
         validate(cfg)
 
 
@@ -189,9 +221,21 @@ def test_validate_leaves_the_config_as_it_is(preset):
 
 def test_unset_settings_round_trip_through_the_saved_config(tmp_path):
     keys = [key for key, _ in OPTIONAL_FIELDS]
-    assert {"rollout.top_k", "rollout.kv_cache_gib", "algo.max_gen_rounds", "algo.rollout_is_cap",
-            "train.micro_batch_size", "eval.every_steps", "eval.num_problems", "eval.max_response_tokens",
-            "eval.n", "eval.temperature", "eval.top_p", "run.save_every", "algo.dual_clip"} <= set(keys)
+    assert {
+        "rollout.top_k",
+        "rollout.kv_cache_gib",
+        "algo.max_gen_rounds",
+        "algo.rollout_is_cap",
+        "train.micro_batch_size",
+        "eval.every_steps",
+        "eval.num_problems",
+        "eval.max_response_tokens",
+        "eval.n",
+        "eval.temperature",
+        "eval.top_p",
+        "run.save_every",
+        "algo.dual_clip",
+    } <= set(keys)
     unset = load_config("configs/demo.yaml", [f"{key}=null" for key in keys])
     saved = tmp_path / "config.yaml"
     saved.write_text(dump_yaml(unset))
@@ -202,9 +246,20 @@ def test_unset_settings_round_trip_through_the_saved_config(tmp_path):
     assert load_config(saved) == set_
 
 
-@pytest.mark.parametrize("key", ["rollout.top_k", "rollout.kv_cache_gib", "algo.max_gen_rounds", "train.micro_batch_size",
-                                 "eval.every_steps", "eval.num_problems", "eval.max_response_tokens", "eval.n",
-                                 "run.save_every"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "rollout.top_k",
+        "rollout.kv_cache_gib",
+        "algo.max_gen_rounds",
+        "train.micro_batch_size",
+        "eval.every_steps",
+        "eval.num_problems",
+        "eval.max_response_tokens",
+        "eval.n",
+        "run.save_every",
+    ],
+)
 def test_zero_is_not_a_way_to_say_unset(key):
     with pytest.raises(ConfigError) as err:
         load_config("configs/demo.yaml", [f"{key}=0"])
@@ -212,19 +267,25 @@ def test_zero_is_not_a_way_to_say_unset(key):
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("overrides, fix", [
-    (["algo.old_logp=engine", "rollout.backend=vllm", "model.dtype=bfloat16"], "use float32"),
-    (["algo.old_logp=engine", "rollout.backend=vllm", "rollout.top_p=0.7"], "use top_p 1.0"),
-    (["algo.old_logp=engine", "rollout.backend=vllm", "rollout.top_k=20"], "use top_p 1.0"),
-    (["algo.old_logp=first_update", "rollout.backend=vllm", "algo.rollout_is_cap=2"], "use recompute"),
-    (["algo.old_logp=engine", "rollout.backend=vllm", "algo.rollout_is_cap=2"], "use recompute"),
-])
+@pytest.mark.parametrize(
+    "overrides, fix",
+    [
+        (["algo.old_logp=engine", "rollout.backend=vllm", "model.dtype=bfloat16"], "use float32"),
+        (["algo.old_logp=engine", "rollout.backend=vllm", "rollout.top_p=0.7"], "use top_p 1.0"),
+        (["algo.old_logp=engine", "rollout.backend=vllm", "rollout.top_k=20"], "use top_p 1.0"),
+        (["algo.old_logp=first_update", "rollout.backend=vllm", "algo.rollout_is_cap=2"], "use recompute"),
+        (["algo.old_logp=engine", "rollout.backend=vllm", "algo.rollout_is_cap=2"], "use recompute"),
+    ],
+)
 def test_old_logp_sources_refuse_what_would_make_them_inexact(overrides, fix):
     with pytest.raises(ConfigError) as err:
         load_config("configs/demo.yaml", overrides)
     assert str(err.value).startswith("algo.old_logp=") and fix in str(err.value) and "\n" not in str(err.value)
     assert load_config("configs/demo.yaml", ["algo.old_logp=engine", "rollout.backend=auto"]).algo.old_logp == "engine"
-    assert load_config("configs/demo.yaml", ["algo.old_logp=first_update", "train.ppo_epochs=2"]).algo.old_logp == "first_update"
+    assert (
+        load_config("configs/demo.yaml", ["algo.old_logp=first_update", "train.ppo_epochs=2"]).algo.old_logp
+        == "first_update"
+    )
     assert config_module.AlgoConfig().old_logp == "recompute"  # the reference
 
 
@@ -262,8 +323,17 @@ def test_dapo_eval_without_a_preset_is_aime_2024_as_the_paper_samples_it():
     cfg = eval_config(None, None, [])
     assert cfg.eval.benchmarks == ["aime2024"] and cfg.rollout.backend == "hf" and cfg.reward.grader == "auto"
     assert _settings(cfg, "aime2024") == {"n": 32, "temperature": 1.0, "top_p": 0.7, "max_new_tokens": 20480}
-    cfg = eval_config(None, None, ["eval.n=4", "eval.max_response_tokens=512", "eval.benchmarks=[aime2024,math500]",
-                                   "reward.num_workers=1", "model.dtype=bfloat16"])
+    cfg = eval_config(
+        None,
+        None,
+        [
+            "eval.n=4",
+            "eval.max_response_tokens=512",
+            "eval.benchmarks=[aime2024,math500]",
+            "reward.num_workers=1",
+            "model.dtype=bfloat16",
+        ],
+    )
     assert _settings(cfg, "aime2024") == {"n": 4, "temperature": 1.0, "top_p": 0.7, "max_new_tokens": 512}
     assert cfg.eval.benchmarks == ["aime2024", "math500"] and cfg.reward.num_workers == 1
     assert cfg.model.dtype == "bfloat16"
@@ -293,9 +363,12 @@ def test_evaluation_during_training_samples_as_the_preset_says(preset):
     cfg = load_config(preset)
     for name in cfg.eval.benchmarks:
         got = _settings(cfg, name, in_training=True)
-        expected = {"n": cfg.eval.n or 4, "temperature": 1.0 if cfg.eval.temperature is None else cfg.eval.temperature,
-                    "top_p": 1.0 if cfg.eval.top_p is None else cfg.eval.top_p,
-                    "max_new_tokens": cfg.eval.max_response_tokens or cfg.rollout.max_response_tokens}
+        expected = {
+            "n": cfg.eval.n or 4,
+            "temperature": 1.0 if cfg.eval.temperature is None else cfg.eval.temperature,
+            "top_p": 1.0 if cfg.eval.top_p is None else cfg.eval.top_p,
+            "max_new_tokens": cfg.eval.max_response_tokens or cfg.rollout.max_response_tokens,
+        }
         assert got == expected
 
 
@@ -304,15 +377,23 @@ def test_shipped_presets_and_files_resolve_from_any_directory(tmp_path, monkeypa
     from dapo.resources import SHARE, shipped
 
     monkeypatch.chdir(tmp_path)
-    for given, found in [("demo", "demo.yaml"), ("demo.yaml", "demo.yaml"), ("configs/demo.yaml", "demo.yaml"),
-                         ("ablation/base", "ablation/base.yaml"), ("configs/ablation/base.yaml", "ablation/base.yaml"),
-                         ("elsewhere/smollm2_135m.yaml", "smollm2_135m.yaml")]:
+    for given, found in [
+        ("demo", "demo.yaml"),
+        ("demo.yaml", "demo.yaml"),
+        ("configs/demo.yaml", "demo.yaml"),
+        ("ablation/base", "ablation/base.yaml"),
+        ("configs/ablation/base.yaml", "ablation/base.yaml"),
+        ("elsewhere/smollm2_135m.yaml", "smollm2_135m.yaml"),
+    ]:
         assert resolve_preset(given) == PRESET_DIR / found, given
     assert resolve_preset("nothing") == Path("nothing")
     assert {"demo", "smollm2_135m", "ablation/base", "ablation/1_grpo"} <= set(preset_names())
     assert load_config("demo").run.name == "demo"
-    with pytest.raises(ConfigError, match=r"^config file nothing does not exist; give a YAML file or a shipped "
-                                          r"preset's name \(ablation/1_grpo, .*demo, .*smollm2_135m.*\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^config file nothing does not exist; give a YAML file or a shipped "
+        r"preset's name \(ablation/1_grpo, .*demo, .*smollm2_135m.*\)$",
+    ):
         load_config("nothing")
     # a shipped file is read from the package when the current directory has none, and from there when it has
     assert shipped("assets/arith-base") == SHARE / "assets/arith-base"

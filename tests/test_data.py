@@ -46,7 +46,7 @@ def test_template_text_is_the_dapo_one():
     assert wrapped == (
         "Solve the following math problem step by step. The last line of your response should be "
         "of the form Answer: $Answer (without quotes) where $Answer is the answer to the problem."
-        "\n\nWhat is 2+2?\n\nRemember to put your answer on its own line after \"Answer:\"."
+        '\n\nWhat is 2+2?\n\nRemember to put your answer on its own line after "Answer:".'
     )
     assert wrapped.startswith(DAPO_PROMPT_PREFIX) and wrapped.endswith(DAPO_PROMPT_SUFFIX)
 
@@ -215,11 +215,15 @@ def test_unknown_layout_extension_empty_and_missing_file(tmp_path):
 
 
 def test_a_row_over_max_row_chars_is_refused_before_parsing(tmp_path):
-    path = write_jsonl(tmp_path / "big.jsonl", [{"problem": "p", "answer": "1"}, {"problem": "x" * 5000, "answer": "2"}])
+    path = write_jsonl(
+        tmp_path / "big.jsonl", [{"problem": "p", "answer": "1"}, {"problem": "x" * 5000, "answer": "2"}]
+    )
     with pytest.raises(DataError) as info:
         load_examples(path, max_row_chars=4000)
-    assert str(info.value) == (f"{path}: row 2: longer than data.max_row_chars=4,000 characters; "
-                               "shorten or drop the row, or raise data.max_row_chars")
+    assert str(info.value) == (
+        f"{path}: row 2: longer than data.max_row_chars=4,000 characters; "
+        "shorten or drop the row, or raise data.max_row_chars"
+    )
     assert len(load_examples(path, max_row_chars=6000)) == 2
     table = pa.table({"problem": ["p", "y" * 5000], "answer": ["1", "2"]})
     pq.write_table(table, tmp_path / "big.parquet")
@@ -239,11 +243,16 @@ def test_the_row_limit_is_a_setting_that_reaches_the_loader(tmp_path, tiny_model
     assert small_config(tmp_path, tiny_model_dir).data.max_row_chars == 1_000_000
 
 
-@pytest.mark.parametrize("line, message", [
-    ('{"problem": "p", "answer": ' + "[" * 100_000 + "]" * 100_000 + "}",
-     "row 1: JSON nested too deeply to read"),
-    ('{"problem": "p", "answer": ' + "9" * 5000 + "}", "row 1: a number with more than 4300 digits; write it as a string"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"problem": "p", "answer": ' + "[" * 100_000 + "]" * 100_000 + "}", "row 1: JSON nested too deeply to read"),
+        (
+            '{"problem": "p", "answer": ' + "9" * 5000 + "}",
+            "row 1: a number with more than 4300 digits; write it as a string",
+        ),
+    ],
+)
 def test_json_python_cannot_read_is_a_one_line_error(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"
     path.write_text(line + "\n")
@@ -252,18 +261,26 @@ def test_json_python_cannot_read_is_a_one_line_error(tmp_path, line, message):
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("row, field", [
-    ({"problem": "p", "answer": "2\x00"}, "answer"),
-    ({"problem": "what is 1+1?\x00", "answer": "2"}, "problem"),
-    ({"prompt": [{"role": "user", "content": "q\x00"}], "reward_model": {"ground_truth": "2"}}, "prompt[0].content"),
-    ({"prompt": "q", "reward_model": {"ground_truth": "2\x00"}}, "reward_model.ground_truth"),
-    ({"question": "q", "answer": "so #### 2\x00"}, "answer"),
-])
+@pytest.mark.parametrize(
+    "row, field",
+    [
+        ({"problem": "p", "answer": "2\x00"}, "answer"),
+        ({"problem": "what is 1+1?\x00", "answer": "2"}, "problem"),
+        (
+            {"prompt": [{"role": "user", "content": "q\x00"}], "reward_model": {"ground_truth": "2"}},
+            "prompt[0].content",
+        ),
+        ({"prompt": "q", "reward_model": {"ground_truth": "2\x00"}}, "reward_model.ground_truth"),
+        ({"question": "q", "answer": "so #### 2\x00"}, "answer"),
+    ],
+)
 def test_nul_characters_are_refused(tmp_path, row, field):
     path = write_jsonl(tmp_path / "nul.jsonl", [row])
     with pytest.raises(DataError) as info:
         load_examples(path)
-    assert str(info.value) == f"{path}: row 1: field '{field}' contains a NUL character (\\x00); remove it from the file"
+    assert (
+        str(info.value) == f"{path}: row 1: field '{field}' contains a NUL character (\\x00); remove it from the file"
+    )
 
 
 def test_a_huge_prompt_is_cut_before_it_is_tokenised(tiny_model_dir):

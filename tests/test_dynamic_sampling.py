@@ -6,8 +6,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from dapo.config import AlgoConfig
 from dapo.batch import RolloutBatch
+from dapo.config import AlgoConfig
 from dapo.dynamic_sampling import BatchCollector, GenerationCapError, Scored, record_behaviour_logp
 from dapo.rollout.base import Generation, SamplingParams
 
@@ -39,7 +39,9 @@ class EchoEngine:
         self.calls.append(len(prompt_ids))
         rows = [p for p in prompt_ids for _ in range(params.n)]
         responses = [[p[0], j] for p in prompt_ids for j in range(params.n)]
-        return Generation(rows, responses, torch.zeros(len(rows), dtype=torch.bool), [f"{r[0]}:{r[1]}" for r in responses])
+        return Generation(
+            rows, responses, torch.zeros(len(rows), dtype=torch.bool), [f"{r[0]}:{r[1]}" for r in responses]
+        )
 
 
 def stub_scorer(pattern):
@@ -56,8 +58,14 @@ def run(examples, *, num_prompts, buffer=None, max_buffer_groups=0, **algo):
     cfg = AlgoConfig(buffer_max_groups=max_buffer_groups, **algo)
     engine = EchoEngine()
     buffer = [] if buffer is None else buffer
-    collector = BatchCollector(engine=engine, sampler=ListSampler(examples), scorer=stub_scorer(None),
-                               encode=lambda ex: [int(ex.uid)], sampling=SamplingParams(n=4), algo_cfg=cfg)
+    collector = BatchCollector(
+        engine=engine,
+        sampler=ListSampler(examples),
+        scorer=stub_scorer(None),
+        encode=lambda ex: [int(ex.uid)],
+        sampling=SamplingParams(n=4),
+        algo_cfg=cfg,
+    )
     batch, stats = collector.collect(num_prompts, buffer, round_seed=lambda k: k)
     return batch, stats, buffer, engine
 
@@ -75,7 +83,7 @@ def test_refills_until_batch_is_full_and_keeps_prompt_major_groups():
     # every kept group is informative and contiguous
     acc = batch.acc.view(-1, 4)
     assert ((acc.sum(1) > 0) & (acc.sum(1) < 4)).all()
-    assert all(len(set(batch.example_uids[i * 4:(i + 1) * 4])) == 1 for i in range(5))
+    assert all(len(set(batch.example_uids[i * 4 : (i + 1) * 4])) == 1 for i in range(5))
 
 
 def test_surplus_groups_are_discarded_by_default_as_the_reference_does():
@@ -99,10 +107,16 @@ def test_surplus_groups_go_to_the_buffer_and_are_used_first():
 
 
 def one_group(uid, lengths, rollout_logp=None):
-    return RolloutBatch(group_size=len(lengths), prompt_ids=[[1]] * len(lengths),
-                        response_ids=[[7] * n for n in lengths], truncated=torch.zeros(len(lengths), dtype=torch.bool),
-                        texts=[""] * len(lengths), example_uids=[uid] * len(lengths), ground_truths=["0"] * len(lengths),
-                        rollout_logp=rollout_logp or [])
+    return RolloutBatch(
+        group_size=len(lengths),
+        prompt_ids=[[1]] * len(lengths),
+        response_ids=[[7] * n for n in lengths],
+        truncated=torch.zeros(len(lengths), dtype=torch.bool),
+        texts=[""] * len(lengths),
+        example_uids=[uid] * len(lengths),
+        ground_truths=["0"] * len(lengths),
+        rollout_logp=rollout_logp or [],
+    )
 
 
 def test_buffered_groups_record_the_sampling_policys_log_probs_once():

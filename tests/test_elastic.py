@@ -20,23 +20,40 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import make_policy, small_config  # noqa: E402
-from test_parallel import env_for_children, REPO  # noqa: E402
+from test_parallel import REPO, env_for_children  # noqa: E402
 
 from dapo import checkpoint, cli, parallel  # noqa: E402
 
 # dynamic sampling with a buffer: held-over groups (and their behaviour log-probs) cross the world-size change
-RUN = ["train.total_steps=3", "run.save_every=1", "run.keep_checkpoints=3", "algo.dynamic_sampling=true",
-       "algo.filter_metric=reward", "algo.max_gen_rounds=3", "algo.oversample=3.0", "algo.buffer_max_groups=8"]
+RUN = [
+    "train.total_steps=3",
+    "run.save_every=1",
+    "run.keep_checkpoints=3",
+    "algo.dynamic_sampling=true",
+    "algo.filter_metric=reward",
+    "algo.max_gen_rounds=3",
+    "algo.oversample=3.0",
+    "algo.buffer_max_groups=8",
+]
 LORA = ["model.lora.rank=4", "train.lr=1e-2"]
 
 
 def torchrun(nproc: int, *args, timeout=400):
     import subprocess
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), __file__,
-           *map(str, args)]
-    out = subprocess.run(cmd, cwd=REPO, env=env_for_children(COLUMNS="500"), capture_output=True, text=True,
-                         timeout=timeout)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        __file__,
+        *map(str, args),
+    ]
+    out = subprocess.run(
+        cmd, cwd=REPO, env=env_for_children(COLUMNS="500"), capture_output=True, text=True, timeout=timeout
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     return out
 
@@ -84,15 +101,22 @@ def runs(tiny_model_dir, tmp_path_factory):
     up = torchrun(2, "train", tiny_model_dir, root, bf16)
     start_from(step_dir(root / "up", 2), root / "down")
     start_from(step_dir(root / "lora_up", 2), root / "lora_down")
-    down = [train(small_config(root / "down", tiny_model_dir, *RUN)),
-            train(small_config(root / "lora_down", tiny_model_dir, *RUN, *LORA))]
+    down = [
+        train(small_config(root / "down", tiny_model_dir, *RUN)),
+        train(small_config(root / "lora_down", tiny_model_dir, *RUN, *LORA)),
+    ]
     start_from(step_dir(root / "up", 2), root / "wide")
     wide = torchrun(3, "train_wide", tiny_model_dir, root)
     return root, {"up": up.stdout, "wide": wide.stdout, "down": down}
 
 
-MATRIX = [("up", "ref", 1, 2), ("down", "ref", 2, 1), ("wide", "ref", 2, 3),
-          ("lora_up", "lora_ref", 1, 2), ("lora_down", "lora_ref", 2, 1)]
+MATRIX = [
+    ("up", "ref", 1, 2),
+    ("down", "ref", 2, 1),
+    ("wide", "ref", 2, 3),
+    ("lora_up", "lora_ref", 1, 2),
+    ("lora_down", "lora_ref", 2, 1),
+]
 
 
 @pytest.mark.slow
@@ -116,8 +140,10 @@ def test_a_checkpoint_resumes_at_another_world_size_as_the_run_would_have_gone_o
         assert w.keys() == w_ref.keys()
         diff = max((w[k].float() - w_ref[k].float()).abs().max().item() for k in w)
         moved = max((w_ref[k].float() - start[k].float()).abs().max().item() for k in w)
-        lines.append(f"{run:>9}: {before} -> {after} ranks at step {resumed_at}, {3 - resumed_at} steps on: "
-                     f"max |w - w_uninterrupted| {diff:.2e} (the steps moved weights by up to {moved:.2e})")
+        lines.append(
+            f"{run:>9}: {before} -> {after} ranks at step {resumed_at}, {3 - resumed_at} steps on: "
+            f"max |w - w_uninterrupted| {diff:.2e} (the steps moved weights by up to {moved:.2e})"
+        )
         assert diff < 1e-3 * moved, lines[-1]
     print("\n" + "\n".join(lines))
     assert "written by 1 rank, resharded onto 2" in outs["up"]
@@ -137,8 +163,10 @@ def test_a_full_disk_stops_every_rank_of_a_sharded_save_in_one_line(runs):
     for line, step in zip(per_rank[0], (2, 3)):
         assert line.startswith(f"writing checkpoint {ckpts / f'step_{step:06d}'} failed (")
         assert f"({'rank 1: ' if step == 2 else ''}OSError: [Errno 28] No space left on device)" in line
-        assert line.endswith(f"its partial files were removed and starting the run again resumes from "
-                             f"{ckpts / 'step_000001'}, which is whole: free space on that disk (or fix the cause) first")
+        assert line.endswith(
+            f"its partial files were removed and starting the run again resumes from "
+            f"{ckpts / 'step_000001'}, which is whole: free space on that disk (or fix the cause) first"
+        )
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_000001"]
     assert len(parallel.read_shards(ckpts / "step_000001" / "shards")["model"]) > 0
 
@@ -153,8 +181,15 @@ def bf16_one_process_checkpoint(tiny_model_dir: Path, run_dir: Path) -> Path:
         m.grad = torch.randn_like(m)
     policy.optimizer.step()
     policy._sync_from_master()
-    return checkpoint.save_checkpoint(run_dir, 1, model=policy.model, tokenizer=policy.tokenizer,
-                                      trainer_state={"policy": policy.trainer_state()}, config_yaml="", keep=1)
+    return checkpoint.save_checkpoint(
+        run_dir,
+        1,
+        model=policy.model,
+        tokenizer=policy.tokenizer,
+        trainer_state={"policy": policy.trainer_state()},
+        config_yaml="",
+        keep=1,
+    )
 
 
 @pytest.mark.slow
@@ -174,11 +209,15 @@ def test_bfloat16_masters_cross_world_sizes_exactly(runs, tiny_model_dir, tmp_pa
     # 2 ranks (float32) -> 1 process in bfloat16: the masters as saved, the model rounded from them
     shards = parallel.read_shards(step_dir(root / "up", 2) / "shards")
     policy = make_policy(small_config(tmp_path, tiny_model_dir, "model.dtype=bfloat16"))
-    checkpoint.load_policy(policy, step_dir(root / "up", 2), checkpoint.load_trainer_state(step_dir(root / "up", 2))["policy"])
+    checkpoint.load_policy(
+        policy, step_dir(root / "up", 2), checkpoint.load_trainer_state(step_dir(root / "up", 2))["policy"]
+    )
     for (name, p), master in zip(policy.model.named_parameters(), policy.master):
         assert torch.equal(master, shards["model"][name]) and torch.equal(p, master.bfloat16()), name
     for i, name in enumerate(names):
-        assert torch.equal(policy.optimizer.state_dict()["state"][i]["exp_avg_sq"], shards["optim"]["state"][name]["exp_avg_sq"])
+        assert torch.equal(
+            policy.optimizer.state_dict()["state"][i]["exp_avg_sq"], shards["optim"]["state"][name]["exp_avg_sq"]
+        )
     assert policy.optimizer.param_groups[0]["fused"]  # this run's own AdamW, the saved hyper-parameters
 
 
@@ -201,8 +240,10 @@ def bf16_check(model_dir: str, root: Path, step: Path) -> None:
     weights = dict(parallel.full_tensors(policy.model.named_parameters()))
     _, optim = get_state_dict(policy.model, policy.optimizer, options=StateDictOptions(full_state_dict=True))
     if d.is_main:
-        torch.save({"weights": weights, "exp_avg": {k: s["exp_avg"] for k, s in optim["state"].items()}},
-                   root / "bf16_on_2_ranks.pt")
+        torch.save(
+            {"weights": weights, "exp_avg": {k: s["exp_avg"] for k, s in optim["state"].items()}},
+            root / "bf16_on_2_ranks.pt",
+        )
 
 
 def full_disk_check(model_dir: str, root: Path) -> None:
@@ -218,9 +259,17 @@ def full_disk_check(model_dir: str, root: Path) -> None:
     policy = make_policy(small_config(run_dir, model_dir), "cpu", d)
 
     def save(step):
-        checkpoint.save_checkpoint(run_dir, step, model=policy.model, tokenizer=policy.tokenizer, keep=2, dist=d,
-                                   trainer_state={"policy": policy.trainer_state()}, config_yaml="",
-                                   shards=policy.sharded_state())
+        checkpoint.save_checkpoint(
+            run_dir,
+            step,
+            model=policy.model,
+            tokenizer=policy.tokenizer,
+            keep=2,
+            dist=d,
+            trainer_state={"policy": policy.trainer_state()},
+            config_yaml="",
+            shards=policy.sharded_state(),
+        )
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -26,7 +26,9 @@ def test_majority_vote_with_ties():
     assert majority_accuracy(["5", "7", "7"], [True, False, False]) == 0.0
     # a tie between a right and a wrong answer scores the chance of picking the right one
     assert majority_accuracy(["5", "7"], [True, False]) == 0.5
-    assert majority_accuracy(["5", "7", "9", "9", "5", "7"], [True, False, False, False, True, False]) == pytest.approx(1 / 3)
+    assert majority_accuracy(["5", "7", "9", "9", "5", "7"], [True, False, False, False, True, False]) == pytest.approx(
+        1 / 3
+    )
     # invalid predictions do not vote
     assert majority_accuracy(["[INVALID]", "[INVALID]", "5"], [False, False, True]) == 1.0
     assert majority_accuracy(["[INVALID]"], [False]) == 0.0
@@ -49,9 +51,22 @@ def test_dapo_eval_end_to_end(tiny_model_dir, tmp_path, capsys):
     rows = [{"problem": "2+3=", "answer": "5"}, {"problem": "4*2=", "answer": "8"}, {"problem": "9-1=", "answer": "8"}]
     bench.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
-    code = main(["eval", "--model", str(tiny_model_dir), f"eval.benchmarks=[{bench}]", "eval.n=4", "data.template=raw",
-                 "reward.grader=arith", "eval.max_response_tokens=8", "reward.num_workers=1", "--out", str(out),
-                 "model.device=cpu"])
+    code = main(
+        [
+            "eval",
+            "--model",
+            str(tiny_model_dir),
+            f"eval.benchmarks=[{bench}]",
+            "eval.n=4",
+            "data.template=raw",
+            "reward.grader=arith",
+            "eval.max_response_tokens=8",
+            "reward.num_workers=1",
+            "--out",
+            str(out),
+            "model.device=cpu",
+        ]
+    )
     assert code == 0
     summary = json.loads((out / "eval.json").read_text())["mini"]
     assert summary["n"] == 4 and summary["num_problems"] == 3
@@ -66,12 +81,23 @@ def test_dapo_eval_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert f"responses: {path}  (12 samples, one JSON line each)" in capsys.readouterr().out
     samples = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(samples) == 12
-    assert set(samples[0]) == {"id", "sample", "prompt", "response", "extracted_answer", "ground_truth", "correct",
-                               "length_tokens", "truncated"}
+    assert set(samples[0]) == {
+        "id",
+        "sample",
+        "prompt",
+        "response",
+        "extracted_answer",
+        "ground_truth",
+        "correct",
+        "length_tokens",
+        "truncated",
+    }
     assert [s["id"] for s in samples] == [p["id"] for p in problems for _ in range(4)]
     assert [s["sample"] for s in samples] == [0, 1, 2, 3] * 3
     assert [s["ground_truth"] for s in samples] == ["5"] * 4 + ["8"] * 8
-    assert [sum(s["correct"] for s in samples[4 * i : 4 * i + 4]) for i in range(3)] == [p["num_correct"] for p in problems]
+    assert [sum(s["correct"] for s in samples[4 * i : 4 * i + 4]) for i in range(3)] == [
+        p["num_correct"] for p in problems
+    ]
     assert sum(s["correct"] for s in samples) / 12 == pytest.approx(summary["avg"])
     assert sum(s["length_tokens"] for s in samples) / 12 == pytest.approx(summary["mean_length"])
     assert sum(s["truncated"] for s in samples) / 12 == pytest.approx(summary["truncated_frac"])
@@ -103,8 +129,10 @@ def test_dapo_eval_of_a_run_reads_its_config_and_reports_beside_its_checkpoints(
     ckpt.mkdir(parents=True)
     (ckpt / "model").symlink_to(tiny_model_dir, target_is_directory=True)
     (ckpt / "trainer_state.pt").write_bytes(b"")  # what marks a complete checkpoint
-    saved = load_config("configs/demo.yaml", ["eval.num_problems=3", "eval.n=2", "reward.num_workers=1",
-                                              "model.device=cpu", "eval.max_response_tokens=8"])
+    saved = load_config(
+        "configs/demo.yaml",
+        ["eval.num_problems=3", "eval.n=2", "reward.num_workers=1", "model.device=cpu", "eval.max_response_tokens=8"],
+    )
     (run / "config.yaml").write_text(dump_yaml(saved))
     assert main(["eval", "--run", str(run), "eval.n=3"]) == 0
     summary = json.loads((run / "eval" / "step_000002" / "eval.json").read_text())["arith"]

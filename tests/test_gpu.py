@@ -46,14 +46,21 @@ BF16_EPS = 2.0**-8  # bfloat16 keeps 8 significant bits: one rounding moves a va
 
 
 def env_for_children(**extra) -> dict:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
-            "OMP_NUM_THREADS": "1", **extra}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+        **extra,
+    }
 
 
 def report(item: str, **figures) -> None:
     """One line the gpu-check report collects (pytest -s): the measured differences beside their bounds."""
-    print(f"\nGPU-CHECK {item} " + json.dumps({k: (float(v) if isinstance(v, torch.Tensor) else v)
-                                                for k, v in figures.items()}), flush=True)
+    print(
+        f"\nGPU-CHECK {item} "
+        + json.dumps({k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in figures.items()}),
+        flush=True,
+    )
 
 
 @pytest.mark.parametrize("dtype", [pytest.param("float32", marks=ON_CUDA), pytest.param("bfloat16", marks=ON_CUDA)])
@@ -69,10 +76,15 @@ def test_two_steps_on_gpu(tiny_model_dir, tmp_path, dtype):
 
 # ---- a: one update, float32 / bf16 / FSDP2 ------------------------------------------------------
 # one optimizer update of plain SGD at lr 1 and no clipping: the weight change is minus the gradient
-ONE_SGD_UPDATE = ["train.prompts_per_step=3", "train.mini_batch_prompts=3", "train.micro_batch_size=2",
-                  "train.grad_clip=1e9"]
+ONE_SGD_UPDATE = [
+    "train.prompts_per_step=3",
+    "train.mini_batch_prompts=3",
+    "train.micro_batch_size=2",
+    "train.grad_clip=1e9",
+]
 FSDP_VARIANTS = {  # name: overrides (every one computes in bf16 with float32 masters, as the presets train)
-    "fp32": [], "bf16": ["model.dtype=bfloat16"],
+    "fp32": [],
+    "bf16": ["model.dtype=bfloat16"],
     "bf16_offload": ["model.dtype=bfloat16", "train.cpu_offload=true"],
     "bf16_checkpointing": ["model.dtype=bfloat16", "model.gradient_checkpointing=true"],
 }
@@ -89,8 +101,13 @@ def sgd_update(cfg, device: str, batch, d=None) -> dict:
     before = {n: t.clone() for n, t in parallel.full_tensors(zip(names, trained))}  # DTensors gathered
     stats = policy.update(batch, loss_fn_of(cfg))
     delta = {n: (t - before[n]).float().cpu() for n, t in parallel.full_tensors(zip(names, trained))}
-    return {"old_logp": old_logp, "stats": {k: float(v) for k, v in stats.items()}, "delta": delta,
-            "dtypes": sorted({str(p.dtype) for p in trained}), "dtensors": all(hasattr(p, "full_tensor") for p in trained)}
+    return {
+        "old_logp": old_logp,
+        "stats": {k: float(v) for k, v in stats.items()},
+        "delta": delta,
+        "dtypes": sorted({str(p.dtype) for p in trained}),
+        "dtensors": all(hasattr(p, "full_tensor") for p in trained),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +128,13 @@ def compare(got: dict, want: dict) -> dict:
     diff = max((got["delta"][k] - want["delta"][k]).abs().max().item() for k in want["delta"])
     l1 = sum((got["delta"][k] - want["delta"][k]).abs().sum().item() for k in want["delta"])
     l1_ref = sum(v.abs().sum().item() for v in want["delta"].values())
-    return {"grad_max_abs_diff": diff, "grad_scale": scale, "grad_rel_l1": l1 / l1_ref,
-            "loss_diff": abs(got["stats"]["pg_loss"] - want["stats"]["pg_loss"]),
-            "logp_max_abs_diff": (got["old_logp"] - want["old_logp"]).abs().max().item()}
+    return {
+        "grad_max_abs_diff": diff,
+        "grad_scale": scale,
+        "grad_rel_l1": l1 / l1_ref,
+        "loss_diff": abs(got["stats"]["pg_loss"] - want["stats"]["pg_loss"]),
+        "logp_max_abs_diff": (got["old_logp"] - want["old_logp"]).abs().max().item(),
+    }
 
 
 # float32 on another device: the same arithmetic in another summation order (TF32 is off by default in
@@ -123,8 +144,10 @@ def compare(got: dict, want: dict) -> dict:
 # head: 2% of the largest gradient entry (~5 roundings), 3% of the gradient's L1 norm, the loss within 2e-3
 # (each token's ratio carries ~4e-3 of rounded log-prob, averaged over ~100 tokens of both advantage signs)
 # and log-probs within 0.05 (a logit of size ~5 rounded: 5 x 2^-8 = 0.02, in both log-sum-exp and target).
-TOLERANCE = {"float32": dict(grad=1e-4, l1=1e-4, loss=1e-5, logp=1e-5),
-             "bfloat16": dict(grad=0.02, l1=0.03, loss=2e-3, logp=0.05)}
+TOLERANCE = {
+    "float32": dict(grad=1e-4, l1=1e-4, loss=1e-5, logp=1e-5),
+    "bfloat16": dict(grad=0.02, l1=0.03, loss=2e-3, logp=0.05),
+}
 
 
 def assert_within(found: dict, dtype: str) -> None:
@@ -147,7 +170,9 @@ def test_one_update_in_one_process_agrees_with_cpu_float32(reference_update, tin
     found = compare(got, want)
     report(f"a single-process {device} {dtype}", **found, tolerance=TOLERANCE[dtype])
     if device == "cpu" and dtype == "float32":
-        assert found["grad_max_abs_diff"] == 0.0  # the reference itself: the comparison sees a difference when there is one
+        assert (
+            found["grad_max_abs_diff"] == 0.0
+        )  # the reference itself: the comparison sees a difference when there is one
     assert_within(found, dtype)
 
 
@@ -195,13 +220,28 @@ def test_fsdp2_one_rank_agrees_with_cpu_float32(reference_update, tiny_model_dir
     batch, want, tmp = reference_update
     out = tmp / f"fsdp-{device}"
     out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", __file__,
-           "fsdp", device, str(tiny_model_dir), str(tmp / "batch.pt"), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "1",
+        __file__,
+        "fsdp",
+        device,
+        str(tiny_model_dir),
+        str(tmp / "batch.pt"),
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env_for_children(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     results = torch.load(out / "fsdp.pt", weights_only=False)
-    failed = {name: got["error"][-1500:] for name, got in results.items()
-              if "error" in got and not (name == "bf16_offload" and device == "cpu")}
+    failed = {
+        name: got["error"][-1500:]
+        for name, got in results.items()
+        if "error" in got and not (name == "bf16_offload" and device == "cpu")
+    }
     assert not failed, failed
     for name, got in results.items():
         if name == "bf16_offload" and device == "cpu":
@@ -224,15 +264,27 @@ def sdpa_backends(name: str):
     # memory-efficient kernel does not do; flash takes no attention mask, so passes without padding (and the
     # prompt pass) run it, while response passes over a cached prompt need a mask and fall to memory-efficient.
     # The test checks that the kernel named did run.
-    return {"eager": None, "math": [SDPBackend.MATH], "efficient": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
-            "flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]}[name]
+    return {
+        "eager": None,
+        "math": [SDPBackend.MATH],
+        "efficient": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+        "flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+    }[name]
 
 
 # which attention kernels run on each device: CPU has SDPA's math and its own flash kernel, not the CUDA ones
 # (float32 eager and sdpa on the CPU: tests/test_prefix.py; the batch without padding matters for flash only)
-PREFIX_VARIANTS = {"cpu": [("eager", "bfloat16")],
-                   "cuda": [("eager", "float32"), ("math", "float32"), ("efficient", "float32"),
-                            ("eager", "bfloat16"), ("efficient", "bfloat16"), ("flash", "bfloat16")]}
+PREFIX_VARIANTS = {
+    "cpu": [("eager", "bfloat16")],
+    "cuda": [
+        ("eager", "float32"),
+        ("math", "float32"),
+        ("efficient", "float32"),
+        ("eager", "bfloat16"),
+        ("efficient", "bfloat16"),
+        ("flash", "bfloat16"),
+    ],
+}
 
 
 def logp_and_grads(lm, batch, rows, device, *, share: bool, backends, equal_lengths: bool = False):
@@ -251,8 +303,11 @@ def logp_and_grads(lm, batch, rows, device, *, share: bool, backends, equal_leng
     with within, watch as prof:
         logp, _ = token_logprobs(lm, mb, temperature=0.9, chunk_tokens=64)
         (logp * batch.adv[rows].to(device)[:, None]).sum().backward()
-    kernels = sorted({e.name for e in prof.events() if "scaled_dot_product" in e.name and "backward" not in e.name}
-                     ) if backends else []
+    kernels = (
+        sorted({e.name for e in prof.events() if "scaled_dot_product" in e.name and "backward" not in e.name})
+        if backends
+        else []
+    )
     grads = {n: p.grad.float().cpu() for n, p in lm.named_parameters()}
     return logp.detach().float().cpu(), grads, kernels
 
@@ -271,7 +326,9 @@ def test_shared_prompt_prefix_gives_the_unshared_log_probs_and_gradients(device)
     # on the CPU fewer rows (3 of the prompts, one row out of order): CI time
     batches = [("padded", synthetic_batch(), ROWS if device == "cuda" else [0, 1, 2, 3, 13, 8, 9, 10])]
     if device == "cuda":
-        batches.append(("equal", synthetic_batch((64, 64), ((16, 16, 16, 16), (16, 16, 16, 16)), seed=1), list(range(8))))
+        batches.append(
+            ("equal", synthetic_batch((64, 64), ((16, 16, 16, 16), (16, 16, 16, 16)), seed=1), list(range(8)))
+        )
     figures = {}
     for attention, dtype in PREFIX_VARIANTS[device]:
         lm = tiny_lm("qwen2", "eager" if attention == "eager" else "sdpa").to(device).train()
@@ -288,8 +345,12 @@ def test_shared_prompt_prefix_gives_the_unshared_log_probs_and_gradients(device)
             d_logp = (logp_s - logp).abs().max().item()
             d_grad = max((grads_s[n] - g).abs().max().item() for n, g in grads.items())
             key = f"{attention} {dtype} {name}"
-            figures[key] = {"logp_diff": d_logp, "grad_diff": d_grad, "grad_scale": scale,
-                            "kernels": sorted(set(k_unshared) | set(k_shared))}
+            figures[key] = {
+                "logp_diff": d_logp,
+                "grad_diff": d_grad,
+                "grad_scale": scale,
+                "kernels": sorted(set(k_unshared) | set(k_shared)),
+            }
             assert scale > 1e-3 and (logp[logp != 0] < 0).all()
             if dtype == "float32":
                 bound_logp, bound_grad = 1e-5, 1e-5 * scale
@@ -314,9 +375,9 @@ def test_a_batch_without_padding_reaches_sdpa_without_a_mask_so_flash_can_take_i
     instead). Checked here on the CPU, where the same call is made; padding and the response passes over a
     cached prompt must keep theirs."""
     import torch.nn.functional as F
+    from test_prefix import synthetic_batch, tiny_lm
 
     from dapo.policy import make_micro_batch, token_logprobs
-    from test_prefix import synthetic_batch, tiny_lm
 
     calls, sdpa = [], F.scaled_dot_product_attention
 
@@ -327,13 +388,19 @@ def test_a_batch_without_padding_reaches_sdpa_without_a_mask_so_flash_can_take_i
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     lm = tiny_lm("qwen2", "sdpa")
     seen = {}
-    for name, batch in (("equal", synthetic_batch((64, 64), ((16, 16, 16, 16), (16, 16, 16, 16)), seed=1)),
-                        ("padded", synthetic_batch())):
+    for name, batch in (
+        ("equal", synthetic_batch((64, 64), ((16, 16, 16, 16), (16, 16, 16, 16)), seed=1)),
+        ("padded", synthetic_batch()),
+    ):
         for share in (False, True):
             calls.clear()
             with torch.no_grad():
-                token_logprobs(lm, make_micro_batch(batch, list(range(8)), 0, "cpu", share_prompts=share),
-                               temperature=0.9, chunk_tokens=64)
+                token_logprobs(
+                    lm,
+                    make_micro_batch(batch, list(range(8)), 0, "cpu", share_prompts=share),
+                    temperature=0.9,
+                    chunk_tokens=64,
+                )
             seen[name, share] = list(calls)
     # 2 layers each: one pass of 64 + 16 tokens; shared: the 64-token prompts, then 15 response tokens over 79 keys
     assert seen["equal", False] == [(True, True, 80, 80)] * 2
@@ -352,8 +419,9 @@ def test_head_log_probs_against_full_logits_across_chunks(device, dtype):
     matmul over a chunk's rows may take another kernel than one over all rows (cuBLAS picks by shape), so a
     logit may round the other way: one rounding (BF16_EPS of the largest logit) in the target's logit and one
     in the log-sum-exp. Gradients within 2% of their largest entry (bf16 products of float32 coefficients)."""
-    from dapo.policy import CUDA_HEAD_CHUNK_ROWS, HeadLogProbs, head_chunk_rows
     from test_train import _head_reference
+
+    from dapo.policy import CUDA_HEAD_CHUNK_ROWS, HeadLogProbs, head_chunk_rows
 
     V, H, T = 3000, 64, 0.8
     chunk = head_chunk_rows(V, torch.device(device)) if device == "cuda" else 300
@@ -379,10 +447,15 @@ def test_head_log_probs_against_full_logits_across_chunks(device, dtype):
     (lp, ent, gh, gw), (lp_r, ent_r, gh_r, gw_r) = out
     tol = 2e-5 if dtype == "float32" else 2 * BF16_EPS * ((h0 @ w0.t()).abs().max().item() / T)
     grad_tol = 1e-5 if dtype == "float32" else 0.02
-    found = {"logp_diff": (lp - lp_r).abs().max().item(), "entropy_diff": (ent - ent_r).abs().max().item(),
-             "grad_h_rel": ((gh - gh_r).abs().max() / gh_r.abs().max()).item(),
-             "grad_w_rel": ((gw - gw_r).abs().max() / gw_r.abs().max()).item(), "chunk": chunk, "rows": n,
-             "logp_bound": tol}
+    found = {
+        "logp_diff": (lp - lp_r).abs().max().item(),
+        "entropy_diff": (ent - ent_r).abs().max().item(),
+        "grad_h_rel": ((gh - gh_r).abs().max() / gh_r.abs().max()).item(),
+        "grad_w_rel": ((gw - gw_r).abs().max() / gw_r.abs().max()).item(),
+        "chunk": chunk,
+        "rows": n,
+        "logp_bound": tol,
+    }
     report(f"c head {device} {dtype}", **found)
     assert found["logp_diff"] <= tol and found["entropy_diff"] <= tol, found
     assert found["grad_h_rel"] <= grad_tol and found["grad_w_rel"] <= grad_tol, found
@@ -429,9 +502,8 @@ def test_lora_trains_only_adapters_and_the_merged_export_gives_its_logits(tiny_m
     """Two updates at lr 0.05 move the adapters well away from the base. The export (W + scale B A, float32)
     runs the same matmuls grouped differently from the trainer's W x + scale B (A x): 1e-5 on the CPU
     (tests/test_lora.py), 1e-4 on CUDA for its other kernels' summation order (logits here are ~1)."""
-    from transformers import AutoModelForCausalLM
-
     from test_lora import LORA, adapter_params, base_params, sampled
+    from transformers import AutoModelForCausalLM
 
     cfg = small_config(tmp_path, tiny_model_dir, *LORA)
     torch.manual_seed(0)
@@ -446,8 +518,9 @@ def test_lora_trains_only_adapters_and_the_merged_export_gives_its_logits(tiny_m
     assert [n for n in before_base if not torch.equal(before_base[n], after_base[n])] == []
     moved = [n for n in before_adapters if not torch.equal(before_adapters[n], after_adapters[n])]
     assert len(moved) == len(before_adapters) == 28
-    step = checkpoint.save_checkpoint(tmp_path / "run", 2, model=policy.model, tokenizer=policy.tokenizer,
-                                      trainer_state={}, config_yaml="", keep=1)
+    step = checkpoint.save_checkpoint(
+        tmp_path / "run", 2, model=policy.model, tokenizer=policy.tokenizer, trainer_state={}, config_yaml="", keep=1
+    )
     ids = torch.tensor([policy.tokenizer("12+7*3=")["input_ids"]], device=device)
     with torch.no_grad():
         want = policy.model(input_ids=ids).logits[0].float()
@@ -461,15 +534,33 @@ def test_lora_trains_only_adapters_and_the_merged_export_gives_its_logits(tiny_m
 
 
 # ---- f: stop hard at checkpoint k, resume ---------------------------------------------------------
-HARD_EXIT = ["train.total_steps=3", "run.save_every=1", "algo.dynamic_sampling=true", "algo.filter_metric=reward",
-             "algo.max_gen_rounds=3", "algo.oversample=3.0", "algo.buffer_max_groups=8", "run.async_checkpoint=true"]
+HARD_EXIT = [
+    "train.total_steps=3",
+    "run.save_every=1",
+    "algo.dynamic_sampling=true",
+    "algo.filter_metric=reward",
+    "algo.max_gen_rounds=3",
+    "algo.oversample=3.0",
+    "algo.buffer_max_groups=8",
+    "run.async_checkpoint=true",
+]
 
 
 def driver(run_dir, model_dir, saves, tag, kill_after, device):
-    cmd = [sys.executable, str(REPO / "tests" / "train_until_checkpoint.py"), str(run_dir), str(model_dir), str(saves),
-           tag, str(kill_after), *HARD_EXIT, f"model.device={device}"]
-    return subprocess.run(cmd, cwd=REPO, env=env_for_children(COLUMNS="500"), capture_output=True, text=True,
-                          timeout=600)
+    cmd = [
+        sys.executable,
+        str(REPO / "tests" / "train_until_checkpoint.py"),
+        str(run_dir),
+        str(model_dir),
+        str(saves),
+        tag,
+        str(kill_after),
+        *HARD_EXIT,
+        f"model.device={device}",
+    ]
+    return subprocess.run(
+        cmd, cwd=REPO, env=env_for_children(COLUMNS="500"), capture_output=True, text=True, timeout=600
+    )
 
 
 @pytest.mark.parametrize("device", HEAVY_DEVICES)
@@ -499,7 +590,13 @@ def test_hard_stop_after_a_checkpoint_resumes_to_the_uninterrupted_weights(tiny_
     resumed = driver(tmp_path / "b", tiny_model_dir, tmp_path / "b.txt", "resumed", 0, device)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and (tmp_path / "b.txt").read_text().split() == [
-        "killed", "1", "resumed", "2", "resumed", "3"]
+        "killed",
+        "1",
+        "resumed",
+        "2",
+        "resumed",
+        "3",
+    ]
     want, got = final("a"), final("b")
     differing = [k for k in want if not torch.equal(want[k], got[k])]
     figures = {"tensors": len(want), "differing": len(differing), "resumed_max_abs_diff": max_diff(want, got)}

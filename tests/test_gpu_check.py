@@ -12,16 +12,26 @@ gpu_check = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gpu_check)
 
 
-@pytest.mark.parametrize("have,wanted,older", [("2.3.1", "2.3.1", False), ("23.2", "26.3", True), ("1.13.3", "1.14.0", True),
-                                               ("2.21.0", "2.7.2", False), ("4.13.2", "4.13.2", False),
-                                               ("2.11.0+cu130", "2.11.0", False), ("1.6.0", "1.7.0", True)])
+@pytest.mark.parametrize(
+    "have,wanted,older",
+    [
+        ("2.3.1", "2.3.1", False),
+        ("23.2", "26.3", True),
+        ("1.13.3", "1.14.0", True),
+        ("2.21.0", "2.7.2", False),
+        ("4.13.2", "4.13.2", False),
+        ("2.11.0+cu130", "2.11.0", False),
+        ("1.6.0", "1.7.0", True),
+    ],
+)
 def test_a_wheel_goes_in_only_over_an_older_copy(have, wanted, older):
     assert gpu_check.older(have, wanted) is older
 
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
 <testcase classname="tests.test_gpu" name="test_x[float32-cpu]" time="1.5"/>
-<testcase classname="tests.test_gpu" name="test_x[float32-cuda]" time="2.0"><failure message="assert 0.3 &lt;= 0.02">...</failure></testcase>
+<testcase classname="tests.test_gpu" name="test_x[float32-cuda]" time="2.0">
+<failure message="assert 0.3 &lt;= 0.02">...</failure></testcase>
 <testcase classname="tests.test_gpu" name="test_y[cuda]" time="0.0"><skipped message="needs a CUDA device"/></testcase>
 <testcase classname="tests.test_gpu" name="test_two_steps_on_gpu[bfloat16]" time="3.0"/>
 </testsuite></testsuites>"""
@@ -30,8 +40,12 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="py
 def test_cases_are_read_by_device_and_an_item_fails_on_any_failure(tmp_path):
     (tmp_path / "j.xml").write_text(JUNIT)
     cases = gpu_check.parse_junit(tmp_path / "j.xml")
-    assert [(c["device"], c["status"]) for c in cases] == [("cpu", "passed"), ("cuda", "failed"), ("cuda", "skipped"),
-                                                           ("cuda", "passed")]
+    assert [(c["device"], c["status"]) for c in cases] == [
+        ("cpu", "passed"),
+        ("cuda", "failed"),
+        ("cuda", "skipped"),
+        ("cuda", "passed"),
+    ]
     assert cases[1]["message"] == "assert 0.3 <= 0.02"
     verdict, detail = gpu_check.item_status({"exit": 1, "seconds": 9, "cases": cases})
     assert verdict == "FAIL" and detail == "cuda: 1 passed, 1 failed, 1 skipped, cpu: 1 passed, 0 failed, 0 skipped"
@@ -51,16 +65,34 @@ def test_an_item_passes_only_where_its_cuda_cases_ran():
 
 
 def test_the_report_says_plainly_when_no_gpu_was_there(tmp_path):
-    state = {"install": {"env": {"device": None, "python": "3.12"}, "installed": [], "kept": [], "how": "none needed"},
-             "demo": {"exit": 0, "seconds": 100, "command": "dapo.cli demo model.device=cpu", "cuda": False,
-                      "shortened": True, "metric": "avg@4", "before": 21.9, "after": 37.5, "steps": 4, "rise": 15.6,
-                      "wall_s": 99.0, "tail": ""}}
+    state = {
+        "install": {"env": {"device": None, "python": "3.12"}, "installed": [], "kept": [], "how": "none needed"},
+        "demo": {
+            "exit": 0,
+            "seconds": 100,
+            "command": "dapo.cli demo model.device=cpu",
+            "cuda": False,
+            "shortened": True,
+            "metric": "avg@4",
+            "before": 21.9,
+            "after": 37.5,
+            "steps": 4,
+            "rise": 15.6,
+            "wall_s": 99.0,
+            "tail": "",
+        },
+    }
     text = gpu_check.write_report(state, [tmp_path / "r.md"])
     assert (tmp_path / "r.md").read_text() == text
     assert "no CUDA device was visible" in text and "no figure below is a GPU figure" in text
     assert "| h | `dapo.cli demo model.device=cpu`" in text and "CPU run (shortened): rose 15.6 points" in text
     assert "| a | " in text and "NOT RUN" in text  # the tests part never ran in this state
-    state["install"]["env"] |= {"device": "NVIDIA H100 80GB HBM3", "devices": 1, "memory_gib": 79.1, "capability": "9.0"}
+    state["install"]["env"] |= {
+        "device": "NVIDIA H100 80GB HBM3",
+        "devices": 1,
+        "memory_gib": 79.1,
+        "capability": "9.0",
+    }
     state["demo"] |= {"cuda": True, "shortened": False, "rise": 12.0}
     text = gpu_check.write_report(state, [])
     assert "**device: NVIDIA H100 80GB HBM3**" in text and "FAIL (rose 12.0 points)" in text
@@ -83,8 +115,13 @@ def test_a_bench_cut_short_keeps_its_figures_and_a_rerun_of_the_rest_adds_to_the
     import sys
 
     out = tmp_path / "b.json"
-    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu.py"), "--smoke", "--parts", "peak,rollout",
-                          "--json", str(out)], capture_output=True, text=True, cwd=REPO, timeout=300)
+    run = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu.py"), "--smoke", "--parts", "peak,rollout", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     first = json.loads(out.read_text())
     assert first["done"] == ["peak", "rollout"] and first["all_parts"][0] == "peak"
@@ -92,16 +129,31 @@ def test_a_bench_cut_short_keeps_its_figures_and_a_rerun_of_the_rest_adds_to_the
     assert first["rows"]["rollout"][0].startswith("| HF generate rollout")
 
     # as stopped by the time limit during "update": peak done, nothing of update saved
-    cut = {**first, "exit": None, "seconds": 480.0, "smoke": True, "done": ["peak"], "tail": "...",
-           "rows": {"peak": first["rows"]["peak"]}}
+    cut = {
+        **first,
+        "exit": None,
+        "seconds": 480.0,
+        "smoke": True,
+        "done": ["peak"],
+        "tail": "...",
+        "rows": {"peak": first["rows"]["peak"]},
+    }
     state = {"install": {"env": {"device": None}, "installed": [], "kept": [], "how": "none needed"}, "bench": cut}
     text = gpu_check.write_report(state, [])
     left = [p for p in first["all_parts"] if p != "peak"]
     assert f"GPU_CHECK_BENCH_PARTS={','.join(left)}`" in text and "(stopped after 480.0 s)" in text
     assert first["rows"]["peak"][0] in text and first["rows"]["rollout"][0] not in text
 
-    rerun = {**first, "exit": 0, "seconds": 20.0, "smoke": True, "done": ["rollout"], "tail": "",
-             "rows": {"rollout": first["rows"]["rollout"]}, "failed": {"rollout": "x"}}
+    rerun = {
+        **first,
+        "exit": 0,
+        "seconds": 20.0,
+        "smoke": True,
+        "done": ["rollout"],
+        "tail": "",
+        "rows": {"rollout": first["rows"]["rollout"]},
+        "failed": {"rollout": "x"},
+    }
     merged = gpu_check.merge_bench(cut, rerun)
     assert merged["rows"] == {"peak": first["rows"]["peak"], "rollout": first["rows"]["rollout"]}
     text = gpu_check.write_report({**state, "bench": merged}, [])
@@ -111,5 +163,9 @@ def test_a_bench_cut_short_keeps_its_figures_and_a_rerun_of_the_rest_adds_to_the
     # another device (or a smoke run over GPU figures): nothing is merged
     assert gpu_check.merge_bench({**cut, "smoke": False}, rerun) is rerun
     # a run stopped before it wrote any JSON, or a state of an older layout: the new run stands alone
-    assert gpu_check.merge_bench(cut, {"exit": None, "seconds": 480.0, "smoke": True}) == {"exit": None, "seconds": 480.0, "smoke": True}
+    assert gpu_check.merge_bench(cut, {"exit": None, "seconds": 480.0, "smoke": True}) == {
+        "exit": None,
+        "seconds": 480.0,
+        "smoke": True,
+    }
     assert gpu_check.merge_bench({**cut, "rows": ["| a | b | c |"]}, rerun) is rerun

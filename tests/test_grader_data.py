@@ -43,8 +43,14 @@ def math500() -> list[dict]:
 
 def test_shipped_files_are_all_there():
     expected = [
-        "SOURCES.md", "aime2024/aime-2024.dapo.parquet", "aime2024/test.jsonl", "aime2025/test.jsonl",
-        "amc2023/test.jsonl", "math500/test.jsonl", "gsm8k/test.jsonl", "gsm8k/train.jsonl",
+        "SOURCES.md",
+        "aime2024/aime-2024.dapo.parquet",
+        "aime2024/test.jsonl",
+        "aime2025/test.jsonl",
+        "amc2023/test.jsonl",
+        "math500/test.jsonl",
+        "gsm8k/test.jsonl",
+        "gsm8k/train.jsonl",
         "dapo_math_17k/dapo_math_17k.parquet",
     ]
     assert [p for p in expected if not (DATA / p).is_file()] == []

@@ -76,8 +76,18 @@ def test_only_the_cli_the_python_api_and_the_ablation_runner_import_the_training
     assert importers <= {"dapo.cli", "dapo.ablate", "dapo.api"}, importers
 
 
-ENGINES_AND_UP = ("dapo.policy", "dapo.rollout", "dapo.dynamic_sampling", "dapo.evaluation", "dapo.metrics", "dapo.training",
-                  "dapo.cli", "dapo.ablate", "dapo.cluster", "dapo.api")
+ENGINES_AND_UP = (
+    "dapo.policy",
+    "dapo.rollout",
+    "dapo.dynamic_sampling",
+    "dapo.evaluation",
+    "dapo.metrics",
+    "dapo.training",
+    "dapo.cli",
+    "dapo.ablate",
+    "dapo.cluster",
+    "dapo.api",
+)
 # (module, what it must never import): the floors of docs/architecture.md
 FLOORS = [
     ("dapo.algo", lambda n: n.startswith("dapo.")),
@@ -87,13 +97,19 @@ FLOORS = [
     ("dapo.rewards", lambda n: not n.startswith("dapo.rewards")),
     ("dapo.batch", lambda n: n.startswith("dapo.")),
     ("dapo.data", lambda n: n not in ("dapo.tasks", "dapo.tasks.arith", "dapo.resources")),
-    *[(m, lambda n: n in ("dapo.training", "dapo.dynamic_sampling", "dapo.rollout", "dapo.evaluation", "dapo.algo"))
-      for m in ("dapo.policy", "dapo.prefix")],
+    *[
+        (m, lambda n: n in ("dapo.training", "dapo.dynamic_sampling", "dapo.rollout", "dapo.evaluation", "dapo.algo"))
+        for m in ("dapo.policy", "dapo.prefix")
+    ],
     ("dapo.rollout", lambda n: n in ("dapo.training", "dapo.policy", "dapo.dynamic_sampling", "dapo.evaluation")),
-    *[(m, lambda n: n in ENGINES_AND_UP) for m in ("dapo.config", "dapo.parallel", "dapo.models", "dapo.checkpoint",
-                                                   "dapo.lora", "dapo.logits")],
-    *[(m, lambda n: n in ("dapo.training", "dapo.cli", "dapo.ablate", "dapo.cluster", "dapo.api"))
-      for m in ("dapo.dynamic_sampling", "dapo.evaluation", "dapo.metrics", "dapo.log", "dapo.plots", "dapo.trackers")],
+    *[
+        (m, lambda n: n in ENGINES_AND_UP)
+        for m in ("dapo.config", "dapo.parallel", "dapo.models", "dapo.checkpoint", "dapo.lora", "dapo.logits")
+    ],
+    *[
+        (m, lambda n: n in ("dapo.training", "dapo.cli", "dapo.ablate", "dapo.cluster", "dapo.api"))
+        for m in ("dapo.dynamic_sampling", "dapo.evaluation", "dapo.metrics", "dapo.log", "dapo.plots", "dapo.trackers")
+    ],
     ("dapo.training", lambda n: n in ("dapo.cli", "dapo.ablate", "dapo.cluster", "dapo.api")),
 ]
 
@@ -101,8 +117,13 @@ FLOORS = [
 @pytest.mark.parametrize("prefix,forbidden", FLOORS, ids=[f[0] for f in FLOORS])
 def test_lower_floors_do_not_import_upper_ones(prefix, forbidden):
     g = graph()
-    bad = {(m, n) for m, deps in g.items() if m == prefix or m.startswith(prefix + ".") for n in deps
-           if forbidden(n) and not n.startswith(prefix)}
+    bad = {
+        (m, n)
+        for m, deps in g.items()
+        if m == prefix or m.startswith(prefix + ".")
+        for n in deps
+        if forbidden(n) and not n.startswith(prefix)
+    }
     assert not bad, sorted(bad)
 
 
@@ -121,7 +142,12 @@ def test_the_architecture_doc_points_at_the_current_lines():
     import sys
 
     root = SRC.parents[1]
-    out = subprocess.run([sys.executable, str(root / "scripts/architecture_lines.py"), str(root / "scripts/architecture.in.md")],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, str(root / "scripts/architecture_lines.py"), str(root / "scripts/architecture.in.md")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert out == (root / "docs/architecture.md").read_text(), (
-        "run: python scripts/architecture_lines.py scripts/architecture.in.md > docs/architecture.md")
+        "run: python scripts/architecture_lines.py scripts/architecture.in.md > docs/architecture.md"
+    )

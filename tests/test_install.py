@@ -20,7 +20,9 @@ SHIPPED = ("configs", "assets", "data")
 LAUNCHER = """\
 import os, sys
 site = sys.argv[1]
-sys.path[:] = [p for p in sys.path if p == site or not os.path.exists(os.path.join(p or os.curdir, "dapo", "__init__.py"))]
+def holds_dapo(p):
+    return os.path.exists(os.path.join(p or os.curdir, "dapo", "__init__.py"))
+sys.path[:] = [p for p in sys.path if p == site or not holds_dapo(p)]
 import dapo
 assert dapo.__file__.startswith(site + os.sep), dapo.__file__
 sys.argv = ["dapo", *sys.argv[2:]]
@@ -40,8 +42,20 @@ def installed(tmp_path_factory):
         pytest.skip("needs git and a git checkout to clone")
     tmp = tmp_path_factory.mktemp("install")
     run(["git", "clone", "--quiet", str(ROOT), str(tmp / "clone")])
-    build = run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation",
-                 "-w", str(tmp / "wheel"), str(tmp / "clone")])
+    build = run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-v",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp / "wheel"),
+            str(tmp / "clone"),
+        ]
+    )
     lines = (build.stdout + build.stderr).lower().splitlines()
     assert not [line for line in lines if "licen" in line and "deprecat" in line], "a licence deprecation warning"
     (wheel,) = (tmp / "wheel").glob("dapo-*.whl")
@@ -72,7 +86,9 @@ def test_the_wheel_holds_every_shipped_file(installed):
 
 def test_presets_models_and_benchmarks_resolve_from_the_installed_package(installed):
     site, _, _ = installed
-    out = python(installed, """
+    out = python(
+        installed,
+        """
 from dapo.config import load_config, resolve_preset
 from dapo.evaluation import load_benchmark
 from dapo.data import load_examples
@@ -83,11 +99,14 @@ cfg = load_config(["ablation/base", "ablation/3_clip_higher"])  # as dapo ablate
 print(cfg.algo.eps_high, cfg.algo.kl_coef, shipped(cfg.model.path))
 bench, examples = load_benchmark("aime2024")
 print(bench.name, len(examples), len(load_examples("data/word_problems/train.jsonl")))
-""")
+""",
+    )
     share = site / "dapo" / "share"
     assert out.stdout.splitlines() == [
-        str(share / "configs/demo.yaml"), str(share / "configs/smollm2_135m.yaml"),
-        str(share / "configs/dapo_qwen2.5_7b.yaml"), str(share / "configs/ablation/base.yaml"),
+        str(share / "configs/demo.yaml"),
+        str(share / "configs/smollm2_135m.yaml"),
+        str(share / "configs/dapo_qwen2.5_7b.yaml"),
+        str(share / "configs/ablation/base.yaml"),
         f"0.28 0.001 {share / 'assets/arith-loop-base'}",
         f"aime2024 30 {sum(1 for _ in (ROOT / 'data/word_problems/train.jsonl').open())}",
     ]
@@ -95,8 +114,16 @@ print(bench.name, len(examples), len(load_examples("data/word_problems/train.jso
 
 def test_the_installed_demo_runs_outside_the_repository(installed):
     _, outside, _ = installed
-    out = python(installed, "from dapo.cli import main; sys.exit(main())", "demo", "train.total_steps=2",
-                 "train.prompts_per_step=8", "train.mini_batch_prompts=8", "eval.num_problems=8", "run.progress=false")
+    out = python(
+        installed,
+        "from dapo.cli import main; sys.exit(main())",
+        "demo",
+        "train.total_steps=2",
+        "train.prompts_per_step=8",
+        "train.mini_batch_prompts=8",
+        "eval.num_problems=8",
+        "run.progress=false",
+    )
     assert "held-out accuracy: arith avg@4" in out.stdout and "before ->" in out.stdout, out.stdout
     run_dir = outside / "runs" / "demo"
     assert (run_dir / "checkpoints" / "step_000002" / "model" / "model.safetensors").is_file()

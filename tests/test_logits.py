@@ -5,20 +5,38 @@ rope and sliding-window rules."""
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, CohereConfig, Gemma2Config, GraniteConfig, LlamaConfig, MistralConfig,
-                          OPTConfig, Qwen2Config)
-
 from conftest import make_policy, small_config
+from test_prefix import ROWS, synthetic_batch
+from transformers import (
+    AutoModelForCausalLM,
+    CohereConfig,
+    Gemma2Config,
+    GraniteConfig,
+    LlamaConfig,
+    MistralConfig,
+    OPTConfig,
+    Qwen2Config,
+)
+
 from dapo import tiny as tiny_tokenizers
 from dapo.config import ConfigError
 from dapo.logits import LogitTransform, UnsupportedModel, find_logit_transform
 from dapo.models import load_model_and_tokenizer
 from dapo.policy import HeadLogProbs, ResponseLogProbs, make_micro_batch, token_logprobs
 from dapo.prefix import unsupported
-from test_prefix import ROWS, synthetic_batch
 
-COMMON = dict(vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=1)
+COMMON = dict(
+    vocab_size=258,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=1,
+)
 TEMPERATURE = 0.7
 
 
@@ -31,8 +49,10 @@ def tiny(config, attention="eager"):
 TRANSFORMED = {
     "granite": (GraniteConfig(**COMMON, logits_scaling=8.0), LogitTransform(scale=0.125)),
     "cohere": (CohereConfig(**COMMON, logit_scale=0.0625), LogitTransform(scale=0.0625)),
-    "gemma2": (Gemma2Config(**COMMON, head_dim=16, final_logit_softcapping=3.0, sliding_window=256),
-               LogitTransform(softcap=3.0)),
+    "gemma2": (
+        Gemma2Config(**COMMON, head_dim=16, final_logit_softcapping=3.0, sliding_window=256),
+        LogitTransform(softcap=3.0),
+    ),
     "llama": (LlamaConfig(**COMMON), LogitTransform()),
 }
 
@@ -94,8 +114,9 @@ def test_the_transform_matters_on_these_models():
         assert (plain - ref).abs().max().item() > 1e-3, family
 
 
-@pytest.mark.parametrize("transform", [LogitTransform(scale=0.125), LogitTransform(softcap=2.0),
-                                       LogitTransform(scale=3.0, softcap=5.0)])
+@pytest.mark.parametrize(
+    "transform", [LogitTransform(scale=0.125), LogitTransform(softcap=2.0), LogitTransform(scale=3.0, softcap=5.0)]
+)
 def test_head_log_probs_backward_is_autograds(transform):
     """HeadLogProbs' hand-written backward (soft cap included) against autograd through the plain formula, across
     chunks (float64 inputs; HeadLogProbs keeps its log-probs and log-sum-exp in float32)."""
@@ -161,9 +182,20 @@ def save_with_tokenizer(lm, path):
 @pytest.mark.parametrize("family", ["opt", "qwen2"])
 def test_dropout_is_off_in_training_mode_unless_kept(tmp_path, family):
     if family == "opt":
-        config = OPTConfig(vocab_size=258, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=2,
-                           word_embed_proj_dim=32, max_position_embeddings=128, dropout=0.3, attention_dropout=0.3,
-                           pad_token_id=0, bos_token_id=1, eos_token_id=1)
+        config = OPTConfig(
+            vocab_size=258,
+            hidden_size=32,
+            ffn_dim=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            word_embed_proj_dim=32,
+            max_position_embeddings=128,
+            dropout=0.3,
+            attention_dropout=0.3,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=1,
+        )
     else:  # a dropout that attention reads as it runs (config.attention_dropout copied to the layer)
         config = Qwen2Config(**COMMON, attention_dropout=0.3)
     path = save_with_tokenizer(tiny(config), tmp_path / family)
@@ -186,14 +218,26 @@ def test_a_checkpoint_keeps_the_models_dropout_settings(tmp_path):
 
     from dapo import checkpoint
 
-    config = OPTConfig(vocab_size=258, hidden_size=32, ffn_dim=64, num_hidden_layers=1, num_attention_heads=2,
-                       word_embed_proj_dim=32, max_position_embeddings=128, dropout=0.3, attention_dropout=0.2,
-                       pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    config = OPTConfig(
+        vocab_size=258,
+        hidden_size=32,
+        ffn_dim=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        word_embed_proj_dim=32,
+        max_position_embeddings=128,
+        dropout=0.3,
+        attention_dropout=0.2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=1,
+    )
     path = save_with_tokenizer(tiny(config), tmp_path / "opt")
     lm, tokenizer = load_model_and_tokenizer(path)
     assert lm.config.dropout == 0.0 and lm.config.attention_dropout == 0.0  # off while training
-    saved = checkpoint.save_checkpoint(tmp_path / "run", 1, model=lm, tokenizer=tokenizer, trainer_state={},
-                                       config_yaml="", keep=1)
+    saved = checkpoint.save_checkpoint(
+        tmp_path / "run", 1, model=lm, tokenizer=tokenizer, trainer_state={}, config_yaml="", keep=1
+    )
     written = json.loads((saved / "model" / "config.json").read_text())
     assert (written["dropout"], written["attention_dropout"]) == (0.3, 0.2)  # the user's model as it came
     assert lm.config.dropout == 0.0
@@ -207,26 +251,52 @@ def test_float16_is_refused_pointing_to_bfloat16(tmp_path, tiny_model_dir):
         small_config(tmp_path, tiny_model_dir, "model.dtype=float16")
 
 
-@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
-                                  {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-                                   "factor": 2.0, "original_max_position_embeddings": 128, "rope_theta": 10000.0}])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+        {
+            "rope_type": "longrope",
+            "short_factor": [1.0] * 8,
+            "long_factor": [2.0] * 8,
+            "factor": 2.0,
+            "original_max_position_embeddings": 128,
+            "rope_theta": 10000.0,
+        },
+    ],
+)
 def test_length_dependent_rope_cannot_share_prompts(rope):
     lm = tiny(LlamaConfig(**COMMON, rope_parameters=rope), "sdpa")
-    assert unsupported(lm, 200) == (f"rope_type {rope['rope_type']!r}, whose frequencies depend on each pass's length "
-                                    "(prompt and response passes would differ)")
-    assert unsupported(tiny(LlamaConfig(**COMMON, rope_parameters={"rope_type": "linear", "factor": 2.0,
-                                                                    "rope_theta": 10000.0}), "sdpa"), 200) is None
+    assert unsupported(lm, 200) == (
+        f"rope_type {rope['rope_type']!r}, whose frequencies depend on each pass's length "
+        "(prompt and response passes would differ)"
+    )
+    assert (
+        unsupported(
+            tiny(
+                LlamaConfig(**COMMON, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+                "sdpa",
+            ),
+            200,
+        )
+        is None
+    )
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2"])
 def test_sliding_window_shares_prompts_when_every_sequence_fits(family):
     window = 200  # the synthetic batch's longest prompt + response is 143 + 40
-    config = (MistralConfig(**COMMON, sliding_window=window) if family == "mistral"
-              else Gemma2Config(**COMMON, head_dim=16, sliding_window=window))
+    config = (
+        MistralConfig(**COMMON, sliding_window=window)
+        if family == "mistral"
+        else Gemma2Config(**COMMON, head_dim=16, sliding_window=window)
+    )
     lm = tiny(config)
     assert unsupported(lm, window) is None
-    assert unsupported(lm, window + 1) == (f"sliding-window attention over {window} tokens, shorter than the longest "
-                                           f"sequence (data.max_prompt_tokens + rollout.max_response_tokens = {window + 1})")
+    assert unsupported(lm, window + 1) == (
+        f"sliding-window attention over {window} tokens, shorter than the longest "
+        f"sequence (data.max_prompt_tokens + rollout.max_response_tokens = {window + 1})"
+    )
     batch = synthetic_batch()
     with torch.no_grad():
         shared, _ = token_logprobs(lm, make_micro_batch(batch, ROWS, 0, "cpu", share_prompts=True), temperature=1.0)
@@ -239,5 +309,7 @@ def test_policy_refuses_a_window_shorter_than_the_run(tmp_path):
     cfg = small_config(tmp_path / "run", path, "train.share_prompt_prefix=true", "data.max_prompt_tokens=60")
     from dapo.policy import Policy
 
-    with pytest.raises(ConfigError, match=r"^train.share_prompt_prefix=true: .* sliding-window attention over 64 tokens.* = 76\)"):
+    with pytest.raises(
+        ConfigError, match=r"^train.share_prompt_prefix=true: .* sliding-window attention over 64 tokens.* = 76\)"
+    ):
         Policy(cfg.model, cfg.train, temperature=1.0, device=torch.device("cpu"), max_seq_tokens=60 + 16)

@@ -65,8 +65,10 @@ def trained_policy(cfg, updates: int = 1, lr: float | None = None):
 def test_lora_is_off_by_default_and_set_from_yaml_or_dotted_overrides(tmp_path):
     cfg = load_config("configs/demo.yaml")
     assert cfg.model.lora.rank is None and not cfg.model.lora.enabled
-    cfg = load_config("configs/demo.yaml", ["model.lora.rank=16", "model.lora.target_modules=[q_proj,v_proj]",
-                                            "model.lora.dropout=0.05"])
+    cfg = load_config(
+        "configs/demo.yaml",
+        ["model.lora.rank=16", "model.lora.target_modules=[q_proj,v_proj]", "model.lora.dropout=0.05"],
+    )
     assert (cfg.model.lora.rank, cfg.model.lora.lora_alpha, cfg.model.lora.dropout) == (16, 32.0, 0.05)
     assert cfg.model.lora.target_modules == ["q_proj", "v_proj"]
     preset = tmp_path / "p.yaml"
@@ -78,15 +80,21 @@ def test_lora_is_off_by_default_and_set_from_yaml_or_dotted_overrides(tmp_path):
     assert shipped.train.lr == pytest.approx(10 * load_config("configs/smollm2_135m.yaml").train.lr)
 
 
-@pytest.mark.parametrize("override, start", [
-    ("model.lora.rank=0", "model.lora.rank=0: must be > 0, or null (off"),
-    ("model.lora.rank=2.5", "model.lora.rank: expected an integer"),
-    ("model.lora.alpha=-1", "model.lora.alpha=-1.0: must be > 0, or null (2 x rank)"),
-    ("model.lora.dropout=1", "model.lora.dropout=1.0: must be in [0, 1)"),
-    ("model.lora.target_modules=[]", "model.lora.target_modules=[]: name at least one linear layer"),
-    ("model.lora.ranks=4", "model.lora.ranks: unknown key"),
-    ("model.lora.dropout=0.1 algo.old_logp=first_update", "model.lora.dropout=0.1: algo.old_logp=first_update would"),
-])
+@pytest.mark.parametrize(
+    "override, start",
+    [
+        ("model.lora.rank=0", "model.lora.rank=0: must be > 0, or null (off"),
+        ("model.lora.rank=2.5", "model.lora.rank: expected an integer"),
+        ("model.lora.alpha=-1", "model.lora.alpha=-1.0: must be > 0, or null (2 x rank)"),
+        ("model.lora.dropout=1", "model.lora.dropout=1.0: must be in [0, 1)"),
+        ("model.lora.target_modules=[]", "model.lora.target_modules=[]: name at least one linear layer"),
+        ("model.lora.ranks=4", "model.lora.ranks: unknown key"),
+        (
+            "model.lora.dropout=0.1 algo.old_logp=first_update",
+            "model.lora.dropout=0.1: algo.old_logp=first_update would",
+        ),
+    ],
+)
 def test_bad_lora_settings_are_one_line_naming_the_key(override, start):
     with pytest.raises(ConfigError) as err:
         load_config("configs/demo.yaml", override.split())
@@ -100,8 +108,17 @@ def test_a_target_that_matches_no_linear_layer_lists_the_models_layers(tiny_mode
     assert str(err.value).startswith("model.lora.target_modules: qkv, lm_head match no linear layer of ")
     assert "(the LM head excluded) are down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj" in str(err.value)
     capsys.readouterr()
-    code = cli.main(["train", "configs/demo.yaml", f"model.path={tiny_model_dir}", f"run.dir={tmp_path / 'r'}",
-                     *SMALL_OVERRIDES, *LORA, "model.lora.target_modules=[attn]"])
+    code = cli.main(
+        [
+            "train",
+            "configs/demo.yaml",
+            f"model.path={tiny_model_dir}",
+            f"run.dir={tmp_path / 'r'}",
+            *SMALL_OVERRIDES,
+            *LORA,
+            "model.lora.target_modules=[attn]",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: model.lora.target_modules: attn match no")
     assert not (tmp_path / "r").exists()
@@ -134,8 +151,11 @@ def test_gradient_checkpointing_and_bf16_train_the_adapters_as_float32(tiny_mode
     """Recomputed layers still reach the adapters; under a bf16 base peft keeps the adapters in float32, so
     they need no master copy and take the float32 step up to bf16 noise in the gradient."""
     batch, deltas = None, {}
-    for name, extra in {"fp32": [], "checkpointed": ["model.gradient_checkpointing=true"],
-                        "bf16": ["model.dtype=bfloat16"]}.items():
+    for name, extra in {
+        "fp32": [],
+        "checkpointed": ["model.gradient_checkpointing=true"],
+        "bf16": ["model.dtype=bfloat16"],
+    }.items():
         cfg = small_config(tmp_path, tiny_model_dir, *LORA, *ONE_UPDATE, *extra)
         torch.manual_seed(0)  # the same adapter initialisation
         policy = make_policy(cfg)
@@ -161,8 +181,14 @@ def test_shared_prompts_give_the_unshared_lora_update(tiny_model_dir, tmp_path):
     reference with the adapters off shares prompts too."""
     batch, out = None, {}
     for share in ("false", "true"):
-        cfg = small_config(tmp_path, tiny_model_dir, *LORA, *ONE_UPDATE, f"train.share_prompt_prefix={share}",
-                           "model.gradient_checkpointing=true")
+        cfg = small_config(
+            tmp_path,
+            tiny_model_dir,
+            *LORA,
+            *ONE_UPDATE,
+            f"train.share_prompt_prefix={share}",
+            "model.gradient_checkpointing=true",
+        )
         torch.manual_seed(0)
         policy = make_policy(cfg)
         # SGD at lr 1: the change is minus the gradient (AdamW's first step, g / |g|, magnifies float noise)
@@ -172,8 +198,12 @@ def test_shared_prompts_give_the_unshared_lora_update(tiny_model_dir, tmp_path):
         before = adapter_params(policy.model)
         policy.update(batch, loss_fn_of(cfg))
         delta = torch.cat([(p - before[n]).flatten() for n, p in adapter_params(policy.model).items()])
-        out[share] = (batch.old_logp.clone(), delta, policy.compute_logprobs(batch)[0],
-                      policy.base_reference().logprobs(batch))
+        out[share] = (
+            batch.old_logp.clone(),
+            delta,
+            policy.compute_logprobs(batch)[0],
+            policy.base_reference().logprobs(batch),
+        )
     (logp0, d0, after0, ref0), (logp1, d1, after1, ref1) = out["false"], out["true"]
     assert d0.abs().max() > 1e-3
     assert (logp1 - logp0).abs().max() < 1e-5 and (d1 - d0).abs().max() < 1e-6
@@ -226,19 +256,41 @@ def test_the_reference_is_the_base_with_the_adapters_off(tiny_model_dir, tmp_pat
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------
-RESUME_OVERRIDES = [*LORA, "train.total_steps=3", "run.save_every=1", "algo.kl_coef=0.01", "train.lr=1e-2",
-                    "algo.dynamic_sampling=true", "algo.filter_metric=reward", "algo.max_gen_rounds=3",
-                    "algo.oversample=3.0", "algo.buffer_max_groups=8", "run.async_checkpoint=true"]
+RESUME_OVERRIDES = [
+    *LORA,
+    "train.total_steps=3",
+    "run.save_every=1",
+    "algo.kl_coef=0.01",
+    "train.lr=1e-2",
+    "algo.dynamic_sampling=true",
+    "algo.filter_metric=reward",
+    "algo.max_gen_rounds=3",
+    "algo.oversample=3.0",
+    "algo.buffer_max_groups=8",
+    "run.async_checkpoint=true",
+]
 
 
 def run_driver(run_dir, model_dir, saves, tag, kill_after):
     """tests/train_until_checkpoint.py in a process of its own, with the LoRA run's settings."""
     import os
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "COLUMNS": "500"}
-    cmd = [sys.executable, str(REPO / "tests" / "train_until_checkpoint.py"), str(run_dir), str(model_dir), str(saves),
-           tag, str(kill_after), *RESUME_OVERRIDES]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+        "COLUMNS": "500",
+    }
+    cmd = [
+        sys.executable,
+        str(REPO / "tests" / "train_until_checkpoint.py"),
+        str(run_dir),
+        str(model_dir),
+        str(saves),
+        tag,
+        str(kill_after),
+        *RESUME_OVERRIDES,
+    ]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -265,8 +317,9 @@ def test_a_lora_checkpoint_holds_the_adapters_not_the_base(lora_runs, tiny_model
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= files
     config = json.loads((step / "adapter" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 8.0, str(tiny_model_dir))
-    assert sorted(config["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                       "down_proj"])
+    assert sorted(config["target_modules"]) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
     weights = load_file(step / "adapter" / "adapter_model.safetensors")
     assert len(weights) == 28 and all(".lora_A." in k or ".lora_B." in k for k in weights)
     base_numel = sum(t.numel() for t in load_file(Path(tiny_model_dir) / "model.safetensors").values())
@@ -283,8 +336,10 @@ def test_a_killed_lora_run_resumes_to_the_adapters_of_an_uninterrupted_one(lora_
 
     full, resumed_dir, resumed = lora_runs
     assert "resumed from" in resumed.stdout and "step_000001 (step 1)" in resumed.stdout
-    assert "LoRA rank 4 (alpha 8) on down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj: 5,888 trained " \
-           "parameters, " in resumed.stdout
+    assert (
+        "LoRA rank 4 (alpha 8) on down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj: 5,888 trained "
+        "parameters, " in resumed.stdout
+    )
     a = {r["step"]: r for r in read_metrics(full)}
     b = {r["step"]: r for r in read_metrics(resumed_dir)}
     assert a[2]["sampling/groups_from_buffer"] > 0 and "actor/kl_loss" in a[3]  # buffer and reference resumed too
@@ -296,15 +351,28 @@ def test_a_killed_lora_run_resumes_to_the_adapters_of_an_uninterrupted_one(lora_
     assert want.keys() == got.keys() and [k for k in want if not torch.equal(want[k], got[k])] == []
 
 
-@pytest.mark.parametrize("saved, resumed, says", [
-    (LORA, [], "holds LoRA adapters (adapter/) and this run has model.lora.rank=null: set model.lora as"),
-    ([], LORA, "holds full weights (no adapter/) and this run has model.lora.rank=4: drop model.lora.rank"),
-    (LORA, ["model.lora.rank=8"], "holds a LoRA adapter with model.lora.rank=4, this run asks for 8"),
-    (LORA, [*LORA, "model.lora.target_modules=[q_proj]"], "with model.lora.target_modules=['down_proj', 'gate_proj',"),
-])
+@pytest.mark.parametrize(
+    "saved, resumed, says",
+    [
+        (LORA, [], "holds LoRA adapters (adapter/) and this run has model.lora.rank=null: set model.lora as"),
+        ([], LORA, "holds full weights (no adapter/) and this run has model.lora.rank=4: drop model.lora.rank"),
+        (LORA, ["model.lora.rank=8"], "holds a LoRA adapter with model.lora.rank=4, this run asks for 8"),
+        (
+            LORA,
+            [*LORA, "model.lora.target_modules=[q_proj]"],
+            "with model.lora.target_modules=['down_proj', 'gate_proj',",
+        ),
+    ],
+)
 def test_a_checkpoint_resumes_only_a_run_of_its_kind(saved, resumed, says, tiny_model_dir, tmp_path, capsys):
-    base = ["train", "configs/demo.yaml", f"model.path={tiny_model_dir}", f"run.dir={tmp_path}", *SMALL_OVERRIDES,
-            "train.total_steps=1"]
+    base = [
+        "train",
+        "configs/demo.yaml",
+        f"model.path={tiny_model_dir}",
+        f"run.dir={tmp_path}",
+        *SMALL_OVERRIDES,
+        "train.total_steps=1",
+    ]
     assert cli.main([*base, *saved]) == 0
     capsys.readouterr()
     code = cli.main([*base, "train.total_steps=2", *resumed])
@@ -321,8 +389,9 @@ def test_export_writes_the_merged_model_or_the_adapter(tiny_model_dir, tmp_path)
 
     cfg = small_config(tmp_path, tiny_model_dir, *LORA)
     policy, _ = trained_policy(cfg, updates=2, lr=0.05)
-    step = checkpoint.save_checkpoint(tmp_path / "run", 2, model=policy.model, tokenizer=policy.tokenizer,
-                                      trainer_state={}, config_yaml="", keep=1)
+    step = checkpoint.save_checkpoint(
+        tmp_path / "run", 2, model=policy.model, tokenizer=policy.tokenizer, trainer_state={}, config_yaml="", keep=1
+    )
     ids = policy.tokenizer("12+7*3=")["input_ids"]
     want = logits(policy.model, ids)
     assert (want - logits(load_model_and_tokenizer(tiny_model_dir)[0], ids)).abs().max() > 1e-2  # not the base's
@@ -344,8 +413,9 @@ def test_export_of_a_moved_base_or_a_full_checkpoint_as_adapter_is_one_line(tiny
 
     cfg = small_config(tmp_path, tiny_model_dir, *LORA)
     policy = make_policy(cfg)
-    step = checkpoint.save_checkpoint(tmp_path / "run", 1, model=policy.model, tokenizer=policy.tokenizer,
-                                      trainer_state={}, config_yaml="", keep=1)
+    step = checkpoint.save_checkpoint(
+        tmp_path / "run", 1, model=policy.model, tokenizer=policy.tokenizer, trainer_state={}, config_yaml="", keep=1
+    )
     config_file = step / "adapter" / "adapter_config.json"
     config_file.write_text(config_file.read_text().replace(str(tiny_model_dir), str(tmp_path / "gone")))
     assert cli.main(["export", str(step), str(tmp_path / "out")]) == 2
@@ -354,8 +424,15 @@ def test_export_of_a_moved_base_or_a_full_checkpoint_as_adapter_is_one_line(tiny
     moved = tmp_path / "moved-base"
     shutil.copytree(tiny_model_dir, moved)
     assert cli.main(["export", str(step), str(tmp_path / "out"), "--base", str(moved)]) == 0
-    full = checkpoint.save_checkpoint(tmp_path / "full", 1, model=load_model_and_tokenizer(tiny_model_dir)[0],
-                                      tokenizer=policy.tokenizer, trainer_state={}, config_yaml="", keep=1)
+    full = checkpoint.save_checkpoint(
+        tmp_path / "full",
+        1,
+        model=load_model_and_tokenizer(tiny_model_dir)[0],
+        tokenizer=policy.tokenizer,
+        trainer_state={},
+        config_yaml="",
+        keep=1,
+    )
     assert cli.main(["export", str(full), str(tmp_path / "x"), "--adapter"]) == 2
     assert "holds full weights, not LoRA adapters: drop --adapter" in capsys.readouterr().err
 
@@ -364,14 +441,14 @@ def test_export_of_a_moved_base_or_a_full_checkpoint_as_adapter_is_one_line(tiny
 def fsdp_worker(model_dir: str, batch_file: str, out_dir: str) -> None:
     """Under torchrun: log-probs, one SGD update (lr 1: the change is minus the gradient), the reference
     with the adapters off, the merged push into every rank's engine, a sharded checkpoint and its reload."""
-    from test_parallel import checksum
-
     from conftest import training_engine
+    from test_parallel import checksum
 
     d = parallel.init("cpu")
     out_dir = Path(out_dir)
-    cfg = small_config(out_dir / "run", model_dir, *LORA, *ONE_UPDATE, "train.micro_batch_size=2",
-                       "model.gradient_checkpointing=true")
+    cfg = small_config(
+        out_dir / "run", model_dir, *LORA, *ONE_UPDATE, "train.micro_batch_size=2", "model.gradient_checkpointing=true"
+    )
     policy = make_policy(cfg, "cpu", d)
     policy.optimizer = torch.optim.SGD([p for p in policy.model.parameters() if p.requires_grad], lr=1.0)
     engine = training_engine(cfg, policy, d)
@@ -385,18 +462,36 @@ def fsdp_worker(model_dir: str, batch_file: str, out_dir: str) -> None:
     engine.update_weights(policy.named_weights())
     engine_weights = dict(engine.engine.model.named_parameters())  # this rank's full copy, a plain HF model
     engine_sums = parallel.all_gather_object({k: checksum(engine_weights[k]) for k in merged}, d)
-    step = checkpoint.save_checkpoint(out_dir / "run", 1, model=policy.model, tokenizer=policy.tokenizer,
-                                      trainer_state={"policy": policy.trainer_state()}, config_yaml="", keep=1,
-                                      shards=policy.sharded_state(), dist=d)
+    step = checkpoint.save_checkpoint(
+        out_dir / "run",
+        1,
+        model=policy.model,
+        tokenizer=policy.tokenizer,
+        trainer_state={"policy": policy.trainer_state()},
+        config_yaml="",
+        keep=1,
+        shards=policy.sharded_state(),
+        dist=d,
+    )
     reloaded = make_policy(cfg, "cpu", d)
     reloaded.optimizer = torch.optim.SGD([p for p in reloaded.model.parameters() if p.requires_grad], lr=1.0)
     checkpoint.load_policy_weights(reloaded, step)
     reloaded_weights = {k: v.clone() for k, v in parallel.full_tensors(reloaded.model.named_parameters())}
     if d.is_main:
-        torch.save({"old_logp": old_logp, "ref_logp": ref_logp, "stats": {k: float(v) for k, v in stats.items()},
-                    "delta": {k: after[k] - before[k] for k in after}, "after": after, "merged": merged,
-                    "engine_sums": engine_sums, "merged_sums": {k: checksum(v) for k, v in merged.items()},
-                    "reloaded": reloaded_weights}, out_dir / "two.pt")
+        torch.save(
+            {
+                "old_logp": old_logp,
+                "ref_logp": ref_logp,
+                "stats": {k: float(v) for k, v in stats.items()},
+                "delta": {k: after[k] - before[k] for k in after},
+                "after": after,
+                "merged": merged,
+                "engine_sums": engine_sums,
+                "merged_sums": {k: checksum(v) for k, v in merged.items()},
+                "reloaded": reloaded_weights,
+            },
+            out_dir / "two.pt",
+        )
     parallel.shutdown(d)
 
 
@@ -413,8 +508,12 @@ def two_rank_lora(tiny_model_dir, tmp_path_factory):
     torch.save(batch, tmp / "batch.pt")
     before = {k: v.detach().clone() for k, v in policy.model.named_parameters()}
     stats = {k: float(v) for k, v in policy.update(batch, loss_fn_of(cfg)).items()}
-    single = {"old_logp": batch.old_logp, "stats": stats, "merged": dict(policy.named_weights()),
-              "delta": {k: v.detach() - before[k] for k, v in policy.model.named_parameters()}}
+    single = {
+        "old_logp": batch.old_logp,
+        "stats": stats,
+        "merged": dict(policy.named_weights()),
+        "delta": {k: v.detach() - before[k] for k, v in policy.model.named_parameters()},
+    }
     torchrun(__file__, "fsdp", tiny_model_dir, tmp / "batch.pt", tmp, timeout=400)
     return single, torch.load(tmp / "two.pt", weights_only=False), tmp
 
@@ -427,7 +526,9 @@ def test_two_ranks_with_lora_give_the_update_of_one(two_rank_lora):
     diff = max((two["delta"][k] - single["delta"][k]).abs().max().item() for k in adapters)
     print(f"\nLoRA, 1 vs 2 ranks: max |d update| {diff:.2e} of max |update| {scale:.3f}")
     assert scale > 1e-3 and diff < 1e-6
-    assert all(torch.equal(two["delta"][k], torch.zeros_like(two["delta"][k])) for k in single["delta"] if k not in adapters)
+    assert all(
+        torch.equal(two["delta"][k], torch.zeros_like(two["delta"][k])) for k in single["delta"] if k not in adapters
+    )
     assert two["stats"]["pg_loss"] == pytest.approx(single["stats"]["pg_loss"], abs=1e-6)
     assert two["stats"]["grad_norm"] == pytest.approx(single["stats"]["grad_norm"], rel=1e-5)
     assert (two["old_logp"] - single["old_logp"]).abs().max() < 1e-5
@@ -449,7 +550,9 @@ def test_sharded_lora_checkpoints_hold_the_adapters_reload_and_export(two_rank_l
 
     single, two, tmp = two_rank_lora
     step = tmp / "run" / "checkpoints" / "step_000001"
-    assert checkpoint.is_sharded(step) and checkpoint.is_lora(step) and not (step / "adapter" / lora.WEIGHTS_FILE).exists()
+    assert (
+        checkpoint.is_sharded(step) and checkpoint.is_lora(step) and not (step / "adapter" / lora.WEIGHTS_FILE).exists()
+    )
     assert all(torch.equal(two["reloaded"][k], v) for k, v in two["after"].items())  # adapters from the shards
     index = parallel._safe_dcp_loaders(step / "shards")[0].read_metadata()
     saved = sorted(k.removeprefix("model.") for k in index.state_dict_metadata if k.startswith("model."))
@@ -471,9 +574,10 @@ def test_vllm_samples_from_the_merged_model_after_a_push(tmp_path):
     """After an update of the adapters, the merged weights pushed into vLLM give the trainer's log-probs
     (the peft model with its adapters on). The model is assets/arith-base: vLLM's CPU attention has no
     kernel for the conftest model's 16-wide heads."""
+    from test_vllm import LOGP_TOL_MAX, LOGP_TOL_MEAN, VLLM_OVERRIDES, as_batch, logp_abs_diff
+
     from dapo import algo
     from dapo.rollout import make_rollout
-    from test_vllm import LOGP_TOL_MAX, LOGP_TOL_MEAN, VLLM_OVERRIDES, as_batch, logp_abs_diff
 
     model = REPO / "assets" / "arith-base"
     cfg = small_config(tmp_path, model, *VLLM_OVERRIDES, *LORA, "rollout.temperature=0.7")
@@ -495,8 +599,10 @@ def test_vllm_samples_from_the_merged_model_after_a_push(tmp_path):
     stale = logp_abs_diff(policy, engine.generate(prompts, params), 4)
     engine.update_weights(policy.named_weights())
     fresh = logp_abs_diff(policy, engine.generate(prompts, params), 4)
-    print(f"\nLoRA push: vLLM vs trainer |diff| mean {fresh.mean():.2e} max {fresh.max():.2e} "
-          f"(before the push {stale.mean():.2e})")
+    print(
+        f"\nLoRA push: vLLM vs trainer |diff| mean {fresh.mean():.2e} max {fresh.max():.2e} "
+        f"(before the push {stale.mean():.2e})"
+    )
     assert stale.mean() > 1e-2  # the adapters moved the policy
     assert fresh.mean() < LOGP_TOL_MEAN and fresh.max() < LOGP_TOL_MAX
 
@@ -505,11 +611,13 @@ def test_vllm_samples_from_the_merged_model_after_a_push(tmp_path):
 def test_two_lora_training_steps_with_vllm_and_a_kl_term(tmp_path):
     """The loop pushes the merged weights after step 1, so step 2 samples from the trained adapters (a failed
     push would show as a large log-prob gap); the KL term's reference is the base, which step 2 has left."""
-    from dapo.training import train
     from test_vllm import LOGP_TOL_MAX, LOGP_TOL_MEAN, VLLM_OVERRIDES
 
-    cfg = small_config(tmp_path, REPO / "assets" / "arith-base", *VLLM_OVERRIDES, *LORA, "train.lr=1e-2",
-                       "algo.kl_coef=0.01")
+    from dapo.training import train
+
+    cfg = small_config(
+        tmp_path, REPO / "assets" / "arith-base", *VLLM_OVERRIDES, *LORA, "train.lr=1e-2", "algo.kl_coef=0.01"
+    )
     train(cfg)
     rows = read_metrics(cfg.run_dir)
     assert [r["step"] for r in rows] == [1, 2]

@@ -27,7 +27,7 @@ def test_greedy_accuracy_equals_plain_generate_and_a_hand_parse():
         for e in examples:
             ids = torch.tensor([tok(e.prompt, add_special_tokens=False)["input_ids"]])
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=48)
-            text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            text = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
             m = re.fullmatch(r"Answer: (-?\d+)", text.strip().split("\n")[-1])
             right += bool(m) and int(m.group(1)) == int(e.ground_truth)
     got = make_base_model.accuracy(model, tok, examples, samples=1, do_sample=False, max_new_tokens=48, seed=0)
@@ -37,10 +37,37 @@ def test_greedy_accuracy_equals_plain_generate_and_a_hand_parse():
 
 def test_script_runs_end_to_end_with_tiny_sizes(tmp_path):
     out = tmp_path / "m"
-    assert make_base_model.main(["--out", str(out), "--steps", "2", "--batch-size", "4", "--warmup", "1",
-                                 "--hidden-size", "32", "--layers", "1", "--heads", "2", "--intermediate-size", "64",
-                                 "--threads", "1", "--eval-problems", "3", "--eval-samples", "2",
-                                 "--max-new-tokens", "8"]) == 0
+    assert (
+        make_base_model.main(
+            [
+                "--out",
+                str(out),
+                "--steps",
+                "2",
+                "--batch-size",
+                "4",
+                "--warmup",
+                "1",
+                "--hidden-size",
+                "32",
+                "--layers",
+                "1",
+                "--heads",
+                "2",
+                "--intermediate-size",
+                "64",
+                "--threads",
+                "1",
+                "--eval-problems",
+                "3",
+                "--eval-samples",
+                "2",
+                "--max-new-tokens",
+                "8",
+            ]
+        )
+        == 0
+    )
     report = json.loads((out / "base_model_eval.json").read_text())
     assert report["held_out_problems"] == 3 and report["samples_per_problem"] == 2
     # 3 problems x 2 samples and 3 greedy answers: the accuracies are multiples of 1/6 and 1/3

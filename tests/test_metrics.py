@@ -16,12 +16,18 @@ REPO = Path(__file__).resolve().parents[1]
 
 def hand_made_batch():
     # 2 groups of 2: response lengths 3, 5 | 5, 2 (limit 5: the second and third are at it), prompts 4, 4 | 6, 6
-    batch = RolloutBatch(group_size=2, prompt_ids=[[1] * 4, [1] * 4, [2] * 6, [2] * 6],
-                         response_ids=[[5] * 3, [5] * 5, [6] * 5, [6] * 2],
-                         truncated=torch.tensor([False, True, False, False]),  # the third ended with EOS at the limit
-                         texts=[""] * 4, example_uids=["a", "a", "b", "b"], ground_truths=["0"] * 4,
-                         acc=torch.tensor([1.0, 0.0, 0.0, 1.0]), reward=torch.tensor([1.0, -2.0, -1.0, 1.0]),
-                         overlong_penalty=torch.tensor([0.0, -1.0, 0.0, 0.0]))
+    batch = RolloutBatch(
+        group_size=2,
+        prompt_ids=[[1] * 4, [1] * 4, [2] * 6, [2] * 6],
+        response_ids=[[5] * 3, [5] * 5, [6] * 5, [6] * 2],
+        truncated=torch.tensor([False, True, False, False]),  # the third ended with EOS at the limit
+        texts=[""] * 4,
+        example_uids=["a", "a", "b", "b"],
+        ground_truths=["0"] * 4,
+        acc=torch.tensor([1.0, 0.0, 0.0, 1.0]),
+        reward=torch.tensor([1.0, -2.0, -1.0, 1.0]),
+        overlong_penalty=torch.tensor([0.0, -1.0, 0.0, 0.0]),
+    )
     batch.adv = torch.tensor([0.5, -0.5, -1.0, 1.0])
     batch.old_logp = torch.zeros(4, 5)
     batch.entropy = torch.ones(4, 5)
@@ -30,9 +36,17 @@ def hand_made_batch():
 
 def test_step_metrics_hand_computed_with_verl_names():
     cstats = CollectStats(rounds=3)
-    m = {**sampling_metrics(cstats, buffer_groups=0, gen_rounds_total=3),
-         **step_metrics(hand_made_batch(), cstats, {"clipfrac_high": 0.02, "clipfrac_low": 0.03},
-                        {"old_logprob": 1.0, "update": 1.0}, max_prompt_tokens=6, max_response_tokens=5)}
+    m = {
+        **sampling_metrics(cstats, buffer_groups=0, gen_rounds_total=3),
+        **step_metrics(
+            hand_made_batch(),
+            cstats,
+            {"clipfrac_high": 0.02, "clipfrac_low": 0.03},
+            {"old_logprob": 1.0, "update": 1.0},
+            max_prompt_tokens=6,
+            max_response_tokens=5,
+        ),
+    }
     row = {k: float(v) for k, v in with_verl_names(m).items()}
     assert row["response_length/mean"] == row["rollout/response_length_mean"] == pytest.approx(15 / 4)
     assert (row["response_length/max"], row["response_length/min"]) == (5.0, 2.0)
@@ -66,8 +80,13 @@ def test_engine_gap_warning_by_dtype():
 
     assert engine_gap_warning({"rollout/logprob_abs_diff_mean": torch.tensor(4e-6)}, dtype="float32", step=3) is None
     line = engine_gap_warning({"rollout/logprob_abs_diff_mean": torch.tensor(2e-3)}, dtype="float32", step=3)
-    assert line.startswith("step 3: the rollout engine's log-probs are 0.002 nats per token from the trainer's "
-                           "(a float32 run stays under 0.001)") and "\n" not in line
+    assert (
+        line.startswith(
+            "step 3: the rollout engine's log-probs are 0.002 nats per token from the trainer's "
+            "(a float32 run stays under 0.001)"
+        )
+        and "\n" not in line
+    )
     # bfloat16 rounding alone gives gaps of a few hundredths: not a stale engine
     assert engine_gap_warning({"rollout/logprob_abs_diff_mean": 0.03}, dtype="bfloat16", step=3) is None
     assert engine_gap_warning({"rollout/logprob_abs_diff_mean": 0.4}, dtype="bfloat16", step=3) is not None

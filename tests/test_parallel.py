@@ -25,8 +25,12 @@ from dapo import checkpoint, cli, parallel  # noqa: E402
 from dapo.rollout import SamplingParams  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-EQUIV_OVERRIDES = ["train.prompts_per_step=3", "train.mini_batch_prompts=3", "train.micro_batch_size=2",
-                   "train.grad_clip=1e9"]  # one optimizer update; no clipping, so the update is the gradient
+EQUIV_OVERRIDES = [
+    "train.prompts_per_step=3",
+    "train.mini_batch_prompts=3",
+    "train.micro_batch_size=2",
+    "train.grad_clip=1e9",
+]  # one optimizer update; no clipping, so the update is the gradient
 
 
 def checksum(t: torch.Tensor) -> str:
@@ -34,8 +38,12 @@ def checksum(t: torch.Tensor) -> str:
 
 
 def env_for_children(**extra) -> dict:
-    env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1", **extra}
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": "1",
+        **extra,
+    }
     return env
 
 
@@ -60,8 +68,9 @@ def test_balanced_partition_by_tokens():
 
 
 def test_tensor_parallel_size_must_divide_the_ranks(tmp_path, tiny_model_dir):
-    from dapo.config import ConfigError
     from conftest import training_engine
+
+    from dapo.config import ConfigError
 
     cfg = small_config(tmp_path, tiny_model_dir, "rollout.backend=vllm", "rollout.tensor_parallel_size=2")
     with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size=2 does not divide the 3 trainer ranks"):
@@ -78,8 +87,12 @@ def test_sharded_rollout_gives_each_tensor_parallel_group_one_share(monkeypatch)
     class Echo:  # one response per prompt: [prompt token, seed]
         def generate(self, prompt_ids, params):
             calls.append((prompt_ids, params.seed))
-            return Generation(prompt_ids=prompt_ids, response_ids=[p + [params.seed] for p in prompt_ids],
-                              truncated=torch.zeros(len(prompt_ids), dtype=torch.bool), texts=[""] * len(prompt_ids))
+            return Generation(
+                prompt_ids=prompt_ids,
+                response_ids=[p + [params.seed] for p in prompt_ids],
+                truncated=torch.zeros(len(prompt_ids), dtype=torch.bool),
+                texts=[""] * len(prompt_ids),
+            )
 
     class Sent(Exception):
         pass
@@ -131,9 +144,18 @@ def test_rank_0_store_listens_on_the_master_address_only(launcher_socket):
     if not launcher_socket:
         sock.close()  # rank 0 binds MASTER_PORT itself
     rank0_extra = {"DAPO_STORE_FD": str(sock.fileno())} if launcher_socket else {}
-    procs = [subprocess.Popen([sys.executable, "-c", STORE_WORKER], env={**env, "RANK": str(rank), **(rank0_extra if rank == 0 else {})},
-                              pass_fds=(sock.fileno(),) if launcher_socket and rank == 0 else (), cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", STORE_WORKER],
+            env={**env, "RANK": str(rank), **(rank0_extra if rank == 0 else {})},
+            pass_fds=(sock.fileno(),) if launcher_socket and rank == 0 else (),
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
     outs = [p.communicate(timeout=120) for p in procs]
     if launcher_socket:
         sock.close()
@@ -147,8 +169,13 @@ def test_rank_0_store_listens_on_the_master_address_only(launcher_socket):
 # bf16: FSDP's mixed precision with fp32 masters; uneven: rank 0 runs one row per micro-batch, so
 # rank 1 has fewer micro-batches and must run empty passes to join rank 0's collectives
 # shared: train.share_prompt_prefix, each rank computing its prompts once (the decoder runs twice per pass)
-VARIANTS = {"fp32": ([], False), "bf16": (["model.dtype=bfloat16"], False), "uneven": ([], True),
-            "shared": (["train.share_prompt_prefix=true"], False), "shared_uneven": (["train.share_prompt_prefix=true", "train.micro_batch_size=null"], True)}
+VARIANTS = {
+    "fp32": ([], False),
+    "bf16": (["model.dtype=bfloat16"], False),
+    "uneven": ([], True),
+    "shared": (["train.share_prompt_prefix=true"], False),
+    "shared_uneven": (["train.share_prompt_prefix=true", "train.micro_batch_size=null"], True),
+}
 
 
 def equivalence_worker(model_dir: str, batch_file: str, out_dir: str) -> None:
@@ -178,9 +205,17 @@ def one_update(d, model_dir, batch_file, out_file, run_dir, overrides, uneven) -
     stats = policy.update(batch, loss_fn_of(cfg))
     after = {k: v.clone() for k, v in policy.named_weights()}
     engine.update_weights(policy.named_weights())
-    checkpoint.save_checkpoint(Path(run_dir), 1, model=policy.model, tokenizer=policy.tokenizer,
-                               trainer_state={"policy": policy.trainer_state()}, config_yaml="", keep=1,
-                               shards=policy.sharded_state(), dist=d)
+    checkpoint.save_checkpoint(
+        Path(run_dir),
+        1,
+        model=policy.model,
+        tokenizer=policy.tokenizer,
+        trainer_state={"policy": policy.trainer_state()},
+        config_yaml="",
+        keep=1,
+        shards=policy.sharded_state(),
+        dist=d,
+    )
     engine_weights = dict(engine.engine.model.named_parameters())  # this rank's full copy
     engine_sums = parallel.all_gather_object({k: checksum(engine_weights[k]) for k in after}, d)
     # each rank samples a share of the prompts; every rank gets all of them, in prompt order
@@ -188,13 +223,22 @@ def one_update(d, model_dir, batch_file, out_file, run_dir, overrides, uneven) -
     gen = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=6, seed=3))
     gens = parallel.all_gather_object((gen.prompt_ids, gen.response_ids, gen.truncated.tolist()), d)
     if d.is_main:
-        torch.save({
-            "old_logp": old_logp, "entropy": entropy, "stats": {k: float(v) for k, v in stats.items()},
-            "delta": {k: after[k] - before[k] for k in after}, "after": after, "engine_sums": engine_sums,
-            # the engine runs in model.dtype: the trainer's float32 masters rounded to it
-            "trainer_sums": {k: checksum(v.to(engine_weights[k].dtype)) for k, v in after.items()},
-            "prompts": prompts, "gens": gens, "counts": counts,
-        }, out_file)
+        torch.save(
+            {
+                "old_logp": old_logp,
+                "entropy": entropy,
+                "stats": {k: float(v) for k, v in stats.items()},
+                "delta": {k: after[k] - before[k] for k in after},
+                "after": after,
+                "engine_sums": engine_sums,
+                # the engine runs in model.dtype: the trainer's float32 masters rounded to it
+                "trainer_sums": {k: checksum(v.to(engine_weights[k].dtype)) for k, v in after.items()},
+                "prompts": prompts,
+                "gens": gens,
+                "counts": counts,
+            },
+            out_file,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -210,8 +254,12 @@ def two_rank_update(tiny_model_dir, tmp_path_factory):
     torch.save(batch, tmp / "batch.pt")
     before = {k: v.clone() for k, v in policy.named_weights()}
     stats = {k: float(v) for k, v in policy.update(batch, loss_fn_of(cfg)).items()}
-    single = {"old_logp": batch.old_logp, "entropy": batch.entropy, "stats": stats,
-              "delta": {k: v - before[k] for k, v in policy.named_weights()}}
+    single = {
+        "old_logp": batch.old_logp,
+        "entropy": batch.entropy,
+        "stats": stats,
+        "delta": {k: v - before[k] for k, v in policy.named_weights()},
+    }
     t0 = time.perf_counter()
     torchrun(__file__, "equivalence", tiny_model_dir, tmp / "batch.pt", tmp)
     runs = {name: torch.load(tmp / f"{name}.pt", weights_only=False) for name in VARIANTS}
@@ -225,9 +273,11 @@ def test_two_ranks_give_the_loss_and_gradients_of_one(two_rank_update):
     grad_diff = max((two["delta"][k] - single["delta"][k]).abs().max().item() for k in single["delta"])
     grad_scale = max(v.abs().max().item() for v in single["delta"].values())
     loss_diff = abs(two["stats"]["pg_loss"] - single["stats"]["pg_loss"])
-    print(f"\n1 vs 2 ranks: max |d loss| {loss_diff:.2e} (loss {single['stats']['pg_loss']:.6f}), "
-          f"max |d grad| {grad_diff:.2e} (max |grad| {grad_scale:.3f}), max |d logp| {logp_diff:.2e}, "
-          f"grad norm {single['stats']['grad_norm']:.6f} vs {two['stats']['grad_norm']:.6f}; torchrun {seconds:.1f} s")
+    print(
+        f"\n1 vs 2 ranks: max |d loss| {loss_diff:.2e} (loss {single['stats']['pg_loss']:.6f}), "
+        f"max |d grad| {grad_diff:.2e} (max |grad| {grad_scale:.3f}), max |d logp| {logp_diff:.2e}, "
+        f"grad norm {single['stats']['grad_norm']:.6f} vs {two['stats']['grad_norm']:.6f}; torchrun {seconds:.1f} s"
+    )
     assert set(two["delta"]) == set(single["delta"])
     assert grad_scale > 1e-3  # the update did something
     assert grad_diff < 1e-6  # summed over ranks, not averaged: a factor 2 would show here
@@ -247,8 +297,10 @@ def test_bfloat16_compute_keeps_float32_master_weights(two_rank_update, tiny_mod
     assert all(v.dtype == torch.float32 for v in bf16["after"].values())  # the master copy
     scale = max(v.abs().max().item() for v in single["delta"].values())
     grad_diff = max((bf16["delta"][k] - single["delta"][k]).abs().max().item() for k in single["delta"])
-    print(f"\nbf16 compute, 2 ranks vs fp32, 1 rank: max |d grad| {grad_diff:.2e} of max |grad| {scale:.3f}; "
-          f"loss {bf16['stats']['pg_loss']:.6f} vs {single['stats']['pg_loss']:.6f}")
+    print(
+        f"\nbf16 compute, 2 ranks vs fp32, 1 rank: max |d grad| {grad_diff:.2e} of max |grad| {scale:.3f}; "
+        f"loss {bf16['stats']['pg_loss']:.6f} vs {single['stats']['pg_loss']:.6f}"
+    )
     assert 0 < grad_diff < 0.02 * scale  # bf16 keeps ~3 significant digits; fp32 compute would give ~1e-8
     assert bf16["stats"]["pg_loss"] == pytest.approx(single["stats"]["pg_loss"], abs=1e-4)
     assert bf16["engine_sums"] == [bf16["trainer_sums"]] * 2
@@ -322,9 +374,20 @@ def test_sharded_checkpoint_exports_to_a_model_directory(two_rank_update, tmp_pa
 def test_torchrun_training_resumes_exactly_from_shards(tiny_model_dir, tmp_path):
     """3 steps in one go vs 2 steps + a resume from step 2's shards: identical weights. With a
     sharded reference model (KL loss), gradient checkpointing and overlong filtering on."""
-    args = ["-m", "dapo.cli", "train", "configs/demo.yaml", f"model.path={tiny_model_dir}", *SMALL_OVERRIDES,
-            "train.total_steps=3", "run.save_every=1", "run.keep_checkpoints=3", "algo.kl_coef=0.01",
-            "model.gradient_checkpointing=true", "algo.overlong_filtering=true"]
+    args = [
+        "-m",
+        "dapo.cli",
+        "train",
+        "configs/demo.yaml",
+        f"model.path={tiny_model_dir}",
+        *SMALL_OVERRIDES,
+        "train.total_steps=3",
+        "run.save_every=1",
+        "run.keep_checkpoints=3",
+        "algo.kl_coef=0.01",
+        "model.gradient_checkpointing=true",
+        "algo.overlong_filtering=true",
+    ]
     torchrun(*args, f"run.dir={tmp_path / 'full'}")
     full = tmp_path / "full" / "t"
     assert [p.name for p in checkpoint.list_checkpoints(full)] == ["step_000001", "step_000002", "step_000003"]
@@ -359,8 +422,16 @@ def test_torchrun_resume_refuses_a_crafted_checkpoint_index(tiny_model_dir, tmp_
     (step / "shards").mkdir(parents=True)
     torch.save({"step": 1}, step / "trainer_state.pt")
     (step / "shards" / ".metadata").write_bytes(pickle.dumps(RunsCommand(f"touch {marker}")))
-    out = torchrun("-m", "dapo.cli", "train", "configs/demo.yaml", f"model.path={tiny_model_dir}",
-                   f"run.dir={tmp_path / 'runs'}", *SMALL_OVERRIDES, check=False)
+    out = torchrun(
+        "-m",
+        "dapo.cli",
+        "train",
+        "configs/demo.yaml",
+        f"model.path={tiny_model_dir}",
+        f"run.dir={tmp_path / 'runs'}",
+        *SMALL_OVERRIDES,
+        check=False,
+    )
     assert out.returncode != 0
     assert not marker.exists()
     refusals = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
@@ -372,9 +443,19 @@ def test_torchrun_resume_refuses_a_crafted_checkpoint_index(tiny_model_dir, tmp_
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (nccl)")
 def test_two_gpus_nccl_bf16_cpu_offload_checkpointing(tiny_model_dir, tmp_path):
-    torchrun("-m", "dapo.cli", "train", "configs/demo.yaml", f"model.path={tiny_model_dir}", f"run.dir={tmp_path}",
-             *SMALL_OVERRIDES, "model.device=cuda", "model.dtype=bfloat16", "model.gradient_checkpointing=true",
-             "train.cpu_offload=true")
+    torchrun(
+        "-m",
+        "dapo.cli",
+        "train",
+        "configs/demo.yaml",
+        f"model.path={tiny_model_dir}",
+        f"run.dir={tmp_path}",
+        *SMALL_OVERRIDES,
+        "model.device=cuda",
+        "model.dtype=bfloat16",
+        "model.gradient_checkpointing=true",
+        "train.cpu_offload=true",
+    )
     ckpt = checkpoint.latest_checkpoint(tmp_path / "t")
     assert ckpt is not None and checkpoint.is_sharded(ckpt)
     rows = [line for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -393,11 +474,29 @@ def test_ray_two_cpu_workers_train_two_steps_and_checkpoint(tiny_model_dir, tmp_
     # no RAY_AUTH_* given: launch-ray starts the private cluster with token authentication and a
     # token that lives in its environment only, so Ray writes no token file (it would be 0644 in
     # ~/.ray); HOME and RAY_TMPDIR keep everything else under temporary directories
-    env = {k: v for k, v in env_for_children(HOME=str(home), RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0").items()
-           if not k.startswith("RAY_AUTH")}
-    cmd = [sys.executable, "-m", "dapo.cli", "launch-ray", "configs/demo.yaml", f"model.path={tiny_model_dir}",
-           f"run.dir={tmp_path / 'runs'}", *SMALL_OVERRIDES, "--address", "local", "--num-cpus", "2",
-           "--cpu-workers-per-node", "2", "--cpus-per-worker", "1"]
+    env = {
+        k: v
+        for k, v in env_for_children(HOME=str(home), RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0").items()
+        if not k.startswith("RAY_AUTH")
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "dapo.cli",
+        "launch-ray",
+        "configs/demo.yaml",
+        f"model.path={tiny_model_dir}",
+        f"run.dir={tmp_path / 'runs'}",
+        *SMALL_OVERRIDES,
+        "--address",
+        "local",
+        "--num-cpus",
+        "2",
+        "--cpu-workers-per-node",
+        "2",
+        "--cpus-per-worker",
+        "1",
+    ]
     t0 = time.perf_counter()
     try:
         out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
@@ -426,8 +525,24 @@ sys.stdin.read()  # until the test closes stdin
 def test_launch_ray_refuses_to_start_a_cluster_without_auth(tmp_path):
     pytest.importorskip("ray")
     env = env_for_children(HOME=str(tmp_path), RAY_AUTH_MODE="disabled")
-    out = subprocess.run([sys.executable, "-m", "dapo.cli", "launch-ray", "configs/demo.yaml", "--address", "local",
-                          "--cpu-workers-per-node", "2"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dapo.cli",
+            "launch-ray",
+            "configs/demo.yaml",
+            "--address",
+            "local",
+            "--cpu-workers-per-node",
+            "2",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-2000:]
     assert "RAY_AUTH_MODE=disabled starts a cluster on which anyone who reaches its ports runs code" in out.stderr
     assert "--insecure" in out.stderr
@@ -439,17 +554,44 @@ def test_launch_ray_refuses_to_join_a_cluster_without_auth(tiny_model_dir, tmp_p
     it holds a token itself, and stops before placing anything."""
     pytest.importorskip("ray")
     ray_tmp = tempfile.mkdtemp(prefix="dray", dir="/tmp")
-    env = {k: v for k, v in env_for_children(HOME=str(tmp_path), RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0").items()
-           if not k.startswith("RAY_AUTH")}
-    head = subprocess.Popen([sys.executable, "-c", RAY_HEAD], env={**env, "RAY_AUTH_MODE": "disabled"},
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    env = {
+        k: v
+        for k, v in env_for_children(HOME=str(tmp_path), RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0").items()
+        if not k.startswith("RAY_AUTH")
+    }
+    head = subprocess.Popen(
+        [sys.executable, "-c", RAY_HEAD],
+        env={**env, "RAY_AUTH_MODE": "disabled"},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         gcs_address = head.stdout.readline().strip()
         driver_env = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": hashlib.sha256(os.urandom(16)).hexdigest()}
-        out = subprocess.run([sys.executable, "-m", "dapo.cli", "launch-ray", "configs/demo.yaml",
-                              f"model.path={tiny_model_dir}", f"run.dir={tmp_path / 'runs'}", "--address", gcs_address,
-                              "--cpu-workers-per-node", "1", "--cpus-per-worker", "1"],
-                             cwd=REPO, env=driver_env, capture_output=True, text=True, timeout=200)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dapo.cli",
+                "launch-ray",
+                "configs/demo.yaml",
+                f"model.path={tiny_model_dir}",
+                f"run.dir={tmp_path / 'runs'}",
+                "--address",
+                gcs_address,
+                "--cpu-workers-per-node",
+                "1",
+                "--cpus-per-worker",
+                "1",
+            ],
+            cwd=REPO,
+            env=driver_env,
+            capture_output=True,
+            text=True,
+            timeout=200,
+        )
     finally:
         head.communicate(input="", timeout=60)  # the head's driver shuts its cluster down
         shutil.rmtree(ray_tmp, ignore_errors=True)

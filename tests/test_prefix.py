@@ -6,8 +6,8 @@ import random
 
 import pytest
 import torch
-
 from conftest import loss_fn_of, make_policy, small_config
+
 from dapo import algo, tiny
 from dapo.batch import RolloutBatch, plan_shared_prompt_micro_batches, response_passes
 from dapo.config import ConfigError
@@ -29,9 +29,18 @@ def synthetic_batch(prompt_lengths=PROMPT_LENGTHS, response_lengths=RESPONSE_LEN
             responses.append(torch.randint(2, vocab, (r,), generator=rng).tolist())
     n, g = len(responses), len(response_lengths[0])
     reward = torch.tensor([1.0 if (i * 7) % 3 == 0 else -1.0 for i in range(n)])
-    batch = RolloutBatch(group_size=g, prompt_ids=prompts, response_ids=responses,
-                         truncated=torch.zeros(n, dtype=torch.bool), texts=[""] * n, example_uids=["x"] * n,
-                         ground_truths=["0"] * n, acc=(reward > 0).float(), reward=reward, overlong_penalty=torch.zeros(n))
+    batch = RolloutBatch(
+        group_size=g,
+        prompt_ids=prompts,
+        response_ids=responses,
+        truncated=torch.zeros(n, dtype=torch.bool),
+        texts=[""] * n,
+        example_uids=["x"] * n,
+        ground_truths=["0"] * n,
+        acc=(reward > 0).float(),
+        reward=reward,
+        overlong_penalty=torch.zeros(n),
+    )
     batch.adv = algo.group_advantages(reward, g)
     return batch
 
@@ -39,8 +48,17 @@ def synthetic_batch(prompt_lengths=PROMPT_LENGTHS, response_lengths=RESPONSE_LEN
 def tiny_lm(arch: str, attention: str, *, gradient_checkpointing: bool = False):
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-    common = dict(vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, tie_word_embeddings=True)
+    common = dict(
+        vocab_size=258,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+    )
     config = LlamaConfig(**common) if arch == "llama" else Qwen2Config(**common)
     torch.manual_seed(0)
     lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attention)
@@ -83,9 +101,17 @@ def test_shared_prompts_give_the_unshared_log_probs_and_entropies(arch, attentio
         assert a.shape == b.shape and (a - b).abs().max().item() < 1e-5, rows
 
 
-@pytest.mark.parametrize("arch,attention,checkpointing", [("llama", "eager", False), ("llama", "sdpa", False),
-                                                           ("qwen2", "eager", False), ("qwen2", "sdpa", False),
-                                                           ("llama", "sdpa", True), ("qwen2", "eager", True)])
+@pytest.mark.parametrize(
+    "arch,attention,checkpointing",
+    [
+        ("llama", "eager", False),
+        ("llama", "sdpa", False),
+        ("qwen2", "eager", False),
+        ("qwen2", "sdpa", False),
+        ("llama", "sdpa", True),
+        ("qwen2", "eager", True),
+    ],
+)
 def test_shared_prompts_give_the_unshared_gradients(arch, attention, checkpointing):
     """The gradient of sum(logp x advantage): every response's part flows back into its prompt's single
     pass. With activation checkpointing both passes run again in backward, reading the same cache."""
@@ -118,10 +144,19 @@ def llama_model_dir(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("tiny-llama")
     tokenizer = tiny.build_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-                         tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     tiny.save(LlamaForCausalLM(config), tokenizer, path)
     return path
@@ -129,8 +164,9 @@ def llama_model_dir(tmp_path_factory):
 
 def one_update(model_dir, run_dir, *overrides):
     """The weight change of one SGD update (lr 1) on the synthetic batch, its statistics, and old_logp."""
-    cfg = small_config(run_dir, model_dir, "train.prompts_per_step=4", "train.mini_batch_prompts=4",
-                       "train.grad_clip=1e9", *overrides)
+    cfg = small_config(
+        run_dir, model_dir, "train.prompts_per_step=4", "train.mini_batch_prompts=4", "train.grad_clip=1e9", *overrides
+    )
     torch.manual_seed(0)
     policy = make_policy(cfg)
     policy.optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)
@@ -153,11 +189,15 @@ def test_one_update_gives_the_unshared_weights(arch, tiny_model_dir, llama_model
     that splits groups (each part still sharing its prompt), and activation checkpointing, all against
     the unshared update in one pass."""
     model_dir = tiny_model_dir if arch == "qwen2" else llama_model_dir
-    base, base_stats, base_batch, base_plan = one_update(model_dir, tmp_path / "a", "train.max_tokens_per_micro_batch=100000")
+    base, base_stats, base_batch, base_plan = one_update(
+        model_dir, tmp_path / "a", "train.max_tokens_per_micro_batch=100000"
+    )
     assert len(base_plan) == 1 and base.abs().max() > 1e-3
-    for name, overrides in (("one pass", ["train.max_tokens_per_micro_batch=100000"]),
-                            ("split groups", ["train.max_tokens_per_micro_batch=200"]),
-                            ("checkpointing", ["train.max_tokens_per_micro_batch=300", "model.gradient_checkpointing=true"])):
+    for name, overrides in (
+        ("one pass", ["train.max_tokens_per_micro_batch=100000"]),
+        ("split groups", ["train.max_tokens_per_micro_batch=200"]),
+        ("checkpointing", ["train.max_tokens_per_micro_batch=300", "model.gradient_checkpointing=true"]),
+    ):
         delta, stats, batch, plan = one_update(model_dir, tmp_path / name, "train.share_prompt_prefix=true", *overrides)
         assert (len(plan) == 1) == (name == "one pass"), (name, plan)
         if name == "split groups":  # the 143-token prompt's rows of 40 and 17 tokens cannot share 200
@@ -192,13 +232,19 @@ def test_the_plan_keeps_prompts_together_within_the_budget():
     # at most 2 rows per pass: prompt 0 as rows 0-1 and row 2 (its narrowest), prompt 1 as rows 3 and 5 and row 4;
     # rows 2 and 4, of two prompts, fill one pass (2 x 10 + 2 x 2)
     assert plan_shared_prompt_micro_batches(prompt_of, prompt_lengths, widths, 1000, max_rows=2) == [
-        [6, 7], [0, 1], [3, 5], [2, 4]]
+        [6, 7],
+        [0, 1],
+        [3, 5],
+        [2, 4],
+    ]
     assert plan_shared_prompt_micro_batches([], [], [], 48) == []
     # one prompt of 20 tokens, rows of 60, 5, 5 and 5: in passes of similar width 20 + 60 + 3 x 5 = 95 fits a
     # budget of 100; in one response pass, 20 + 4 x 60 = 260 does not, and the widest row goes alone
     assert plan_shared_prompt_micro_batches([0] * 4, [20] * 4, [60, 5, 5, 5], 100) == [[0, 1, 2, 3]]
     assert plan_shared_prompt_micro_batches([0] * 4, [20] * 4, [60, 5, 5, 5], 100, split_responses=False) == [
-        [0], [1, 2, 3]]
+        [0],
+        [1, 2, 3],
+    ]
 
     rng = random.Random(0)
     for _ in range(100):
@@ -209,8 +255,9 @@ def test_the_plan_keeps_prompts_together_within_the_budget():
             for _ in range(rng.randint(1, 8)):
                 prompt_of.append(u), prompt_lengths.append(p), widths.append(rng.randint(1, 50))
         max_rows, split = rng.choice([None, 3]), rng.random() < 0.5
-        plan = plan_shared_prompt_micro_batches(prompt_of, prompt_lengths, widths, budget, max_rows=max_rows,
-                                                split_responses=split)
+        plan = plan_shared_prompt_micro_batches(
+            prompt_of, prompt_lengths, widths, budget, max_rows=max_rows, split_responses=split
+        )
         assert sorted(i for c in plan for i in c) == list(range(len(prompt_of)))
 
         def cost(rows):  # prompts once, then the response passes, each padded to its widest
@@ -237,11 +284,19 @@ def test_shared_prompts_cut_the_tokens_computed_on_a_preset_like_batch(tiny_mode
     batch = synthetic_batch(prompt_lengths, response_lengths)
     counts = {}
     for share in ("false", "true"):
-        cfg = small_config(tmp_path / share, tiny_model_dir, "train.prompts_per_step=4", "train.mini_batch_prompts=4",
-                           "train.max_tokens_per_micro_batch=4096", f"train.share_prompt_prefix={share}")
+        cfg = small_config(
+            tmp_path / share,
+            tiny_model_dir,
+            "train.prompts_per_step=4",
+            "train.mini_batch_prompts=4",
+            "train.max_tokens_per_micro_batch=4096",
+            f"train.share_prompt_prefix={share}",
+        )
         policy = make_policy(cfg)
         fed = []
-        hook = policy.model.get_decoder().embed_tokens.register_forward_hook(lambda m, args, out: fed.append(args[0].numel()))
+        hook = policy.model.get_decoder().embed_tokens.register_forward_hook(
+            lambda m, args, out: fed.append(args[0].numel())
+        )
         batch.old_logp, _ = policy.compute_logprobs(batch)
         logprob_tokens = sum(fed)
         policy.update(batch, loss_fn_of(cfg))
@@ -252,8 +307,10 @@ def test_shared_prompts_cut_the_tokens_computed_on_a_preset_like_batch(tiny_mode
         counts[share] = (logprob_tokens, len(plan))
     (unshared, unshared_passes), (shared, shared_passes) = counts["false"], counts["true"]
     responses = sum(map(sum, response_lengths))
-    print(f"\ntokens per pass over the batch: {unshared} unshared in {unshared_passes} micro-batches, {shared} shared "
-          f"in {shared_passes} ({unshared / shared:.2f}x fewer); {responses} response tokens")
+    print(
+        f"\ntokens per pass over the batch: {unshared} unshared in {unshared_passes} micro-batches, {shared} shared "
+        f"in {shared_passes} ({unshared / shared:.2f}x fewer); {responses} response tokens"
+    )
     assert unshared / shared > 1.5
 
 
@@ -269,27 +326,42 @@ def test_what_cannot_share_a_prompt_is_refused_in_one_line(tmp_path, tiny_model_
 
     # a sliding window shorter than the run's sequences is not full attention over them
     tokenizer = tiny.build_tokenizer()
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, use_sliding_window=True, sliding_window=32,
-                         max_window_layers=1, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        use_sliding_window=True,
+        sliding_window=32,
+        max_window_layers=1,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     tiny.save(Qwen2ForCausalLM(config), tokenizer, tmp_path / "sliding")
     cfg = small_config(tmp_path, tmp_path / "sliding", "train.share_prompt_prefix=true")
     longest = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
     with pytest.raises(ConfigError) as err:
         make_policy(cfg)
-    assert str(err.value) == (f"train.share_prompt_prefix=true: {tmp_path / 'sliding'} has sliding-window attention "
-                              f"over 32 tokens, shorter than the longest sequence (data.max_prompt_tokens + "
-                              f"rollout.max_response_tokens = {longest}); set train.share_prompt_prefix=false")
+    assert str(err.value) == (
+        f"train.share_prompt_prefix=true: {tmp_path / 'sliding'} has sliding-window attention "
+        f"over 32 tokens, shorter than the longest sequence (data.max_prompt_tokens + "
+        f"rollout.max_response_tokens = {longest}); set train.share_prompt_prefix=false"
+    )
     make_policy(small_config(tmp_path, tmp_path / "sliding"))  # unshared, the same model trains
 
     flash = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
     assert unsupported(flash) == "attention implementation 'flash_attention_2' (supported: eager, sdpa)"
     assert unsupported(tiny_lm("llama", "eager")) is None and unsupported(tiny_lm("qwen2", "sdpa")) is None
-    assert unsupported(tiny_lm("qwen2", "sdpa", gradient_checkpointing=True)) is None  # transformers' default: non-reentrant
+    assert (
+        unsupported(tiny_lm("qwen2", "sdpa", gradient_checkpointing=True)) is None
+    )  # transformers' default: non-reentrant
     reentrant = tiny_lm("llama", "sdpa")
     reentrant.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    assert unsupported(reentrant) == ("reentrant activation checkpointing (the cached prompt would get no gradient; "
-                                      "use use_reentrant=False)")
+    assert unsupported(reentrant) == (
+        "reentrant activation checkpointing (the cached prompt would get no gradient; use use_reentrant=False)"
+    )
 
 
 def test_the_reference_model_shares_prompts_too(tiny_model_dir, tmp_path):

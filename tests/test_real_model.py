@@ -30,8 +30,9 @@ SMOL_CACHE = Path("~/.cache/dapo/models").expanduser()
 SMOL_MODEL = SMOL_CACHE / "SmolLM2-135M-Instruct"
 SMOL_GGUF = SMOL_CACHE / "SmolLM2-135M-Instruct.Q4_1.gguf"
 IM_END = 2  # <|im_end|>: EOS and pad
-needs_smollm2 = pytest.mark.skipif(not (SMOL_MODEL / "config.json").exists(),
-                                   reason="SmolLM2-135M-Instruct is not cached: run `make smollm2`")
+needs_smollm2 = pytest.mark.skipif(
+    not (SMOL_MODEL / "config.json").exists(), reason="SmolLM2-135M-Instruct is not cached: run `make smollm2`"
+)
 
 
 def smol_tokenizer():
@@ -46,9 +47,19 @@ def build_tiny(arch: str, path: Path, *, hidden: int = 64, layers: int = 2, seed
     from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
 
     tok = smol_tokenizer()
-    common = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                  num_attention_heads=hidden // 32, num_key_value_heads=1, max_position_embeddings=1024,
-                  bos_token_id=tok.bos_token_id, eos_token_id=IM_END, pad_token_id=IM_END, tie_word_embeddings=True)
+    common = dict(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 32,
+        num_key_value_heads=1,
+        max_position_embeddings=1024,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=IM_END,
+        pad_token_id=IM_END,
+        tie_word_embeddings=True,
+    )
     config = LlamaConfig(**common, head_dim=32) if arch == "llama" else Qwen2Config(**common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -72,16 +83,22 @@ def test_rendered_prompt_has_default_system_prompt_and_generation_prompt():
     tok = smol_tokenizer()
     ex = Example(uid="0", prompt="Tom has 3 apples. How many?", ground_truth="3", data_source="w")
     text = render_prompt(ex, tok)
-    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-                    "<|im_start|>user\nTom has 3 apples. How many?<|im_end|>\n<|im_start|>assistant\n")
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nTom has 3 apples. How many?<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_long_prompt_is_cut_from_the_left():
     from dapo.data import make_encoder
 
     tok = smol_tokenizer()
-    ex = Example(uid="0", prompt="Tom has many apples. " * 100 + "How many apples does Tom have?", ground_truth="1",
-                 data_source="w")
+    ex = Example(
+        uid="0",
+        prompt="Tom has many apples. " * 100 + "How many apples does Tom have?",
+        ground_truth="1",
+        data_source="w",
+    )
     full = tok(render_prompt(ex, tok), add_special_tokens=False)["input_ids"]
     cut = make_encoder(tok, 40)(ex)
     assert len(full) > 400 and len(cut) == 40
@@ -95,9 +112,15 @@ def test_eos_equal_to_pad_is_kept_once_and_trained():
     assert split_response([17, 42, IM_END, IM_END, IM_END], {IM_END}, 5) == ([17, 42, IM_END], False)
     assert split_response([IM_END, IM_END], {IM_END}, 2) == ([IM_END], False)  # an empty answer still has its EOS
     assert split_response([17, 42, 43], {IM_END}, 3) == ([17, 42, 43], True)  # truncated: no EOS to train
-    batch = RolloutBatch(group_size=3, prompt_ids=[[1]] * 3, response_ids=[[17, 42, IM_END], [IM_END], [17, 42, 43]],
-                         truncated=torch.tensor([False, False, True]), texts=["", "", ""], example_uids=["a"] * 3,
-                         ground_truths=["1"] * 3)
+    batch = RolloutBatch(
+        group_size=3,
+        prompt_ids=[[1]] * 3,
+        response_ids=[[17, 42, IM_END], [IM_END], [17, 42, 43]],
+        truncated=torch.tensor([False, False, True]),
+        texts=["", "", ""],
+        example_uids=["a"] * 3,
+        ground_truths=["1"] * 3,
+    )
     mask = batch.response_mask()  # (3, 3)
     assert mask.tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 1]]
     assert batch.response_lengths.tolist() == [3, 1, 3]
@@ -123,8 +146,15 @@ def test_hf_rollout_on_real_tokenizer_masks_by_length_not_by_pad(tmp_path):
     for ids, trunc in zip(gen.response_ids, gen.truncated.tolist()):
         assert ids.count(IM_END) == (0 if trunc else 1) and (trunc or ids[-1] == IM_END)
         assert trunc == (len(ids) == 12 and IM_END not in ids)
-    batch = RolloutBatch(group_size=16, prompt_ids=gen.prompt_ids, response_ids=gen.response_ids,
-                         truncated=gen.truncated, texts=gen.texts, example_uids=["0"] * 16, ground_truths=["7"] * 16)
+    batch = RolloutBatch(
+        group_size=16,
+        prompt_ids=gen.prompt_ids,
+        response_ids=gen.response_ids,
+        truncated=gen.truncated,
+        texts=gen.texts,
+        example_uids=["0"] * 16,
+        ground_truths=["7"] * 16,
+    )
     assert batch.response_mask().sum(dim=1).tolist() == [len(r) for r in gen.response_ids]
 
 
@@ -188,10 +218,17 @@ def write_llama_gguf(model, tokenizer_dir: Path, path: Path) -> None:
         p = f"model.layers.{i}."
         q = _permute_for_gguf(torch.from_numpy(sd[p + "self_attn.q_proj.weight"]), c.num_attention_heads).numpy()
         k = _permute_for_gguf(torch.from_numpy(sd[p + "self_attn.k_proj.weight"]), c.num_key_value_heads).numpy()
-        for name, value in [("attn_norm", sd[p + "input_layernorm.weight"]), ("attn_q", q), ("attn_k", k),
-                            ("attn_v", sd[p + "self_attn.v_proj.weight"]), ("attn_output", sd[p + "self_attn.o_proj.weight"]),
-                            ("ffn_norm", sd[p + "post_attention_layernorm.weight"]), ("ffn_gate", sd[p + "mlp.gate_proj.weight"]),
-                            ("ffn_up", sd[p + "mlp.up_proj.weight"]), ("ffn_down", sd[p + "mlp.down_proj.weight"])]:
+        for name, value in [
+            ("attn_norm", sd[p + "input_layernorm.weight"]),
+            ("attn_q", q),
+            ("attn_k", k),
+            ("attn_v", sd[p + "self_attn.v_proj.weight"]),
+            ("attn_output", sd[p + "self_attn.o_proj.weight"]),
+            ("ffn_norm", sd[p + "post_attention_layernorm.weight"]),
+            ("ffn_gate", sd[p + "mlp.gate_proj.weight"]),
+            ("ffn_up", sd[p + "mlp.up_proj.weight"]),
+            ("ffn_down", sd[p + "mlp.down_proj.weight"]),
+        ]:
             w.add_tensor(f"blk.{i}.{name}.weight", value)
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
     w.write_header_to_file()
@@ -210,8 +247,9 @@ def test_import_gguf_round_trips_logits_and_tokenizer(tmp_path):
     gguf_path = tmp_path / "tiny.gguf"
     write_llama_gguf(original, SMOL_TOKENIZER, gguf_path)
     out = import_gguf(gguf_path, tmp_path / "out")
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-            "chat_template.jinja"} <= {p.name for p in out.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= {
+        p.name for p in out.iterdir()
+    }
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == IM_END
     imported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
@@ -224,23 +262,34 @@ def test_import_gguf_round_trips_logits_and_tokenizer(tmp_path):
     assert tok(text)["input_ids"] == ref(text)["input_ids"]
     assert tok.eos_token_id == tok.pad_token_id == IM_END
     msgs = [{"role": "user", "content": "2+2?"}]
-    assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
-        ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == ref.apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_import_model_cli_errors_in_one_line(tmp_path):
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "dapo.cli", "import-model", *map(str, args)],
-                              capture_output=True, text=True, cwd=REPO)
+        return subprocess.run(
+            [sys.executable, "-m", "dapo.cli", "import-model", *map(str, args)],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+        )
 
     missing = run(tmp_path / "nope.gguf", tmp_path / "out")
-    assert missing.returncode == 2 and missing.stderr.strip().startswith("error:") and "no such GGUF file" in missing.stderr
+    assert (
+        missing.returncode == 2
+        and missing.stderr.strip().startswith("error:")
+        and "no such GGUF file" in missing.stderr
+    )
     assert len(missing.stderr.strip().splitlines()) == 1
     (tmp_path / "x.gguf").write_bytes(b"GGUF")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
     busy = run(tmp_path / "x.gguf", tmp_path / "full")
-    assert busy.returncode == 2 and "not empty" in busy.stderr and (tmp_path / "full" / "keep.txt").read_text() == "mine"
+    assert (
+        busy.returncode == 2 and "not empty" in busy.stderr and (tmp_path / "full" / "keep.txt").read_text() == "mine"
+    )
 
 
 @pytest.mark.skipif(not SMOL_GGUF.exists(), reason="the SmolLM2 GGUF is not cached: run `make smollm2`")
@@ -263,8 +312,10 @@ QWEN_CODER_GGUF = SMOL_CACHE / "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf"
 QWEN_CODER = SMOL_CACHE / "Qwen2.5-Coder-0.5B-Instruct"
 
 
-@pytest.mark.skipif(not (QWEN_CODER_GGUF.exists() and (QWEN_CODER / "config.json").exists()),
-                    reason="Qwen2.5-Coder-0.5B-Instruct is not cached: run `make qwen-coder`")
+@pytest.mark.skipif(
+    not (QWEN_CODER_GGUF.exists() and (QWEN_CODER / "config.json").exists()),
+    reason="Qwen2.5-Coder-0.5B-Instruct is not cached: run `make qwen-coder`",
+)
 def test_imported_qwen_coder_is_its_gguf(tmp_path):
     """`make qwen-coder`'s directory computes what transformers' own load of the Q4_K_M GGUF computes
     (Q5_0/Q4_K/Q6_K/Q8_0 blocks de-quantised, attention biases, the untied Q8_0 head), and renders
@@ -272,7 +323,11 @@ def test_imported_qwen_coder_is_its_gguf(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     imported = AutoModelForCausalLM.from_pretrained(QWEN_CODER, dtype=torch.float32)
-    assert (imported.config.model_type, imported.config.num_hidden_layers, imported.config.vocab_size) == ("qwen2", 24, 151936)
+    assert (imported.config.model_type, imported.config.num_hidden_layers, imported.config.vocab_size) == (
+        "qwen2",
+        24,
+        151936,
+    )
     assert not imported.config.tie_word_embeddings
     assert sum(p.numel() for p in imported.parameters()) == 630_167_424  # 494M + the untied 136M head
     tok = AutoTokenizer.from_pretrained(QWEN_CODER)
@@ -283,7 +338,9 @@ def test_imported_qwen_coder_is_its_gguf(tmp_path):
     with torch.no_grad():
         mine = imported(torch.tensor([ids])).logits
     del imported
-    direct = AutoModelForCausalLM.from_pretrained(QWEN_CODER_GGUF.parent, gguf_file=QWEN_CODER_GGUF.name, dtype=torch.float32)
+    direct = AutoModelForCausalLM.from_pretrained(
+        QWEN_CODER_GGUF.parent, gguf_file=QWEN_CODER_GGUF.name, dtype=torch.float32
+    )
     with torch.no_grad():
         assert (direct(torch.tensor([ids])).logits - mine).abs().max().item() < 1e-4
     assert tok.decode(mine[0, -1].argmax().item()).strip()  # a real next token, not padding
@@ -297,12 +354,19 @@ def test_steps_without_informative_groups_still_log_evaluate_and_save(tmp_path, 
     """A random model is wrong on every arith problem: every group is all wrong, no step trains,
     yet every step is logged, the last one evaluates and checkpoints, and the run says what to change."""
     from conftest import small_config
+
     from dapo.checkpoint import latest_checkpoint
     from dapo.log import read_metrics
     from dapo.training import train
 
-    cfg = small_config(tmp_path, tiny_model_dir, "train.total_steps=4", "algo.dynamic_sampling=true",
-                       "algo.max_gen_rounds=1", "run.save_every=null")
+    cfg = small_config(
+        tmp_path,
+        tiny_model_dir,
+        "train.total_steps=4",
+        "algo.dynamic_sampling=true",
+        "algo.max_gen_rounds=1",
+        "run.save_every=null",
+    )
     out = io.StringIO()
     train(cfg, console=Console(file=out, width=400))
     rows = read_metrics(cfg.run_dir)
@@ -312,9 +376,11 @@ def test_steps_without_informative_groups_still_log_evaluate_and_save(tmp_path, 
     assert latest_checkpoint(cfg.run_dir).name == "step_000004"
     text = out.getvalue()
     advice = [line for line in text.splitlines() if "in a row" in line]
-    assert advice == ["no informative group for 3 steps in a row: 100% of groups all wrong, 0% all right; the data is "
-                      "too hard for this model: use easier problems, a larger group (rollout.group_size=4) or longer "
-                      "responses (rollout.max_response_tokens=16)"]
+    assert advice == [
+        "no informative group for 3 steps in a row: 100% of groups all wrong, 0% all right; the data is "
+        "too hard for this model: use easier problems, a larger group (rollout.group_size=4) or longer "
+        "responses (rollout.max_response_tokens=16)"
+    ]
     shutil.rmtree(cfg.run_dir)
 
 

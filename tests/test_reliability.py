@@ -23,11 +23,17 @@ from dapo.config import ConfigError, load_config  # noqa: E402
 
 # limits small enough for a test: a phase that ran once is late past max(3 s, 4 x its slowest run); a
 # first run (model loading, the first generation) has a minute; the process ends at twice the limit
-QUICK_WATCHDOG = ["run.watchdog_floor_s=3", "run.watchdog_factor=4", "run.watchdog_first_s=60",
-                  "run.watchdog_exit_factor=2"]
-LATE = re.compile(r"^watchdog: rank (\d) is late in (\S+)(, waiting for the other ranks in [^:]+)?: ([\d.]+) s, its limit "
-                  r"([\d.]+) s \((.*)\); every thread's stack is in (\S+); the process ends at ([\d.]+) s "
-                  r"\(run.watchdog_exit_factor=2\)$")
+QUICK_WATCHDOG = [
+    "run.watchdog_floor_s=3",
+    "run.watchdog_factor=4",
+    "run.watchdog_first_s=60",
+    "run.watchdog_exit_factor=2",
+]
+LATE = re.compile(
+    r"^watchdog: rank (\d) is late in (\S+)(, waiting for the other ranks in [^:]+)?: ([\d.]+) s, its limit "
+    r"([\d.]+) s \((.*)\); every thread's stack is in (\S+); the process ends at ([\d.]+) s "
+    r"\(run.watchdog_exit_factor=2\)$"
+)
 
 
 # ---- the watchdog alone --------------------------------------------------------------------------
@@ -55,8 +61,16 @@ def test_a_late_phase_gets_one_line_the_stacks_and_then_the_exit(tmp_path):
             pass
 
     log = tmp_path / "train.log"
-    dog = watchdog.Watchdog(rank=3, log_path=log, factor=4.0, floor_s=0.2, first_s=30.0, exit_factor=2.0,
-                            console=Console(), exit=exits.append).start()
+    dog = watchdog.Watchdog(
+        rank=3,
+        log_path=log,
+        factor=4.0,
+        floor_s=0.2,
+        first_s=30.0,
+        exit_factor=2.0,
+        console=Console(),
+        exit=exits.append,
+    ).start()
     release = threading.Event()
     try:
         with watchdog.phase("generate"):
@@ -76,10 +90,19 @@ def test_a_late_phase_gets_one_line_the_stacks_and_then_the_exit(tmp_path):
     assert found, late
     rank, path, _, elapsed, limit, why, where, exit_at = found.groups()
     # the floor: 4 x a run of microseconds is far below 0.2 s
-    assert (rank, path, float(limit), why, where) == ("3", "generate", 0.2, "the floor run.watchdog_floor_s=0.2", str(log))
+    assert (rank, path, float(limit), why, where) == (
+        "3",
+        "generate",
+        0.2,
+        "the floor run.watchdog_floor_s=0.2",
+        str(log),
+    )
     assert 0.2 <= float(elapsed) < 0.2 + 0.5 and float(exit_at) == 0.4  # seen within a tick (0.05 s here)
     assert exits == [124] and len(dog.lines) == 2
-    assert dog.lines[1].startswith("watchdog: rank 3 stopped after ") and " in generate, past 2 x its limit; exit code 124" in dog.lines[1]
+    assert (
+        dog.lines[1].startswith("watchdog: rank 3 stopped after ")
+        and " in generate, past 2 x its limit; exit code 124" in dog.lines[1]
+    )
     text = log.read_text()
     # twice every thread's stack: when late (the helper not started yet) and at the exit (the helper stuck)
     assert text.count("dapo.watchdog: rank 3 late in generate after") == 1
@@ -111,8 +134,14 @@ def test_a_rank_that_holds_the_interpreter_lock_is_still_ended_with_its_stack(tm
     from test_parallel import REPO, env_for_children
 
     log = tmp_path / "train.log"
-    out = subprocess.run([sys.executable, "-c", HOLDS_THE_LOCK, str(log)], cwd=REPO, env=env_for_children(),
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", HOLDS_THE_LOCK, str(log)],
+        cwd=REPO,
+        env=env_for_children(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 1, out.stderr[-2000:]  # faulthandler's exit
     text = log.read_text()
     assert "Timeout (0:00:0" in text and 'File "<string>", line 11 in <module>' in text, text
@@ -121,8 +150,9 @@ def test_a_rank_that_holds_the_interpreter_lock_is_still_ended_with_its_stack(tm
 
 def test_limits_follow_the_runs_own_history():
     phases = watchdog.Phases()
-    dog = watchdog.Watchdog(rank=0, log_path=Path("x"), factor=5.0, floor_s=10.0, first_s=100.0, exit_factor=3.0,
-                            phases=phases)
+    dog = watchdog.Watchdog(
+        rank=0, log_path=Path("x"), factor=5.0, floor_s=10.0, first_s=100.0, exit_factor=3.0, phases=phases
+    )
     assert dog.limit("update") == (100.0, "its first run, run.watchdog_first_s=100")
     phases.slowest["update"] = 1.0
     assert dog.limit("update") == (10.0, "the floor run.watchdog_floor_s=10")
@@ -142,12 +172,18 @@ def test_phases_nest_and_a_failure_names_the_innermost():
     assert "outer > inner" not in watchdog.PHASES.slowest  # a failed run is no history
 
 
-@pytest.mark.parametrize("override,message", [
-    ("run.watchdog_factor=0.5", "run.watchdog_factor=0.5: must be >= 1"),
-    ("run.watchdog_floor_s=0", "run.watchdog_floor_s=0.0: must be > 0 seconds; switch the watchdog off with run.watchdog=false"),
-    ("run.watchdog_exit_factor=1", "run.watchdog_exit_factor=1.0: must be > 1"),
-    ("run.max_nonfinite_in_a_row=0", "run.max_nonfinite_in_a_row=0: must be > 0, or null"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("run.watchdog_factor=0.5", "run.watchdog_factor=0.5: must be >= 1"),
+        (
+            "run.watchdog_floor_s=0",
+            "run.watchdog_floor_s=0.0: must be > 0 seconds; switch the watchdog off with run.watchdog=false",
+        ),
+        ("run.watchdog_exit_factor=1", "run.watchdog_exit_factor=1.0: must be > 1"),
+        ("run.max_nonfinite_in_a_row=0", "run.max_nonfinite_in_a_row=0: must be > 0, or null"),
+    ],
+)
 def test_watchdog_settings_are_checked(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config("configs/demo.yaml", [override])
@@ -159,14 +195,29 @@ def test_a_normal_run_says_nothing_and_the_watchdog_saw_every_phase(tiny_model_d
     from dapo.training import train
 
     # a floor of 20 s: the phases of this run take well under a second, but 4 other jobs share the 2 cores
-    cfg = small_config(tmp_path, tiny_model_dir, *QUICK_WATCHDOG, "run.watchdog_floor_s=20", "train.total_steps=3",
-                       "eval.before_train=true")
+    cfg = small_config(
+        tmp_path,
+        tiny_model_dir,
+        *QUICK_WATCHDOG,
+        "run.watchdog_floor_s=20",
+        "train.total_steps=3",
+        "eval.before_train=true",
+    )
     train(cfg)
     out = capsys.readouterr()
     assert "watchdog" not in out.out + out.err
     assert "dapo.watchdog" not in (tmp_path / "t" / "train.log").read_text()
-    assert set(watchdog.PHASES.slowest) == {"start", "eval", "generate", "reward", "old_logprob", "checkpoint_wait",
-                                            "checkpoint", "update", "weight_sync"}
+    assert set(watchdog.PHASES.slowest) == {
+        "start",
+        "eval",
+        "generate",
+        "reward",
+        "old_logprob",
+        "checkpoint_wait",
+        "checkpoint",
+        "update",
+        "weight_sync",
+    }
 
 
 # ---- 2 ranks, one of them hung ---------------------------------------------------------------------
@@ -211,14 +262,18 @@ def test_a_hung_rank_is_named_with_its_stacks_and_the_job_ends(tiny_model_dir, t
     out = torchrun(__file__, "hang", where, tiny_model_dir, tmp_path, check=False, timeout=240)
     seconds = time.perf_counter() - t0
     lines = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("watchdog: ")]
-    print(f"\n{where} hung on rank {hung_rank}: torchrun ended after {seconds:.1f} s (exit {out.returncode}); "
-          + "\n".join(lines))
+    print(
+        f"\n{where} hung on rank {hung_rank}: torchrun ended after {seconds:.1f} s (exit {out.returncode}); "
+        + "\n".join(lines)
+    )
     assert out.returncode != 0
     late = {int(m.group(1)): m for m in map(LATE.match, lines) if m}
     assert hung_rank in late, (lines, out.stderr[-3000:])
     hung = late[hung_rank]
     assert hung.group(2) == where and hung.group(3) is None  # the hung rank is in the phase, not waiting
-    assert float(hung.group(5)) <= float(hung.group(4)) <= float(hung.group(5)) + 1.0  # said within a tick or so (0.3 s)
+    assert (
+        float(hung.group(5)) <= float(hung.group(4)) <= float(hung.group(5)) + 1.0
+    )  # said within a tick or so (0.3 s)
     # the phase ran once at step 1: its limit is the floor or 4 x that run, never the first run's minute
     assert float(hung.group(5)) < 60 and "its first run" not in hung.group(6)
     if 1 - hung_rank in late:  # the other rank waits for it and says so
@@ -228,8 +283,11 @@ def test_a_hung_rank_is_named_with_its_stacks_and_the_job_ends(tiny_model_dir, t
     stacks = log.read_text().split(f"dapo.watchdog: rank {hung_rank} late in {where}")[1]
     assert "Current thread" in stacks or "Thread 0x" in stacks
     assert ("in generate" if where == "generate" else "in execute") in stacks  # the hook that hangs, by name
-    assert any(line.startswith(f"watchdog: rank {hung_rank} stopped after") or
-               line.startswith(f"watchdog: rank {1 - hung_rank} stopped after") for line in lines)
+    assert any(
+        line.startswith(f"watchdog: rank {hung_rank} stopped after")
+        or line.startswith(f"watchdog: rank {1 - hung_rank} stopped after")
+        for line in lines
+    )
     # step 1 is whole: its checkpoint and its row
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "t")] == ["step_000001"]
     rows = [json.loads(r) for r in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines() if r.strip()]
@@ -266,7 +324,9 @@ def rows_of(run_dir: Path) -> list[dict]:
     return [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines() if r.strip()]
 
 
-def test_a_nonfinite_loss_skips_the_update_and_leaves_weights_and_adamw_state(tiny_model_dir, tmp_path, monkeypatch, capsys):
+def test_a_nonfinite_loss_skips_the_update_and_leaves_weights_and_adamw_state(
+    tiny_model_dir, tmp_path, monkeypatch, capsys
+):
     from safetensors.torch import load_file
 
     from dapo.training import train
@@ -274,12 +334,17 @@ def test_a_nonfinite_loss_skips_the_update_and_leaves_weights_and_adamw_state(ti
     poison_updates(monkeypatch, steps={2})
     train(small_config(tmp_path, tiny_model_dir, "train.total_steps=3", "run.save_every=1", "run.keep_checkpoints=3"))
     out = " ".join(capsys.readouterr().out.split())  # the console wraps its lines at its width
-    said = ("step 2: 2 of 2 optimizer updates skipped, their loss or gradient norm not finite (weights and AdamW state "
-            "left as they were; actor/nonfinite_updates); 2 in a row, the run stops at 5")
+    said = (
+        "step 2: 2 of 2 optimizer updates skipped, their loss or gradient norm not finite (weights and AdamW state "
+        "left as they were; actor/nonfinite_updates); 2 in a row, the run stops at 5"
+    )
     assert out.count(said) == 1 and out.count("optimizer updates skipped") == 1, out
     rows = rows_of(tmp_path / "t")
-    assert [(r["step"], r["actor/nonfinite_updates"], r["actor/skipped_updates"]) for r in rows] == \
-        [(1, 0, 0), (2, 2, 2), (3, 0, 2)]
+    assert [(r["step"], r["actor/nonfinite_updates"], r["actor/skipped_updates"]) for r in rows] == [
+        (1, 0, 0),
+        (2, 2, 2),
+        (3, 0, 2),
+    ]
     ckpt = {p.name: p for p in checkpoint.list_checkpoints(tmp_path / "t")}
     weights = {k: load_file(p / "model" / "model.safetensors") for k, p in ckpt.items()}
     adamw = {k: checkpoint.load_trainer_state(p)["policy"]["optimizer"]["state"] for k, p in ckpt.items()}
@@ -297,15 +362,27 @@ def test_nonfinite_updates_in_a_row_stop_the_run_in_one_line(tiny_model_dir, tmp
     from dapo import cli
 
     poison_updates(monkeypatch, steps={2, 3, 4})
-    code = cli.main(["train", "configs/demo.yaml", f"model.path={tiny_model_dir}", f"run.dir={tmp_path}", *SMALL_OVERRIDES,
-                     "train.total_steps=4", "run.save_every=1", "run.max_nonfinite_in_a_row=3"])
+    code = cli.main(
+        [
+            "train",
+            "configs/demo.yaml",
+            f"model.path={tiny_model_dir}",
+            f"run.dir={tmp_path}",
+            *SMALL_OVERRIDES,
+            "train.total_steps=4",
+            "run.save_every=1",
+            "run.max_nonfinite_in_a_row=3",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert errors == [f"error: step 3: 4 optimizer updates in a row had a non-finite loss or gradient norm "
-                      f"(run.max_nonfinite_in_a_row=3), so the run stops; check the learning rate (train.lr=0.001), "
-                      f"model.dtype=float32 (overflow in low precision), a reward function returning inf or nan, and "
-                      f"the weights of the last checkpoint ({tmp_path}/t/checkpoints/step_000003) for nan"]
+    assert errors == [
+        f"error: step 3: 4 optimizer updates in a row had a non-finite loss or gradient norm "
+        f"(run.max_nonfinite_in_a_row=3), so the run stops; check the learning rate (train.lr=0.001), "
+        f"model.dtype=float32 (overflow in low precision), a reward function returning inf or nan, and "
+        f"the weights of the last checkpoint ({tmp_path}/t/checkpoints/step_000003) for nan"
+    ]
     assert [(r["step"], r["actor/nonfinite_updates"]) for r in rows_of(tmp_path / "t")] == [(1, 0), (2, 2), (3, 2)]
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "t")] == ["step_000002", "step_000003"]  # keep 2
     # the streak is saved with the checkpoint and read back: started again, the run goes on counting from 4
@@ -319,8 +396,9 @@ def test_nonfinite_updates_in_a_row_stop_the_run_in_one_line(tiny_model_dir, tmp
 
 
 # ---- the rollout engine fails mid-generation --------------------------------------------------------
-def test_a_rollout_engine_failing_mid_generation_stops_in_one_line_and_the_run_resumes(tiny_model_dir, tmp_path,
-                                                                                      monkeypatch, capsys):
+def test_a_rollout_engine_failing_mid_generation_stops_in_one_line_and_the_run_resumes(
+    tiny_model_dir, tmp_path, monkeypatch, capsys
+):
     from conftest import SMALL_OVERRIDES
 
     from dapo import cli
@@ -331,25 +409,38 @@ def test_a_rollout_engine_failing_mid_generation_stops_in_one_line_and_the_run_r
     def generate(self, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 2:  # step 2's generation
-            raise RuntimeError("CUDA error: an illegal memory access was encountered\nCompile with "
-                               "`TORCH_USE_CUDA_DSA` to enable device-side assertions.")
+            raise RuntimeError(
+                "CUDA error: an illegal memory access was encountered\nCompile with "
+                "`TORCH_USE_CUDA_DSA` to enable device-side assertions."
+            )
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(hf.HFRolloutEngine, "generate", generate)
-    args = ["train", "configs/demo.yaml", f"model.path={tiny_model_dir}", f"run.dir={tmp_path}", *SMALL_OVERRIDES,
-            "train.total_steps=3", "run.save_every=1"]
+    args = [
+        "train",
+        "configs/demo.yaml",
+        f"model.path={tiny_model_dir}",
+        f"run.dir={tmp_path}",
+        *SMALL_OVERRIDES,
+        "train.total_steps=3",
+        "run.save_every=1",
+    ]
     assert cli.main(args) == 2
     err = capsys.readouterr().err
     run = tmp_path / "t"
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert errors == [f"error: step 2 failed in generate on rank 0: RuntimeError: CUDA error: an illegal memory access "
-                      f"was encountered Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions. (the "
-                      f"traceback is in {run}/train.log); start the run again to resume from "
-                      f"{run}/checkpoints/step_000001"], err[-3000:]
+    assert errors == [
+        f"error: step 2 failed in generate on rank 0: RuntimeError: CUDA error: an illegal memory access "
+        f"was encountered Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions. (the "
+        f"traceback is in {run}/train.log); start the run again to resume from "
+        f"{run}/checkpoints/step_000001"
+    ], err[-3000:]
     assert "Traceback" not in err
     log = (run / "train.log").read_text()
     assert "step 2 failed in generate; the traceback:" in log and "in generate\n    raise RuntimeError" in log
-    assert [p.name for p in checkpoint.list_checkpoints(run)] == ["step_000001"] and [r["step"] for r in rows_of(run)] == [1]
+    assert [p.name for p in checkpoint.list_checkpoints(run)] == ["step_000001"] and [
+        r["step"] for r in rows_of(run)
+    ] == [1]
     monkeypatch.setattr(hf.HFRolloutEngine, "generate", real)  # the engine works again
     assert cli.main(args) == 0
     out = capsys.readouterr().out.replace("\n", "")  # the console wraps the path at its width
@@ -387,14 +478,35 @@ def test_a_ray_worker_killed_mid_step_ends_the_job_in_one_line_and_a_new_launch_
     home = tmp_path / "home"
     home.mkdir()
     run = tmp_path / "runs" / "t"
-    cmd = [sys.executable, "-m", "dapo.cli", "launch-ray", "configs/demo.yaml", f"model.path={tiny_model_dir}",
-           f"run.dir={tmp_path / 'runs'}", *SMALL_OVERRIDES, "train.total_steps=5", "run.save_every=1",
-           *QUICK_WATCHDOG, "--address", "local", "--num-cpus", "2", "--cpu-workers-per-node", "2", "--cpus-per-worker", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dapo.cli",
+        "launch-ray",
+        "configs/demo.yaml",
+        f"model.path={tiny_model_dir}",
+        f"run.dir={tmp_path / 'runs'}",
+        *SMALL_OVERRIDES,
+        "train.total_steps=5",
+        "run.save_every=1",
+        *QUICK_WATCHDOG,
+        "--address",
+        "local",
+        "--num-cpus",
+        "2",
+        "--cpu-workers-per-node",
+        "2",
+        "--cpus-per-worker",
+        "1",
+    ]
 
     def launch(kill: bool) -> tuple[subprocess.CompletedProcess, float]:
         ray_tmp = tempfile.mkdtemp(prefix="dray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-        env = {k: v for k, v in env_for_children(HOME=str(home), RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0").items()
-               if not k.startswith("RAY_AUTH")}
+        env = {
+            k: v
+            for k, v in env_for_children(HOME=str(home), RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0").items()
+            if not k.startswith("RAY_AUTH")
+        }
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
@@ -418,9 +530,14 @@ def test_a_ray_worker_killed_mid_step_ends_the_job_in_one_line_and_a_new_launch_
     errors = [line for line in killed.stderr.splitlines() if line.startswith("error: ")]
     print(f"\nrank 1 killed: the driver ended {seconds:.1f} s later (exit {killed.returncode}): {errors}")
     assert killed.returncode == 2 and len(errors) == 1, killed.stderr[-4000:]
-    assert seconds < 60  # well within the watchdog's limits (a minute for a first run): nobody waits out the collectives
-    found = re.match(r"^error: launch-ray: the worker of rank 1 \(pid (\d+) on [\d.]+\) died mid-run \((\w+): .*\); the job "
-                     r"is stopped; launch it again to resume from (\S+)$", errors[0])
+    assert (
+        seconds < 60
+    )  # well within the watchdog's limits (a minute for a first run): nobody waits out the collectives
+    found = re.match(
+        r"^error: launch-ray: the worker of rank 1 \(pid (\d+) on [\d.]+\) died mid-run \((\w+): .*\); the job "
+        r"is stopped; launch it again to resume from (\S+)$",
+        errors[0],
+    )
     assert found, errors[0]
     last = Path(found.group(3))
     assert last.parent == run / "checkpoints" and checkpoint.latest_checkpoint(run) == last

@@ -192,8 +192,7 @@ def test_math_in_a_worker_thread():
 
 
 GSM8K_TRUTH = (
-    "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\n"
-    "She makes 9 * 2 = $<<9*2=18>>18 every day.\n#### 18"
+    "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\nShe makes 9 * 2 = $<<9*2=18>>18 every day.\n#### 18"
 )
 
 
@@ -240,8 +239,15 @@ def test_gsm8k_bad_truth_is_a_clear_error():
 
 @pytest.mark.parametrize(
     "response, truth",
-    [("Answer: 12", "12"), ("Answer:  -7 ", "-7"), ("Answer: +7", "7"), ("Answer: 007", "7"), ("Answer: -0", "0"),
-     ("Answer: 3\nAnswer: 12", "12"), ("Answer: " + "9" * 900, "9" * 900)],
+    [
+        ("Answer: 12", "12"),
+        ("Answer:  -7 ", "-7"),
+        ("Answer: +7", "7"),
+        ("Answer: 007", "7"),
+        ("Answer: -0", "0"),
+        ("Answer: 3\nAnswer: 12", "12"),
+        ("Answer: " + "9" * 900, "9" * 900),
+    ],
 )
 def test_arith_correct(response, truth):
     assert acc(response, truth, "arith")
@@ -249,8 +255,16 @@ def test_arith_correct(response, truth):
 
 @pytest.mark.parametrize(
     "response, truth",
-    [("Answer: 7.0", "7"), ("Answer: 7 apples", "7"), ("Answer: \uff17", "7"), ("Answer: 12\nAnswer: 13", "12"),
-     ("12", "12"), ("Answer: 1 2", "12"), ("Answer: 3+4", "7"), ("Answer: " + "9" * 900, "9" * 899 + "8")],
+    [
+        ("Answer: 7.0", "7"),
+        ("Answer: 7 apples", "7"),
+        ("Answer: \uff17", "7"),
+        ("Answer: 12\nAnswer: 13", "12"),
+        ("12", "12"),
+        ("Answer: 1 2", "12"),
+        ("Answer: 3+4", "7"),
+        ("Answer: " + "9" * 900, "9" * 899 + "8"),
+    ],
 )
 def test_arith_wrong(response, truth):
     assert not acc(response, truth, "arith")
@@ -278,9 +292,18 @@ def test_registry_and_errors():
 @pytest.mark.parametrize(
     "source, expected",
     [
-        ("math_dapo", "dapo"), ("DAPO-17k", "dapo"), ("math", "dapo"), ("math_dapo_reasoning", "dapo"),
-        ("aime2024", "dapo"), ("AIME-2025", "dapo"), ("math500", "math"), ("HuggingFaceH4/MATH-500", "math"),
-        ("amc2023", "math"), ("openai/gsm8k", "gsm8k"), ("gsm8k", "gsm8k"), ("arith", "arith"),
+        ("math_dapo", "dapo"),
+        ("DAPO-17k", "dapo"),
+        ("math", "dapo"),
+        ("math_dapo_reasoning", "dapo"),
+        ("aime2024", "dapo"),
+        ("AIME-2025", "dapo"),
+        ("math500", "math"),
+        ("HuggingFaceH4/MATH-500", "math"),
+        ("amc2023", "math"),
+        ("openai/gsm8k", "gsm8k"),
+        ("gsm8k", "gsm8k"),
+        ("arith", "arith"),
         ("something_else", "dapo"),
     ],
 )

@@ -68,7 +68,9 @@ def test_math_prescreens_return_on_their_worst_inputs():
         _returns(lambda: (_costly(text), _simple_number(text), extract_prediction("\\boxed{" + text + "}")))
 
 
-@pytest.mark.parametrize("response", ["Answer: 2\x00", "\\boxed{2\x00}", "Answer: $2\x00$", "\\boxed{\\frac{4}{2}\x00}"])
+@pytest.mark.parametrize(
+    "response", ["Answer: 2\x00", "\\boxed{2\x00}", "Answer: $2\x00$", "\\boxed{\\frac{4}{2}\x00}"]
+)
 def test_a_nul_inside_an_answer_is_not_the_answer(response):
     for grader in ("math", "dapo", "arith"):
         assert not grade(response, "2", grader).acc, grader
@@ -87,4 +89,6 @@ def test_math_graders_own_time_limit_reports_a_timeout(monkeypatch):
     g = grade("\\boxed{\\sin^2(x) + \\cos^2(y) + \\frac{x}{7}}", "\\sin^2(x) + \\frac{x}{7} + \\cos^2(y) + 0", "math")
     assert g == Grade(-1.0, False, "[TIMEOUT]")
     monkeypatch.setattr(math_equiv, "_INTERNAL_TIMEOUT_S", 2.0)
-    assert grade("\\boxed{\\cos^2(y) + \\frac{x}{7} + \\sin^2(x)}", "\\sin^2(x) + \\frac{x}{7} + \\cos^2(y)", "math").acc
+    assert grade(
+        "\\boxed{\\cos^2(y) + \\frac{x}{7} + \\sin^2(x)}", "\\sin^2(x) + \\frac{x}{7} + \\cos^2(y)", "math"
+    ).acc

@@ -2,9 +2,9 @@
 
 import torch
 
+from dapo.config import RolloutConfig
 from dapo.models import load_model_and_tokenizer
 from dapo.rollout import SamplingParams, make_rollout
-from dapo.config import RolloutConfig
 
 
 def engine_for(model_dir):
@@ -76,7 +76,9 @@ def test_samples_come_from_the_full_distribution(tiny_model_dir):
     engine.model.generation_config.top_p = 0.5
     engine.model.generation_config.repetition_penalty = 3.0
     prompt = tok("1+1=")["input_ids"]
-    gen = engine.generate([prompt], SamplingParams(n=3000, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1, seed=0))
+    gen = engine.generate(
+        [prompt], SamplingParams(n=3000, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1, seed=0)
+    )
     first = torch.tensor([r[0] for r in gen.response_ids])
     with torch.no_grad():
         probs = torch.softmax(engine.model(torch.tensor([prompt])).logits[0, -1].float(), -1)  # (V,)

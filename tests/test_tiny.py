@@ -14,7 +14,7 @@ BASE = REPO / "assets" / "arith-base"
 TEXTS = [
     "7+3*4-2=7+12-2\n19-2\n17\nAnswer: 17",
     "  two  spaces\n\n\ttab, punctuation: ' . ,'s ",
-    "Solve the following math problem step by step.\n\nRemember to put your answer on its own line after \"Answer:\".",
+    'Solve the following math problem step by step.\n\nRemember to put your answer on its own line after "Answer:".',
     "non-ASCII: é, 日本, ∑",
 ]
 
@@ -63,7 +63,13 @@ def test_model_shapes_and_config(tokenizer):
 def test_save_load_round_trip(tokenizer, tmp_path):
     model = tiny.build_model(tokenizer, hidden_size=32, num_layers=2, num_heads=2, seed=1)
     tiny.save(model, tokenizer, tmp_path)
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ):
         assert (tmp_path / name).is_file()
     loaded_tok = AutoTokenizer.from_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import SMALL_OVERRIDES
 from rich.console import Console
 
-from conftest import SMALL_OVERRIDES
 from dapo import trackers
 from dapo.config import ConfigError, load_config
 from dapo.log import read_metrics
@@ -28,8 +28,9 @@ mlflow = pytest.importorskip("mlflow")
 def small_config(run_dir, model_dir, *extra):
     """conftest's small training config, read from the repository whatever the working directory (the
     MLflow tests work in tmp_path: a SQLite store keeps its artefacts in ./mlruns)."""
-    return load_config(REPO / "configs/demo.yaml", [f"model.path={model_dir}", f"run.dir={run_dir}", *SMALL_OVERRIDES,
-                                                    *extra])
+    return load_config(
+        REPO / "configs/demo.yaml", [f"model.path={model_dir}", f"run.dir={run_dir}", *SMALL_OVERRIDES, *extra]
+    )
 
 
 def run_training(cfg, console_text: io.StringIO | None = None) -> dict:
@@ -76,10 +77,21 @@ def test_mlflow_metric_names_change_only_what_mlflow_refuses():
 
 def test_flat_params_name_each_setting_as_its_override_and_spell_values_as_yaml():
     cfg = load_config("configs/demo.yaml", ["algo.eps_high=0.28"])
-    params = flat_params({"algo": {"eps_high": 0.28, "dual_clip": None}, "train": {"betas": [0.9, 0.999]},
-                          "run": {"resume": True, "name": "demo", "wandb": {"mode": None}}})
-    assert params == {"algo.eps_high": "0.28", "algo.dual_clip": "null", "train.betas": "[0.9, 0.999]",
-                      "run.resume": "true", "run.name": "demo", "run.wandb.mode": "null"}
+    params = flat_params(
+        {
+            "algo": {"eps_high": 0.28, "dual_clip": None},
+            "train": {"betas": [0.9, 0.999]},
+            "run": {"resume": True, "name": "demo", "wandb": {"mode": None}},
+        }
+    )
+    assert params == {
+        "algo.eps_high": "0.28",
+        "algo.dual_clip": "null",
+        "train.betas": "[0.9, 0.999]",
+        "run.resume": "true",
+        "run.name": "demo",
+        "run.wandb.mode": "null",
+    }
     from dapo.config import to_dict
 
     every = flat_params(to_dict(cfg))
@@ -91,13 +103,17 @@ def test_flat_params_name_each_setting_as_its_override_and_spell_values_as_yaml(
 # ---- the config ------------------------------------------------------------------------------------
 def test_loggers_default_parse_and_refuse_unknown_names():
     assert load_config("configs/demo.yaml").run.loggers == ["console", "tensorboard"]
-    cfg = load_config("configs/demo.yaml", ["run.loggers=console,mlflow", "run.wandb.mode=offline",
-                                            "run.mlflow.experiment=exp"])
+    cfg = load_config(
+        "configs/demo.yaml", ["run.loggers=console,mlflow", "run.wandb.mode=offline", "run.mlflow.experiment=exp"]
+    )
     assert cfg.run.loggers == ["console", "mlflow"] and cfg.run.wandb.mode == "offline"
     assert cfg.run.mlflow.experiment == "exp" and cfg.run.mlflow.tracking_uri is None
     assert load_config("configs/demo.yaml", ["run.loggers=[]"]).run.loggers == []
-    with pytest.raises(ConfigError, match=r"^run.loggers=console,neptune: 'neptune' is not one of console, "
-                                          r"tensorboard, wandb, mlflow$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^run.loggers=console,neptune: 'neptune' is not one of console, "
+        r"tensorboard, wandb, mlflow$",
+    ):
         load_config("configs/demo.yaml", ["run.loggers=console,neptune"])
     with pytest.raises(ConfigError, match=r"^run.wandb.mode='cloud': choose online, offline or disabled$"):
         load_config("configs/demo.yaml", ["run.wandb.mode=cloud"])
@@ -105,45 +121,74 @@ def test_loggers_default_parse_and_refuse_unknown_names():
         load_config("configs/demo.yaml", ["run.tensorboard=false"])
 
 
-def test_a_tracker_not_installed_stops_the_cli_in_one_line_before_the_run_directory(tmp_path, tiny_model_dir,
-                                                                                      monkeypatch, capsys):
+def test_a_tracker_not_installed_stops_the_cli_in_one_line_before_the_run_directory(
+    tmp_path, tiny_model_dir, monkeypatch, capsys
+):
     import importlib.util
 
     from dapo.cli import main
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    code = main(["train", "configs/demo.yaml", f"model.path={tiny_model_dir}", f"run.dir={tmp_path}", "run.name=t",
-                 "run.loggers=console,wandb"])
+    code = main(
+        [
+            "train",
+            "configs/demo.yaml",
+            f"model.path={tiny_model_dir}",
+            f"run.dir={tmp_path}",
+            "run.name=t",
+            "run.loggers=console,wandb",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
-    assert err == ["error: run.loggers=console,wandb: wandb is not installed; pip install 'dapo[wandb]', "
-                   "or leave wandb out of run.loggers"]
+    assert err == [
+        "error: run.loggers=console,wandb: wandb is not installed; pip install 'dapo[wandb]', "
+        "or leave wandb out of run.loggers"
+    ]
     assert not (tmp_path / "t").exists()
 
 
 def test_a_tracker_that_cannot_start_stops_the_run_in_one_line(tmp_path, tiny_model_dir, capsys):
     from dapo.cli import main
 
-    code = main(["train", "configs/demo.yaml", f"model.path={tiny_model_dir}", f"run.dir={tmp_path}", "run.name=t",
-                 "run.loggers=mlflow", "run.mlflow.tracking_uri=nosuchscheme://x"])
+    code = main(
+        [
+            "train",
+            "configs/demo.yaml",
+            f"model.path={tiny_model_dir}",
+            f"run.dir={tmp_path}",
+            "run.name=t",
+            "run.loggers=mlflow",
+            "run.mlflow.tracking_uri=nosuchscheme://x",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
-    assert err[0].startswith("error: run.loggers: mlflow could not log to nosuchscheme://x; set run.mlflow.tracking_uri")
+    assert err[0].startswith(
+        "error: run.loggers: mlflow could not log to nosuchscheme://x; set run.mlflow.tracking_uri"
+    )
     assert not (tmp_path / "t").exists()  # a run that fails before its first step leaves nothing
 
 
 def test_importing_the_training_loop_imports_no_tracker():
     code = "import sys, dapo.training, dapo.trackers; print(sorted({'wandb', 'mlflow'} & set(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+    )
     assert out.stdout.strip() == "[]"
 
 
 # ---- console and TensorBoard ------------------------------------------------------------------------
 def test_without_console_no_step_lines_and_without_tensorboard_no_directory(tmp_path, tiny_model_dir):
     quiet, loud = io.StringIO(), io.StringIO()
-    run_training(small_config(tmp_path / "a", tiny_model_dir, "run.loggers=tensorboard", "eval.before_train=true"), quiet)
+    run_training(
+        small_config(tmp_path / "a", tiny_model_dir, "run.loggers=tensorboard", "eval.before_train=true"), quiet
+    )
     run_training(small_config(tmp_path / "b", tiny_model_dir, "run.loggers=console"), loud)
     a, b = tmp_path / "a" / "t", tmp_path / "b" / "t"
     assert "step 1/2" not in quiet.getvalue() and "held-out at step" not in quiet.getvalue()
@@ -154,14 +199,16 @@ def test_without_console_no_step_lines_and_without_tensorboard_no_directory(tmp_
 
 
 # ---- MLflow ------------------------------------------------------------------------------------------
-def test_mlflow_sqlite_store_from_the_environment_gets_params_every_step_and_the_files(tmp_path, tiny_model_dir,
-                                                                                       monkeypatch):
+def test_mlflow_sqlite_store_from_the_environment_gets_params_every_step_and_the_files(
+    tmp_path, tiny_model_dir, monkeypatch
+):
     monkeypatch.chdir(tmp_path)  # MLflow keeps a SQLite store's artefacts in ./mlruns
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
     text = io.StringIO()
-    run_training(small_config(tmp_path / "runs", tiny_model_dir, "run.loggers=console,mlflow",
-                              "eval.before_train=true"), text)
+    run_training(
+        small_config(tmp_path / "runs", tiny_model_dir, "run.loggers=console,mlflow", "eval.before_train=true"), text
+    )
     run_dir = tmp_path / "runs" / "t"
     client, run = mlflow_run(run_dir)
     assert json.loads((run_dir / "trackers.json").read_text())["mlflow"]["where"] == f"sqlite:///{tmp_path}/mlflow.db"
@@ -176,8 +223,15 @@ def test_mlflow_sqlite_store_from_the_environment_gets_params_every_step_and_the
     assert_history_equals_metrics(client, run.info.run_id, rows)
     assert run.data.metrics["eval/arith/avg_at_2"] == rows[-1]["eval/arith/avg@2"]
     files = artefacts(client, run.info.run_id)
-    assert files == ["config.yaml", "metrics.jsonl", "plots/training.png", "samples/step_000000.arith.responses.jsonl",
-                     "samples/step_000001.md", "samples/step_000002.arith.responses.jsonl", "samples/step_000002.md"]
+    assert files == [
+        "config.yaml",
+        "metrics.jsonl",
+        "plots/training.png",
+        "samples/step_000000.arith.responses.jsonl",
+        "samples/step_000001.md",
+        "samples/step_000002.arith.responses.jsonl",
+        "samples/step_000002.md",
+    ]
     local = Path(client.download_artifacts(run.info.run_id, "metrics.jsonl", str(tmp_path / "down")))
     assert local.read_text() == (run_dir / "metrics.jsonl").read_text()
     assert f"mlflow: run {run.info.run_id} at sqlite:///" in text.getvalue()
@@ -187,8 +241,15 @@ def test_mlflow_file_store_and_experiment_from_the_config(tmp_path, tiny_model_d
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps file stores behind this switch
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     store = tmp_path / "store"
-    run_training(small_config(tmp_path / "runs", tiny_model_dir, "run.loggers=mlflow",
-                              f"run.mlflow.tracking_uri={store}", "run.mlflow.experiment=trackers-test"))
+    run_training(
+        small_config(
+            tmp_path / "runs",
+            tiny_model_dir,
+            "run.loggers=mlflow",
+            f"run.mlflow.tracking_uri={store}",
+            "run.mlflow.experiment=trackers-test",
+        )
+    )
     run_dir = tmp_path / "runs" / "t"
     client, run = mlflow_run(run_dir)
     assert client.get_experiment(run.info.experiment_id).name == "trackers-test"
@@ -198,8 +259,9 @@ def test_mlflow_file_store_and_experiment_from_the_config(tmp_path, tiny_model_d
     assert "plots/training.png" in artefacts(client, run.info.run_id)
 
 
-def test_mlflow_resume_continues_the_same_run_without_logging_a_redone_step_twice(tmp_path, tiny_model_dir,
-                                                                                  monkeypatch):
+def test_mlflow_resume_continues_the_same_run_without_logging_a_redone_step_twice(
+    tmp_path, tiny_model_dir, monkeypatch
+):
     """Steps 1..3 with checkpoints at 2 and 3; step 3's checkpoint is lost (as when a run is killed
     between a step's metrics and its checkpoint), so the resumed run (to step 4) redoes step 3."""
     monkeypatch.chdir(tmp_path)
@@ -238,12 +300,15 @@ def test_a_failing_tracker_warns_once_and_training_goes_on(tmp_path, tiny_model_
 
     monkeypatch.setattr(trackers.MlflowTracker, "log", flaky)
     text = io.StringIO()
-    run_training(small_config(tmp_path / "runs", tiny_model_dir, "run.loggers=console,mlflow",
-                              "train.total_steps=4"), text)
+    run_training(
+        small_config(tmp_path / "runs", tiny_model_dir, "run.loggers=console,mlflow", "train.total_steps=4"), text
+    )
     run_dir = tmp_path / "runs" / "t"
     out = text.getvalue()
     assert out.count("could not log") == 1
-    assert "mlflow: could not log step 2 (ConnectionError: server unreachable); training goes on" in " ".join(out.split())
+    assert "mlflow: could not log step 2 (ConnectionError: server unreachable); training goes on" in " ".join(
+        out.split()
+    )
     assert "mlflow: logging again from step 4 (steps 2 to 3 are in metrics.jsonl only)" in " ".join(out.split())
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -282,8 +347,12 @@ def test_dapo_eval_of_a_run_logs_its_report_into_the_run(tmp_path, tiny_model_di
     assert main(["eval", "--run", str(run_dir), "eval.num_problems=2", "eval.n=2"]) == 0
     client, run = mlflow_run(run_dir)
     report = [f for f in artefacts(client, run.info.run_id) if f.startswith("eval/")]
-    assert report == ["eval/step_000002/arith.problems.jsonl", "eval/step_000002/arith.responses.jsonl",
-                      "eval/step_000002/eval.json", "eval/step_000002/eval.md"]
+    assert report == [
+        "eval/step_000002/arith.problems.jsonl",
+        "eval/step_000002/arith.responses.jsonl",
+        "eval/step_000002/eval.json",
+        "eval/step_000002/eval.md",
+    ]
     local = client.download_artifacts(run.info.run_id, "eval/step_000002/eval.md", str(tmp_path / "down"))
     assert Path(local).read_text() == (run_dir / "eval" / "step_000002" / "eval.md").read_text()
     assert run.info.status == "FINISHED"
@@ -291,11 +360,28 @@ def test_dapo_eval_of_a_run_logs_its_report_into_the_run(tmp_path, tiny_model_di
 
 @pytest.mark.slow
 def test_only_rank_0_logs_under_torchrun(tmp_path, tiny_model_dir):
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1",
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "dapo.cli",
-           "train", "configs/demo.yaml", f"model.path={tiny_model_dir}", f"run.dir={tmp_path / 'runs'}",
-           *SMALL_OVERRIDES, "run.loggers=console,mlflow"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO / "src"),
+        "OMP_NUM_THREADS": "1",
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "dapo.cli",
+        "train",
+        "configs/demo.yaml",
+        f"model.path={tiny_model_dir}",
+        f"run.dir={tmp_path / 'runs'}",
+        *SMALL_OVERRIDES,
+        "run.loggers=console,mlflow",
+    ]
     out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
     run_dir = tmp_path / "runs" / "t"
@@ -349,8 +435,7 @@ def wandb_logged(run_dir: Path, run_id: str) -> tuple[dict, dict[int, dict], set
     return config, history, files
 
 
-def test_wandb_offline_run_under_the_run_directory_and_resumed_into_the_same_run(tmp_path, tiny_model_dir,
-                                                                                 monkeypatch):
+def test_wandb_offline_run_under_the_run_directory_and_resumed_into_the_same_run(tmp_path, tiny_model_dir, monkeypatch):
     pytest.importorskip("wandb")
     for var in ("WANDB_MODE", "WANDB_PROJECT", "WANDB_RUN_ID", "WANDB_RESUME"):
         monkeypatch.delenv(var, raising=False)

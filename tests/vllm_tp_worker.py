@@ -38,7 +38,10 @@ def main(model_dir: str, out_dir: str) -> None:
     perturb(policy.model)
     engine.update_weights(policy.named_weights())  # DTensor shards, gathered tensor by tensor
     after = engine.generate(prompts, PARAMS)
-    out = {name: {"response_ids": g.response_ids, "logprobs": g.logprobs} for name, g in (("before", before), ("after", after))}
+    out = {
+        name: {"response_ids": g.response_ids, "logprobs": g.logprobs}
+        for name, g in (("before", before), ("after", after))
+    }
     with open(os.path.join(out_dir, f"rank{d.rank}.json"), "w") as f:
         json.dump(out, f)
     parallel.shutdown(d)

@@ -49,8 +49,21 @@ ROW_LABELS = {
     "8_no_overlong_filtering": ("- overlong filtering (DAPO as the reference runs it)", None),
 }
 # two-sided 97.5% quantiles of Student's t, by degrees of freedom (for the 95% interval over seeds)
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-         15: 2.131, 20: 2.086, 30: 2.042}
+_T975 = {
+    1: 12.706,
+    2: 4.303,
+    3: 3.182,
+    4: 2.776,
+    5: 2.571,
+    6: 2.447,
+    7: 2.365,
+    8: 2.306,
+    9: 2.262,
+    10: 2.228,
+    15: 2.131,
+    20: 2.086,
+    30: 2.042,
+}
 
 
 @dataclass
@@ -67,36 +80,64 @@ class Run:
 def find_rows(rows_dir: Path, select: list[str] | None = None) -> list[Path]:
     """Row files in order; ``select`` picks by number (``3``), short name (``clip_higher``) or file
     stem (``3_clip_higher``)."""
-    found = sorted((p for p in Path(rows_dir).glob("*.yaml") if ROW_FILE.match(p.name)),
-                   key=lambda p: int(ROW_FILE.match(p.name).group(1)))
+    found = sorted(
+        (p for p in Path(rows_dir).glob("*.yaml") if ROW_FILE.match(p.name)),
+        key=lambda p: int(ROW_FILE.match(p.name).group(1)),
+    )
     if not found:
         raise ConfigError(f"--rows-dir {rows_dir}: no row files named <k>_<name>.yaml")
     if not select:
         return found
-    by_key = {**{p.stem.split("_", 1)[1]: p for p in found}, **{p.stem: p for p in found},
-              **{ROW_FILE.match(p.name).group(1): p for p in found}}
+    by_key = {
+        **{p.stem.split("_", 1)[1]: p for p in found},
+        **{p.stem: p for p in found},
+        **{ROW_FILE.match(p.name).group(1): p for p in found},
+    }
     missing = [s for s in select if s not in by_key]
     if missing:
-        raise ConfigError(f"--rows {' '.join(missing)}: no such row; give a number, a name or a file stem: "
-                          f"{', '.join(p.stem.split('_', 1)[1] for p in found)} (or 1..{len(found)})")
+        raise ConfigError(
+            f"--rows {' '.join(missing)}: no such row; give a number, a name or a file stem: "
+            f"{', '.join(p.stem.split('_', 1)[1] for p in found)} (or 1..{len(found)})"
+        )
     return [by_key[s] for s in select]
 
 
-def plan(base: Path, rows: list[Path], seeds: list[int], out: Path, overrides: list[str],
-         steps: int | None = None) -> tuple[Run, list[Run]]:
+def plan(
+    base: Path, rows: list[Path], seeds: list[int], out: Path, overrides: list[str], steps: int | None = None
+) -> tuple[Run, list[Run]]:
     """The base-model evaluation run and one run per (seed, row), seed-major so early seeds finish first."""
     extra = list(overrides) + ([f"train.total_steps={steps}"] if steps is not None else [])
     runs = []
     for seed in seeds:
         for row in rows:
-            cfg = load_config([base, row], extra + [
-                f"run.dir={out / row.stem}", f"run.name=seed{seed}", f"train.seed={seed}", f"data.seed={seed}",
-                f"rollout.seed={seed}", "eval.before_train=false", "run.progress=false", "run.resume=true"])
+            cfg = load_config(
+                [base, row],
+                extra
+                + [
+                    f"run.dir={out / row.stem}",
+                    f"run.name=seed{seed}",
+                    f"train.seed={seed}",
+                    f"data.seed={seed}",
+                    f"rollout.seed={seed}",
+                    "eval.before_train=false",
+                    "run.progress=false",
+                    "run.resume=true",
+                ],
+            )
             runs.append(Run(row.stem, seed, cfg))
     # the initial model is the same for every row and seed: evaluate it once, as step 0 of every curve
-    base_cfg = load_config([base], extra + [
-        f"run.dir={out}", "run.name=base_model", "train.total_steps=0", "eval.before_train=true",
-        "run.progress=false", "algo.kl_coef=0"])
+    base_cfg = load_config(
+        [base],
+        extra
+        + [
+            f"run.dir={out}",
+            "run.name=base_model",
+            "train.total_steps=0",
+            "eval.before_train=true",
+            "run.progress=false",
+            "algo.kl_coef=0",
+        ],
+    )
     return Run("base_model", 0, base_cfg), runs
 
 
@@ -130,12 +171,15 @@ def execute(run: Run, threads: int) -> float:
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     t0 = time.perf_counter()
     with open(run.dir / "train.log", "a") as log:
-        proc = subprocess.run([sys.executable, "-m", "dapo.training", str(cfg_path)], stdout=log,
-                              stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.run(
+            [sys.executable, "-m", "dapo.training", str(cfg_path)], stdout=log, stderr=subprocess.STDOUT, env=env
+        )
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"run {run.dir} failed (exit {proc.returncode}); see {run.dir / 'train.log'}")
-    prev = json.loads((run.dir / "done.json").read_text()).get("wall_s", 0.0) if (run.dir / "done.json").exists() else 0.0
+    prev = (
+        json.loads((run.dir / "done.json").read_text()).get("wall_s", 0.0) if (run.dir / "done.json").exists() else 0.0
+    )
     (run.dir / "done.json").write_text(json.dumps({"config": dump_yaml(run.cfg), "wall_s": prev + wall}))
     return wall
 
@@ -146,8 +190,10 @@ def run_all(base_run: Run, runs: list[Run], jobs: int, threads: int = 0, log=pri
     todo = [r for r in [base_run, *runs] if not is_done(r)]
     stale = [str(r.dir) for r in todo if conflicts(r)]
     if stale:
-        raise ConfigError(f"{len(stale)} run directories hold runs of another config (e.g. {stale[0]}); "
-                          "give a new --out or delete them")
+        raise ConfigError(
+            f"{len(stale)} run directories hold runs of another config (e.g. {stale[0]}); "
+            "give a new --out or delete them"
+        )
     skipped = len(runs) + 1 - len(todo)
     log(f"{len(todo)} runs to do ({skipped} already finished), {jobs} at a time with {threads} thread(s) each")
     t0 = time.perf_counter()
@@ -232,18 +278,34 @@ def summarize(data: dict, runs: list[Run]) -> list[dict]:
         label, paper = ROW_LABELS.get(row, (row, None))
         m, lo, hi = mean_ci(accs)
         m3, lo3, hi3 = mean_ci(last3)
-        summary.append({
-            "row": row, "label": label, "paper_aime_avg32": paper, "seeds": sorted(finished), "metric": key,
-            "acc_per_seed": accs, "acc_mean": m, "acc_ci95": [lo, hi],
-            "acc_last3_per_seed": last3, "acc_last3_mean": m3, "acc_last3_ci95": [lo3, hi3],
-            "acc_all_evals_mean": _mean(area),
-            "entropy_last5": last("actor/entropy"), "response_length_last5": last("rollout/response_length_mean"),
-            "truncated_frac_last5": last("rollout/truncated_frac"),
-            "samples_generated": total_of("sampling/samples_generated"),
-            "gen_rounds": total_of("sampling/gen_rounds"),
-            "wall_s": _mean([json.loads((r.dir / "done.json").read_text())["wall_s"] for r in runs
-                             if r.row == row and (r.dir / "done.json").exists()]),
-        })
+        summary.append(
+            {
+                "row": row,
+                "label": label,
+                "paper_aime_avg32": paper,
+                "seeds": sorted(finished),
+                "metric": key,
+                "acc_per_seed": accs,
+                "acc_mean": m,
+                "acc_ci95": [lo, hi],
+                "acc_last3_per_seed": last3,
+                "acc_last3_mean": m3,
+                "acc_last3_ci95": [lo3, hi3],
+                "acc_all_evals_mean": _mean(area),
+                "entropy_last5": last("actor/entropy"),
+                "response_length_last5": last("rollout/response_length_mean"),
+                "truncated_frac_last5": last("rollout/truncated_frac"),
+                "samples_generated": total_of("sampling/samples_generated"),
+                "gen_rounds": total_of("sampling/gen_rounds"),
+                "wall_s": _mean(
+                    [
+                        json.loads((r.dir / "done.json").read_text())["wall_s"]
+                        for r in runs
+                        if r.row == row and (r.dir / "done.json").exists()
+                    ]
+                ),
+            }
+        )
     return summary
 
 
@@ -264,7 +326,8 @@ def report_table(summary: list[dict], base_acc: float | None) -> str:
     lines = [
         f"| row | held-out {metric.split('/', 1)[-1] if metric else 'accuracy'} (%) | 95% interval | "
         "last 3 evaluations (%) | 95% interval | all evaluations (%) | seeds | "
-        "paper (AIME 2024 avg@32) | entropy (last 5 steps) | response length | truncated | samples generated | wall s/run |",
+        "paper (AIME 2024 avg@32) | entropy (last 5 steps) | response length | truncated | samples "
+        "generated | wall s/run |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     if base_acc is not None:
@@ -278,9 +341,11 @@ def report_table(summary: list[dict], base_acc: float | None) -> str:
         lines.append(
             f"| {s['label']} | {_pct(s['acc_mean'])} | {ci(s['acc_ci95'])} | {_pct(s['acc_last3_mean'])} | "
             f"{ci(s['acc_last3_ci95'])} | {_pct(s['acc_all_evals_mean'])} | {len(s['seeds'])} | "
-            f"{s['paper_aime_avg32'] if s['paper_aime_avg32'] is not None else '-'} | {_fmt(s['entropy_last5'], '.3f')} | "
+            f"{s['paper_aime_avg32'] if s['paper_aime_avg32'] is not None else '-'} | "
+            f"{_fmt(s['entropy_last5'], '.3f')} | "
             f"{_fmt(s['response_length_last5'], '.1f')} | {_fmt(s['truncated_frac_last5'], '.1f', 100.0, '%')} | "
-            f"{_fmt(s['samples_generated'], ',.0f')} | {_fmt(s['wall_s'], '.0f')} |")
+            f"{_fmt(s['samples_generated'], ',.0f')} | {_fmt(s['wall_s'], '.0f')} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -302,17 +367,21 @@ def write_report(out: Path, runs: list[Run], *, command: str = "", wall_s: float
         text += [f"Wall time of this invocation: {wall_s / 60:.1f} min", ""]
     text += [
         "Held-out accuracy is the final evaluation of each run; mean over seeds with a 95% Student-t",
-        "interval over seeds (seed-to-seed spread, not sampling error). \"Last 3 evaluations\" averages",
-        "each run's last three evaluations first (steadier than one); \"all evaluations\" averages every",
+        'interval over seeds (seed-to-seed spread, not sampling error). "Last 3 evaluations" averages',
+        'each run\'s last three evaluations first (steadier than one); "all evaluations" averages every',
         "evaluation after step 0 (higher when a row gets there sooner). Entropy, response length and",
         "truncated share are means over the last 5 training steps; samples generated is the total per run",
-        "(dynamic sampling generates more per step).", "",
-        report_table(summary, base_acc), "## Figures", "",
+        "(dynamic sampling generates more per step).",
+        "",
+        report_table(summary, base_acc),
+        "## Figures",
+        "",
     ]
     text += [f"![{p.stem}](figures/{p.name})" for p in figures]
     (out / "report.md").write_text("\n".join(text) + "\n")
-    (out / "report.json").write_text(json.dumps({"base_model_acc": base_acc, "rows": summary,
-                                                  "wall_s": wall_s, "command": command}, indent=2))
+    (out / "report.json").write_text(
+        json.dumps({"base_model_acc": base_acc, "rows": summary, "wall_s": wall_s, "command": command}, indent=2)
+    )
     return out / "report.md"
 
 
@@ -323,8 +392,12 @@ def add_arguments(p) -> None:
     p.add_argument("overrides", nargs="*", help="key=value overrides applied to every run, e.g. train.lr=1e-4")
     p.add_argument("--base", default="configs/ablation/base.yaml", help="the preset that holds the scale")
     p.add_argument("--rows-dir", default=None, help="where the row files are (default: the project's configs/ablation)")
-    p.add_argument("--rows", nargs="*", default=None,
-                   help="rows to run, by number (1), name (grpo) or file stem (1_grpo) (default: all)")
+    p.add_argument(
+        "--rows",
+        nargs="*",
+        default=None,
+        help="rows to run, by number (1), name (grpo) or file stem (1_grpo) (default: all)",
+    )
     p.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 per row; every seed is one run per row")
     p.add_argument("--steps", type=int, default=None, help="override train.total_steps (default: the preset's)")
     p.add_argument("--out", default="runs/ablation", help="study directory")

@@ -239,15 +239,31 @@ def actor_loss(
     with the KL term, ``kl_loss`` (the aggregated penalty before weighting), both detached.
     """
     loss, stats = policy_loss(
-        logp, old_logp, adv, response_mask, eps_low=eps_low, eps_high=eps_high, loss_agg=loss_agg,
-        num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length, dual_clip=dual_clip, is_weights=is_weights,
+        logp,
+        old_logp,
+        adv,
+        response_mask,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        loss_agg=loss_agg,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        norm_length=norm_length,
+        dual_clip=dual_clip,
+        is_weights=is_weights,
     )
     stats["pg_loss"] = loss.detach()
     if kl_coef > 0:
         if ref_logp is None:
             raise ValueError("kl_coef > 0 needs ref_logp, the reference policy's log-probs of the same tokens")
-        kl_loss = aggregate(kl_penalty(logp, ref_logp, kl_kind), response_mask, loss_agg,
-                            num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
+        kl_loss = aggregate(
+            kl_penalty(logp, ref_logp, kl_kind),
+            response_mask,
+            loss_agg,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            norm_length=norm_length,
+        )
         stats["kl_loss"] = kl_loss.detach()
         loss = loss + kl_coef * kl_loss
     return loss, stats

@@ -22,9 +22,9 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from dapo import training
 from dapo.checkpoint import CheckpointError, latest_checkpoint, removed_if_start_fails
@@ -68,8 +68,9 @@ def _eval_of(rows: list[dict]) -> dict:
     return {k: v for k, v in evals[-1].items() if k.startswith("eval/")} if evals else {}
 
 
-def train(cfg: Config, *, reward_fn: RewardFn | None = None, train_data: Data | None = None,
-          eval_data: Data | None = None) -> TrainResult:
+def train(
+    cfg: Config, *, reward_fn: RewardFn | None = None, train_data: Data | None = None, eval_data: Data | None = None
+) -> TrainResult:
     """Train (or resume) the run ``cfg`` describes; returns its run directory and metrics.
 
     reward_fn: grades every response instead of reward.grader: ``(response, ground_truth) -> score``
@@ -102,8 +103,14 @@ def train(cfg: Config, *, reward_fn: RewardFn | None = None, train_data: Data | 
     return TrainResult(cfg.run_dir, rows[-1] if rows else {}, rows, time.perf_counter() - t0)
 
 
-def evaluate(model: str | os.PathLike, data: Data, *, cfg: Config | None = None, reward_fn: RewardFn | None = None,
-             out_dir: str | os.PathLike | None = None) -> EvalResult:
+def evaluate(
+    model: str | os.PathLike,
+    data: Data,
+    *,
+    cfg: Config | None = None,
+    reward_fn: RewardFn | None = None,
+    out_dir: str | os.PathLike | None = None,
+) -> EvalResult:
     """Evaluate a model on one benchmark; returns its ``EvalResult`` (``avg`` = avg@n, ``ci``, ``pass_at``,
     ``maj``, ``per_problem``; ``metrics()`` as training logs them).
 
@@ -130,8 +137,10 @@ def _checked(cfg) -> Config:
     """A checked copy of ``cfg``: each field read back as ``load_config`` reads a preset, so a wrong type
     or value raises ConfigError naming the key."""
     if not isinstance(cfg, Config):
-        raise TypeError(f"cfg: expected a dapo.Config, got {type(cfg).__name__}; "
-                        "read a preset with dapo.load_config('demo', ['train.total_steps=5'])")
+        raise TypeError(
+            f"cfg: expected a dapo.Config, got {type(cfg).__name__}; "
+            "read a preset with dapo.load_config('demo', ['train.total_steps=5'])"
+        )
     return config_from_dict(to_dict(cfg))
 
 
@@ -147,10 +156,11 @@ def _benchmark(data, cfg: Config) -> tuple[Benchmark, list]:
     sampled as a data file is (eval.* where set, else n=4, temperature 1, top-p 1)."""
     d, e = cfg.data, cfg.eval
     if isinstance(data, (str, os.PathLike)):
-        return load_benchmark(str(data), template=d.template, num_problems=e.num_problems,
-                              max_row_chars=d.max_row_chars)
+        return load_benchmark(
+            str(data), template=d.template, num_problems=e.num_problems, max_row_chars=d.max_row_chars
+        )
     examples = _examples(data, "eval_data", cfg)
-    return Benchmark("eval_data", None, n=4, top_p=1.0, max_response_tokens=None), examples[:e.num_problems]
+    return Benchmark("eval_data", None, n=4, top_p=1.0, max_response_tokens=None), examples[: e.num_problems]
 
 
 def _model_to_evaluate(model) -> tuple[Path, Path | None]:
@@ -161,8 +171,10 @@ def _model_to_evaluate(model) -> tuple[Path, Path | None]:
         return path, None
     ckpt = path if (path / "trainer_state.pt").exists() else latest_checkpoint(path)
     if ckpt is None:
-        raise FileNotFoundError(f"model={str(model)!r}: not a Hugging Face model directory (config.json), a "
-                                "checkpoint or a run directory with checkpoints; give one of these")
+        raise FileNotFoundError(
+            f"model={str(model)!r}: not a Hugging Face model directory (config.json), a "
+            "checkpoint or a run directory with checkpoints; give one of these"
+        )
     if not (ckpt / "model").is_dir():
         raise CheckpointError(f"{ckpt} is sharded; run `dapo export {ckpt} OUT_DIR` and evaluate OUT_DIR")
     saved = ckpt / "config.yaml"
@@ -186,8 +198,10 @@ def _no_progress_bars():
 
 def _not_in_a_reward_worker(what: str) -> None:
     if reward_pool.IN_WORKER:
-        raise RuntimeError(f"dapo.{what}() was called while a reward worker ran your script to find its reward_fn; "
-                           "put the script's training code under if __name__ == '__main__':")
+        raise RuntimeError(
+            f"dapo.{what}() was called while a reward worker ran your script to find its reward_fn; "
+            "put the script's training code under if __name__ == '__main__':"
+        )
 
 
 __all__ = ["ConfigError", "RewardFn", "TrainResult", "evaluate", "train"]

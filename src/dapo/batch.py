@@ -26,9 +26,13 @@ class RolloutBatch:
     ground_truths: list[str]
     acc: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # (N,) float 0/1: raw correctness
     reward: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # (N,) shaped reward
-    overlong_penalty: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # (N,) <= 0: the soft overlong part of it
+    overlong_penalty: torch.Tensor = field(
+        default_factory=lambda: torch.zeros(0)
+    )  # (N,) <= 0: the soft overlong part of it
     preds: list[str] = field(default_factory=list)
-    rollout_logp: list[list[float]] = field(default_factory=list)  # per token, as the rollout engine sampled it (vllm); empty if not reported
+    rollout_logp: list[list[float]] = field(
+        default_factory=list
+    )  # per token, as the rollout engine sampled it (vllm); empty if not reported
     # per token, under the weights that sampled the row, for groups held over in the surplus buffer: their
     # behaviour policy, so their old_logp (None for a row sampled this step, whose old_logp is recomputed)
     behaviour_logp: list[list[float] | None] = field(default_factory=list)
@@ -37,7 +41,9 @@ class RolloutBatch:
     old_logp: torch.Tensor | None = None  # (N, T) under the policy before this step's updates
     ref_logp: torch.Tensor | None = None  # (N, T) under the initial policy (KL baselines only)
     entropy: torch.Tensor | None = None  # (N, T)
-    is_weights: torch.Tensor | None = None  # (N, T) truncated importance-sampling weights (with algo.rollout_is_cap set)
+    is_weights: torch.Tensor | None = (
+        None  # (N, T) truncated importance-sampling weights (with algo.rollout_is_cap set)
+    )
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -65,7 +71,7 @@ class RolloutBatch:
             mask = mask * keep[:, None].float()
         return mask
 
-    def select_rows(self, rows: list[int]) -> "RolloutBatch":
+    def select_rows(self, rows: list[int]) -> RolloutBatch:
         index = torch.tensor(rows, dtype=torch.long)
         out = {}
         for f in fields(self):
@@ -80,12 +86,12 @@ class RolloutBatch:
                 out[f.name] = None
         return RolloutBatch(**out)
 
-    def select_groups(self, groups: list[int]) -> "RolloutBatch":
+    def select_groups(self, groups: list[int]) -> RolloutBatch:
         g = self.group_size
         return self.select_rows([i * g + j for i in groups for j in range(g)])
 
     @staticmethod
-    def concat(batches: list["RolloutBatch"]) -> "RolloutBatch":
+    def concat(batches: list[RolloutBatch]) -> RolloutBatch:
         batches = [b for b in batches if len(b)]
         if not batches:
             raise ValueError("nothing to concatenate")
@@ -97,7 +103,9 @@ class RolloutBatch:
             elif f.name == "rollout_logp" and not all(values):
                 out[f.name] = []  # rows without them would misalign the rest
             elif f.name == "behaviour_logp":
-                out[f.name] = [x for b, v in zip(batches, values) for x in (v or [None] * len(b))] if any(values) else []
+                out[f.name] = (
+                    [x for b, v in zip(batches, values) for x in (v or [None] * len(b))] if any(values) else []
+                )
             elif isinstance(values[0], list):
                 out[f.name] = [x for v in values for x in v]
             elif isinstance(values[0], torch.Tensor) and f.name not in PER_STEP:
@@ -111,7 +119,7 @@ class RolloutBatch:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in PER_STEP}
 
     @staticmethod
-    def from_state(state: dict) -> "RolloutBatch":
+    def from_state(state: dict) -> RolloutBatch:
         state = dict(state)
         if "overlong" in state:  # checkpoints written before the field was named for what it holds
             state["overlong_penalty"] = state.pop("overlong")
@@ -149,7 +157,9 @@ def pad_rows(rows: list[list[int]], pad_id: int, width: int | None = None) -> to
     return out
 
 
-def plan_micro_batches(lengths: list[int], max_tokens: int, *, packed: bool = False, max_rows: int | None = None) -> list[list[int]]:
+def plan_micro_batches(
+    lengths: list[int], max_tokens: int, *, packed: bool = False, max_rows: int | None = None
+) -> list[list[int]]:
     """Split rows into micro-batches whose cost stays within ``max_tokens``, with costs balanced.
 
     The cost of a micro-batch is what the forward pass computes: rows x its longest row when rows
@@ -216,8 +226,9 @@ def response_passes(widths: list[int], *, split: bool = True) -> list[list[int]]
     return passes[::-1]
 
 
-def shared_prompt_cost(prompt_of: list[int], prompt_lengths: list[int], widths: list[int], rows: list[int], *,
-                       split: bool = True) -> int:
+def shared_prompt_cost(
+    prompt_of: list[int], prompt_lengths: list[int], widths: list[int], rows: list[int], *, split: bool = True
+) -> int:
     """Tokens a shared-prompt micro-batch of ``rows`` computes: its distinct prompts, padded to the
     longest, then its response passes, each padded to its widest row."""
     longest = {prompt_of[i]: prompt_lengths[i] for i in rows}
@@ -225,8 +236,15 @@ def shared_prompt_cost(prompt_of: list[int], prompt_lengths: list[int], widths: 
     return len(longest) * max(longest.values()) + sum(len(p) * fed[p[0]] for p in response_passes(fed, split=split))
 
 
-def plan_shared_prompt_micro_batches(prompt_of: list[int], prompt_lengths: list[int], widths: list[int], max_tokens: int,
-                                     *, max_rows: int | None = None, split_responses: bool = True) -> list[list[int]]:
+def plan_shared_prompt_micro_batches(
+    prompt_of: list[int],
+    prompt_lengths: list[int],
+    widths: list[int],
+    max_tokens: int,
+    *,
+    max_rows: int | None = None,
+    split_responses: bool = True,
+) -> list[list[int]]:
     """Split rows into micro-batches that compute each distinct prompt once (``train.share_prompt_prefix``).
 
     ``prompt_of[i]`` names row i's prompt (rows naming the same one share it), ``prompt_lengths[i]`` is
@@ -239,6 +257,7 @@ def plan_shared_prompt_micro_batches(prompt_of: list[int], prompt_lengths: list[
     as small as that count allows, as ``plan_micro_batches`` does for unshared rows. A single row over
     the budget goes alone.
     """
+
     def cost(rows: list[int]) -> int:
         return shared_prompt_cost(prompt_of, prompt_lengths, widths, rows, split=split_responses)
 
@@ -260,8 +279,10 @@ def plan_shared_prompt_micro_batches(prompt_of: list[int], prompt_lengths: list[
         parts.append(part)
     alone = [cost(part) for part in parts]
     oversized = [part for part, c in zip(parts, alone) if c > max_tokens]  # single rows: a pass each
-    fitting = sorted((part for part, c in zip(parts, alone) if c <= max_tokens),
-                     key=lambda part: (-widths[part[0]], -prompt_lengths[part[0]]))
+    fitting = sorted(
+        (part for part, c in zip(parts, alone) if c <= max_tokens),
+        key=lambda part: (-widths[part[0]], -prompt_lengths[part[0]]),
+    )
     if not fitting:
         return oversized
     span_cost: dict[tuple[int, int], int] = {}  # a micro-batch is a run of consecutive parts: cost each run once

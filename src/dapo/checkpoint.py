@@ -85,12 +85,15 @@ def prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, dist: paral
     d = dist or parallel.Dist()
     run_dir = Path(run_dir)
     metrics = run_dir / "metrics.jsonl"
-    earlier = not resume and (any(checkpoint_dir(run_dir).glob("step_*"))
-                              or (metrics.exists() and metrics.stat().st_size > 0))
+    earlier = not resume and (
+        any(checkpoint_dir(run_dir).glob("step_*")) or (metrics.exists() and metrics.stat().st_size > 0)
+    )
     if earlier and not overwrite:
-        raise ConfigError(f"run.resume=false but {run_dir} holds an earlier run (checkpoints or metrics.jsonl); "
-                          f"give a new run.name, or set run.overwrite=true to move it aside to "
-                          f"{run_dir.name}.<date-time> first, or drop run.resume=false to continue it")
+        raise ConfigError(
+            f"run.resume=false but {run_dir} holds an earlier run (checkpoints or metrics.jsonl); "
+            f"give a new run.name, or set run.overwrite=true to move it aside to "
+            f"{run_dir.name}.<date-time> first, or drop run.resume=false to continue it"
+        )
     parallel.barrier(d)  # every rank has looked before rank 0 moves anything
     if d.is_main:
         if earlier:
@@ -186,17 +189,27 @@ def restore_dropout(config_json: Path, model) -> None:
     Path(config_json).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state: dict, config_yaml: str, keep: int,
-                    shards: dict | None = None, dist: parallel.Dist | None = None,
-                    writer: CheckpointWriter | None = None) -> Path:
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    *,
+    model,
+    tokenizer,
+    trainer_state: dict,
+    config_yaml: str,
+    keep: int,
+    shards: dict | None = None,
+    dist: parallel.Dist | None = None,
+    writer: CheckpointWriter | None = None,
+) -> Path:
     """Write the checkpoint of ``step`` (its final path is returned); with ``shards`` (FSDP) every rank
     calls this and writes its own part, synchronously.
 
     With an asynchronous ``writer`` the call returns once the small trainer state is copied (the RNG
     included, as it is now); a background thread writes it with the model's weights and
     ``trainer_state["policy"]`` (optimizer, scheduler) as they are in memory, so the caller must not
-    change those before ``writer.wait()``. The directory appears under its final name only when whole, as in the synchronous case: a
-    process killed mid-write leaves the previous checkpoint and a .tmp_* directory. Without a writer
+    change those before ``writer.wait()``. The directory appears under its final name only when whole, as in the
+    synchronous case: a process killed mid-write leaves the previous checkpoint and a .tmp_* directory. Without a writer
     the checkpoint is written before the call returns."""
     d = dist or parallel.Dist()
     writer = writer or CheckpointWriter(asynchronous=False)
@@ -207,8 +220,10 @@ def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state
     state = {**trainer_state, "step": step, "rng": rng_state()}  # the RNG as the step left it
     if shards is None:
         weights_dir = lora.ADAPTER_DIR if lora.is_adapted(model) else "model"
-        files = {**{f"{weights_dir}/{name}": data for name, data in writer.tokenizer_files(tokenizer).items()},
-                 "config.yaml": config_yaml.encode()}
+        files = {
+            **{f"{weights_dir}/{name}": data for name, data in writer.tokenizer_files(tokenizer).items()},
+            "config.yaml": config_yaml.encode(),
+        }
         if writer.asynchronous:
             # The weights and the policy's optimizer state are written from live memory, not copied: a copy
             # (1.6 GB for a 135M model in float32 with AdamW) costs about what the write does. The caller
@@ -270,14 +285,20 @@ def failure(err: BaseException) -> str:
 def write_failed(final: Path, why: str) -> CheckpointError:
     """The one line for a checkpoint write that failed (a full disk, a lost mount), its partial files removed."""
     before = [p for p in list_checkpoints(final.parent.parent) if p != final]
-    then = (f"starting the run again resumes from {before[-1]}, which is whole" if before else
-            "there is no earlier checkpoint, so starting the run again starts from step 0")
-    return CheckpointError(f"writing checkpoint {final} failed ({why}); its partial files were "
-                           f"removed and {then}: free space on that disk (or fix the cause) first")
+    then = (
+        f"starting the run again resumes from {before[-1]}, which is whole"
+        if before
+        else "there is no earlier checkpoint, so starting the run again starts from step 0"
+    )
+    return CheckpointError(
+        f"writing checkpoint {final} failed ({why}); its partial files were "
+        f"removed and {then}: free space on that disk (or fix the cause) first"
+    )
 
 
-def _write(run_dir: Path, tmp: Path, final: Path, model, weights: dict | None, files: dict[str, bytes],
-           state: dict, keep: int) -> None:
+def _write(
+    run_dir: Path, tmp: Path, final: Path, model, weights: dict | None, files: dict[str, bytes], state: dict, keep: int
+) -> None:
     """A single-process checkpoint: the model in Hugging Face format, or a peft model's adapters
     (``weights``: the state dict to write, None: the model's own), ``files`` (path in the checkpoint:
     content), the trainer state; then renamed."""
@@ -351,8 +372,14 @@ class CheckpointWriter:
 
         def copy(x, key):
             if isinstance(x, torch.Tensor):
-                alias = (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype,
-                         x.device)
+                alias = (
+                    x.untyped_storage().data_ptr(),
+                    x.storage_offset(),
+                    tuple(x.shape),
+                    x.stride(),
+                    x.dtype,
+                    x.device,
+                )
                 if x.numel() and alias in seen:
                     return seen[alias]
                 buf = old.get(key)
@@ -417,15 +444,19 @@ def check_kind(path: Path, lora_cfg) -> None:
     whose ``model.lora`` gives them the same shape and scale. Else a CheckpointError saying what to change."""
     path = Path(path)
     if is_lora(path) and not lora_cfg.enabled:
-        raise CheckpointError(f"checkpoint {path} holds LoRA adapters ({lora.ADAPTER_DIR}/) and this run has "
-                              "model.lora.rank=null: set model.lora as the run that saved it had (its config.yaml), "
-                              f"or train on the merged model in a new run (dapo export {path} OUT_DIR, then "
-                              "model.path=OUT_DIR and another run.name)")
+        raise CheckpointError(
+            f"checkpoint {path} holds LoRA adapters ({lora.ADAPTER_DIR}/) and this run has "
+            "model.lora.rank=null: set model.lora as the run that saved it had (its config.yaml), "
+            f"or train on the merged model in a new run (dapo export {path} OUT_DIR, then "
+            "model.path=OUT_DIR and another run.name)"
+        )
     if lora_cfg.enabled and not is_lora(path):
-        raise CheckpointError(f"checkpoint {path} holds full weights (no {lora.ADAPTER_DIR}/) and this run has "
-                              f"model.lora.rank={lora_cfg.rank}: drop model.lora.rank to resume it, or put adapters "
-                              f"on its weights in a new run (dapo export {path} OUT_DIR, then model.path=OUT_DIR and "
-                              "another run.name)")
+        raise CheckpointError(
+            f"checkpoint {path} holds full weights (no {lora.ADAPTER_DIR}/) and this run has "
+            f"model.lora.rank={lora_cfg.rank}: drop model.lora.rank to resume it, or put adapters "
+            f"on its weights in a new run (dapo export {path} OUT_DIR, then model.path=OUT_DIR and "
+            "another run.name)"
+        )
     if lora_cfg.enabled:
         lora.check_settings(path / lora.ADAPTER_DIR, lora_cfg)
 
@@ -439,8 +470,9 @@ def load_shards(path: Path, shards: dict) -> dict:
     return shards
 
 
-def export_hf(path: Path, out_dir: Path, *, trust_remote_code: bool = False, adapter: bool = False,
-              base: Path | None = None) -> Path:
+def export_hf(
+    path: Path, out_dir: Path, *, trust_remote_code: bool = False, adapter: bool = False, base: Path | None = None
+) -> Path:
     """A checkpoint's weights as one Hugging Face model directory (config, safetensors, tokenizer);
     Python files in its model_meta/ (or the base model's directory) run only with ``trust_remote_code``.
 
@@ -461,13 +493,16 @@ def export_hf(path: Path, out_dir: Path, *, trust_remote_code: bool = False, ada
         mode = out_dir.stat().st_mode & 0o7777 if before else None
         shutil.copytree(weights_dir, out_dir, dirs_exist_ok=True)
         # what was copied (and the directory, if made here); the rest of an existing directory keeps its modes
-        readable_as_umask([out_dir / p.relative_to(weights_dir) for p in weights_dir.rglob("*")]
-                          + ([] if before else [out_dir]))
+        readable_as_umask(
+            [out_dir / p.relative_to(weights_dir) for p in weights_dir.rglob("*")] + ([] if before else [out_dir])
+        )
         if mode is not None:
             out_dir.chmod(mode)  # copytree gave it the checkpoint's
         return out_dir
     if not is_sharded(path):
-        raise FileNotFoundError(f"{path} is not a checkpoint directory (no model/ or shards/); give runs/<name>/checkpoints/step_NNNNNN")
+        raise FileNotFoundError(
+            f"{path} is not a checkpoint directory (no model/ or shards/); give runs/<name>/checkpoints/step_NNNNNN"
+        )
     config = AutoConfig.from_pretrained(path / "model_meta", trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
     state = {"model": model.state_dict()}  # the keys the trainer saved its shards under
@@ -480,16 +515,19 @@ def export_hf(path: Path, out_dir: Path, *, trust_remote_code: bool = False, ada
     return out_dir
 
 
-def _export_lora(path: Path, out_dir: Path, before: set, *, adapter: bool, base: Path | None,
-                 trust_remote_code: bool) -> Path:
+def _export_lora(
+    path: Path, out_dir: Path, before: set, *, adapter: bool, base: Path | None, trust_remote_code: bool
+) -> Path:
     """The merged model of a LoRA checkpoint, or (sharded) its adapters gathered from the shards."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     adapter_dir = path / lora.ADAPTER_DIR
     base = Path(base or lora.read_adapter_config(adapter_dir).get("base_model_name_or_path") or "").expanduser()
     if not (base / "config.json").is_file():
-        raise FileNotFoundError(f"{path} holds LoRA adapters on the base model {str(base)!r}, which is not a model "
-                                "directory here; give the base with --base DIR")
+        raise FileNotFoundError(
+            f"{path} holds LoRA adapters on the base model {str(base)!r}, which is not a model "
+            "directory here; give the base with --base DIR"
+        )
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, trust_remote_code=trust_remote_code)
     model = lora.rebuild(model, adapter_dir)
     if is_sharded(path):
@@ -503,7 +541,9 @@ def _export_lora(path: Path, out_dir: Path, before: set, *, adapter: bool, base:
     else:
         merged = model.merge_and_unload()  # in float32: each W + scale * B A rounded once, below
         config = AutoConfig.from_pretrained(base, trust_remote_code=trust_remote_code)
-        dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype or "float32"))
+        dtype = (
+            config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype or "float32"))
+        )
         merged.to(dtype).save_pretrained(out_dir)  # the base's own dtype
     AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust_remote_code).save_pretrained(out_dir)
     readable_as_umask([p for p in _tree(out_dir) if p not in before or p.name.endswith(".safetensors")])  # ours
@@ -518,8 +558,10 @@ def refuse_links(path: Path) -> None:
         for name in dirs + files:
             p = Path(root) / name
             if p.is_symlink():
-                raise CheckpointError(f"{p} is a symbolic link (to {os.readlink(p)}); a checkpoint holds only regular "
-                                      "files: replace the link with the file it should be, or remove it")
+                raise CheckpointError(
+                    f"{p} is a symbolic link (to {os.readlink(p)}); a checkpoint holds only regular "
+                    "files: replace the link with the file it should be, or remove it"
+                )
 
 
 def load_trainer_state(path: Path) -> dict:
@@ -559,9 +601,11 @@ def load_policy(policy, path: Path, policy_state: dict) -> None:
 
 def _policy_part(path: Path, policy_state: dict | None) -> dict:
     if not isinstance(policy_state, dict) or "scheduler" not in policy_state:
-        raise CheckpointError(f"{Path(path) / 'trainer_state.pt'} holds no optimizer schedule (its 'policy' entry); the "
-                              "checkpoint is incomplete or foreign: delete its step directory to resume from the one "
-                              "before, or use another")
+        raise CheckpointError(
+            f"{Path(path) / 'trainer_state.pt'} holds no optimizer schedule (its 'policy' entry); the "
+            "checkpoint is incomplete or foreign: delete its step directory to resume from the one "
+            "before, or use another"
+        )
     return policy_state
 
 
@@ -574,8 +618,9 @@ def one_process_state(policy, path: Path, policy_state: dict) -> tuple[dict, dic
     if policy.adapted:
         weights = lora.saved_adapters_by_name(policy.model, path / lora.ADAPTER_DIR)
     else:
-        saved = AutoModelForCausalLM.from_pretrained(path / "model", dtype=torch.float32,
-                                                     trust_remote_code=policy.model_cfg.trust_remote_code)
+        saved = AutoModelForCausalLM.from_pretrained(
+            path / "model", dtype=torch.float32, trust_remote_code=policy.model_cfg.trust_remote_code
+        )
         weights = dict(saved.state_dict())
         del saved
     names = policy.trained_names()
@@ -605,9 +650,11 @@ def load_policy_weights(policy, path: Path) -> None:
 
 def _refuse_sharded(path: Path) -> None:
     if is_sharded(path):
-        raise CheckpointError(f"checkpoint {path} is sharded (written by several ranks) and holds no model directory: "
-                              f"a run resumes it at any world size; to use its weights elsewhere, turn it into one "
-                              f"with `dapo export {path} OUT_DIR`")
+        raise CheckpointError(
+            f"checkpoint {path} is sharded (written by several ranks) and holds no model directory: "
+            f"a run resumes it at any world size; to use its weights elsewhere, turn it into one "
+            f"with `dapo export {path} OUT_DIR`"
+        )
 
 
 def load_model_weights(model, path: Path, *, trust_remote_code: bool = False) -> None:
@@ -616,8 +663,9 @@ def load_model_weights(model, path: Path, *, trust_remote_code: bool = False) ->
 
     _refuse_sharded(path)
 
-    saved = AutoModelForCausalLM.from_pretrained(Path(path) / "model", dtype=next(model.parameters()).dtype,
-                                                 trust_remote_code=trust_remote_code)
+    saved = AutoModelForCausalLM.from_pretrained(
+        Path(path) / "model", dtype=next(model.parameters()).dtype, trust_remote_code=trust_remote_code
+    )
     missing, unexpected = model.load_state_dict(saved.state_dict(), strict=False)
     if unexpected or any(not k.endswith("lm_head.weight") for k in missing):
         raise RuntimeError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")

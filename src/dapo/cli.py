@@ -23,10 +23,10 @@ from pathlib import Path
 
 from dapo.config import PRESET_DIR, Config, ConfigError, Dtype, load_config, resolve_preset
 
-def cmd_train(args) -> int:
-    from dapo.training import train
 
+def cmd_train(args) -> int:
     from dapo.checkpoint import removed_if_start_fails
+    from dapo.training import train
 
     cfg = load_config(resolve_preset(args.config), args.overrides)
     t0 = time.perf_counter()
@@ -64,8 +64,13 @@ def closing_summary(cfg, wall_s: float, *, title: str) -> None:
 def cmd_export(args) -> int:
     from dapo.checkpoint import export_hf
 
-    out = export_hf(Path(args.checkpoint), Path(args.out_dir), trust_remote_code=args.trust_remote_code,
-                    adapter=args.adapter, base=Path(args.base) if args.base else None)
+    out = export_hf(
+        Path(args.checkpoint),
+        Path(args.out_dir),
+        trust_remote_code=args.trust_remote_code,
+        adapter=args.adapter,
+        base=Path(args.base) if args.base else None,
+    )
     print(f"written: {out} ({'peft LoRA adapter' if args.adapter else 'Hugging Face model directory'})")
     return 0
 
@@ -83,8 +88,12 @@ def cmd_launch_ray(args) -> int:
 
     cfg = load_config(resolve_preset(args.config), args.overrides)
     cpus = args.cpus_per_worker if args.cpus_per_worker is not None else (4.0 if args.gpus_per_node else 1.0)
-    placement = Placement(nodes=args.nodes, workers_per_node=args.gpus_per_node or args.cpu_workers_per_node,
-                          gpus_per_worker=1.0 if args.gpus_per_node else 0.0, cpus_per_worker=cpus)
+    placement = Placement(
+        nodes=args.nodes,
+        workers_per_node=args.gpus_per_node or args.cpu_workers_per_node,
+        gpus_per_worker=1.0 if args.gpus_per_node else 0.0,
+        cpus_per_worker=cpus,
+    )
     if placement.world_size < 1:
         raise ConfigError("launch-ray: give --gpus-per-node N (GPU workers) or --cpu-workers-per-node N (CPU workers)")
     ray_init = {"num_cpus": args.num_cpus} if args.address == "local" and args.num_cpus else {}
@@ -109,7 +118,7 @@ def cmd_eval(args) -> int:
     from dapo.evaluation import BENCHMARKS, evaluate_model, load_benchmark, write_report
 
     preset = args.items[0] if args.items and "=" not in args.items[0] else None
-    cfg = eval_config(preset, Path(args.run) if args.run else None, args.items[1 if preset else 0:])
+    cfg = eval_config(preset, Path(args.run) if args.run else None, args.items[1 if preset else 0 :])
     if args.run:
         ckpt = latest_checkpoint(Path(args.run))
         if ckpt is None:
@@ -126,12 +135,19 @@ def cmd_eval(args) -> int:
     else:
         raise SystemExit("error: give --model DIR (a Hugging Face model directory) or --run RUN_DIR")
     d, e = cfg.data, cfg.eval
-    benches = [load_benchmark(name, template=d.template, num_problems=e.num_problems, max_row_chars=d.max_row_chars)
-               for name in e.benchmarks]
+    benches = [
+        load_benchmark(name, template=d.template, num_problems=e.num_problems, max_row_chars=d.max_row_chars)
+        for name in e.benchmarks
+    ]
     with Progress() as progress:
-        results = evaluate_model(model_dir, benches, cfg,
-                                 progress=lambda name, total: functools.partial(
-                                     progress.advance, progress.add_task(f"{name}: samples", total=total)))
+        results = evaluate_model(
+            model_dir,
+            benches,
+            cfg,
+            progress=lambda name, total: functools.partial(
+                progress.advance, progress.add_task(f"{name}: samples", total=total)
+            ),
+        )
     out_dir = Path(args.out) if args.out else default_out
     table = write_report(results, out_dir)
     if args.run:  # the training run's W&B / MLflow runs get the report beside its metrics
@@ -139,7 +155,10 @@ def cmd_eval(args) -> int:
 
         log_eval_report(cfg, Path(args.run), out_dir, warn=lambda text: print(text, file=sys.stderr))
     print(table.read_text())
-    print(f"written: {out_dir}/eval.json, eval.md, <benchmark>.problems.jsonl  (known benchmarks: {', '.join(BENCHMARKS)})")
+    print(
+        f"written: {out_dir}/eval.json, eval.md, <benchmark>.problems.jsonl  (known benchmarks: "
+        f"{', '.join(BENCHMARKS)})"
+    )
     for r in results:  # what the model wrote, to see why a score is what it is
         print(f"responses: {out_dir / f'{r.name}.responses.jsonl'}  ({len(r.responses)} samples, one JSON line each)")
     return 0
@@ -160,82 +179,128 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dapo", description="DAPO reinforcement learning for language models")
     sub = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--verbose", action="store_true",
-                        help="show every library message (vLLM, Ray, transformers) and the traceback of an error")
+    common.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show every library message (vLLM, Ray, transformers) and the traceback of an error",
+    )
 
     def add(name: str, **kw) -> argparse.ArgumentParser:
         return sub.add_parser(name, parents=[common], formatter_class=_Help, **kw)
 
-    p = add("train", help="train (or resume) a run from a YAML preset plus dotted overrides",
-            description="Train (or resume) a run. It lives in <run.dir>/<run.name> (runs/<preset name>): "
-                        "metrics.jsonl, train.log, samples/, checkpoints/. The preset says the cost: "
-                        "configs/demo.yaml is minutes on 2 CPU cores; the Qwen2.5 presets need GPUs.")
+    p = add(
+        "train",
+        help="train (or resume) a run from a YAML preset plus dotted overrides",
+        description="Train (or resume) a run. It lives in <run.dir>/<run.name> (runs/<preset name>): "
+        "metrics.jsonl, train.log, samples/, checkpoints/. The preset says the cost: "
+        "configs/demo.yaml is minutes on 2 CPU cores; the Qwen2.5 presets need GPUs.",
+    )
     p.add_argument("config", help="YAML preset, e.g. configs/demo.yaml")
     p.add_argument("overrides", nargs="*", help="key=value, e.g. algo.eps_high=0.28")
     p.set_defaults(func=cmd_train)
 
-    p = add("demo", help="train a tiny model on the built-in task on CPU; print before/after accuracy",
-            description="Train the ~1M-parameter model in assets/arith-base on the built-in arithmetic task "
-                        "(configs/demo.yaml: 60 steps, a few minutes on 2 CPU cores) into runs/demo, and print "
-                        "held-out accuracy before and after.")
+    p = add(
+        "demo",
+        help="train a tiny model on the built-in task on CPU; print before/after accuracy",
+        description="Train the ~1M-parameter model in assets/arith-base on the built-in arithmetic task "
+        "(configs/demo.yaml: 60 steps, a few minutes on 2 CPU cores) into runs/demo, and print "
+        "held-out accuracy before and after.",
+    )
     p.add_argument("overrides", nargs="*", help="key=value overrides of configs/demo.yaml")
     p.set_defaults(func=cmd_demo)
 
-    p = add("export", help="turn a checkpoint (sharded or not) into one Hugging Face model directory",
-            description="Write a checkpoint's model as one Hugging Face model directory. A LoRA checkpoint "
-                        "exports its base model with the adapters merged in, or with --adapter the adapters "
-                        "alone (peft: PeftModel.from_pretrained(base, OUT_DIR)).")
+    p = add(
+        "export",
+        help="turn a checkpoint (sharded or not) into one Hugging Face model directory",
+        description="Write a checkpoint's model as one Hugging Face model directory. A LoRA checkpoint "
+        "exports its base model with the adapters merged in, or with --adapter the adapters "
+        "alone (peft: PeftModel.from_pretrained(base, OUT_DIR)).",
+    )
     p.add_argument("checkpoint", help="a checkpoint directory, e.g. runs/NAME/checkpoints/step_000100")
     p.add_argument("out_dir", help="where to write the model (config, safetensors, tokenizer)")
-    p.add_argument("--adapter", action="store_true",
-                   help="LoRA checkpoints: write the peft adapter (adapter_config.json, adapter_model.safetensors) "
-                        "instead of the merged model")
-    p.add_argument("--base", help="LoRA checkpoints: the base model directory, where it is no longer at the path "
-                                  "the adapter config names")
+    p.add_argument(
+        "--adapter",
+        action="store_true",
+        help="LoRA checkpoints: write the peft adapter (adapter_config.json, adapter_model.safetensors) "
+        "instead of the merged model",
+    )
+    p.add_argument(
+        "--base",
+        help="LoRA checkpoints: the base model directory, where it is no longer at the path the adapter config names",
+    )
     p.add_argument("--trust-remote-code", action="store_true", help="run Python files shipped in the checkpoint")
     p.set_defaults(func=cmd_export)
 
     p = add("import-model", help="convert a GGUF model file into a Hugging Face model directory")
     p.add_argument("src", help="a .gguf file of an architecture transformers reads (Llama, Qwen2, Mistral, ...)")
     p.add_argument("out_dir", help="where to write the model (safetensors, config, generation config, tokenizer)")
-    p.add_argument("--dtype", default="float32", choices=typing.get_args(Dtype),
-                   help="dtype of the written weights (the GGUF's quantised blocks are de-quantised)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=typing.get_args(Dtype),
+        help="dtype of the written weights (the GGUF's quantised blocks are de-quantised)",
+    )
     p.set_defaults(func=cmd_import_model)
 
-    p = add("launch-ray", help="train with one Ray worker per GPU across a Ray cluster (FSDP)",
-            description="Train with one Ray worker per rank (FSDP). A first try on one machine, without a "
-                        "cluster: dapo launch-ray configs/demo.yaml --address local --cpu-workers-per-node 2")
+    p = add(
+        "launch-ray",
+        help="train with one Ray worker per GPU across a Ray cluster (FSDP)",
+        description="Train with one Ray worker per rank (FSDP). A first try on one machine, without a "
+        "cluster: dapo launch-ray configs/demo.yaml --address local --cpu-workers-per-node 2",
+    )
     p.add_argument("config", help="YAML preset")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
-    p.add_argument("--address", default="auto",
-                   help="Ray cluster address ('auto': the one `ray start --head` runs on this machine); "
-                        "'local' starts a private one-machine cluster for this run")
+    p.add_argument(
+        "--address",
+        default="auto",
+        help="Ray cluster address ('auto': the one `ray start --head` runs on this machine); "
+        "'local' starts a private one-machine cluster for this run",
+    )
     p.add_argument("--nodes", type=int, default=1, help="machines to spread the ranks over")
     p.add_argument("--gpus-per-node", type=int, default=0, help="ranks per machine, one GPU each")
-    p.add_argument("--cpu-workers-per-node", type=int, default=0, help="CPU-only ranks per machine (gloo), without GPUs")
-    p.add_argument("--cpus-per-worker", type=float, default=None,
-                   help="CPU slots reserved for each rank (default: 4 with --gpus-per-node, 1 for CPU workers)")
-    p.add_argument("--num-cpus", type=int, default=0,
-                   help="with --address local: CPU slots of the private cluster (0: the machine's cores)")
-    p.add_argument("--insecure", action="store_true",
-                   help="join (or start) a Ray cluster without token authentication: anyone who reaches its ports runs code")
+    p.add_argument(
+        "--cpu-workers-per-node", type=int, default=0, help="CPU-only ranks per machine (gloo), without GPUs"
+    )
+    p.add_argument(
+        "--cpus-per-worker",
+        type=float,
+        default=None,
+        help="CPU slots reserved for each rank (default: 4 with --gpus-per-node, 1 for CPU workers)",
+    )
+    p.add_argument(
+        "--num-cpus",
+        type=int,
+        default=0,
+        help="with --address local: CPU slots of the private cluster (0: the machine's cores)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="join (or start) a Ray cluster without token authentication: anyone who reaches its ports runs code",
+    )
     p.set_defaults(func=cmd_launch_ray)
 
     from dapo import ablate
 
     rows = len(ablate.find_rows(PRESET_DIR / "ablation"))
-    p = add("ablate", help="the paper's ablation: every row x seed trained, evaluated and reported",
-            description=f"The paper's ablation: every row (configs/ablation/<k>_<name>.yaml) x seed is one "
-                        f"training run, then evaluated and reported. Bare, it runs all {rows} rows x 5 seeds "
-                        f"({5 * rows} runs and one base-model evaluation) into runs/ablation: about 30 minutes on "
-                        "2 CPU cores (docs/ablation.md). A quick look: dapo ablate --rows grpo no_overlong_filtering --seeds 1")
+    p = add(
+        "ablate",
+        help="the paper's ablation: every row x seed trained, evaluated and reported",
+        description=f"The paper's ablation: every row (configs/ablation/<k>_<name>.yaml) x seed is one "
+        f"training run, then evaluated and reported. Bare, it runs all {rows} rows x 5 seeds "
+        f"({5 * rows} runs and one base-model evaluation) into runs/ablation: about 30 minutes on "
+        "2 CPU cores (docs/ablation.md). A quick look: dapo ablate --rows grpo no_overlong_filtering --seeds 1",
+    )
     ablate.add_arguments(p)
     p.set_defaults(func=ablate.main_args)
 
     p = sub.add_parser(
-        "eval", help="avg@n, pass@k, maj@n on benchmarks for a model directory or a run", parents=[common],
+        "eval",
+        help="avg@n, pass@k, maj@n on benchmarks for a model directory or a run",
+        parents=[common],
         usage="dapo eval [PRESET] (--model DIR | --run RUN_DIR) [--out DIR] [key=value ...]",
-        formatter_class=argparse.RawDescriptionHelpFormatter, description="""\
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="""\
 Evaluate a model on the benchmarks in eval.benchmarks. Settings come from the run's saved
 config.yaml (with --run), then PRESET, then dotted overrides as for `dapo train`; the keys read
 are eval.* (benchmarks, n, temperature, top_p, max_response_tokens, num_problems, seed),
@@ -253,20 +318,37 @@ every sampled response, one JSON line each (id, sample, prompt, response, extrac
 ground_truth, correct, length_tokens, truncated).
 
   dapo eval --model ~/models/SmolLM2-135M-Instruct eval.benchmarks=[word] data.template=raw
-  dapo eval --run runs/demo eval.n=8 rollout.backend=vllm""")
-    p.add_argument("items", nargs="*", metavar="[PRESET] [key=value ...]",
-                   help="a YAML preset (optional), then dotted overrides, e.g. eval.benchmarks=[arith,aime2024]")
+  dapo eval --run runs/demo eval.n=8 rollout.backend=vllm""",
+    )
+    p.add_argument(
+        "items",
+        nargs="*",
+        metavar="[PRESET] [key=value ...]",
+        help="a YAML preset (optional), then dotted overrides, e.g. eval.benchmarks=[arith,aime2024]",
+    )
     p.add_argument("--model", help="Hugging Face model directory; the report goes to ./eval/<its name>/")
-    p.add_argument("--run", help="run directory: evaluates its latest checkpoint with the run's config; "
-                                 "the report goes to RUN_DIR/eval/step_NNNNNN/")
+    p.add_argument(
+        "--run",
+        help="run directory: evaluates its latest checkpoint with the run's config; "
+        "the report goes to RUN_DIR/eval/step_NNNNNN/",
+    )
     p.add_argument("--out", help="output directory instead")
     p.set_defaults(func=cmd_eval)
     return parser
 
 
 # errors a user causes (config, data, paths, checkpoints) and whose message says what to change
-ONE_LINE = ("ConfigError", "DataError", "GenerationCapError", "CheckpointError", "FileNotFoundError",
-            "FileExistsError", "NotADirectoryError", "IsADirectoryError", "PermissionError")
+ONE_LINE = (
+    "ConfigError",
+    "DataError",
+    "GenerationCapError",
+    "CheckpointError",
+    "FileNotFoundError",
+    "FileExistsError",
+    "NotADirectoryError",
+    "IsADirectoryError",
+    "PermissionError",
+)
 
 
 def user_error(err: BaseException) -> str | None:
@@ -274,7 +356,11 @@ def user_error(err: BaseException) -> str | None:
     A ValueError, RuntimeError or ImportError counts when this package raised it (its messages name
     the setting and the fix); from inside a library it is a fault."""
     known = any(t.__name__ in ONE_LINE for t in type(err).__mro__)
-    if not known and isinstance(err, (ValueError, RuntimeError, ImportError)) and not isinstance(err, NotImplementedError):
+    if (
+        not known
+        and isinstance(err, (ValueError, RuntimeError, ImportError))
+        and not isinstance(err, NotImplementedError)
+    ):
         tb = err.__traceback__
         while tb is not None and tb.tb_next is not None:
             tb = tb.tb_next  # the frame that raised it

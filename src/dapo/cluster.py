@@ -30,7 +30,9 @@ class Placement:
     nodes: int = 1  # machines
     workers_per_node: int = 8  # ranks per machine
     gpus_per_worker: float = 1.0  # 0: CPU-only workers (gloo), as in the tests
-    cpus_per_worker: float = 4.0  # CPU slots reserved per rank (tokenising, grading on rank 0); the CLI: 1 for CPU workers
+    cpus_per_worker: float = (
+        4.0  # CPU slots reserved per rank (tokenising, grading on rank 0); the CLI: 1 for CPU workers
+    )
 
     @property
     def world_size(self) -> int:
@@ -80,8 +82,10 @@ def token_for_this_run(*, insecure: bool = False) -> None:
     if mode.lower() != "token":
         if insecure:
             return
-        raise ConfigError(f"launch-ray --address local: RAY_AUTH_MODE={mode} starts a cluster on which anyone who "
-                          "reaches its ports runs code; unset it (the run then uses a token of its own) or pass --insecure")
+        raise ConfigError(
+            f"launch-ray --address local: RAY_AUTH_MODE={mode} starts a cluster on which anyone who "
+            "reaches its ports runs code; unset it (the run then uses a token of its own) or pass --insecure"
+        )
     os.environ["RAY_AUTH_MODE"] = "token"
     if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
         os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
@@ -96,12 +100,15 @@ def require_token_auth(gcs_address: str) -> None:
     with grpc.insecure_channel(gcs_address) as channel:
         try:
             gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
-                gcs_service_pb2.GetClusterIdRequest(), timeout=30)
+                gcs_service_pb2.GetClusterIdRequest(), timeout=30
+            )
         except grpc.RpcError:
             return  # refused without a token (or it speaks TLS only): not open to whoever reaches the port
-    raise ConfigError(f"launch-ray: the Ray cluster at {gcs_address} answers requests that carry no token, so anyone "
-                      "who reaches its ports runs code on its nodes; start every node with RAY_AUTH_MODE=token and "
-                      "one token (RAY_AUTH_TOKEN_PATH) everywhere, see docs/security.md; or pass --insecure")
+    raise ConfigError(
+        f"launch-ray: the Ray cluster at {gcs_address} answers requests that carry no token, so anyone "
+        "who reaches its ports runs code on its nodes; start every node with RAY_AUTH_MODE=token and "
+        "one token (RAY_AUTH_TOKEN_PATH) everywhere, see docs/security.md; or pass --insecure"
+    )
 
 
 def check_fits(p: Placement, nodes: list[dict], *, local: bool = False) -> None:
@@ -111,25 +118,31 @@ def check_fits(p: Placement, nodes: list[dict], *, local: bool = False) -> None:
     have = {k: sum(n.get(k, 0.0) for n in nodes) for k in asked}
     per = {"CPU": p.cpus_per_worker, "GPU": p.gpus_per_worker}
     biggest = {k: max((n.get(k, 0.0) for n in nodes), default=0.0) for k in asked}
-    ranks = (f"{p.nodes} node(s) x {p.workers_per_node} worker(s)" if p.nodes > 1 else f"{p.world_size} worker(s)")
+    ranks = f"{p.nodes} node(s) x {p.workers_per_node} worker(s)" if p.nodes > 1 else f"{p.world_size} worker(s)"
     for k, flag in (("CPU", "--cpus-per-worker"), ("GPU", "--gpus-per-node")):
         if asked[k] <= have[k] and per[k] <= biggest[k]:
             continue
         need = f"{ranks} x {per[k]:g} {k}s = {asked[k]:g} {k}s"
         if k == "GPU":
-            fix = ("use fewer GPU workers (--gpus-per-node, --nodes), or CPU workers (--cpu-workers-per-node N) "
-                   "where the cluster has no GPU")
+            fix = (
+                "use fewer GPU workers (--gpus-per-node, --nodes), or CPU workers (--cpu-workers-per-node N) "
+                "where the cluster has no GPU"
+            )
         else:
             fit = max(have[k] // max(p.world_size, 1), 0)
             fix = f"lower {flag} (to {fit:g} or less)" if fit >= 1 else "use fewer workers"
-            fix += (", or give the private cluster more slots with --num-cpus" if local
-                    else ", or add nodes to the cluster")
-        raise ConfigError(f"launch-ray: the placement needs {need}, the Ray cluster has {have[k]:g} "
-                          f"(at most {biggest[k]:g} on one node); {fix}")
+            fix += (
+                ", or give the private cluster more slots with --num-cpus" if local else ", or add nodes to the cluster"
+            )
+        raise ConfigError(
+            f"launch-ray: the placement needs {need}, the Ray cluster has {have[k]:g} "
+            f"(at most {biggest[k]:g} on one node); {fix}"
+        )
 
 
-def launch(cfg, placement: Placement, train_fn, *, address: str = "auto", ray_init: dict | None = None,
-           insecure: bool = False) -> dict:
+def launch(
+    cfg, placement: Placement, train_fn, *, address: str = "auto", ray_init: dict | None = None, insecure: bool = False
+) -> dict:
     """Run ``train_fn(cfg)`` (``dapo.training.train``, passed in so this module stays below the loop) on
     ``placement.world_size`` Ray workers; returns rank 0's last logged row.
     ``insecure`` joins (or starts) a cluster without token authentication."""
@@ -150,12 +163,16 @@ def launch(cfg, placement: Placement, train_fn, *, address: str = "auto", ray_in
         except (ray.exceptions.AuthenticationError, ConnectionError) as err:  # a token cluster refuses one without
             why = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else type(err).__name__
             if "Could not find any running Ray instance" in str(err):
-                raise ConfigError(f"launch-ray: no Ray cluster is running at --address {address}; start one with "
-                                  "`ray start --head` (token authentication: docs/security.md), or try on this "
-                                  "machine alone with --address local") from None
-            raise ConfigError(f"launch-ray: cannot join the Ray cluster at {address} ({why}); with token authentication "
-                              "export RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH=<the cluster's token file> first "
-                              "(docs/security.md)") from None
+                raise ConfigError(
+                    f"launch-ray: no Ray cluster is running at --address {address}; start one with "
+                    "`ray start --head` (token authentication: docs/security.md), or try on this "
+                    "machine alone with --address local"
+                ) from None
+            raise ConfigError(
+                f"launch-ray: cannot join the Ray cluster at {address} ({why}); with token authentication "
+                "export RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH=<the cluster's token file> first "
+                "(docs/security.md)"
+            ) from None
     if not insecure:
         try:
             require_token_auth(ray.get_runtime_context().gcs_address)
@@ -174,9 +191,14 @@ def launch(cfg, placement: Placement, train_fn, *, address: str = "auto", ray_in
     ray.get(pg.ready(), timeout=600)
     try:
         worker = _worker_class()
-        actors = [worker.options(num_cpus=p.cpus_per_worker, num_gpus=p.gpus_per_worker,
-                                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
-                  .remote() for i in range(p.world_size)]
+        actors = [
+            worker.options(
+                num_cpus=p.cpus_per_worker,
+                num_gpus=p.gpus_per_worker,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+            ).remote()
+            for i in range(p.world_size)
+        ]
         where = ray.get([a.address.remote() for a in actors])
         # ranks in node order, so LOCAL_RANK counts the ranks of one machine
         order = sorted(range(len(actors)), key=lambda i: (where[i][1] != where[0][1], where[i][1], i))
@@ -188,8 +210,13 @@ def launch(cfg, placement: Placement, train_fn, *, address: str = "auto", ray_in
             node = where[i][1]
             local_rank = local_counts.get(node, 0)
             local_counts[node] = local_rank + 1
-            env = {"RANK": str(rank), "WORLD_SIZE": str(p.world_size), "LOCAL_RANK": str(local_rank),
-                   "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
+            env = {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(p.world_size),
+                "LOCAL_RANK": str(local_rank),
+                "MASTER_ADDR": master_addr,
+                "MASTER_PORT": str(master_port),
+            }
             runs.append(actors[i].train.remote(train_fn, dump_yaml(cfg), env))
         workers = [f"rank {rank} (pid {where[i][2]} on {where[i][0]})" for rank, i in enumerate(order)]
         return wait_for_ranks(runs, workers, cfg.run_dir, [actors[i] for i in order])[0]
@@ -229,7 +256,8 @@ def wait_for_ranks(runs: list, workers: list[str], run_dir, actors: list) -> lis
             why = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
             raise WorkerLostError(
                 f"launch-ray: the worker of {workers[runs.index(done[0])]} died mid-run ({type(err).__name__}: {why}); "
-                "the job is stopped; launch it again to resume from " + (str(last) if last else "the start (no checkpoint yet)")
+                "the job is stopped; launch it again to resume from "
+                + (str(last) if last else "the start (no checkpoint yet)")
             ) from None
         except Exception as err:  # a rank's own error: wait a little for a lost worker that caused it
             failed = failed or err

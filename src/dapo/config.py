@@ -109,7 +109,9 @@ class RolloutConfig:
     seed: int = 0  # base seed; each generation round derives its own
     gpu_memory_utilization: float = 0.6  # vllm: share of GPU memory for weights + KV cache
     tensor_parallel_size: int = 1  # vllm: GPUs one engine's weights are split over
-    kv_cache_gib: float | None = None  # vllm: KV-cache size in GiB; null: what gpu_memory_utilization leaves on a GPU, 1 GiB on CPU
+    kv_cache_gib: float | None = (
+        None  # vllm: KV-cache size in GiB; null: what gpu_memory_utilization leaves on a GPU, 1 GiB on CPU
+    )
 
 
 @dataclass
@@ -126,7 +128,9 @@ class AlgoConfig:
     eps_low: float = 0.2  # lower clip: ratio >= 1 - eps_low (DAPO sec. 3.1)
     eps_high: float = 0.28  # upper clip: ratio <= 1 + eps_high (Clip-Higher)
     dual_clip: float | None = 10.0  # bound on the loss of negative-advantage tokens (reference recipe); null disables
-    loss_agg: LossAgg = "token-mean"  # token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum-norm (Dr. GRPO)
+    loss_agg: LossAgg = (
+        "token-mean"  # token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum-norm (Dr. GRPO)
+    )
     scale_adv_by_std: bool = True  # False gives Dr. GRPO's advantage (no division by the group std)
     kl_coef: float = 0.0  # KL-loss weight to the initial policy; 0 means no reference model (DAPO)
     kl_kind: KlKind = "k3"  # KL estimator
@@ -148,12 +152,16 @@ class AlgoConfig:
     # how many surplus informative groups (beyond train.prompts_per_step) wait for the next step; a count, so
     # 0 keeps none and discards every surplus group, as the reference does
     buffer_max_groups: int = 0
-    buffer_logp: BufferLogp = "trainer"  # a buffered group's behaviour log-probs: trainer (computed when buffered) or engine (vllm's)
+    buffer_logp: BufferLogp = (
+        "trainer"  # a buffered group's behaviour log-probs: trainer (computed when buffered) or engine (vllm's)
+    )
     # where old_logp comes from: recompute (a forward pass over the batch before the update, the reference),
     # first_update (the first mini-batch's from the update's own forward, detached: exact, the weights have not
     # moved yet; the pass runs over the other rows) or engine (vLLM's sampling log-probs, no pass; float32 only)
     old_logp: OldLogp = "recompute"
-    rollout_is_cap: float | None = None  # C: each token's loss x min(pi_old / pi_rollout, C) on vllm's log-probs; null: off (the reference)
+    rollout_is_cap: float | None = (
+        None  # C: each token's loss x min(pi_old / pi_rollout, C) on vllm's log-probs; null: off (the reference)
+    )
 
 
 @dataclass
@@ -161,9 +169,15 @@ class TrainConfig:
     total_steps: int = 60  # training steps (one rollout batch and its optimizer updates each)
     prompts_per_step: int = 32  # P: prompts in a training batch (the paper: 512)
     mini_batch_prompts: int = 8  # prompts per optimizer update; P / this = updates per step (the paper: 32 -> 16)
-    max_tokens_per_micro_batch: int = 8192  # token budget of one forward/backward pass (padded rows x longest, or packed)
-    micro_batch_size: int | None = None  # optional cap on responses per forward/backward pass; null: the token budget alone
-    pack_sequences: PackSequences = "auto"  # auto (pack when the model uses flash-attention varlen kernels), true or false
+    max_tokens_per_micro_batch: int = (
+        8192  # token budget of one forward/backward pass (padded rows x longest, or packed)
+    )
+    micro_batch_size: int | None = (
+        None  # optional cap on responses per forward/backward pass; null: the token budget alone
+    )
+    pack_sequences: PackSequences = (
+        "auto"  # auto (pack when the model uses flash-attention varlen kernels), true or false
+    )
     # run each distinct prompt of a micro-batch once and let its responses attend to that one copy of its keys and
     # values (the G rows of a group share it) instead of recomputing the prompt per row; padded rows only (eager or
     # sdpa attention, full-attention models). Off: the reference recomputes the prompt for every row
@@ -175,7 +189,9 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0  # max gradient norm; a step with a non-finite norm is skipped
     seed: int = 0  # model init / dropout / everything not seeded elsewhere
-    cpu_offload: bool = False  # FSDP (several ranks) only: keep parameter shards, gradients and AdamW state in CPU memory
+    cpu_offload: bool = (
+        False  # FSDP (several ranks) only: keep parameter shards, gradients and AdamW state in CPU memory
+    )
 
 
 @dataclass
@@ -200,7 +216,8 @@ class WandbConfig:
     project: str | None = None  # null: WANDB_PROJECT, else "dapo"
     entity: str | None = None  # team or user; null: WANDB_ENTITY, else your default entity
     name: str | None = None  # the run's display name; null: run.name
-    # online, offline (files under <run>/wandb/, uploaded later by `wandb sync`) or disabled; null: WANDB_MODE, else online
+    # online, offline (files under <run>/wandb/, uploaded later by `wandb sync`) or disabled; null: WANDB_MODE, else
+    # online
     mode: WandbMode | None = None
 
 
@@ -226,21 +243,26 @@ class RunConfig:
     resume: bool = True  # continue from the run directory's latest checkpoint
     overwrite: bool = False  # with resume=false: move an earlier run in the directory aside (<name>.<date-time>) first
     samples_per_step: int = 4  # decoded responses written to samples/ each step
-    # where metrics go besides metrics.jsonl (always written): console (one line per step), tensorboard (<run>/tensorboard/),
+    # where metrics go besides metrics.jsonl (always written): console (one line per step), tensorboard
+    # (<run>/tensorboard/),
     # wandb (Weights & Biases, pip install 'dapo[wandb]'), mlflow (pip install 'dapo[mlflow]'); rank 0 only
     loggers: list[Logger] = field(default_factory=lambda: ["console", "tensorboard"])
     wandb: WandbConfig = field(default_factory=WandbConfig)  # with wandb in run.loggers
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)  # with mlflow in run.loggers
     progress: bool = True  # console progress bar (with console in run.loggers)
-    log_level: LogLevel = "warning"  # library messages (vLLM, Ray, transformers) on the console: debug, info, warning or error; train.log has them all
+    # library messages (vLLM, Ray, transformers) on the console: debug, info, warning or error; train.log has them all
+    log_level: LogLevel = "warning"
     # the step watchdog (docs/reliability.md): a phase of a step (generate, reward, old_logprob, update, weight_sync,
     # checkpoint, eval) that runs past watchdog_factor x its slowest completed run (at least watchdog_floor_s; its first
     # run: watchdog_first_s) writes every thread's stack to the rank's train.log and prints one line naming the rank and
-    # the phase; past watchdog_exit_factor x that limit the process ends with exit code 124, to be restarted into a resume
+    # the phase; past watchdog_exit_factor x that limit the process ends with exit code 124, to be restarted into a
+    # resume
     watchdog: bool = True
     watchdog_factor: float = 5.0
     watchdog_floor_s: float = 600.0  # no phase is late sooner (noise in short phases)
-    watchdog_first_s: float = 1800.0  # the limit of a phase that has not completed once yet (first generation, evaluation)
+    watchdog_first_s: float = (
+        1800.0  # the limit of a phase that has not completed once yet (first generation, evaluation)
+    )
     watchdog_exit_factor: float = 3.0  # > 1: the process ends at this multiple of the phase's limit
     # optimizer updates in a row whose loss or gradient norm is not finite (each skipped, the weights and AdamW state
     # left as they were) before the run stops saying what to check; null: skip them and go on (the reference)
@@ -327,7 +349,9 @@ def _coerce(key: str, value, tp):
 
 
 # keys of earlier versions -> what replaced them (a preset or override still naming one is told the fix)
-REPLACED = {"run.tensorboard": "run.loggers lists the loggers: leave tensorboard out to write none, e.g. run.loggers=console"}
+REPLACED = {
+    "run.tensorboard": "run.loggers lists the loggers: leave tensorboard out to write none, e.g. run.loggers=console"
+}
 
 
 def _merge(obj, overrides: dict, prefix: str = ""):
@@ -371,8 +395,10 @@ def _dotted_to_nested(items: list[str]) -> dict:
 def _read_preset(path: Path, seen: tuple = ()) -> list[dict]:
     """The preset and the presets it names with ``base:`` (a path or a list, relative to it), bases first, in order."""
     if not path.exists():
-        raise ConfigError(f"config file {path} does not exist; give a YAML file or a shipped preset's name "
-                          f"({', '.join(preset_names())})")
+        raise ConfigError(
+            f"config file {path} does not exist; give a YAML file or a shipped preset's name "
+            f"({', '.join(preset_names())})"
+        )
     if path.resolve() in seen:
         raise ConfigError(f"{path}: 'base' presets form a cycle")
     try:
@@ -459,7 +485,7 @@ REFUSED_CHOICES = {
     "model.dtype": {
         # float16's 5 exponent bits underflow most small gradients to 0 without a loss scaler, which dapo does not have
         "float16": "training in float16 needs loss scaling, which dapo does not do (most small gradients underflow "
-                   "to 0); use model.dtype=bfloat16 (the same memory, float32's range) or float32",
+        "to 0); use model.dtype=bfloat16 (the same memory, float32's range) or float32",
     },
 }
 
@@ -481,15 +507,21 @@ def _check_fields(obj, prefix: str = "") -> None:
             choices = typing.get_args(item_tp)
             if is_list:
                 bad = [v for v in value if v not in choices]
-                _check(not bad, f"{prefix}{f.name}={_spelled(value)}: {bad[0]!r} is not one of {', '.join(choices)}"
-                                if bad else "")
+                _check(
+                    not bad,
+                    f"{prefix}{f.name}={_spelled(value)}: {bad[0]!r} is not one of {', '.join(choices)}" if bad else "",
+                )
             else:
-                _check(value not in REFUSED_CHOICES.get(f"{prefix}{f.name}", {}),
-                       f"{prefix}{f.name}={value}: {REFUSED_CHOICES.get(f'{prefix}{f.name}', {}).get(value)}")
+                _check(
+                    value not in REFUSED_CHOICES.get(f"{prefix}{f.name}", {}),
+                    f"{prefix}{f.name}={value}: {REFUSED_CHOICES.get(f'{prefix}{f.name}', {}).get(value)}",
+                )
                 _check(value in choices, f"{prefix}{f.name}={value!r}: choose {_or_list(choices)}")
         for v in value if isinstance(value, list) else [value]:
-            _check(not isinstance(v, float) or math.isfinite(v),
-                   f"{prefix}{f.name}={value}: must be a finite number (inf or nan would switch its limit off)")
+            _check(
+                not isinstance(v, float) or math.isfinite(v),
+                f"{prefix}{f.name}={value}: must be a finite number (inf or nan would switch its limit off)",
+            )
 
 
 def _check_unset_or_positive(key: str, value, unset: str) -> None:
@@ -507,57 +539,101 @@ def validate(cfg: Config) -> None:
     _check(a.kl_coef >= 0.0, f"algo.kl_coef={a.kl_coef}: must be >= 0")
     _check_unset_or_positive("algo.max_gen_rounds", a.max_gen_rounds, "no cap")
     _check(a.oversample >= 1.0, f"algo.oversample={a.oversample}: must be >= 1")
-    _check(a.buffer_max_groups >= 0, f"algo.buffer_max_groups={a.buffer_max_groups}: must be >= 0 (0 = keep no surplus groups)")
-    _check(a.buffer_logp == "trainer" or r.backend == "vllm",
-           f"algo.buffer_logp=engine: rollout.backend={r.backend} reports no log-probs; use rollout.backend=vllm or trainer")
-    _check(a.rollout_is_cap is None or a.rollout_is_cap >= 1.0,
-           f"algo.rollout_is_cap={a.rollout_is_cap}: must be >= 1 (a cap below 1 would shrink every token), or null (off)")
-    _check(a.rollout_is_cap is None or r.backend == "vllm",
-           f"algo.rollout_is_cap={a.rollout_is_cap}: needs the engine's log-probs; rollout.backend={r.backend} has none (use vllm)")
-    _check(a.old_logp != "engine" or r.backend in ("vllm", "auto"),
-           f"algo.old_logp=engine: rollout.backend={r.backend} reports no log-probs; use rollout.backend=vllm")
-    _check(a.old_logp != "engine" or cfg.model.dtype == "float32",
-           f"algo.old_logp=engine: model.dtype={cfg.model.dtype} makes vLLM's log-probs differ from the trainer's; use float32")
-    _check(a.old_logp != "engine" or (r.top_p == 1.0 and r.top_k is None),
-           f"algo.old_logp=engine: vLLM's log-probs are of the top-p/top-k truncated distribution (rollout.top_p={r.top_p}, "
-           f"rollout.top_k={r.top_k}), the trainer's of the full one; use top_p 1.0 and no top_k, or recompute")
-    _check(a.old_logp == "recompute" or a.rollout_is_cap is None,
-           f"algo.old_logp={a.old_logp}: algo.rollout_is_cap weighs by pi_old / pi_rollout from the recomputed pass; use recompute")
-    _check(a.truncated_in_group_stats or a.overlong_filtering,
-           "algo.truncated_in_group_stats=false only applies with algo.overlong_filtering=true (masked rows need no advantage)")
+    _check(
+        a.buffer_max_groups >= 0,
+        f"algo.buffer_max_groups={a.buffer_max_groups}: must be >= 0 (0 = keep no surplus groups)",
+    )
+    _check(
+        a.buffer_logp == "trainer" or r.backend == "vllm",
+        f"algo.buffer_logp=engine: rollout.backend={r.backend} reports no log-probs; use "
+        "rollout.backend=vllm or trainer",
+    )
+    _check(
+        a.rollout_is_cap is None or a.rollout_is_cap >= 1.0,
+        f"algo.rollout_is_cap={a.rollout_is_cap}: must be >= 1 (a cap below 1 would shrink every token), or null (off)",
+    )
+    _check(
+        a.rollout_is_cap is None or r.backend == "vllm",
+        f"algo.rollout_is_cap={a.rollout_is_cap}: needs the engine's log-probs; "
+        f"rollout.backend={r.backend} has none (use vllm)",
+    )
+    _check(
+        a.old_logp != "engine" or r.backend in ("vllm", "auto"),
+        f"algo.old_logp=engine: rollout.backend={r.backend} reports no log-probs; use rollout.backend=vllm",
+    )
+    _check(
+        a.old_logp != "engine" or cfg.model.dtype == "float32",
+        f"algo.old_logp=engine: model.dtype={cfg.model.dtype} makes vLLM's log-probs differ from the "
+        "trainer's; use float32",
+    )
+    _check(
+        a.old_logp != "engine" or (r.top_p == 1.0 and r.top_k is None),
+        "algo.old_logp=engine: vLLM's log-probs are of the top-p/top-k truncated distribution "
+        f"(rollout.top_p={r.top_p}, "
+        f"rollout.top_k={r.top_k}), the trainer's of the full one; use top_p 1.0 and no top_k, or recompute",
+    )
+    _check(
+        a.old_logp == "recompute" or a.rollout_is_cap is None,
+        f"algo.old_logp={a.old_logp}: algo.rollout_is_cap weighs by pi_old / pi_rollout from the "
+        "recomputed pass; use recompute",
+    )
+    _check(
+        a.truncated_in_group_stats or a.overlong_filtering,
+        "algo.truncated_in_group_stats=false only applies with algo.overlong_filtering=true (masked "
+        "rows need no advantage)",
+    )
     _check(a.correct_reward > a.wrong_reward, "algo.correct_reward must be greater than algo.wrong_reward")
     if a.soft_overlong_punishment:
-        _check(0 < a.overlong_buffer_tokens <= r.max_response_tokens,
-               f"algo.overlong_buffer_tokens={a.overlong_buffer_tokens}: must be in (0, rollout.max_response_tokens="
-               f"{r.max_response_tokens}]; the buffer cannot be longer than the maximum length")
+        _check(
+            0 < a.overlong_buffer_tokens <= r.max_response_tokens,
+            f"algo.overlong_buffer_tokens={a.overlong_buffer_tokens}: must be in (0, rollout.max_response_tokens="
+            f"{r.max_response_tokens}]; the buffer cannot be longer than the maximum length",
+        )
         _check(a.overlong_penalty_factor >= 0, "algo.overlong_penalty_factor must be >= 0")
     lora = cfg.model.lora
     _check_unset_or_positive("model.lora.rank", lora.rank, "off: every weight trains")
     _check_unset_or_positive("model.lora.alpha", lora.alpha, "2 x rank")
     _check(0.0 <= lora.dropout < 1.0, f"model.lora.dropout={lora.dropout}: must be in [0, 1)")
-    _check(len(lora.target_modules) > 0 and all(lora.target_modules),
-           f"model.lora.target_modules={lora.target_modules}: name at least one linear layer, e.g. [q_proj,v_proj]")
-    _check(lora.dropout == 0 or a.old_logp != "first_update",
-           f"model.lora.dropout={lora.dropout}: algo.old_logp=first_update would take old_logp from a forward with "
-           "dropout; use algo.old_logp=recompute, or model.lora.dropout=0")
+    _check(
+        len(lora.target_modules) > 0 and all(lora.target_modules),
+        f"model.lora.target_modules={lora.target_modules}: name at least one linear layer, e.g. [q_proj,v_proj]",
+    )
+    _check(
+        lora.dropout == 0 or a.old_logp != "first_update",
+        f"model.lora.dropout={lora.dropout}: algo.old_logp=first_update would take old_logp from a forward with "
+        "dropout; use algo.old_logp=recompute, or model.lora.dropout=0",
+    )
     _check(r.group_size >= 2, f"rollout.group_size={r.group_size}: must be >= 2 for group-relative advantages")
     _check(r.max_response_tokens > 0, "rollout.max_response_tokens must be > 0")
     _check(r.temperature > 0, f"rollout.temperature={r.temperature}: must be > 0 (log-probs divide by it)")
     _check(0 < r.top_p <= 1.0, f"rollout.top_p={r.top_p}: must be in (0, 1]")
     _check_unset_or_positive("rollout.top_k", r.top_k, "no top-k")
-    _check(0 < r.gpu_memory_utilization <= 1.0, f"rollout.gpu_memory_utilization={r.gpu_memory_utilization}: must be in (0, 1]")
+    _check(
+        0 < r.gpu_memory_utilization <= 1.0,
+        f"rollout.gpu_memory_utilization={r.gpu_memory_utilization}: must be in (0, 1]",
+    )
     _check(r.tensor_parallel_size >= 1, f"rollout.tensor_parallel_size={r.tensor_parallel_size}: must be >= 1")
     _check_unset_or_positive("rollout.kv_cache_gib", r.kv_cache_gib, "sized from rollout.gpu_memory_utilization")
-    _check(t.prompts_per_step > 0 and t.mini_batch_prompts > 0, "train.prompts_per_step and train.mini_batch_prompts must be > 0")
-    _check(t.prompts_per_step % t.mini_batch_prompts == 0,
-           f"train.prompts_per_step={t.prompts_per_step} is not divisible by train.mini_batch_prompts="
-           f"{t.mini_batch_prompts}; pick a divisor so every optimizer update sees the same number of prompts")
-    _check(not (t.share_prompt_prefix and t.pack_sequences == "true"),
-           "train.share_prompt_prefix=true shares a prompt across padded rows; packed rows (train.pack_sequences=true) "
-           "have none: set train.pack_sequences=auto or false, or train.share_prompt_prefix=false")
+    _check(
+        t.prompts_per_step > 0 and t.mini_batch_prompts > 0,
+        "train.prompts_per_step and train.mini_batch_prompts must be > 0",
+    )
+    _check(
+        t.prompts_per_step % t.mini_batch_prompts == 0,
+        f"train.prompts_per_step={t.prompts_per_step} is not divisible by train.mini_batch_prompts="
+        f"{t.mini_batch_prompts}; pick a divisor so every optimizer update sees the same number of prompts",
+    )
+    _check(
+        not (t.share_prompt_prefix and t.pack_sequences == "true"),
+        "train.share_prompt_prefix=true shares a prompt across padded rows; packed rows (train.pack_sequences=true) "
+        "have none: set train.pack_sequences=auto or false, or train.share_prompt_prefix=false",
+    )
     _check(t.max_tokens_per_micro_batch > 0, "train.max_tokens_per_micro_batch must be > 0 (tokens per forward pass)")
     _check_unset_or_positive("train.micro_batch_size", t.micro_batch_size, "no cap on rows")
-    _check(t.total_steps >= 0 and t.warmup_steps >= 0 and t.ppo_epochs >= 1, "train.total_steps/warmup_steps >= 0, ppo_epochs >= 1")
+    _check(
+        t.total_steps >= 0 and t.warmup_steps >= 0 and t.ppo_epochs >= 1,
+        "train.total_steps/warmup_steps >= 0, ppo_epochs >= 1",
+    )
     _check(t.lr > 0, f"train.lr={t.lr}: must be > 0")
     _check(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), f"train.betas={t.betas}: two numbers in [0, 1)")
     _check(t.grad_clip > 0, "train.grad_clip must be > 0")
@@ -570,25 +646,40 @@ def validate(cfg: Config) -> None:
     _check_unset_or_positive("eval.num_problems", e.num_problems, "all problems")
     _check_unset_or_positive("eval.n", e.n, "the benchmark's own")
     _check_unset_or_positive("eval.max_response_tokens", e.max_response_tokens, "the benchmark's own or the rollout's")
-    _check(e.top_p is None or 0 < e.top_p <= 1.0, f"eval.top_p={e.top_p}: must be in (0, 1], or null (the benchmark's own)")
-    _check(e.temperature is None or e.temperature >= 0,
-           f"eval.temperature={e.temperature}: must be >= 0 (0 = greedy), or null (the benchmark's own)")
+    _check(
+        e.top_p is None or 0 < e.top_p <= 1.0, f"eval.top_p={e.top_p}: must be in (0, 1], or null (the benchmark's own)"
+    )
+    _check(
+        e.temperature is None or e.temperature >= 0,
+        f"eval.temperature={e.temperature}: must be >= 0 (0 = greedy), or null (the benchmark's own)",
+    )
     _check_unset_or_positive("run.save_every", cfg.run.save_every, "only at the end")
     rc = cfg.run
-    _check(rc.watchdog_factor >= 1.0, f"run.watchdog_factor={rc.watchdog_factor}: must be >= 1 (a phase is late past this "
-                                      "multiple of its slowest completed run); switch the watchdog off with run.watchdog=false")
+    _check(
+        rc.watchdog_factor >= 1.0,
+        f"run.watchdog_factor={rc.watchdog_factor}: must be >= 1 (a phase is late past this "
+        "multiple of its slowest completed run); switch the watchdog off with run.watchdog=false",
+    )
     for key in ("watchdog_floor_s", "watchdog_first_s"):
-        _check(getattr(rc, key) > 0, f"run.{key}={getattr(rc, key)}: must be > 0 seconds; "
-                                     "switch the watchdog off with run.watchdog=false")
-    _check(rc.watchdog_exit_factor > 1.0,
-           f"run.watchdog_exit_factor={rc.watchdog_exit_factor}: must be > 1 (the process ends at this multiple of a "
-           "phase's limit, after the late line and the stacks); switch the watchdog off with run.watchdog=false")
+        _check(
+            getattr(rc, key) > 0,
+            f"run.{key}={getattr(rc, key)}: must be > 0 seconds; switch the watchdog off with run.watchdog=false",
+        )
+    _check(
+        rc.watchdog_exit_factor > 1.0,
+        f"run.watchdog_exit_factor={rc.watchdog_exit_factor}: must be > 1 (the process ends at this multiple of a "
+        "phase's limit, after the late line and the stacks); switch the watchdog off with run.watchdog=false",
+    )
     _check_unset_or_positive("run.max_nonfinite_in_a_row", rc.max_nonfinite_in_a_row, "never stop, skip them all")
     _check(cfg.run.keep_checkpoints >= 1, f"run.keep_checkpoints={cfg.run.keep_checkpoints}: must be >= 1")
     name = cfg.run.name
     # the run lives in run.dir/run.name: '..', '/x' or 'a/b' would write into (or over) another directory
-    _check(name not in ("", ".", "..") and Path(name).name == name and not any(c in name for c in "/\\\0"),
-           f"run.name={name!r}: must be one plain directory name (not empty, '.' or '..', no '/' or '\\'), "
-           "e.g. run.name=demo2; put the parent directory in run.dir")
-    _check(not (cfg.run.overwrite and cfg.run.resume),
-           "run.overwrite=true moves an earlier run aside to start afresh: set run.resume=false with it")
+    _check(
+        name not in ("", ".", "..") and Path(name).name == name and not any(c in name for c in "/\\\0"),
+        f"run.name={name!r}: must be one plain directory name (not empty, '.' or '..', no '/' or '\\'), "
+        "e.g. run.name=demo2; put the parent directory in run.dir",
+    )
+    _check(
+        not (cfg.run.overwrite and cfg.run.resume),
+        "run.overwrite=true moves an earlier run aside to start afresh: set run.resume=false with it",
+    )

@@ -21,9 +21,10 @@ import os
 import random
 import sys
 import typing
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Literal, Sequence
+from typing import Any, Literal
 
 from dapo.resources import shipped
 
@@ -108,9 +109,7 @@ def render_prompt(example: Example, tokenizer) -> str:
     """The exact text to feed the model: the tokenizer's chat template when it has one
     (with the generation prompt appended), else the plain prompt text."""
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(
-            example.messages(), add_generation_prompt=True, tokenize=False
-        )
+        return tokenizer.apply_chat_template(example.messages(), add_generation_prompt=True, tokenize=False)
     return example.text()
 
 
@@ -170,8 +169,15 @@ def load_examples(
     if not path.is_file():
         raise DataError(f"{name}: no such file; check the path (data files live under data/)")
     default_source = data_source or _default_source(path)
-    out = _examples(_iter_rows(path, max_row_chars), lambda row_no: f"{name}: row {row_no}", template=template,
-                    default_source=default_source, data_source=data_source, dedup=dedup, limit=limit)
+    out = _examples(
+        _iter_rows(path, max_row_chars),
+        lambda row_no: f"{name}: row {row_no}",
+        template=template,
+        default_source=default_source,
+        data_source=data_source,
+        dedup=dedup,
+        limit=limit,
+    )
     if not out:
         raise DataError(f"{name}: no examples in the file; it needs at least one row")
     return out
@@ -193,25 +199,42 @@ def examples_from_rows(
     if template not in _templates():
         raise ValueError(f"unknown prompt template {template!r}; choose one of {list(_templates())}")
     if isinstance(rows, (str, bytes, dict)) or not isinstance(rows, Sequence):
-        raise DataError(f"{name}: expected a list of dicts such as {{'problem': ..., 'answer': ...}}, "
-                        f"got {type(rows).__name__}")
+        raise DataError(
+            f"{name}: expected a list of dicts such as {{'problem': ..., 'answer': ...}}, got {type(rows).__name__}"
+        )
 
     def numbered() -> Iterator[tuple[int, Any]]:
         for i, row in enumerate(rows):
             if _text_chars(row) > max_row_chars:
-                raise DataError(f"{name}[{i}]: longer than data.max_row_chars={max_row_chars:,} characters; "
-                                "shorten or drop the row, or raise data.max_row_chars")
+                raise DataError(
+                    f"{name}[{i}]: longer than data.max_row_chars={max_row_chars:,} characters; "
+                    "shorten or drop the row, or raise data.max_row_chars"
+                )
             yield i + 1, row
 
-    out = _examples(numbered(), lambda row_no: f"{name}[{row_no - 1}]", template=template,
-                    default_source=data_source or name, data_source=data_source, dedup=dedup)
+    out = _examples(
+        numbered(),
+        lambda row_no: f"{name}[{row_no - 1}]",
+        template=template,
+        default_source=data_source or name,
+        data_source=data_source,
+        dedup=dedup,
+    )
     if not out:
         raise DataError(f"{name}: no rows; give at least one {{'problem': ..., 'answer': ...}}")
     return out
 
 
-def _examples(rows: Iterable[tuple[int, Any]], where_of, *, template: str, default_source: str,
-              data_source: str | None, dedup: bool, limit: int | None = None) -> list[Example]:
+def _examples(
+    rows: Iterable[tuple[int, Any]],
+    where_of,
+    *,
+    template: str,
+    default_source: str,
+    data_source: str | None,
+    dedup: bool,
+    limit: int | None = None,
+) -> list[Example]:
     """Numbered rows into Examples, the layout decided by the first row; ``where_of(row_no)`` names a row."""
     layout = None
     seen: set = set()
@@ -219,9 +242,7 @@ def _examples(rows: Iterable[tuple[int, Any]], where_of, *, template: str, defau
     for row_no, row in rows:
         where = where_of(row_no)
         if not isinstance(row, dict):
-            raise DataError(
-                f"{where}: expected a JSON object with the problem's fields, got {type(row).__name__}"
-            )
+            raise DataError(f"{where}: expected a JSON object with the problem's fields, got {type(row).__name__}")
         if layout is None:
             layout = _detect_layout(row, where)
         ex = _parse_row(layout, row, row_no, where, template, default_source, data_source)
@@ -250,9 +271,7 @@ def _iter_rows(path: Path, max_row_chars: int) -> Iterator[tuple[int, Any]]:
     elif suffix == ".parquet":
         yield from _iter_parquet(path, max_row_chars)
     else:
-        raise DataError(
-            f"{path}: unsupported file type {suffix or '(none)'!r}; use a .jsonl or .parquet file"
-        )
+        raise DataError(f"{path}: unsupported file type {suffix or '(none)'!r}; use a .jsonl or .parquet file")
 
 
 def _too_long(path: Path, row_no: int, max_row_chars: int) -> DataError:
@@ -367,16 +386,14 @@ def _answer_text(value: Any, field: str, where: str, layout: str) -> str:
             raise DataError(f"{where}: field '{field}' is empty; {_LAYOUT_HINT[layout]}")
         return _no_nul(value.strip(), field, where)
     raise DataError(
-        f"{where}: field '{field}' must be a string or a number, got {type(value).__name__}; "
-        f"{_LAYOUT_HINT[layout]}"
+        f"{where}: field '{field}' must be a string or a number, got {type(value).__name__}; {_LAYOUT_HINT[layout]}"
     )
 
 
 def _text(value: Any, field: str, where: str, layout: str) -> str:
     if not isinstance(value, str):
         raise DataError(
-            f"{where}: field '{field}' must be a string, got {type(value).__name__}; "
-            f"{_LAYOUT_HINT[layout]}"
+            f"{where}: field '{field}' must be a string, got {type(value).__name__}; {_LAYOUT_HINT[layout]}"
         )
     if not value.strip():
         raise DataError(f"{where}: field '{field}' is empty; {_LAYOUT_HINT[layout]}")
@@ -398,11 +415,7 @@ def _chat(value: Any, where: str, template: str) -> tuple:
         )
     messages = []
     for i, m in enumerate(value):
-        if (
-            not isinstance(m, dict)
-            or not isinstance(m.get("role"), str)
-            or not isinstance(m.get("content"), str)
-        ):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise DataError(
                 f"{where}: field 'prompt[{i}]' must be a {{role, content}} message with string "
                 f"values; {_LAYOUT_HINT['dapo']}"
@@ -466,14 +479,10 @@ def _parse_row(
         prompt = apply_template(question, template)
         answer = _text(_field(row, "answer", where, layout), "answer", where, layout)
         if "####" not in answer:
-            raise DataError(
-                f"{where}: field 'answer' has no '#### <number>' final line; {_LAYOUT_HINT[layout]}"
-            )
+            raise DataError(f"{where}: field 'answer' has no '#### <number>' final line; {_LAYOUT_HINT[layout]}")
         truth = answer.rsplit("####", 1)[1].strip().replace(",", "")
         if not truth:
-            raise DataError(
-                f"{where}: field 'answer' has nothing after '####'; {_LAYOUT_HINT[layout]}"
-            )
+            raise DataError(f"{where}: field 'answer' has nothing after '####'; {_LAYOUT_HINT[layout]}")
     source = source_override or row_source or default_source
     return Example(uid=uid, prompt=prompt, ground_truth=truth, data_source=source)
 
@@ -546,9 +555,7 @@ class PromptSampler:
     def load_state_dict(self, state: dict) -> None:
         missing = {"seed", "shuffle", "epoch", "position", "num_examples"} - set(state)
         if missing:
-            raise ValueError(
-                f"sampler state is missing {sorted(missing)}; pass the dict from state_dict()"
-            )
+            raise ValueError(f"sampler state is missing {sorted(missing)}; pass the dict from state_dict()")
         if state["num_examples"] != len(self._examples):
             raise ValueError(
                 f"sampler state was saved for {state['num_examples']} examples but this data set has "

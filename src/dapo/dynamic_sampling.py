@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
 import torch
 
@@ -56,22 +56,29 @@ class Scorer:
         self.max_response_tokens = max_response_tokens
         self.reward_from_score = reward_from_score
 
-    def __call__(self, texts: list[str], ground_truths: list[str], data_sources: list[str], lengths, truncated) -> Scored:
+    def __call__(
+        self, texts: list[str], ground_truths: list[str], data_sources: list[str], lengths, truncated
+    ) -> Scored:
         result = self.pool.score(texts, ground_truths, graders_for(data_sources, self.grader))
         acc = torch.tensor([float(g.acc) for g in result.grades])  # (N,)
         if self.reward_from_score:
-            reward = torch.tensor([self.a.wrong_reward if g.pred in (TIMEOUT_PRED, CRASH_PRED) else g.score
-                                   for g in result.grades], dtype=torch.float32)  # (N,)
+            reward = torch.tensor(
+                [self.a.wrong_reward if g.pred in (TIMEOUT_PRED, CRASH_PRED) else g.score for g in result.grades],
+                dtype=torch.float32,
+            )  # (N,)
         else:
             reward = torch.where(acc > 0, self.a.correct_reward, self.a.wrong_reward)  # (N,)
         penalty = torch.zeros_like(reward)
         if self.a.soft_overlong_punishment:
             penalty = algo.overlong_penalty(
-                lengths, max_response_tokens=self.max_response_tokens,
-                overlong_buffer_tokens=self.a.overlong_buffer_tokens, penalty_factor=self.a.overlong_penalty_factor,
+                lengths,
+                max_response_tokens=self.max_response_tokens,
+                overlong_buffer_tokens=self.a.overlong_buffer_tokens,
+                penalty_factor=self.a.overlong_penalty_factor,
             )
-        return Scored(acc, reward + penalty, penalty, [g.pred for g in result.grades], result.num_timeouts,
-                      result.num_crashes)
+        return Scored(
+            acc, reward + penalty, penalty, [g.pred for g in result.grades], result.num_timeouts, result.num_crashes
+        )
 
 
 @dataclass
@@ -105,13 +112,27 @@ class BatchCollector:
     (``n``) and the sampling settings, each round getting its own seed.
     """
 
-    def __init__(self, *, engine, sampler, scorer: Callable[..., Scored], encode: Callable[[object], list[int]],
-                 sampling: SamplingParams, algo_cfg):
+    def __init__(
+        self,
+        *,
+        engine,
+        sampler,
+        scorer: Callable[..., Scored],
+        encode: Callable[[object], list[int]],
+        sampling: SamplingParams,
+        algo_cfg,
+    ):
         self.engine, self.sampler, self.scorer, self.encode = engine, sampler, scorer, encode
         self.sampling, self.a = sampling, algo_cfg
 
-    def collect(self, num_prompts: int, buffer: list[RolloutBatch], *, round_seed: Callable[[int], int],
-                keep_rate_estimate: float = 1.0) -> tuple[RolloutBatch | None, CollectStats]:
+    def collect(
+        self,
+        num_prompts: int,
+        buffer: list[RolloutBatch],
+        *,
+        round_seed: Callable[[int], int],
+        keep_rate_estimate: float = 1.0,
+    ) -> tuple[RolloutBatch | None, CollectStats]:
         """A batch of ``num_prompts`` informative groups (None if none came), and what it took.
 
         ``buffer`` (single-group batches held over from earlier steps) is consumed first and refilled
@@ -137,8 +158,10 @@ class BatchCollector:
         if not a.max_gen_rounds or stats.rounds < a.max_gen_rounds:
             return False
         stats.cap_hit = True
-        msg = (f"dynamic sampling hit algo.max_gen_rounds={a.max_gen_rounds} with {num_kept}/{num_prompts} "
-               "prompts kept; training on those (set algo.on_max_gen_rounds=fail to stop instead)")
+        msg = (
+            f"dynamic sampling hit algo.max_gen_rounds={a.max_gen_rounds} with {num_kept}/{num_prompts} "
+            "prompts kept; training on those (set algo.on_max_gen_rounds=fail to stop instead)"
+        )
         if a.on_max_gen_rounds == "fail":
             raise GenerationCapError(msg.split(";")[0] + "; raise algo.max_gen_rounds or use an easier dataset")
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
@@ -157,8 +180,13 @@ class BatchCollector:
         per_row = [ex for ex in examples for _ in range(G)]
         lengths = torch.tensor([len(r) for r in gen.response_ids])  # (N,)
         with phase("reward"):
-            scored = self.scorer(gen.texts, [ex.ground_truth for ex in per_row], [ex.data_source for ex in per_row],
-                                 lengths, gen.truncated)
+            scored = self.scorer(
+                gen.texts,
+                [ex.ground_truth for ex in per_row],
+                [ex.data_source for ex in per_row],
+                lengths,
+                gen.truncated,
+            )
         t2 = time.perf_counter()
         if a.dynamic_sampling:
             # filter on raw correctness, not the shaped reward: length shaping alone must not keep a group
@@ -183,15 +211,25 @@ class BatchCollector:
         stats.groups_dropped += int((~keep).sum())
         stats.keep_rates.append(float(keep.float().mean()))
         round_batch = RolloutBatch(
-            group_size=G, prompt_ids=gen.prompt_ids, response_ids=gen.response_ids, truncated=gen.truncated,
-            texts=gen.texts, example_uids=[ex.uid for ex in per_row], ground_truths=[ex.ground_truth for ex in per_row],
-            acc=scored.acc, reward=scored.reward, overlong_penalty=scored.overlong_penalty, preds=scored.preds,
+            group_size=G,
+            prompt_ids=gen.prompt_ids,
+            response_ids=gen.response_ids,
+            truncated=gen.truncated,
+            texts=gen.texts,
+            example_uids=[ex.uid for ex in per_row],
+            ground_truths=[ex.ground_truth for ex in per_row],
+            acc=scored.acc,
+            reward=scored.reward,
+            overlong_penalty=scored.overlong_penalty,
+            preds=scored.preds,
             rollout_logp=gen.logprobs or [],
         )
         return [round_batch.select_groups([i]) for i in torch.nonzero(keep).flatten().tolist()]
 
 
-def record_behaviour_logp(buffer: list[RolloutBatch], logprobs: Callable[[RolloutBatch], tuple], *, source: str) -> None:
+def record_behaviour_logp(
+    buffer: list[RolloutBatch], logprobs: Callable[[RolloutBatch], tuple], *, source: str
+) -> None:
     """Give each newly buffered group the log-probs of the weights that sampled it, in place.
 
     Call it after ``BatchCollector.collect`` and before the update, while the trainer still holds those
@@ -205,7 +243,9 @@ def record_behaviour_logp(buffer: list[RolloutBatch], logprobs: Callable[[Rollou
     if source == "engine":
         for b in new:
             if not b.rollout_logp:
-                raise ValueError("algo.buffer_logp=engine: the rollout engine reported no log-probs (use rollout.backend=vllm)")
+                raise ValueError(
+                    "algo.buffer_logp=engine: the rollout engine reported no log-probs (use rollout.backend=vllm)"
+                )
             b.behaviour_logp = [list(lp) for lp in b.rollout_logp]
         return
     joined = RolloutBatch.concat(new)

@@ -47,8 +47,13 @@ BENCHMARKS = {
 }
 
 
-def load_benchmark(name_or_path: str, *, template: str = "dapo", num_problems: int | None = None,
-                   max_row_chars: int = DEFAULT_MAX_ROW_CHARS):
+def load_benchmark(
+    name_or_path: str,
+    *,
+    template: str = "dapo",
+    num_problems: int | None = None,
+    max_row_chars: int = DEFAULT_MAX_ROW_CHARS,
+):
     """(Benchmark, examples) for a registered name, the built-in task, or a .jsonl/.parquet file."""
     from dapo.data import load_examples
 
@@ -84,10 +89,12 @@ def sampling_settings(bench: Benchmark, cfg, *, in_training: bool = False) -> di
     rollout.max_response_tokens instead, as the rollout engine is sized for the run's lengths."""
     e = cfg.eval
     own_limit = None if in_training else bench.max_response_tokens
-    return {"n": bench.n if e.n is None else e.n,
-            "temperature": bench.temperature if e.temperature is None else e.temperature,
-            "top_p": bench.top_p if e.top_p is None else e.top_p,
-            "max_new_tokens": e.max_response_tokens or own_limit or cfg.rollout.max_response_tokens}
+    return {
+        "n": bench.n if e.n is None else e.n,
+        "temperature": bench.temperature if e.temperature is None else e.temperature,
+        "top_p": bench.top_p if e.top_p is None else e.top_p,
+        "max_new_tokens": e.max_response_tokens or own_limit or cfg.rollout.max_response_tokens,
+    }
 
 
 # ---- the statistics --------------------------------------------------------------------------
@@ -143,17 +150,31 @@ class EvalResult:
 
     def metrics(self, prefix: str = "eval") -> dict[str, float]:
         avg = f"{prefix}/{self.name}/avg@{self.n}"
-        out = {avg: self.avg, f"{avg}_ci_low": self.ci[0], f"{avg}_ci_high": self.ci[1],
-               f"{prefix}/{self.name}/maj@{self.n}": self.maj,
-               f"{prefix}/{self.name}/response_length_mean": self.mean_length,
-               f"{prefix}/{self.name}/truncated_frac": self.truncated_frac}
+        out = {
+            avg: self.avg,
+            f"{avg}_ci_low": self.ci[0],
+            f"{avg}_ci_high": self.ci[1],
+            f"{prefix}/{self.name}/maj@{self.n}": self.maj,
+            f"{prefix}/{self.name}/response_length_mean": self.mean_length,
+            f"{prefix}/{self.name}/truncated_frac": self.truncated_frac,
+        }
         for k, v in self.pass_at.items():
             out[f"{prefix}/{self.name}/pass@{k}"] = v
         return out
 
 
-def evaluate(engine, encode, examples, pool, sampling: SamplingParams, *, name: str, grader: str = "auto",
-             progress=None, render=None) -> EvalResult:
+def evaluate(
+    engine,
+    encode,
+    examples,
+    pool,
+    sampling: SamplingParams,
+    *,
+    name: str,
+    grader: str = "auto",
+    progress=None,
+    render=None,
+) -> EvalResult:
     """Sample ``sampling.n`` responses per problem, grade them (raw correctness, no shaping) and summarise.
 
     ``encode(example)`` gives the prompt ids; ``progress(k)``, if given, hears of every k samples graded;
@@ -162,7 +183,7 @@ def evaluate(engine, encode, examples, pool, sampling: SamplingParams, *, name: 
     from dapo.rewards import graders_for
 
     n, seed = sampling.n, sampling.seed
-    ks = [k for k in (2 ** i for i in range(20)) if k <= n]
+    ks = [k for k in (2**i for i in range(20)) if k <= n]
     accs: list[bool] = []
     preds: list[str] = []
     lengths: list[int] = []
@@ -173,30 +194,51 @@ def evaluate(engine, encode, examples, pool, sampling: SamplingParams, *, name: 
         part = examples[start : start + chunk]
         gen = engine.generate([encode(ex) for ex in part], replace(sampling, seed=seed + start))
         rows = [ex for ex in part for _ in range(n)]
-        result = pool.score(gen.texts, [ex.ground_truth for ex in rows], graders_for([ex.data_source for ex in rows], grader))
+        result = pool.score(
+            gen.texts, [ex.ground_truth for ex in rows], graders_for([ex.data_source for ex in rows], grader)
+        )
         accs += [g.acc for g in result.grades]
         preds += [g.pred for g in result.grades]
         lengths += [len(r) for r in gen.response_ids]
         truncated += gen.truncated.tolist()
         prompts = {ex.uid: render(ex) if render is not None else ex.text() for ex in part}
-        for j, (ex, text, g, ids, cut) in enumerate(zip(rows, gen.texts, result.grades, gen.response_ids,
-                                                        gen.truncated.tolist())):
-            responses.append({"id": ex.uid, "sample": j % n, "prompt": prompts[ex.uid], "response": text,
-                              "extracted_answer": g.pred, "ground_truth": ex.ground_truth, "correct": g.acc,
-                              "length_tokens": len(ids), "truncated": cut})
+        for j, (ex, text, g, ids, cut) in enumerate(
+            zip(rows, gen.texts, result.grades, gen.response_ids, gen.truncated.tolist())
+        ):
+            responses.append(
+                {
+                    "id": ex.uid,
+                    "sample": j % n,
+                    "prompt": prompts[ex.uid],
+                    "response": text,
+                    "extracted_answer": g.pred,
+                    "ground_truth": ex.ground_truth,
+                    "correct": g.acc,
+                    "length_tokens": len(ids),
+                    "truncated": cut,
+                }
+            )
         if progress is not None:
             progress(len(rows))
     per_problem = []
     for i, ex in enumerate(examples):
         a, p = accs[i * n : (i + 1) * n], preds[i * n : (i + 1) * n]
         votes = Counter(x for x in p if x not in INVALID_PREDS)
-        per_problem.append({
-            "id": ex.uid, "ground_truth": ex.ground_truth, "accuracy": sum(a) / n, "num_correct": sum(a),
-            "majority_answer": votes.most_common(1)[0][0] if votes else None, "maj_correct": majority_accuracy(p, a),
-        })
+        per_problem.append(
+            {
+                "id": ex.uid,
+                "ground_truth": ex.ground_truth,
+                "accuracy": sum(a) / n,
+                "num_correct": sum(a),
+                "majority_answer": votes.most_common(1)[0][0] if votes else None,
+                "maj_correct": majority_accuracy(p, a),
+            }
+        )
     problem_acc = [r["accuracy"] for r in per_problem]
     return EvalResult(
-        name=name, n=n, num_problems=len(examples),
+        name=name,
+        n=n,
+        num_problems=len(examples),
         avg=sum(accs) / max(len(accs), 1),
         ci=bootstrap_ci(problem_acc, seed=seed),
         pass_at={k: sum(pass_at_k(n, r["num_correct"], k) for r in per_problem) / max(len(per_problem), 1) for k in ks},
@@ -220,21 +262,35 @@ def evaluate_model(model_dir, benches: list, cfg, *, reward_fn=None, progress=No
     from dapo.rollout import make_rollout
 
     m, d, e = cfg.model, cfg.data, cfg.eval
-    model, tokenizer = load_model_and_tokenizer(model_dir, m.dtype, pick_device(m.device),
-                                                trust_remote_code=m.trust_remote_code)
+    model, tokenizer = load_model_and_tokenizer(
+        model_dir, m.dtype, pick_device(m.device), trust_remote_code=m.trust_remote_code
+    )
     settings = [sampling_settings(bench, cfg) for bench, _ in benches]
-    engine = make_rollout(cfg.rollout, model, tokenizer,
-                          max_model_len=d.max_prompt_tokens + max(s["max_new_tokens"] for s in settings))
+    engine = make_rollout(
+        cfg.rollout, model, tokenizer, max_model_len=d.max_prompt_tokens + max(s["max_new_tokens"] for s in settings)
+    )
     encode = make_encoder(tokenizer, d.max_prompt_tokens)
     render = functools.partial(render_prompt, tokenizer=tokenizer)
     results = []
-    with RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
-                    reward_fns=None if reward_fn is None else {REWARD_FN: reward_fn}) as pool:
+    with RewardPool(
+        num_workers=cfg.reward.num_workers,
+        timeout_s=cfg.reward.timeout_s,
+        reward_fns=None if reward_fn is None else {REWARD_FN: reward_fn},
+    ) as pool:
         for (bench, examples), setting in zip(benches, settings):
-            results.append(evaluate(engine, encode, examples, pool, SamplingParams(**setting, seed=e.seed),
-                                    name=bench.name, grader=cfg.reward.grader if reward_fn is None else REWARD_FN,
-                                    progress=progress and progress(bench.name, setting["n"] * len(examples)),
-                                    render=render))
+            results.append(
+                evaluate(
+                    engine,
+                    encode,
+                    examples,
+                    pool,
+                    SamplingParams(**setting, seed=e.seed),
+                    name=bench.name,
+                    grader=cfg.reward.grader if reward_fn is None else REWARD_FN,
+                    progress=progress and progress(bench.name, setting["n"] * len(examples)),
+                    render=render,
+                )
+            )
     return results
 
 
@@ -256,12 +312,16 @@ def write_report(results: list[EvalResult], out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = {r.name: {k: v for k, v in asdict(r).items() if k not in ("per_problem", "responses")} for r in results}
     (out_dir / "eval.json").write_text(json.dumps(summary, indent=2))
-    lines = ["| benchmark | problems | n | avg@n | 95% CI | maj@n | pass@k | mean length | truncated |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| benchmark | problems | n | avg@n | 95% CI | maj@n | pass@k | mean length | truncated |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         passes = ", ".join(f"@{k} {v:.3f}" for k, v in r.pass_at.items())
-        lines.append(f"| {r.name} | {r.num_problems} | {r.n} | {r.avg:.3f} | [{r.ci[0]:.3f}, {r.ci[1]:.3f}] | "
-                     f"{r.maj:.3f} | {passes} | {r.mean_length:.1f} | {r.truncated_frac:.3f} |")
+        lines.append(
+            f"| {r.name} | {r.num_problems} | {r.n} | {r.avg:.3f} | [{r.ci[0]:.3f}, {r.ci[1]:.3f}] | "
+            f"{r.maj:.3f} | {passes} | {r.mean_length:.1f} | {r.truncated_frac:.3f} |"
+        )
     (out_dir / "eval.md").write_text("\n".join(lines) + "\n")
     for r in results:
         with open(out_dir / f"{r.name}.problems.jsonl", "w") as f:

@@ -29,7 +29,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-
 # vLLM installs its own stdout handler when imported unless told not to: its records then reach
 # the handlers below like every other library's (rollout/vllm.py imports vLLM after this module)
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
@@ -39,14 +38,26 @@ LEVELS = ("debug", "info", "warning", "error")
 # (logger name prefix, start of the message, why it is harmless). Each is provoked by a setting the
 # project chooses on purpose, so the console leaves them out; train.log keeps them.
 HARMLESS = (
-    ("vllm", "Chat template warmup failed",
-     "skip_tokenizer_init=True: prompts arrive as token ids from the trainer's tokenizer; vLLM renders no chat"),
-    ("vllm", "Using None for EOS token id",
-     "skip_tokenizer_init=True: every request names its stop tokens (stop_token_ids)"),
-    ("vllm", "The global random seed is set to",
-     "the rollout engine restores the trainer's random state around every vLLM call (preserved_rng)"),
-    ("vllm", "This model does not officially support disabling chunked prefill",
-     "on CPU every prompt is prefilled whole so seeded samples stay reproducible (_whole_prefill_settings)"),
+    (
+        "vllm",
+        "Chat template warmup failed",
+        "skip_tokenizer_init=True: prompts arrive as token ids from the trainer's tokenizer; vLLM renders no chat",
+    ),
+    (
+        "vllm",
+        "Using None for EOS token id",
+        "skip_tokenizer_init=True: every request names its stop tokens (stop_token_ids)",
+    ),
+    (
+        "vllm",
+        "The global random seed is set to",
+        "the rollout engine restores the trainer's random state around every vLLM call (preserved_rng)",
+    ),
+    (
+        "vllm",
+        "This model does not officially support disabling chunked prefill",
+        "on CPU every prompt is prefilled whole so seeded samples stay reproducible (_whole_prefill_settings)",
+    ),
     ("vllm", "Enforce eager set", "on CPU the engine runs eagerly (enforce_eager): nothing to compile"),
     ("vllm", "Inductor compilation was disabled", "as above"),
     ("vllm", "Triton is", "no Triton on CPU: vLLM uses its native CPU kernels"),
@@ -54,8 +65,11 @@ HARMLESS = (
     ("vllm", "Reset SSM cache type", "concerns state-space (Mamba) models only"),
     ("vllm", "libtcmalloc is not found", "a speed hint for CPU serving; sampling is correct without it"),
     ("vllm", "libiomp is not found", "as above"),
-    ("vllm", "CPU backend doesn't allow to use `torch.set_num_threads`",
-     "the thread count is set before the engine is built (rollout/vllm.py)"),
+    (
+        "vllm",
+        "CPU backend doesn't allow to use `torch.set_num_threads`",
+        "the thread count is set before the engine is built (rollout/vllm.py)",
+    ),
     # (matched by category, in _ConsoleFilter)
     ("py.warnings", "", "deprecation notices inside the libraries (FutureWarning, DeprecationWarning)"),
 )
@@ -68,8 +82,10 @@ class _ConsoleFilter(logging.Filter):
             text = str(record.args[0]) if record.args else record.getMessage()
             return "FutureWarning" not in text and "DeprecationWarning" not in text
         message = record.getMessage()
-        return not any(prefix and message.startswith(prefix) and (record.name + ".").startswith(name + ".")
-                       for name, prefix, _ in HARMLESS)
+        return not any(
+            prefix and message.startswith(prefix) and (record.name + ".").startswith(name + ".")
+            for name, prefix, _ in HARMLESS
+        )
 
 
 class _Stderr(logging.StreamHandler):
@@ -249,16 +265,20 @@ def _held_out(row: dict, key: str) -> str:
 
 def held_out_line(row: dict) -> str:
     """``arith avg@4 45.1% [40.2, 50.0]`` for each held-out benchmark in a logged row."""
-    return ", ".join(f"{_EVAL_AVG.match(k)['bench']} avg@{_EVAL_AVG.match(k)['n']} {_held_out(row, k)}"
-                     for k in held_out_keys(row))
+    return ", ".join(
+        f"{_EVAL_AVG.match(k)['bench']} avg@{_EVAL_AVG.match(k)['n']} {_held_out(row, k)}" for k in held_out_keys(row)
+    )
 
 
 def run_summary(rows: list[dict], *, wall_s: float, run_dir: Path, plot: Path | None = None) -> list[str]:
     """The lines a finished run ends with: held-out accuracy before and after (95% bootstrap interval
     over problems), wall time, where the files are."""
     evals = [r for r in rows if held_out_keys(r)]
-    shown = [n for n in ("metrics.jsonl", "config.yaml", "tensorboard/", "wandb/", "samples/", "checkpoints/")
-             if (Path(run_dir) / n).exists()]
+    shown = [
+        n
+        for n in ("metrics.jsonl", "config.yaml", "tensorboard/", "wandb/", "samples/", "checkpoints/")
+        if (Path(run_dir) / n).exists()
+    ]
     lines = [f"run directory: {run_dir}  ({', '.join(shown)})"]
     if plot is not None:
         lines.append(f"plot: {plot}")
@@ -269,8 +289,10 @@ def run_summary(rows: list[dict], *, wall_s: float, run_dir: Path, plot: Path | 
         first, last = [r for r in evals if key in r][0], [r for r in evals if key in r][-1]
         name = f"{_EVAL_AVG.match(key)['bench']} avg@{_EVAL_AVG.match(key)['n']}"
         if first["step"] == 0 and last["step"] > 0:
-            lines.append(f"held-out accuracy: {name} {_held_out(first, key)} before -> {_held_out(last, key)} "
-                         f"after step {last['step']}  (95% CI)")
+            lines.append(
+                f"held-out accuracy: {name} {_held_out(first, key)} before -> {_held_out(last, key)} "
+                f"after step {last['step']}  (95% CI)"
+            )
         else:
             lines.append(f"held-out accuracy: {name} {_held_out(last, key)} at step {last['step']}  (95% CI)")
     return lines
@@ -279,9 +301,18 @@ def run_summary(rows: list[dict], *, wall_s: float, run_dir: Path, plot: Path | 
 class RunLogger:
     # (metric, column label, format, what it is): the step line's columns, explained once per run
     SUMMARY = (
-        ("rollout/acc_mean", "train acc", "{:.3f}",
-         "share of this step's sampled responses graded right (training prompts, not the held-out set)"),
-        ("reward/score_mean", "reward", "{:+.3f}", "mean reward of the trained groups (+1/-1 plus the overlong penalty)"),
+        (
+            "rollout/acc_mean",
+            "train acc",
+            "{:.3f}",
+            "share of this step's sampled responses graded right (training prompts, not the held-out set)",
+        ),
+        (
+            "reward/score_mean",
+            "reward",
+            "{:+.3f}",
+            "mean reward of the trained groups (+1/-1 plus the overlong penalty)",
+        ),
         ("rollout/response_length_mean", "len", "{:.1f}", "mean response tokens"),
         ("actor/entropy", "ent", "{:.3f}", "mean token entropy"),
         ("actor/clipfrac_high", "clip+", "{:.3f}", "share of tokens clipped at 1 + eps_high"),
@@ -290,8 +321,17 @@ class RunLogger:
     )
     LEGEND = "columns: " + " | ".join(f"{label} = {meaning}" for _, label, _, meaning in SUMMARY)
 
-    def __init__(self, run_dir: Path, *, total_steps: int, start_step: int = 0, tensorboard: bool = True,
-                 progress: bool = True, step_lines: bool = True, console: Console | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        total_steps: int,
+        start_step: int = 0,
+        tensorboard: bool = True,
+        progress: bool = True,
+        step_lines: bool = True,
+        console: Console | None = None,
+    ):
         """``step_lines``: print each step's line and each evaluation (run.loggers' console); warnings,
         errors and the closing summary print either way. ``trackers`` (set after): W&B, MLflow."""
         self.run_dir = Path(run_dir)
@@ -315,8 +355,13 @@ class RunLogger:
         self.progress = None
         if progress and step_lines and self.console.is_terminal:
             self.progress = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                TimeRemainingColumn(), console=self.console, transient=True,
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=True,
             )
             self.progress.start()
             self.task = self.progress.add_task("train", total=total_steps, completed=start_step)
@@ -326,8 +371,11 @@ class RunLogger:
         starting from scratch, or a restarted run would log its step-0 evaluation twice)."""
         if not self.metrics_path.exists():
             return
-        keep = [line for line in self.metrics_path.read_text().splitlines()
-                if step > 0 and line.strip() and json.loads(line).get("step", 0) <= step]
+        keep = [
+            line
+            for line in self.metrics_path.read_text().splitlines()
+            if step > 0 and line.strip() and json.loads(line).get("step", 0) <= step
+        ]
         self.metrics_path.write_text("".join(line + "\n" for line in keep))
 
     def log(self, step: int, metrics: dict) -> dict:
@@ -393,8 +441,10 @@ class RunLogger:
     def write_samples(self, step: int, records: list[dict]) -> None:
         lines = [f"# step {step}\n"]
         for i, r in enumerate(records):
-            lines.append(f"## sample {i}  (reward {r['reward']:+.3f}, acc {r['acc']:.0f}, pred {r['pred']!r}, "
-                         f"ground truth {r['ground_truth']!r}, {r['length']} tokens{', truncated' if r['truncated'] else ''})\n")
+            lines.append(
+                f"## sample {i}  (reward {r['reward']:+.3f}, acc {r['acc']:.0f}, pred {r['pred']!r}, "
+                f"ground truth {r['ground_truth']!r}, {r['length']} tokens{', truncated' if r['truncated'] else ''})\n"
+            )
             lines.append("```text\n" + r["prompt"] + "\n```\n")
             lines.append("```text\n" + r["response"] + "\n```\n")
         (self.run_dir / "samples" / f"step_{step:06d}.md").write_text("\n".join(lines))

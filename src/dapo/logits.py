@@ -130,8 +130,10 @@ def probe_logits(lm, hidden: torch.Tensor) -> torch.Tensor:
         try:
             logits = lm(input_ids=ids, use_cache=False).logits  # (1, n, V)
         except Exception as err:  # noqa: BLE001 - any failure means the forward does not go through get_decoder()
-            raise UnsupportedModel(f"its forward does not run the decoder that get_decoder() returns "
-                                   f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from err
+            raise UnsupportedModel(
+                f"its forward does not run the decoder that get_decoder() returns "
+                f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+            ) from err
     if not calls:
         raise UnsupportedModel("its forward does not run the decoder that get_decoder() returns")
     return logits[0].float()
@@ -162,7 +164,9 @@ def find_logit_transform(lm, *, seed: int = 0) -> LogitTransform:
     softcap = _softcap_of(base.config)
     if softcap is not None:
         if not bool((y.abs() <= softcap * (1 + rtol)).all()):
-            raise UnsupportedModel(f"final_logit_softcapping={softcap:g} but its logits reach {float(y.abs().max()):.4g}")
+            raise UnsupportedModel(
+                f"final_logit_softcapping={softcap:g} but its logits reach {float(y.abs().max()):.4g}"
+            )
         caps = [softcap]
     else:  # no cap, else a cap the config names otherwise: the smallest of its numbers above every logit that fits
         caps = [None] + sorted(c for c in set(numbers) if c > float(y.abs().max()) * (1 + rtol))
@@ -179,8 +183,10 @@ def find_logit_transform(lm, *, seed: int = 0) -> LogitTransform:
             errors.append(float((transform(z) - y).abs().max() / y.abs().max().clamp(min=1e-12)))
             if errors[-1] <= rtol:
                 return transform
-    raise UnsupportedModel(f"its forward computes the logits in a way the trainer cannot reproduce (more than the LM head "
-                           f"and a scale or soft cap: the best such fit is off by {min(errors):.2g} of the largest logit)")
+    raise UnsupportedModel(
+        f"its forward computes the logits in a way the trainer cannot reproduce (more than the LM head "
+        f"and a scale or soft cap: the best such fit is off by {min(errors):.2g} of the largest logit)"
+    )
 
 
 def _snap(scale: float, numbers: list[float], rtol: float = 1e-3) -> float:
@@ -210,8 +216,8 @@ def padding_problem(lm) -> str | None:
     lm.train(False)
     try:
         with torch.no_grad():
-            alone = lm(input_ids=ids[:1, :len(short)], use_cache=False).logits[0].float()
-            padded = lm(input_ids=ids, attention_mask=mask, use_cache=False).logits[0, :len(short)].float()
+            alone = lm(input_ids=ids[:1, : len(short)], use_cache=False).logits[0].float()
+            padded = lm(input_ids=ids, attention_mask=mask, use_cache=False).logits[0, : len(short)].float()
         trainable = [p for p in lm.parameters() if p.requires_grad][:1]
         if trainable:
             try:
@@ -225,6 +231,8 @@ def padding_problem(lm) -> str | None:
         lm.train(was_training)
     off = float((alone - padded).abs().max() / alone.abs().max().clamp(min=1e-12))
     if not off <= PADDING_RTOL.get(weight.dtype, 1e-4):
-        return (f"logits that change with the padding after a sequence ({off:.2g} of the largest logit on a probe): "
-                "its forward does not keep the attention mask's padding out of the real tokens")
+        return (
+            f"logits that change with the padding after a sequence ({off:.2g} of the largest logit on a probe): "
+            "its forward does not keep the attention mask's padding out of the real tokens"
+        )
     return None

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -61,12 +62,20 @@ def add_adapters(model, cfg: LoraConfig, *, seed: int):
     unmatched = [t for t in cfg.target_modules if not any(n == t or n.endswith("." + t) for n in linear)]
     if unmatched:
         names = sorted({n.rsplit(".", 1)[-1] for n in linear})
-        raise ConfigError(f"model.lora.target_modules: {', '.join(unmatched)} match no linear layer of "
-                          f"{model.name_or_path or type(model).__name__}; its linear layers (the LM head excluded) "
-                          f"are {', '.join(names)}, e.g. model.lora.target_modules=[{','.join(names[:2])}]")
+        raise ConfigError(
+            f"model.lora.target_modules: {', '.join(unmatched)} match no linear layer of "
+            f"{model.name_or_path or type(model).__name__}; its linear layers (the LM head excluded) "
+            f"are {', '.join(names)}, e.g. model.lora.target_modules=[{','.join(names[:2])}]"
+        )
     head = next(name for name, m in model.named_modules() if m is model.get_output_embeddings())
-    peft_cfg = PeftLoraConfig(task_type="CAUSAL_LM", r=cfg.rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.dropout,
-                              target_modules=list(cfg.target_modules), exclude_modules=[head])
+    peft_cfg = PeftLoraConfig(
+        task_type="CAUSAL_LM",
+        r=cfg.rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules),
+        exclude_modules=[head],
+    )
     cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     with torch.random.fork_rng(devices=cuda):  # the caller's random streams go on as if nothing was drawn
         torch.manual_seed(seed)
@@ -78,8 +87,10 @@ def summary(model) -> str:
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     cfg = model.peft_config[ADAPTER]
-    return (f"LoRA rank {cfg.r} (alpha {cfg.lora_alpha:g}) on {', '.join(sorted(cfg.target_modules))}: "
-            f"{trained:,} trained parameters, {frozen:,} frozen")
+    return (
+        f"LoRA rank {cfg.r} (alpha {cfg.lora_alpha:g}) on {', '.join(sorted(cfg.target_modules))}: "
+        f"{trained:,} trained parameters, {frozen:,} frozen"
+    )
 
 
 def merged_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
@@ -131,8 +142,11 @@ def save_adapter(model, directory: Path, weights: dict[str, torch.Tensor] | None
         peft_cfg.inference_mode = inference_mode
     weights = adapter_state(model) if weights is None else weights
     if weights:
-        save_file({k: v.detach().contiguous() for k, v in weights.items()}, str(directory / WEIGHTS_FILE),
-                  metadata={"format": "pt"})
+        save_file(
+            {k: v.detach().contiguous() for k, v in weights.items()},
+            str(directory / WEIGHTS_FILE),
+            metadata={"format": "pt"},
+        )
 
 
 def read_adapter_config(directory: Path) -> dict:
@@ -140,22 +154,29 @@ def read_adapter_config(directory: Path) -> dict:
     try:
         return json.loads(file.read_text())
     except (OSError, ValueError) as err:
-        raise CheckpointError(f"{file} is unreadable ({type(err).__name__}); the checkpoint is incomplete or "
-                              "damaged: delete its step directory or use another") from None
+        raise CheckpointError(
+            f"{file} is unreadable ({type(err).__name__}); the checkpoint is incomplete or "
+            "damaged: delete its step directory or use another"
+        ) from None
 
 
 def check_settings(directory: Path, cfg: LoraConfig) -> None:
     """The adapter saved in ``directory`` has the shape and scale ``cfg`` asks for; else a CheckpointError
     naming the setting."""
     saved = read_adapter_config(directory)
-    ours = {"rank": (saved.get("r"), cfg.rank), "alpha": (saved.get("lora_alpha"), cfg.lora_alpha),
-            "dropout": (saved.get("lora_dropout"), cfg.dropout),
-            "target_modules": (sorted(saved.get("target_modules") or []), sorted(cfg.target_modules))}
+    ours = {
+        "rank": (saved.get("r"), cfg.rank),
+        "alpha": (saved.get("lora_alpha"), cfg.lora_alpha),
+        "dropout": (saved.get("lora_dropout"), cfg.dropout),
+        "target_modules": (sorted(saved.get("target_modules") or []), sorted(cfg.target_modules)),
+    }
     for key, (was, now) in ours.items():
         if was != now:
-            raise CheckpointError(f"checkpoint {Path(directory).parent} holds a LoRA adapter with model.lora.{key}="
-                                  f"{was}, this run asks for {now}: set model.lora.{key} as it was saved to resume it, "
-                                  "or start a new run (another run.name)")
+            raise CheckpointError(
+                f"checkpoint {Path(directory).parent} holds a LoRA adapter with model.lora.{key}="
+                f"{was}, this run asks for {now}: set model.lora.{key} as it was saved to resume it, "
+                "or start a new run (another run.name)"
+            )
 
 
 def load_adapter(model, directory: Path) -> None:
@@ -165,12 +186,16 @@ def load_adapter(model, directory: Path) -> None:
 
     file = Path(directory) / WEIGHTS_FILE
     if not file.is_file():
-        raise CheckpointError(f"{file} is missing; the checkpoint is incomplete: delete its step directory or use another")
+        raise CheckpointError(
+            f"{file} is missing; the checkpoint is incomplete: delete its step directory or use another"
+        )
     weights = load_file(str(file))
     expected = adapter_state(model)
     if set(weights) != set(expected):
-        raise CheckpointError(f"{file} does not fit this model's adapters (missing {sorted(set(expected) - set(weights))[:3]}, "
-                              f"unexpected {sorted(set(weights) - set(expected))[:3]}); resume with the model.path it was trained on")
+        raise CheckpointError(
+            f"{file} does not fit this model's adapters (missing {sorted(set(expected) - set(weights))[:3]}, "
+            f"unexpected {sorted(set(weights) - set(expected))[:3]}); resume with the model.path it was trained on"
+        )
     set_peft_model_state_dict(model, weights, adapter_name=ADAPTER)
 
 
@@ -181,14 +206,18 @@ def saved_adapters_by_name(model, directory: Path) -> dict[str, torch.Tensor]:
 
     file = Path(directory) / WEIGHTS_FILE
     if not file.is_file():
-        raise CheckpointError(f"{file} is missing; the checkpoint is incomplete: delete its step directory or use another")
+        raise CheckpointError(
+            f"{file} is missing; the checkpoint is incomplete: delete its step directory or use another"
+        )
     weights = load_file(str(file))
     trained = [name for name, p in model.named_parameters() if p.requires_grad]
     out = {name: weights.get(name.replace(f".{ADAPTER}", "")) for name in trained}  # peft's renaming on save
     missing = [name for name, w in out.items() if w is None]
     if missing or len(weights) != len(out):
-        raise CheckpointError(f"{file} does not fit this model's adapters ({len(weights)} saved, {len(out)} here; "
-                              f"missing {missing[:3]}); resume with the model.path it was trained on")
+        raise CheckpointError(
+            f"{file} does not fit this model's adapters ({len(weights)} saved, {len(out)} here; "
+            f"missing {missing[:3]}); resume with the model.path it was trained on"
+        )
     return out
 
 

@@ -34,9 +34,17 @@ def sampling_metrics(cstats: CollectStats, *, buffer_groups: int, gen_rounds_tot
     }
 
 
-def step_metrics(batch: RolloutBatch, cstats: CollectStats, update: dict, times: dict, *,
-                 max_prompt_tokens: int = 0, max_response_tokens: int = 0, old_logprob_tokens: int | None = None,
-                 engine_vs_trainer: bool = True) -> dict:
+def step_metrics(
+    batch: RolloutBatch,
+    cstats: CollectStats,
+    update: dict,
+    times: dict,
+    *,
+    max_prompt_tokens: int = 0,
+    max_response_tokens: int = 0,
+    old_logprob_tokens: int | None = None,
+    engine_vs_trainer: bool = True,
+) -> dict:
     """What the update trained on and how it went. ``old_logprob_tokens``: the response tokens the
     old-log-prob pass computed (None: every row's; 0: no pass, no throughput); ``engine_vs_trainer``:
     whether ``batch.old_logp`` is the trainer's, so comparing the engine's log-probs with it means something."""
@@ -54,7 +62,9 @@ def step_metrics(batch: RolloutBatch, cstats: CollectStats, update: dict, times:
         "rollout/response_length_mean": lengths.mean(),
         "rollout/response_length_max": lengths.max(),
         "rollout/response_length_min": lengths.min(),
-        "rollout/response_length_clip_frac": (lengths == max_response_tokens).float().mean(),  # at the limit, EOS or not
+        "rollout/response_length_clip_frac": (lengths == max_response_tokens)
+        .float()
+        .mean(),  # at the limit, EOS or not
         "rollout/prompt_length_mean": prompt_lengths.mean(),
         "rollout/prompt_length_max": prompt_lengths.max(),
         "rollout/prompt_length_min": prompt_lengths.min(),
@@ -72,7 +82,9 @@ def step_metrics(batch: RolloutBatch, cstats: CollectStats, update: dict, times:
     old_tokens = float(lengths.sum()) if old_logprob_tokens is None else old_logprob_tokens
     if old_tokens:
         m["perf/old_logprob_tokens_per_s"] = old_tokens / max(times["old_logprob"], 1e-9)
-    if batch.rollout_logp and engine_vs_trainer:  # the engine's log-probs of its own samples vs the trainer's: numerics (and buffer staleness)
+    if (
+        batch.rollout_logp and engine_vs_trainer
+    ):  # the engine's log-probs of its own samples vs the trainer's: numerics (and buffer staleness)
         T = batch.old_logp.shape[1]
         rollout_logp = batch.padded_logp(batch.rollout_logp, T)  # (N, T)
         diff = (rollout_logp - batch.old_logp).abs()[torch.arange(T)[None, :] < batch.response_lengths[:, None]]
@@ -86,21 +98,33 @@ def no_signal_advice(streak: int, cstats: CollectStats, *, group_size: int, max_
     wrong = cstats.groups_all_wrong / max(cstats.prompts_generated, 1)
     right = cstats.groups_all_correct / max(cstats.prompts_generated, 1)
     if wrong >= right:
-        fix = (f"the data is too hard for this model: use easier problems, a larger group (rollout.group_size="
-               f"{group_size}) or longer responses (rollout.max_response_tokens={max_response_tokens})")
+        fix = (
+            f"the data is too hard for this model: use easier problems, a larger group (rollout.group_size="
+            f"{group_size}) or longer responses (rollout.max_response_tokens={max_response_tokens})"
+        )
     else:
         fix = "the data is too easy for this model: use harder problems"
-    return (f"no informative group for {streak} steps in a row: {100 * wrong:.0f}% of groups all wrong, "
-            f"{100 * right:.0f}% all right; {fix}")
+    return (
+        f"no informative group for {streak} steps in a row: {100 * wrong:.0f}% of groups all wrong, "
+        f"{100 * right:.0f}% all right; {fix}"
+    )
 
 
 def sample_records(batch: RolloutBatch, tokenizer, k: int) -> list[dict]:
     rows = list(range(0, len(batch), max(1, len(batch) // max(k, 1))))[:k]
-    return [{
-        "prompt": tokenizer.decode(batch.prompt_ids[i], skip_special_tokens=True), "response": batch.texts[i],
-        "reward": float(batch.reward[i]), "acc": float(batch.acc[i]), "pred": batch.preds[i] if batch.preds else "",
-        "ground_truth": batch.ground_truths[i], "length": len(batch.response_ids[i]), "truncated": bool(batch.truncated[i]),
-    } for i in rows]
+    return [
+        {
+            "prompt": tokenizer.decode(batch.prompt_ids[i], skip_special_tokens=True),
+            "response": batch.texts[i],
+            "reward": float(batch.reward[i]),
+            "acc": float(batch.acc[i]),
+            "pred": batch.preds[i] if batch.preds else "",
+            "ground_truth": batch.ground_truths[i],
+            "length": len(batch.response_ids[i]),
+            "truncated": bool(batch.truncated[i]),
+        }
+        for i in rows
+    ]
 
 
 # The mean |engine log-prob - trainer log-prob| per response token above which the engine is taken not to be
@@ -119,7 +143,9 @@ def engine_gap_warning(metrics: dict, *, dtype: str, step: int) -> str | None:
     limit = ENGINE_GAP_LIMIT.get(dtype)
     if gap is None or limit is None or float(gap) <= limit:
         return None
-    return (f"step {step}: the rollout engine's log-probs are {float(gap):.3g} nats per token from the trainer's "
-            f"(a {dtype} run stays under {limit:g}): the engine is probably not sampling from the trained weights; "
-            "check train.log for a weight push that failed or was skipped, or weights lost across the engine's "
-            "sleep and wake (rollout/logprob_abs_diff_mean follows the gap)")
+    return (
+        f"step {step}: the rollout engine's log-probs are {float(gap):.3g} nats per token from the trainer's "
+        f"(a {dtype} run stays under {limit:g}): the engine is probably not sampling from the trained weights; "
+        "check train.log for a weight push that failed or was skipped, or weights lost across the engine's "
+        "sleep and wake (rollout/logprob_abs_diff_mean follows the gap)"
+    )

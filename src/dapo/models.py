@@ -31,8 +31,14 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_model_and_tokenizer(path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu", *,
-                             trust_remote_code: bool = False, keep_dropout: bool = False):
+def load_model_and_tokenizer(
+    path: str | Path,
+    dtype: str = "float32",
+    device: str | torch.device = "cpu",
+    *,
+    trust_remote_code: bool = False,
+    keep_dropout: bool = False,
+):
     """A model directory's tokenizer and causal LM. Python files it ships (config.json's auto_map) run
     only with ``trust_remote_code``; said explicitly, because left unset transformers asks on the
     terminal, where a stray 'y' (or a pipe) runs them. Dropout is switched off (``disable_dropout``)
@@ -71,7 +77,8 @@ def disable_dropout(model) -> None:
 
     RL compares the log-probs of the same tokens under two passes (the ratio pi / pi_old, the engine's
     against the trainer's): with dropout on, each pass draws its own mask and the ratio is noise. The
-    reference trains with dropout off. Saved checkpoints keep the config's own values (``checkpoint.restore_dropout``)."""
+    reference trains with dropout off. Saved checkpoints keep the config's own values
+    (``checkpoint.restore_dropout``)."""
     saved = model.__dict__.setdefault("_dapo_dropout", {})
     for path, cfg in _configs(model.config):
         for name, value in list(vars(cfg).items()):
@@ -159,8 +166,10 @@ def import_gguf(src: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: st
     missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:
-        raise ValueError(f"{src}: weights do not match the {config.model_type} architecture "
-                         f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})")
+        raise ValueError(
+            f"{src}: weights do not match the {config.model_type} architecture "
+            f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})"
+        )
     model.tie_weights()
     del loaded
 

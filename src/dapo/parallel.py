@@ -75,8 +75,13 @@ def init(device_name: str = "auto", env: dict | None = None) -> Dist:
         # ranks wait for the slowest generation and for grading; which rank hangs, and where, the step watchdog
         # (watchdog.py) says sooner, from each phase's own history
         timeout = timedelta(hours=1)
-        dist.init_process_group(backend_for(use_cuda), rank=rank, world_size=world_size, timeout=timeout,
-                                store=_rendezvous_store(env, rank, world_size, timeout))
+        dist.init_process_group(
+            backend_for(use_cuda),
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            store=_rendezvous_store(env, rank, world_size, timeout),
+        )
     return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
@@ -99,8 +104,9 @@ def _rendezvous_store(env, rank: int, world_size: int, timeout: timedelta):
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         fd = socket.create_server((host, port), family=family).detach()  # the store owns it from here
     os.set_blocking(int(fd), False)  # its event loop accepts until EAGAIN: on a blocking socket it hangs at exit
-    return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
-                         master_listen_fd=int(fd))
+    return dist.TCPStore(
+        host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=int(fd)
+    )
 
 
 def shutdown(d: Dist, *, clean: bool = True) -> None:
@@ -124,8 +130,9 @@ def shutdown(d: Dist, *, clean: bool = True) -> None:
 
 
 # ---- sharding ------------------------------------------------------------------------------------
-def wrap(module: nn.Module, layers: list[nn.Module], d: Dist, *, compute_dtype: torch.dtype,
-         cpu_offload: bool = False) -> nn.Module:
+def wrap(
+    module: nn.Module, layers: list[nn.Module], d: Dist, *, compute_dtype: torch.dtype, cpu_offload: bool = False
+) -> nn.Module:
     """Shard ``module`` in place with FSDP2: each of ``layers`` is one unit, the rest is the root.
 
     Parameters stay float32 (the master copy, and so the AdamW state); forward and backward run
@@ -135,9 +142,11 @@ def wrap(module: nn.Module, layers: list[nn.Module], d: Dist, *, compute_dtype: 
         if cpu_offload:
             from dapo.config import ConfigError
 
-            raise ConfigError("train.cpu_offload=true: FSDP does the offloading, across several ranks (torchrun "
-                              "--nproc-per-node N ... or dapo launch-ray); a single process would offload nothing: "
-                              "set train.cpu_offload=false, or train LoRA adapters (model.lora.rank) to fit one GPU")
+            raise ConfigError(
+                "train.cpu_offload=true: FSDP does the offloading, across several ranks (torchrun "
+                "--nproc-per-node N ... or dapo launch-ray); a single process would offload nothing: "
+                "set train.cpu_offload=false, or train LoRA adapters (model.lora.rank) to fit one GPU"
+            )
         return module
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -148,8 +157,10 @@ def wrap(module: nn.Module, layers: list[nn.Module], d: Dist, *, compute_dtype: 
         if d.device.type != "cuda":
             from dapo.config import ConfigError
 
-            raise ConfigError("train.cpu_offload=true: offloading moves shards between GPU and CPU memory; "
-                              "it needs CUDA devices (set train.cpu_offload=false on CPU)")
+            raise ConfigError(
+                "train.cpu_offload=true: offloading moves shards between GPU and CPU memory; "
+                "it needs CUDA devices (set train.cpu_offload=false on CPU)"
+            )
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for layer in layers:
         fully_shard(layer, **kwargs)
@@ -284,8 +295,9 @@ def sharded_state(model: nn.Module, optimizer, *, trainable_only: bool = False) 
     return {"model": model_sd, "optim": optim_sd}
 
 
-def load_sharded_state(model: nn.Module, optimizer, state: dict, *, trainable_only: bool = False,
-                       full: bool = False) -> None:
+def load_sharded_state(
+    model: nn.Module, optimizer, state: dict, *, trainable_only: bool = False, full: bool = False
+) -> None:
     """``state`` as ``sharded_state`` made it into the model and optimizer. With ``trainable_only`` the frozen
     parameters are not in it and keep their values (every key that is in it was filled by the shards' load).
 
@@ -314,9 +326,19 @@ class CheckpointError(RuntimeError):
 # What a torch.distributed.checkpoint index (shards/.metadata) is made of. Its reader in torch uses plain
 # pickle, so a crafted index could call anything (os.system) while loading; this list is all it may name.
 _DCP_METADATA_GLOBALS = {
-    *(("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    *(
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),  # which file and bytes hold each entry
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # torch.strided and friends, looked up by name
@@ -331,10 +353,13 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str):
         if (module, name) in _DCP_METADATA_GLOBALS or (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             return super().find_class(module, name)
-        raise CheckpointError(f"{self.where}: names {module}.{name}, which is not checkpoint metadata; refused "
-                              "without running it (a crafted or foreign file): use only checkpoints you wrote")
+        raise CheckpointError(
+            f"{self.where}: names {module}.{name}, which is not checkpoint metadata; refused "
+            "without running it (a crafted or foreign file): use only checkpoints you wrote"
+        )
 
 
 def _safe_dcp_loaders(path: Path, *, whole: bool = False):
@@ -343,8 +368,8 @@ def _safe_dcp_loaders(path: Path, *, whole: bool = False):
     through torch.load(weights_only=True), like the tensors already are. ``whole``: the planner builds
     the state dict from the index (every entry at its full size) instead of filling a given one."""
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
     class Reader(FileSystemReader):
@@ -354,8 +379,10 @@ def _safe_dcp_loaders(path: Path, *, whole: bool = False):
                 with self.fs.create_stream(file, "rb") as f:
                     metadata = _MetadataUnpickler(f, file).load()
             except (OSError, EOFError, pickle.UnpicklingError) as err:
-                raise CheckpointError(f"{file}: unreadable ({type(err).__name__}: {err}); the checkpoint is "
-                                      "incomplete or damaged: delete its step directory or use another") from None
+                raise CheckpointError(
+                    f"{file}: unreadable ({type(err).__name__}: {err}); the checkpoint is "
+                    "incomplete or damaged: delete its step directory or use another"
+                ) from None
             if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
                 raise CheckpointError(f"{file}: holds a {type(metadata).__name__}, not a checkpoint index")
             for info in metadata.storage_data.values():
@@ -375,9 +402,10 @@ def _safe_dcp_loaders(path: Path, *, whole: bool = False):
                 obj = torch.load(value, map_location="cpu", weights_only=True)
             except Exception as err:
                 why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-                raise CheckpointError(f"{path}: entry {fqn!r} needs more than plain data to load ({why}); refused "
-                                      "without running it (a crafted or foreign file): use only checkpoints you wrote"
-                                      ) from None
+                raise CheckpointError(
+                    f"{path}: entry {fqn!r} needs more than plain data to load ({why}); refused "
+                    "without running it (a crafted or foreign file): use only checkpoints you wrote"
+                ) from None
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[fqn], obj)
             else:

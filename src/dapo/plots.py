@@ -104,8 +104,13 @@ def plot_ablation(data: dict, labels: dict, out_dir: Path, smooth: int = 5) -> l
                 pts = [(r["step"], r[k]) for r in rows_ if k and k in r]
             else:
                 # a step where nothing was clipped at the top has no up-clipped probability (logged as 0)
-                pts = [(r["step"], r[key]) for r in rows_ if key in r and r["step"] > 0
-                       and not (key.startswith("actor/up_clipped") and r.get("actor/clipfrac_high", 1.0) == 0)]
+                pts = [
+                    (r["step"], r[key])
+                    for r in rows_
+                    if key in r
+                    and r["step"] > 0
+                    and not (key.startswith("actor/up_clipped") and r.get("actor/clipfrac_high", 1.0) == 0)
+                ]
             if x_key is not None:  # x = cumulative samples generated up to that step
                 cum, total = {0: 0.0}, 0.0
                 for r in rows_:
@@ -129,8 +134,15 @@ def plot_ablation(data: dict, labels: dict, out_dir: Path, smooth: int = 5) -> l
                 continue
             if x_key is not None:  # seeds generate different numbers of samples: plot each seed
                 for j, (xs, ys) in enumerate(curves):
-                    ax.plot(xs, ys, color=colors(i % 10), alpha=0.8,
-                            marker="o", ms=3, label=labels.get(row, row) if j == 0 else None)
+                    ax.plot(
+                        xs,
+                        ys,
+                        color=colors(i % 10),
+                        alpha=0.8,
+                        marker="o",
+                        ms=3,
+                        label=labels.get(row, row) if j == 0 else None,
+                    )
                 drawn = True
                 continue
             xs, mean, lo, hi = _band(curves)

@@ -15,7 +15,14 @@ from dapo import lora, parallel
 from dapo.batch import RolloutBatch, pad_rows, plan_micro_batches, plan_shared_prompt_micro_batches, response_passes
 from dapo.logits import LogitTransform, UnsupportedModel, find_logit_transform, padding_problem
 from dapo.models import DTYPES, decoder_layers, decoder_of, load_model_and_tokenizer
-from dapo.prefix import SharedPrompts, fed_widths, prompt_of_rows, prompt_then_responses, shared_prompt_passes, unsupported
+from dapo.prefix import (
+    SharedPrompts,
+    fed_widths,
+    prompt_of_rows,
+    prompt_then_responses,
+    shared_prompt_passes,
+    unsupported,
+)
 
 if TYPE_CHECKING:
     from dapo.config import ModelConfig, TrainConfig
@@ -47,8 +54,16 @@ class MicroBatch:
         return self.input_ids.numel() if self.shared is None else self.shared.num_tokens
 
 
-def make_micro_batch(batch: RolloutBatch, rows: list[int], pad_id: int, device, *, packed: bool = False,
-                     share_prompts: bool = False, split_responses: bool = True) -> MicroBatch:
+def make_micro_batch(
+    batch: RolloutBatch,
+    rows: list[int],
+    pad_id: int,
+    device,
+    *,
+    packed: bool = False,
+    share_prompts: bool = False,
+    split_responses: bool = True,
+) -> MicroBatch:
     """The forward pass over ``rows``; ``share_prompts``: each distinct prompt once, the responses in
     passes of similar width (one pass without ``split_responses``)."""
     if share_prompts:
@@ -75,19 +90,41 @@ def make_micro_batch(batch: RolloutBatch, rows: list[int], pad_id: int, device, 
         attention_mask = (torch.arange(row_len)[None, :] < lengths[:, None]).long().to(device)
         position_ids = None
     as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-    return MicroBatch(input_ids.to(device), attention_mask, None if position_ids is None else position_ids.to(device),
-                      as_long(token_index), as_long(targets), as_long(out_index), len(rows), width)
+    return MicroBatch(
+        input_ids.to(device),
+        attention_mask,
+        None if position_ids is None else position_ids.to(device),
+        as_long(token_index),
+        as_long(targets),
+        as_long(out_index),
+        len(rows),
+        width,
+    )
 
 
 def _shared_prompt_micro_batch(batch: RolloutBatch, rows: list[int], pad_id: int, device, split: bool) -> MicroBatch:
     responses = [batch.response_ids[i] for i in rows]
-    shared, token_index = shared_prompt_passes([batch.prompt_ids[i] for i in rows], responses,
-                                               response_passes(fed_widths(responses), split=split), pad_id, device)
+    shared, token_index = shared_prompt_passes(
+        [batch.prompt_ids[i] for i in rows],
+        responses,
+        response_passes(fed_widths(responses), split=split),
+        pad_id,
+        device,
+    )
     width = max(len(batch.response_ids[i]) for i in rows)
     out_index = [t for b, i in enumerate(rows) for t in range(b * width, b * width + len(batch.response_ids[i]))]
     as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-    return MicroBatch(None, None, None, as_long(token_index), as_long([t for i in rows for t in batch.response_ids[i]]),
-                      as_long(out_index), len(rows), width, shared)
+    return MicroBatch(
+        None,
+        None,
+        None,
+        as_long(token_index),
+        as_long([t for i in rows for t in batch.response_ids[i]]),
+        as_long(out_index),
+        len(rows),
+        width,
+        shared,
+    )
 
 
 def _head_logp(head, h: torch.Tensor, targets: torch.Tensor, temperature: float, transform: LogitTransform):
@@ -113,8 +150,9 @@ def head_chunk_rows(vocab_size: int, device: torch.device) -> int:
     return max(MIN_HEAD_CHUNK_ROWS, CPU_HEAD_CHUNK_BYTES // (4 * vocab_size))
 
 
-def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float, transform: LogitTransform,
-                  tanh_out: list | None = None) -> torch.Tensor:
+def _chunk_logits(
+    h: torch.Tensor, weight: torch.Tensor, temperature: float, transform: LogitTransform, tanh_out: list | None = None
+) -> torch.Tensor:
     """(rows, V) float32 logits at the sampling temperature: ``transform(head(h).float()) / temperature``.
     With soft-capping and ``tanh_out``, the tanh values (before the cap's multiplication) are appended to it."""
     z = (h @ weight.t()).float()
@@ -141,8 +179,16 @@ class HeadLogProbs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, targets, temperature: float, chunk: int, with_entropy: bool,
-                transform: LogitTransform = LogitTransform()):
+    def forward(
+        ctx,
+        h,
+        weight,
+        targets,
+        temperature: float,
+        chunk: int,
+        with_entropy: bool,
+        transform: LogitTransform = LogitTransform(),
+    ):
         n = h.shape[0]  # h: (n, H), weight: (V, H), targets: (n,)
         logp = torch.empty(n, dtype=torch.float32, device=h.device)
         log_z = torch.empty_like(logp)
@@ -174,7 +220,9 @@ class HeadLogProbs(torch.autograd.Function):
             rows = slice(t0, t0 + ctx.chunk)
             g = grad_logp[rows] * (transform.scale / ctx.temperature)  # (c,): d logits / d (h W^T) without a cap
             tanh = []
-            coef = _chunk_logits(h[rows], weight, ctx.temperature, transform, tanh)  # (c, V), turned in place into d loss / d (h W^T)
+            coef = _chunk_logits(
+                h[rows], weight, ctx.temperature, transform, tanh
+            )  # (c, V), turned in place into d loss / d (h W^T)
             coef.sub_(log_z[rows, None]).exp_().mul_(-g[:, None])  # -softmax x g
             coef[torch.arange(coef.shape[0], device=coef.device), targets[rows]] += g  # + one-hot x g
             if tanh:  # the cap's own derivative: d (cap tanh(s z / cap)) / dz = s (1 - tanh^2)
@@ -210,17 +258,21 @@ class ResponseLogProbs(nn.Module):
         # HeadLogProbs where the head is a plain weight; the head module checkpointed chunk by chunk otherwise
         self.fused_head = plain if fused_head is None else fused_head and plain
 
-    def forward(self, mb: MicroBatch, *, temperature: float, with_entropy: bool = False, chunk_tokens: int | None = None):
+    def forward(
+        self, mb: MicroBatch, *, temperature: float, with_entropy: bool = False, chunk_tokens: int | None = None
+    ):
         if mb.shared is None:
-            hidden = self.decoder(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                                  position_ids=mb.position_ids).last_hidden_state.flatten(0, 1)  # (R * L, H)
+            hidden = self.decoder(
+                input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids
+            ).last_hidden_state.flatten(0, 1)  # (R * L, H)
         else:
             hidden = prompt_then_responses(self.decoder, mb.shared)  # (prompt and response positions, H)
         h = hidden[mb.token_index]  # (n, H)
         chunk_tokens = chunk_tokens or head_chunk_rows(self.head.weight.shape[0], h.device)
         if self.fused_head:
-            flat, ent = HeadLogProbs.apply(h, self.head.weight, mb.targets, temperature, chunk_tokens, with_entropy,
-                                           self.transform)
+            flat, ent = HeadLogProbs.apply(
+                h, self.head.weight, mb.targets, temperature, chunk_tokens, with_entropy, self.transform
+            )
             return self._scatter(mb, flat), self._scatter(mb, ent) if with_entropy else None
         logps, entropies = [], []
         for t0 in range(0, h.shape[0], chunk_tokens):
@@ -241,7 +293,6 @@ class ResponseLogProbs(nn.Module):
         buffer as the output would make FSDP warn that an in-place op on it could skip its pre-backward hook."""
         out_at = torch.unravel_index(mb.out_index, (mb.num_rows, mb.width))
         return flat.new_zeros(mb.num_rows, mb.width).index_put(out_at, flat)
-
 
     def _checkpointed_head(self, temperature: float, entropies: list | None):
         """One chunk's log-probs for activation checkpointing; with ``entropies``, the first call (the
@@ -325,9 +376,18 @@ class LossFn(Protocol):
     statistics (up_clipped_prob_mean, up_clipped_prob_max, num_up_clipped).
     """
 
-    def __call__(self, logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *,
-                 num_tokens: torch.Tensor, num_seqs: torch.Tensor, is_weights: torch.Tensor | None,
-                 ref_logp: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+    def __call__(
+        self,
+        logp: torch.Tensor,
+        old_logp: torch.Tensor,
+        adv: torch.Tensor,
+        mask: torch.Tensor,
+        *,
+        num_tokens: torch.Tensor,
+        num_seqs: torch.Tensor,
+        is_weights: torch.Tensor | None,
+        ref_logp: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
 
 TOKEN_MEANS = ("clipfrac_high", "clipfrac_low", "clipfrac_dual", "approx_kl", "token_prob_mean")
@@ -369,8 +429,12 @@ class UpdateStats:
 
     def summary(self, dist: parallel.Dist) -> dict[str, torch.Tensor]:
         """The mini-batch's statistics over every rank, on the CPU, by their names in the metrics."""
-        sums = {"pg_loss": self.pg_loss, **dict(zip(TOKEN_MEANS, self.token_means.unbind())),
-                "up_clipped_prob_sum": self.up_clipped_prob_sum, "num_up_clipped": self.num_up_clipped}
+        sums = {
+            "pg_loss": self.pg_loss,
+            **dict(zip(TOKEN_MEANS, self.token_means.unbind())),
+            "up_clipped_prob_sum": self.up_clipped_prob_sum,
+            "num_up_clipped": self.num_up_clipped,
+        }
         if self.kl_loss is not None:  # every rank runs the same loss: all of them have it or none
             sums["kl_loss"] = self.kl_loss
         per_rank = parallel.all_gather(torch.stack([*sums.values(), self.up_clipped_prob_max]), dist)  # (ranks, K)
@@ -391,8 +455,18 @@ class LogProbModel:
     ``train.share_prompt_prefix``), and under FSDP each rank computing its share of the rows with the
     sharded log-prob pass."""
 
-    def __init__(self, lm, pad_id: int, model_cfg: ModelConfig, train_cfg: TrainConfig, dist: parallel.Dist, *,
-                 temperature: float, device: torch.device, max_seq_tokens: int | None = None):
+    def __init__(
+        self,
+        lm,
+        pad_id: int,
+        model_cfg: ModelConfig,
+        train_cfg: TrainConfig,
+        dist: parallel.Dist,
+        *,
+        temperature: float,
+        device: torch.device,
+        max_seq_tokens: int | None = None,
+    ):
         self.model = lm
         self.pad_id = pad_id
         self.model_cfg, self.train_cfg = model_cfg, train_cfg
@@ -402,23 +476,34 @@ class LogProbModel:
         from dapo.config import ConfigError
 
         if self.share_prompts and (why := unsupported(lm, max_seq_tokens)):
-            raise ConfigError(f"train.share_prompt_prefix=true: {model_cfg.path} has {why}; set train.share_prompt_prefix=false")
+            raise ConfigError(
+                f"train.share_prompt_prefix=true: {model_cfg.path} has {why}; set train.share_prompt_prefix=false"
+            )
         try:
             logit_transform(lm)  # found before sharding, on the whole head
         except UnsupportedModel as err:
-            raise ConfigError(f"model.path={model_cfg.path}: {err}; its log-probs would not be those the engines "
-                              "sample, so it cannot be trained exactly") from None
+            raise ConfigError(
+                f"model.path={model_cfg.path}: {err}; its log-probs would not be those the engines "
+                "sample, so it cannot be trained exactly"
+            ) from None
         if why := padding_problem(lm):
-            raise ConfigError(f"model.path={model_cfg.path}: {why}; the trainer's micro-batches would not give its own "
-                              "log-probs, so it cannot be trained exactly")
+            raise ConfigError(
+                f"model.path={model_cfg.path}: {why}; the trainer's micro-batches would not give its own "
+                "log-probs, so it cannot be trained exactly"
+            )
         self.logprob_pass = self._sharded_logprob_pass(lm)
 
     def _sharded_logprob_pass(self, lm) -> ResponseLogProbs:
         """The model's log-prob pass; under FSDP sharded across ranks (one unit per decoder layer),
         float32 master weights, forward and backward in model.dtype."""
         logprob_pass = ResponseLogProbs(lm, logit_transform(lm))
-        return parallel.wrap(logprob_pass, decoder_layers(logprob_pass.decoder), self.dist,
-                             compute_dtype=DTYPES[self.model_cfg.dtype], cpu_offload=self.train_cfg.cpu_offload)
+        return parallel.wrap(
+            logprob_pass,
+            decoder_layers(logprob_pass.decoder),
+            self.dist,
+            compute_dtype=DTYPES[self.model_cfg.dtype],
+            cpu_offload=self.train_cfg.cpu_offload,
+        )
 
     def _rank_rows(self, batch: RolloutBatch, rows: list[int]) -> list[int]:
         """This rank's share of a mini-batch's rows, balanced by sequence tokens (all of them when alone).
@@ -447,12 +532,19 @@ class LogProbModel:
         if self.share_prompts:
             prompts = [batch.prompt_ids[i] for i in rows]
             widths = fed_widths([batch.response_ids[i] for i in rows])
-            plan = plan_shared_prompt_micro_batches(prompt_of_rows(prompts), [len(p) for p in prompts], widths,
-                                                    t.max_tokens_per_micro_batch, max_rows=t.micro_batch_size,
-                                                    split_responses=self.split_responses)
+            plan = plan_shared_prompt_micro_batches(
+                prompt_of_rows(prompts),
+                [len(p) for p in prompts],
+                widths,
+                t.max_tokens_per_micro_batch,
+                max_rows=t.micro_batch_size,
+                split_responses=self.split_responses,
+            )
         else:
             lengths = [len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in rows]
-            plan = plan_micro_batches(lengths, t.max_tokens_per_micro_batch, packed=self.packed, max_rows=t.micro_batch_size)
+            plan = plan_micro_batches(
+                lengths, t.max_tokens_per_micro_batch, packed=self.packed, max_rows=t.micro_batch_size
+            )
         return [[rows[j] for j in chunk] for chunk in plan]
 
     @property
@@ -462,8 +554,15 @@ class LogProbModel:
         return not self.dist.sharded
 
     def _make_micro_batch(self, batch: RolloutBatch, rows: list[int]) -> MicroBatch:
-        return make_micro_batch(batch, rows, self.pad_id, self.device, packed=self.packed, share_prompts=self.share_prompts,
-                                split_responses=self.split_responses)
+        return make_micro_batch(
+            batch,
+            rows,
+            self.pad_id,
+            self.device,
+            packed=self.packed,
+            share_prompts=self.share_prompts,
+            split_responses=self.split_responses,
+        )
 
     # ---- log-probs ------------------------------------------------------------------------
     def mini_batch_rows(self, batch: RolloutBatch) -> list[list[int]]:
@@ -471,7 +570,9 @@ class LogProbModel:
         ``train.mini_batch_prompts`` of them per update."""
         g, per_update = batch.group_size, max(1, self.train_cfg.mini_batch_prompts)
         groups = list(range(batch.num_groups))
-        return [[i * g + j for i in groups[s : s + per_update] for j in range(g)] for s in range(0, len(groups), per_update)]
+        return [
+            [i * g + j for i in groups[s : s + per_update] for j in range(g)] for s in range(0, len(groups), per_update)
+        ]
 
     @torch.no_grad()
     def compute_logprobs(self, batch: RolloutBatch, *, with_entropy: bool = False, rows: list[int] | None = None):
@@ -504,7 +605,9 @@ class LogProbModel:
         return logp, entropy
 
 
-def _placement(dist: parallel.Dist | None, device: torch.device | None) -> tuple[parallel.Dist, torch.device, str | torch.device]:
+def _placement(
+    dist: parallel.Dist | None, device: torch.device | None
+) -> tuple[parallel.Dist, torch.device, str | torch.device]:
     """The process group, the device computed on, and where the weights are loaded: under FSDP each
     rank loads on CPU and keeps only its shard on the device."""
     dist = dist or parallel.Dist(device=device or torch.device("cpu"))
@@ -515,15 +618,35 @@ def _placement(dist: parallel.Dist | None, device: torch.device | None) -> tuple
 class ReferenceModel(LogProbModel):
     """The initial weights, frozen: log-probs under pi_ref for a KL penalty (GRPO's; DAPO has none)."""
 
-    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, dist: parallel.Dist | None = None, *,
-                 temperature: float, device: torch.device | None = None, max_seq_tokens: int | None = None):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        train_cfg: TrainConfig,
+        dist: parallel.Dist | None = None,
+        *,
+        temperature: float,
+        device: torch.device | None = None,
+        max_seq_tokens: int | None = None,
+    ):
         dist, device, load_on = _placement(dist, device)
-        lm, tokenizer = load_model_and_tokenizer(model_cfg.path, model_cfg.dtype, load_on,
-                                                 trust_remote_code=model_cfg.trust_remote_code,
-                                                 keep_dropout=model_cfg.keep_dropout)
+        lm, tokenizer = load_model_and_tokenizer(
+            model_cfg.path,
+            model_cfg.dtype,
+            load_on,
+            trust_remote_code=model_cfg.trust_remote_code,
+            keep_dropout=model_cfg.keep_dropout,
+        )
         lm.requires_grad_(False).train(False)
-        super().__init__(lm, tokenizer.pad_token_id, model_cfg, train_cfg, dist, temperature=temperature, device=device,
-                         max_seq_tokens=max_seq_tokens)
+        super().__init__(
+            lm,
+            tokenizer.pad_token_id,
+            model_cfg,
+            train_cfg,
+            dist,
+            temperature=temperature,
+            device=device,
+            max_seq_tokens=max_seq_tokens,
+        )
 
     def logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """(N, T) log-probs of the sampled tokens under the reference weights."""
@@ -542,25 +665,48 @@ class Policy(LogProbModel):
     ``temperature`` is the sampling temperature, at which every log-prob is computed.
     """
 
-    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, dist: parallel.Dist | None = None, *,
-                 temperature: float, device: torch.device | None = None, max_seq_tokens: int | None = None):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        train_cfg: TrainConfig,
+        dist: parallel.Dist | None = None,
+        *,
+        temperature: float,
+        device: torch.device | None = None,
+        max_seq_tokens: int | None = None,
+    ):
         dist, device, load_on = _placement(dist, device)
-        lm, self.tokenizer = load_model_and_tokenizer(model_cfg.path, model_cfg.dtype, load_on,
-                                                      trust_remote_code=model_cfg.trust_remote_code,
-                                                      keep_dropout=model_cfg.keep_dropout)
+        lm, self.tokenizer = load_model_and_tokenizer(
+            model_cfg.path,
+            model_cfg.dtype,
+            load_on,
+            trust_remote_code=model_cfg.trust_remote_code,
+            keep_dropout=model_cfg.keep_dropout,
+        )
         if model_cfg.gradient_checkpointing:
             lm.gradient_checkpointing_enable()
         lm.config.use_cache = False  # training forward passes never need the KV cache
         self.adapted = model_cfg.lora.enabled
         if self.adapted:  # the base frozen, LoRA adapters trained; the model is the peft model from here on
             lm = lora.add_adapters(lm, model_cfg.lora, seed=train_cfg.seed)
-        super().__init__(lm, self.tokenizer.pad_token_id, model_cfg, train_cfg, dist,
-                         temperature=temperature, device=device, max_seq_tokens=max_seq_tokens)
+        super().__init__(
+            lm,
+            self.tokenizer.pad_token_id,
+            model_cfg,
+            train_cfg,
+            dist,
+            temperature=temperature,
+            device=device,
+            max_seq_tokens=max_seq_tokens,
+        )
         self.master = self._master_weights()  # float32 copies in one process below float32; None otherwise
         t = train_cfg
         params = self.master or [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
+            params,
+            lr=t.lr,
+            betas=tuple(t.betas),
+            weight_decay=t.weight_decay,
             # torch's fused kernel: the same AdamW update to rounding, in one pass over each tensor and
             # its moments, with none of the foreach path's tensor-sized temporaries (sharded DTensors: foreach)
             fused=not self.dist.sharded and all(p.device.type in ("cpu", "cuda") for p in params),
@@ -602,8 +748,14 @@ class Policy(LogProbModel):
                 p.copy_(master)  # round to the compute dtype
 
     # ---- the update -----------------------------------------------------------------------
-    def update(self, batch: RolloutBatch, loss_fn: LossFn, *, old_logp_rows: torch.Tensor | None = None,
-               entropy_rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def update(
+        self,
+        batch: RolloutBatch,
+        loss_fn: LossFn,
+        *,
+        old_logp_rows: torch.Tensor | None = None,
+        entropy_rows: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
         """Several optimizer updates over one rollout batch (mini-batches of whole groups,
         ``mini_batch_rows``), each minimising ``loss_fn`` summed over its micro-batches.
 
@@ -628,7 +780,9 @@ class Policy(LogProbModel):
         for _epoch in range(t.ppo_epochs):
             for rows in self.mini_batch_rows(batch):
                 if updates and "old_logp" in pending and pending["old_logp"][rows].any():
-                    raise ValueError("old_logp_rows must be trained before the first optimizer step (the first mini-batch)")
+                    raise ValueError(
+                        "old_logp_rows must be trained before the first optimizer step (the first mini-batch)"
+                    )
                 stats = self._mini_batch_update(batch, rows, loss_fn, pending, recorded)
                 for v in pending.values():
                     v[rows] = False  # recorded by whichever rank computed them
@@ -646,8 +800,14 @@ class Policy(LogProbModel):
         self.last_updates = (updates, self.skipped_updates - skipped_before)
         return out
 
-    def _mini_batch_update(self, batch: RolloutBatch, rows: list[int], loss_fn: LossFn,
-                           pending: dict[str, torch.Tensor], recorded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _mini_batch_update(
+        self,
+        batch: RolloutBatch,
+        rows: list[int],
+        loss_fn: LossFn,
+        pending: dict[str, torch.Tensor],
+        recorded: dict[str, torch.Tensor],
+    ) -> dict[str, torch.Tensor]:
         """One optimizer update; ``pending``: rows whose old_logp / entropy this forward over them
         records (into ``recorded``, this rank's, and ``batch``)."""
         rows = self._rank_rows(batch, rows)
@@ -665,8 +825,12 @@ class Policy(LogProbModel):
                 continue
             mask = mask_cpu.to(self.device)
             record = {k: rows_[idx] & (micro is not None) for k, rows_ in pending.items()}  # (B,) each
-            logp, entropy = token_logprobs(self.logprob_pass, mb, temperature=self.temperature,
-                                           with_entropy="entropy" in record and bool(record["entropy"].any()))
+            logp, entropy = token_logprobs(
+                self.logprob_pass,
+                mb,
+                temperature=self.temperature,
+                with_entropy="entropy" in record and bool(record["entropy"].any()),
+            )
             on_device = lambda x: None if x is None else x[idx, : mb.width].to(self.device)  # noqa: E731
             old_logp = on_device(batch.old_logp)
             for k, values in (("old_logp", logp), ("entropy", entropy)):
@@ -676,9 +840,16 @@ class Policy(LogProbModel):
                     fresh = values.detach().float().cpu()[record[k]]  # (b, T_mb)
                     recorded[k][idx[record[k]], : mb.width] = fresh
                     getattr(batch, k)[idx[record[k]], : mb.width] = fresh
-            loss, loss_stats = loss_fn(logp, old_logp, batch.adv[idx].to(self.device), mask,
-                                       num_tokens=num_tokens, num_seqs=num_seqs,
-                                       is_weights=on_device(batch.is_weights), ref_logp=on_device(batch.ref_logp))
+            loss, loss_stats = loss_fn(
+                logp,
+                old_logp,
+                batch.adv[idx].to(self.device),
+                mask,
+                num_tokens=num_tokens,
+                num_seqs=num_seqs,
+                is_weights=on_device(batch.is_weights),
+                ref_logp=on_device(batch.ref_logp),
+            )
             loss.backward()
             stats.add(loss_stats, token_share=mask.sum() / num_tokens.clamp(min=1))
         summary = stats.summary(self.dist)
@@ -712,8 +883,11 @@ class Policy(LogProbModel):
 
     def trainer_state(self) -> dict:
         # the streak too: a run stopped by run.max_nonfinite_in_a_row and started again stops at the next bad update
-        state = {"scheduler": self.scheduler.state_dict(), "skipped_updates": self.skipped_updates,
-                 "nonfinite_in_a_row": self.nonfinite_in_a_row}
+        state = {
+            "scheduler": self.scheduler.state_dict(),
+            "skipped_updates": self.skipped_updates,
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+        }
         if not self.dist.sharded:  # under FSDP the optimizer is saved in shards, with the model
             state["optimizer"] = self.optimizer.state_dict()
         if self.master is not None:  # the model directory holds the bf16 weights; the float32 masters go here
@@ -740,11 +914,15 @@ class Policy(LogProbModel):
         names = self.trained_names()
         positions = {i for g in state["param_groups"] for i in g["params"]}
         if positions != set(range(len(names))):
-            raise parallel.CheckpointError(f"the checkpoint's AdamW state is for {len(positions)} parameters and this "
-                                           f"model trains {len(names)}: resume it with the model.path and model.lora "
-                                           "settings it was written with")
-        return {"state": {names[i]: s for i, s in state["state"].items()},
-                "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
+            raise parallel.CheckpointError(
+                f"the checkpoint's AdamW state is for {len(positions)} parameters and this "
+                f"model trains {len(names)}: resume it with the model.path and model.lora "
+                "settings it was written with"
+            )
+        return {
+            "state": {names[i]: s for i, s in state["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
+        }
 
     def load_full_state(self, weights: dict[str, torch.Tensor], optimizer: dict) -> None:
         """A checkpoint written at another world size: ``weights``, whole float32 tensors by parameter name
@@ -757,34 +935,48 @@ class Policy(LogProbModel):
         names = self.trained_names()
         missing = [n for n in names if n not in weights]
         if missing:
-            raise parallel.CheckpointError(f"the checkpoint holds no weights for {', '.join(missing[:3])} "
-                                           f"({len(missing)} of {len(names)} trained parameters): resume it with the "
-                                           "model.path and model.lora settings it was written with")
-        groups = [{**g, **{k: live[k] for k in OPTIMIZER_IMPLEMENTATION if k in live}}
-                  for g, live in zip(optimizer["param_groups"], self.optimizer.param_groups)]
+            raise parallel.CheckpointError(
+                f"the checkpoint holds no weights for {', '.join(missing[:3])} "
+                f"({len(missing)} of {len(names)} trained parameters): resume it with the "
+                "model.path and model.lora settings it was written with"
+            )
+        groups = [
+            {**g, **{k: live[k] for k in OPTIMIZER_IMPLEMENTATION if k in live}}
+            for g, live in zip(optimizer["param_groups"], self.optimizer.param_groups)
+        ]
         if not optimizer["state"]:  # saved before its first update (nothing informative to train on yet)
             for live, saved in zip(self.optimizer.param_groups, groups):
                 live.update({k: v for k, v in saved.items() if k != "params"})
         optimizer = {"state": optimizer["state"], "param_groups": groups} if optimizer["state"] else None
         if self.dist.sharded:
-            parallel.load_sharded_state(self.model, self.optimizer, {"model": weights, "optim": optimizer},
-                                        trainable_only=self.adapted, full=True)
+            parallel.load_sharded_state(
+                self.model,
+                self.optimizer,
+                {"model": weights, "optim": optimizer},
+                trainable_only=self.adapted,
+                full=True,
+            )
             return
         params = dict(self.model.named_parameters(remove_duplicate=False))  # a tied weight under each of its names
         unknown = [n for n in weights if n not in params]
         if unknown:
-            raise parallel.CheckpointError(f"the checkpoint holds weights this model does not have ({', '.join(unknown[:3])}"
-                                           "): resume it with the model.path it was written with")
+            raise parallel.CheckpointError(
+                f"the checkpoint holds weights this model does not have ({', '.join(unknown[:3])}"
+                "): resume it with the model.path it was written with"
+            )
         with torch.no_grad():
-            for name in (names if self.adapted else weights):  # every weight, or with LoRA the adapters
+            for name in names if self.adapted else weights:  # every weight, or with LoRA the adapters
                 params[name].copy_(weights[name])
             for master, name in zip(self.master or [], names):
                 master.copy_(weights[name])
         if optimizer is not None:
             position = {name: i for i, name in enumerate(names)}
-            self.optimizer.load_state_dict({
-                "state": {position[n]: s for n, s in optimizer["state"].items()},
-                "param_groups": [{**g, "params": [position[n] for n in g["params"]]} for g in groups]})
+            self.optimizer.load_state_dict(
+                {
+                    "state": {position[n]: s for n, s in optimizer["state"].items()},
+                    "param_groups": [{**g, "params": [position[n] for n in g["params"]]} for g in groups],
+                }
+            )
 
     def load_trainer_state(self, state: dict) -> None:
         if "optimizer" in state:

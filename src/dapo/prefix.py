@@ -68,8 +68,9 @@ def fed_widths(response_ids: list[list[int]]) -> list[int]:
     return [max(1, len(r) - 1) for r in response_ids]
 
 
-def shared_prompt_passes(prompt_ids: list[list[int]], response_ids: list[list[int]], passes: list[list[int]],
-                         pad_id: int, device) -> tuple[SharedPrompts, list[int]]:
+def shared_prompt_passes(
+    prompt_ids: list[list[int]], response_ids: list[list[int]], passes: list[list[int]], pad_id: int, device
+) -> tuple[SharedPrompts, list[int]]:
     """The passes over B rows (row b: ``prompt_ids[b]`` then ``response_ids[b]``, non-empty) with each
     distinct prompt once, the rows in ``passes`` (lists of row positions). Also, in row order, the flat
     position in the passes' hidden states (``prompt_then_responses``) that predicts each response
@@ -90,11 +91,14 @@ def shared_prompt_passes(prompt_ids: list[list[int]], response_ids: list[list[in
         offset += len(rows) * fed_width
         of_rows = torch.tensor([of_row[b] for b in rows], dtype=torch.long)
         fed_mask = (torch.arange(fed_width)[None, :] < torch.tensor([len(fed[b]) for b in rows])[:, None]).long()
-        responses.append(ResponsePass(
-            input_ids=pad_rows([fed[b] for b in rows], pad_id, fed_width).to(device),
-            attention_mask=torch.cat([prompt_mask[of_rows], fed_mask], dim=1).to(device),
-            position_ids=(lengths[of_rows][:, None] + torch.arange(fed_width)[None, :]).to(device),
-            prompt_of_row=of_rows.to(device)))
+        responses.append(
+            ResponsePass(
+                input_ids=pad_rows([fed[b] for b in rows], pad_id, fed_width).to(device),
+                attention_mask=torch.cat([prompt_mask[of_rows], fed_mask], dim=1).to(device),
+                position_ids=(lengths[of_rows][:, None] + torch.arange(fed_width)[None, :]).to(device),
+                prompt_of_row=of_rows.to(device),
+            )
+        )
     predictors = []
     for b, p in enumerate(prompt_ids):
         predictors.append(of_row[b] * width + len(p) - 1)
@@ -169,26 +173,38 @@ def unsupported(lm, max_seq_tokens: int | None = None) -> str | None:
     if any(name.rsplit(".", 1)[-1] in CROSS_ATTENTION for name, _ in decoder.named_modules()):
         return "cross-attention layers (an encoder-decoder's decoder)"
     if getattr(text_config, "num_kv_shared_layers", 0):
-        return f"num_kv_shared_layers={text_config.num_kv_shared_layers} (layers that read other layers' cached keys and values)"
+        shared = text_config.num_kv_shared_layers
+        return f"num_kv_shared_layers={shared} (layers that read other layers' cached keys and values)"
     if rope := sorted(_rope_types(text_config) & set(LENGTH_DEPENDENT_ROPE)):
-        return f"rope_type {rope[0]!r}, whose frequencies depend on each pass's length (prompt and response passes would differ)"
+        return (
+            f"rope_type {rope[0]!r}, whose frequencies depend on each pass's length "
+            "(prompt and response passes would differ)"
+        )
     layers = DynamicCache(config=lm.config).layers
     kinds = {type(layer).__name__ for layer in layers}
     windowed = {DynamicSlidingWindowLayer.__name__}
     if kinds - {DynamicLayer.__name__} - windowed:
         # linear-attention, recurrent, indexed or hybrid layers keep other states than a full prefix
-        return f"a cache with {', '.join(sorted(kinds - {DynamicLayer.__name__} - windowed))} layers (only attention shares a prompt)"
+        others = ", ".join(sorted(kinds - {DynamicLayer.__name__} - windowed))
+        return f"a cache with {others} layers (only attention shares a prompt)"
     windows = [layer.sliding_window for layer in layers if type(layer) is DynamicSlidingWindowLayer]
     if windows and (max_seq_tokens is None or max_seq_tokens > min(windows)):
         # within its window, sliding-window (or chunked) attention is full attention, which the prefix reproduces
         longest = "not known" if max_seq_tokens is None else max_seq_tokens
-        return (f"sliding-window attention over {min(windows)} tokens, shorter than the longest sequence "
-                f"(data.max_prompt_tokens + rollout.max_response_tokens = {longest})")
+        return (
+            f"sliding-window attention over {min(windows)} tokens, shorter than the longest sequence "
+            f"(data.max_prompt_tokens + rollout.max_response_tokens = {longest})"
+        )
     for layer in decoder_layers(decoder):
         checkpoint = getattr(layer, "_gradient_checkpointing_func", None)
-        if getattr(layer, "gradient_checkpointing", False) and getattr(checkpoint, "keywords", {}).get("use_reentrant") is not False:
+        if (
+            getattr(layer, "gradient_checkpointing", False)
+            and getattr(checkpoint, "keywords", {}).get("use_reentrant") is not False
+        ):
             # reentrant checkpointing passes gradients only to a layer's positional inputs, not to the cache
-            return "reentrant activation checkpointing (the cached prompt would get no gradient; use use_reentrant=False)"
+            return (
+                "reentrant activation checkpointing (the cached prompt would get no gradient; use use_reentrant=False)"
+            )
     return _probe(lm, decoder)
 
 
@@ -207,7 +223,11 @@ def _probe(lm, decoder) -> str | None:
     width = max(map(len, seqs))
     ids = pad_rows(seqs, 0, width).to(weight.device)
     mask = (torch.arange(width)[None, :] < torch.tensor([len(s) for s in seqs])[:, None]).long().to(weight.device)
-    at = [b * width + t for b, (p, r) in enumerate(zip(prompts, responses)) for t in range(len(p) - 1, len(p) + len(r) - 1)]
+    at = [
+        b * width + t
+        for b, (p, r) in enumerate(zip(prompts, responses))
+        for t in range(len(p) - 1, len(p) + len(r) - 1)
+    ]
     was_training = lm.training
     lm.train(False)
     try:
@@ -227,8 +247,10 @@ def _probe(lm, decoder) -> str | None:
         lm.train(was_training)
     off = float((parts - whole).abs().max() / whole.abs().max().clamp(min=1e-12))
     if off > PROBE_RTOL.get(weight.dtype, 1e-4):
-        return (f"a decoder whose shared-prefix pass differs from one pass over each sequence ({off:.2g} of the largest "
-                "hidden value on a probe)")
+        return (
+            f"a decoder whose shared-prefix pass differs from one pass over each sequence ({off:.2g} of the largest "
+            "hidden value on a probe)"
+        )
     return None
 
 
@@ -265,18 +287,36 @@ def prompt_then_responses(decoder, shared: SharedPrompts) -> torch.Tensor:
     embeds = _embed_once(decoder, [shared.input_ids] + [part.input_ids for part in shared.responses])
     with _cache_kept_under_checkpointing(layers):
         recorder = Cache(layers=[_RecordingLayer() for _ in layers])
-        hidden = [decoder(inputs_embeds=embeds[0], attention_mask=shared.attention_mask,
-                          past_key_values=recorder).last_hidden_state]  # (U, P, H)
+        hidden = [
+            decoder(
+                inputs_embeds=embeds[0], attention_mask=shared.attention_mask, past_key_values=recorder
+            ).last_hidden_state
+        ]  # (U, P, H)
         if any(layer.keys is None for layer in recorder.layers):
-            raise RuntimeError("train.share_prompt_prefix=true: the decoder kept no keys and values from the prompt "
-                               "pass (a model that does not use transformers' cache); set train.share_prompt_prefix=false")
+            raise RuntimeError(
+                "train.share_prompt_prefix=true: the decoder kept no keys and values from the prompt "
+                "pass (a model that does not use transformers' cache); set train.share_prompt_prefix=false"
+            )
         for k, part in enumerate(shared.responses):
-            prefix = Cache(layers=[_PrefixLayer(layer.keys.index_select(0, part.prompt_of_row),
-                                                layer.values.index_select(0, part.prompt_of_row))
-                                   for layer in recorder.layers])
-            hidden.append(decoder(inputs_embeds=embeds[1 + k], attention_mask=part.attention_mask,
-                                  position_ids=part.position_ids, past_key_values=prefix).last_hidden_state)  # (b, W, H)
+            prefix = Cache(
+                layers=[
+                    _PrefixLayer(
+                        layer.keys.index_select(0, part.prompt_of_row), layer.values.index_select(0, part.prompt_of_row)
+                    )
+                    for layer in recorder.layers
+                ]
+            )
+            hidden.append(
+                decoder(
+                    inputs_embeds=embeds[1 + k],
+                    attention_mask=part.attention_mask,
+                    position_ids=part.position_ids,
+                    past_key_values=prefix,
+                ).last_hidden_state
+            )  # (b, W, H)
             if not all(layer.used for layer in prefix.layers):
-                raise RuntimeError("train.share_prompt_prefix=true: the response pass did not attend to the cached "
-                                   "prompt (the decoder dropped its past_key_values); set train.share_prompt_prefix=false")
+                raise RuntimeError(
+                    "train.share_prompt_prefix=true: the response pass did not attend to the cached "
+                    "prompt (the decoder dropped its past_key_values); set train.share_prompt_prefix=false"
+                )
     return torch.cat([h.flatten(0, 1) for h in hidden])

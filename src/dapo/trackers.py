@@ -59,8 +59,10 @@ def check_installed(loggers: list[str]) -> None:
     """Stop before anything is built when a tracker in run.loggers is not installed."""
     for name in loggers:
         if name in PACKAGES and importlib.util.find_spec(PACKAGES[name][0]) is None:
-            raise ConfigError(f"run.loggers={','.join(loggers)}: {name} is not installed; "
-                              f"pip install 'dapo[{PACKAGES[name][1]}]', or leave {name} out of run.loggers")
+            raise ConfigError(
+                f"run.loggers={','.join(loggers)}: {name} is not installed; "
+                f"pip install 'dapo[{PACKAGES[name][1]}]', or leave {name} out of run.loggers"
+            )
 
 
 def flat_params(config: dict, prefix: str = "") -> dict[str, str]:
@@ -95,27 +97,37 @@ def _files(base: Path, names, under: str = "") -> list[tuple[Path, str]]:
 class WandbTracker:
     name = "wandb"
 
-    def __init__(self, settings: WandbConfig, run_dir: Path, *, run_name: str, config: dict | None,
-                 run_id: str | None):
+    def __init__(self, settings: WandbConfig, run_dir: Path, *, run_name: str, config: dict | None, run_id: str | None):
         import wandb
 
         # W&B's own records go to its debug.log under <run>/wandb/; in train.log they would repeat
         logging.getLogger("wandb").propagate = False
         try:
             self.run = wandb.init(
-                project=settings.project or os.environ.get("WANDB_PROJECT") or "dapo", entity=settings.entity,
-                name=settings.name or run_name, mode=settings.mode,  # None: WANDB_MODE, else online
-                dir=str(run_dir), id=run_id, resume="allow" if run_id else None, config=config,
+                project=settings.project or os.environ.get("WANDB_PROJECT") or "dapo",
+                entity=settings.entity,
+                name=settings.name or run_name,
+                mode=settings.mode,  # None: WANDB_MODE, else online
+                dir=str(run_dir),
+                id=run_id,
+                resume="allow" if run_id else None,
+                config=config,
                 reinit="create_new",  # a run of its own even where the process has another (a notebook's)
-                settings=wandb.Settings(quiet=True))
+                settings=wandb.Settings(quiet=True),
+            )
         except Exception as err:
-            raise TrackerError(f"run.loggers: wandb could not start a run ({_first_line(err)}); log in with "
-                               "`wandb login`, or set run.wandb.mode=offline (files under the run directory, "
-                               "uploaded later by `wandb sync`), or leave wandb out of run.loggers") from err
+            raise TrackerError(
+                f"run.loggers: wandb could not start a run ({_first_line(err)}); log in with "
+                "`wandb login`, or set run.wandb.mode=offline (files under the run directory, "
+                "uploaded later by `wandb sync`), or leave wandb out of run.loggers"
+            ) from err
         self.run_id = self.run.id
         # online: the run's page; offline: the folder `wandb sync` takes
-        self.where = ("nowhere (run.wandb.mode or WANDB_MODE is disabled)" if self.run.settings.mode == "disabled"
-                      else self.run.url or str(Path(self.run.dir).parent))
+        self.where = (
+            "nowhere (run.wandb.mode or WANDB_MODE is disabled)"
+            if self.run.settings.mode == "disabled"
+            else self.run.url or str(Path(self.run.dir).parent)
+        )
 
     def log(self, step: int, row: dict) -> None:
         self.run.log({k: v for k, v in row.items() if k != "step"}, step=step)
@@ -144,8 +156,16 @@ class WandbTracker:
 class MlflowTracker:
     name = "mlflow"
 
-    def __init__(self, settings: MlflowConfig, run_dir: Path, *, run_name: str, config: dict | None,
-                 run_id: str | None, warn=print):
+    def __init__(
+        self,
+        settings: MlflowConfig,
+        run_dir: Path,
+        *,
+        run_name: str,
+        config: dict | None,
+        run_id: str | None,
+        warn=print,
+    ):
         import mlflow
         from mlflow.entities import Param
 
@@ -158,8 +178,9 @@ class MlflowTracker:
             if self.run_id is None and config is None:  # reopening a run that is not there (dapo eval)
                 return
             if self.run_id is None:
-                self.run_id = self.client.create_run(self._experiment_id(settings), run_name=run_name,
-                                                     tags={"run_dir": str(run_dir.resolve())}).info.run_id
+                self.run_id = self.client.create_run(
+                    self._experiment_id(settings), run_name=run_name, tags={"run_dir": str(run_dir.resolve())}
+                ).info.run_id
             elif config is not None:
                 self.client.update_run(self.run_id, status="RUNNING")
             if config is not None:
@@ -168,17 +189,25 @@ class MlflowTracker:
                 # a run's parameters cannot change; a resumed run with other settings says which kept their first value
                 changed = sorted(k for k in params if k in logged and logged[k] != params[k])
                 if changed:
-                    warn(f"mlflow: parameters keep the values of the run's first start: "
-                         f"{', '.join(f'{k}={logged[k]} (now {params[k]})' for k in changed)}; "
-                         "the config.yaml artefact has the current ones")
+                    warn(
+                        f"mlflow: parameters keep the values of the run's first start: "
+                        f"{', '.join(f'{k}={logged[k]} (now {params[k]})' for k in changed)}; "
+                        "the config.yaml artefact has the current ones"
+                    )
                 self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in params.items() if k not in logged])
         except Exception as err:
             uri = settings.tracking_uri or mlflow.get_tracking_uri()
             # MLflow 3 explains its file-store switch at the end of a long message: said first here
-            switch = "set MLFLOW_ALLOW_FILE_STORE=true to open a file store, or " if "MLFLOW_ALLOW_FILE_STORE" in str(err) else ""
-            raise TrackerError(f"run.loggers: mlflow could not log to {uri}; {switch}set run.mlflow.tracking_uri "
-                               "(or MLFLOW_TRACKING_URI), pip install 'dapo[mlflow]' for SQLite stores, or leave "
-                               f"mlflow out of run.loggers ({_first_line(err)})") from err
+            switch = (
+                "set MLFLOW_ALLOW_FILE_STORE=true to open a file store, or "
+                if "MLFLOW_ALLOW_FILE_STORE" in str(err)
+                else ""
+            )
+            raise TrackerError(
+                f"run.loggers: mlflow could not log to {uri}; {switch}set run.mlflow.tracking_uri "
+                "(or MLFLOW_TRACKING_URI), pip install 'dapo[mlflow]' for SQLite stores, or leave "
+                f"mlflow out of run.loggers ({_first_line(err)})"
+            ) from err
 
     def _exists(self, run_id: str) -> bool:
         from mlflow.exceptions import MlflowException
@@ -204,8 +233,10 @@ class MlflowTracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(mlflow_metric_name(k), float(v), now, step)
-                                                    for k, v in row.items() if k != "step"])
+        self.client.log_batch(
+            self.run_id,
+            metrics=[Metric(mlflow_metric_name(k), float(v), now, step) for k, v in row.items() if k != "step"],
+        )
 
     def log_files(self, files: list[tuple[Path, str]]) -> None:
         for path, name in files:
@@ -236,8 +267,10 @@ class Trackers:
     def _save_state(self) -> None:
         if not self.trackers:
             return
-        state = {t.name: {"run_id": t.run_id, "last_step": self.last_step.get(t.name, -1), "where": t.where}
-                 for t in self.trackers}
+        state = {
+            t.name: {"run_id": t.run_id, "last_step": self.last_step.get(t.name, -1), "where": t.where}
+            for t in self.trackers
+        }
         tmp = self.run_dir / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(state, indent=1) + "\n")
         os.replace(tmp, self.run_dir / STATE_FILE)
@@ -248,12 +281,16 @@ class Trackers:
         except Exception as err:
             if tracker.name not in self.failing:
                 self.failing[tracker.name] = step
-                self.warn(f"{tracker.name}: could not log {what} ({_first_line(err)}); training goes on, "
-                          f"metrics.jsonl has every step, and {tracker.name} is tried again at each step")
+                self.warn(
+                    f"{tracker.name}: could not log {what} ({_first_line(err)}); training goes on, "
+                    f"metrics.jsonl has every step, and {tracker.name} is tried again at each step"
+                )
             return False
         if tracker.name in self.failing:
-            self.info(f"{tracker.name}: logging again from step {step} (steps {self.failing.pop(tracker.name)}"
-                      f" to {step - 1} are in metrics.jsonl only)")
+            self.info(
+                f"{tracker.name}: logging again from step {step} (steps {self.failing.pop(tracker.name)}"
+                f" to {step - 1} are in metrics.jsonl only)"
+            )
         return True
 
     def log(self, step: int, row: dict) -> None:
@@ -311,8 +348,9 @@ def open_trackers(cfg: Config, *, start_step: int, warn=print, info=print) -> Tr
                 continue
             before = state.get(name, {})
             kw = {"warn": warn} if name == "mlflow" else {}
-            tracker = TRACKERS[name](getattr(cfg.run, name), run_dir, run_name=cfg.run.name, config=config,
-                                     run_id=before.get("run_id"), **kw)
+            tracker = TRACKERS[name](
+                getattr(cfg.run, name), run_dir, run_name=cfg.run.name, config=config, run_id=before.get("run_id"), **kw
+            )
             trackers.append(tracker)
             if before.get("run_id") is not None and tracker.run_id == before["run_id"]:
                 last_step[name] = before.get("last_step", -1)
@@ -341,8 +379,9 @@ def log_eval_report(cfg: Config, run_dir: Path, out_dir: Path, *, warn=print) ->
     for name in names:
         try:
             check_installed([name])
-            tracker = TRACKERS[name](getattr(cfg.run, name), run_dir, run_name=cfg.run.name, config=None,
-                                     run_id=state[name]["run_id"])
+            tracker = TRACKERS[name](
+                getattr(cfg.run, name), run_dir, run_name=cfg.run.name, config=None, run_id=state[name]["run_id"]
+            )
             if tracker.run_id is None:
                 raise TrackerError(f"run {state[name]['run_id']} was not found")
             tracker.log_files(_files(out_dir, sorted(p.name for p in out_dir.iterdir()), under))

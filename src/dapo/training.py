@@ -25,8 +25,8 @@ import logging
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -57,7 +57,8 @@ UNWATCHED = ("step", "collect")
 
 
 class StepError(RuntimeError):
-    """A step that failed inside a library (the rollout engine, a CUDA call): one line saying where, and how to resume."""
+    """A step that failed inside a library (the rollout engine, a CUDA call): one line saying where, and how to
+    resume."""
 
 
 class NonFiniteError(RuntimeError):
@@ -84,13 +85,21 @@ class TrainState:
         return lambda k, done=self.gen_rounds: base_seed * 1_000_003 + done + k
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "gen_rounds": self.gen_rounds, "keep_rate": self.keep_rate,
-                "buffer": [b.state() for b in self.buffer]}
+        return {
+            "step": self.step,
+            "gen_rounds": self.gen_rounds,
+            "keep_rate": self.keep_rate,
+            "buffer": [b.state() for b in self.buffer],
+        }
 
     @classmethod
-    def from_state_dict(cls, state: dict) -> "TrainState":
-        return cls(step=state["step"], gen_rounds=state["gen_rounds"], keep_rate=state["keep_rate"],
-                   buffer=[RolloutBatch.from_state(s) for s in state["buffer"]])
+    def from_state_dict(cls, state: dict) -> TrainState:
+        return cls(
+            step=state["step"],
+            gen_rounds=state["gen_rounds"],
+            keep_rate=state["keep_rate"],
+            buffer=[RolloutBatch.from_state(s) for s in state["buffer"]],
+        )
 
 
 class Timer:
@@ -109,7 +118,9 @@ class Timer:
             self.memory.enter(phase)
         t0 = time.perf_counter()
         try:
-            with contextlib.nullcontext() if phase in UNWATCHED else watchdog.phase(watch_as or phase):  # the watchdog's phases
+            with (
+                contextlib.nullcontext() if phase in UNWATCHED else watchdog.phase(watch_as or phase)
+            ):  # the watchdog's phases
                 yield
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
@@ -122,8 +133,16 @@ def make_loss_fn(algo_cfg: AlgoConfig, max_response_tokens: int) -> LossFn:
     term to the reference model when ``algo_cfg.kl_coef`` > 0 (``max_response_tokens``: Dr. GRPO's
     constant length)."""
     a = algo_cfg
-    return functools.partial(algo.actor_loss, eps_low=a.eps_low, eps_high=a.eps_high, loss_agg=a.loss_agg,
-                             norm_length=max_response_tokens, dual_clip=a.dual_clip, kl_coef=a.kl_coef, kl_kind=a.kl_kind)
+    return functools.partial(
+        algo.actor_loss,
+        eps_low=a.eps_low,
+        eps_high=a.eps_high,
+        loss_agg=a.loss_agg,
+        norm_length=max_response_tokens,
+        dual_clip=a.dual_clip,
+        kl_coef=a.kl_coef,
+        kl_kind=a.kl_kind,
+    )
 
 
 @dataclass
@@ -145,8 +164,11 @@ def grading_pool(cfg: Config, d: parallel.Dist, reward_fn: Callable | None = Non
     if not d.is_main:
         yield parallel.OnMain(None, d)
         return
-    with RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
-                    reward_fns={REWARD_FN: reward_fn} if reward_fn is not None else None) as pool:
+    with RewardPool(
+        num_workers=cfg.reward.num_workers,
+        timeout_s=cfg.reward.timeout_s,
+        reward_fns={REWARD_FN: reward_fn} if reward_fn is not None else None,
+    ) as pool:
         yield parallel.OnMain(pool, d) if d.sharded else pool
 
 
@@ -156,8 +178,9 @@ def assign_advantages(batch: RolloutBatch, a, group_size: int) -> None:
     if a.overlong_filtering:
         batch.trainable = ~batch.truncated
     in_baseline = None if a.truncated_in_group_stats else ~batch.truncated  # the paper masks only the loss
-    batch.adv = algo.group_advantages(batch.reward, group_size, scale_by_std=a.scale_adv_by_std,
-                                      in_baseline=in_baseline)  # (N,)
+    batch.adv = algo.group_advantages(
+        batch.reward, group_size, scale_by_std=a.scale_adv_by_std, in_baseline=in_baseline
+    )  # (N,)
 
 
 @dataclass
@@ -180,7 +203,7 @@ def first_update_rows(batch: RolloutBatch, policy: Policy) -> torch.Tensor:
     return rows if batch.trainable is None else rows & batch.trainable
 
 
-def old_logprobs(batch: RolloutBatch, run: "Run") -> OldLogprobs:
+def old_logprobs(batch: RolloutBatch, run: Run) -> OldLogprobs:
     """old_logp (and entropy) under the weights that sampled, the reference's log-probs for a KL
     term, and the truncated importance weights when they are on.
 
@@ -199,7 +222,9 @@ def old_logprobs(batch: RolloutBatch, run: "Run") -> OldLogprobs:
         batch.entropy = torch.zeros(N, T)
         computed, from_update = [], {"entropy_rows": torch.ones(N, dtype=torch.bool)}
     else:
-        skip = first_update_rows(batch, run.policy) if a.old_logp == "first_update" else torch.zeros(N, dtype=torch.bool)
+        skip = (
+            first_update_rows(batch, run.policy) if a.old_logp == "first_update" else torch.zeros(N, dtype=torch.bool)
+        )
         computed = [i for i in range(N) if not skip[i]]
         if computed:
             old_logp, batch.entropy = run.policy.compute_logprobs(batch, with_entropy=True, rows=computed)  # (N, T)
@@ -222,7 +247,8 @@ def importance_weights(batch: RolloutBatch, cap: float | None) -> dict:
         raise ValueError("algo.rollout_is_cap needs the rollout engine's log-probs; this batch has none")
     T = batch.old_logp.shape[1]
     batch.is_weights, stats = algo.truncated_is_weights(
-        batch.old_logp, batch.padded_logp(batch.rollout_logp, T), batch.response_mask(width=T), cap=cap)  # (N, T)
+        batch.old_logp, batch.padded_logp(batch.rollout_logp, T), batch.response_mask(width=T), cap=cap
+    )  # (N, T)
     return {f"rollout/{k}": v for k, v in stats.items()}
 
 
@@ -255,21 +281,40 @@ class Run:
         tokenizer = self.policy.tokenizer
         for bench, examples in self.eval_sets:
             sampling = SamplingParams(**sampling_settings(bench, self.cfg, in_training=True), seed=e.seed)
-            res = evaluate(self.engine, self.encode, examples, self.pool, sampling, name=bench.name,
-                           grader=self.grader or self.cfg.reward.grader,
-                           render=lambda ex: render_prompt(ex, tokenizer))
+            res = evaluate(
+                self.engine,
+                self.encode,
+                examples,
+                self.pool,
+                sampling,
+                name=bench.name,
+                grader=self.grader or self.cfg.reward.grader,
+                render=lambda ex: render_prompt(ex, tokenizer),
+            )
             self.logger.write_eval_responses(step, res)
             out.update(res.metrics())
         return out
 
     def save(self) -> None:
         cfg, policy, d = self.cfg, self.policy, self.dist
-        trainer_state = {"policy": policy.trainer_state(), "sampler": self.sampler.state_dict(), **self.state.state_dict(),
-                         "world_size": d.world_size}
-        checkpoint.save_checkpoint(cfg.run_dir, self.state.step, model=policy.model, tokenizer=policy.tokenizer,
-                                   trainer_state=trainer_state, config_yaml=dump_yaml(cfg),
-                                   keep=cfg.run.keep_checkpoints, shards=policy.sharded_state(), dist=d,
-                                   writer=self.writer)
+        trainer_state = {
+            "policy": policy.trainer_state(),
+            "sampler": self.sampler.state_dict(),
+            **self.state.state_dict(),
+            "world_size": d.world_size,
+        }
+        checkpoint.save_checkpoint(
+            cfg.run_dir,
+            self.state.step,
+            model=policy.model,
+            tokenizer=policy.tokenizer,
+            trainer_state=trainer_state,
+            config_yaml=dump_yaml(cfg),
+            keep=cfg.run.keep_checkpoints,
+            shards=policy.sharded_state(),
+            dist=d,
+            writer=self.writer,
+        )
 
     def finish_saves(self) -> dict:
         """Wait for the checkpoint being written (raising its error); the last write's duration, if new."""
@@ -288,7 +333,9 @@ class Run:
         rollout engine samples its share of the prompts with a seed of its own (``ShardedRollout``)."""
         saved = checkpoint.load_trainer_state(path)
         checkpoint.load_policy(self.policy, path, saved.get("policy"))
-        self.engine.update_weights(self.policy.named_weights())  # an engine with its own copy starts from the checkpoint
+        self.engine.update_weights(
+            self.policy.named_weights()
+        )  # an engine with its own copy starts from the checkpoint
         self.sampler.load_state_dict(saved["sampler"])
         self.state = TrainState.from_state_dict(saved)
         checkpoint.set_rng_state(saved["rng"])
@@ -310,9 +357,11 @@ class Run:
         updates, skipped = self.policy.last_updates
         if skipped:
             limit = self.cfg.run.max_nonfinite_in_a_row
-            self.logger.warn(f"step {step}: {skipped} of {updates} optimizer updates skipped, their loss or gradient "
-                             "norm not finite (weights and AdamW state left as they were; actor/nonfinite_updates); "
-                             f"{self.policy.nonfinite_in_a_row} in a row" + (f", the run stops at {limit}" if limit else ""))
+            self.logger.warn(
+                f"step {step}: {skipped} of {updates} optimizer updates skipped, their loss or gradient "
+                "norm not finite (weights and AdamW state left as they were; actor/nonfinite_updates); "
+                f"{self.policy.nonfinite_in_a_row} in a row" + (f", the run stops at {limit}" if limit else "")
+            )
 
     def stop_if_nonfinite(self, step: int) -> None:
         """Stop after ``run.max_nonfinite_in_a_row`` skipped updates in a row, saying what to check."""
@@ -324,7 +373,9 @@ class Run:
                 f"(run.max_nonfinite_in_a_row={limit}), so the run stops; check the learning rate (train.lr="
                 f"{self.cfg.train.lr:g}), model.dtype={self.cfg.model.dtype} (overflow in low precision), a reward "
                 "function returning inf or nan, and the weights of the last checkpoint"
-                + (f" ({last})" if last else "") + " for nan")
+                + (f" ({last})" if last else "")
+                + " for nan"
+            )
 
     def note_signal(self, batch: RolloutBatch | None, cstats: CollectStats, step: int) -> None:
         """Say so when a step had nothing to learn from, and what to change after a few in a row."""
@@ -333,8 +384,11 @@ class Run:
             self.logger.info(f"step {step}: no informative group was generated; nothing to train on")
         if self.no_signal == NO_SIGNAL_STREAK:
             r = self.cfg.rollout
-            self.logger.warn(no_signal_advice(self.no_signal, cstats, group_size=r.group_size,
-                                              max_response_tokens=r.max_response_tokens))
+            self.logger.warn(
+                no_signal_advice(
+                    self.no_signal, cstats, group_size=r.group_size, max_response_tokens=r.max_response_tokens
+                )
+            )
 
 
 def start(cfg: Config, stack: contextlib.ExitStack, console=None, inputs: RunInputs | None = None) -> Run:
@@ -361,40 +415,82 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
     policy = Policy(cfg.model, cfg.train, d, device=device, temperature=r.temperature, max_seq_tokens=train_seq_tokens)
     reference = None
     if a.kl_coef > 0:  # with LoRA the base is the policy with its adapters off: no second copy
-        reference = policy.base_reference() if policy.adapted else ReferenceModel(
-            cfg.model, cfg.train, d, device=device, temperature=r.temperature, max_seq_tokens=train_seq_tokens)
+        reference = (
+            policy.base_reference()
+            if policy.adapted
+            else ReferenceModel(
+                cfg.model, cfg.train, d, device=device, temperature=r.temperature, max_seq_tokens=train_seq_tokens
+            )
+        )
     max_model_len = cfg.data.max_prompt_tokens + max(r.max_response_tokens, cfg.eval.max_response_tokens or 0)
     engine = make_training_engine(r, cfg.model, policy.model, policy.tokenizer, d, max_model_len=max_model_len)
     # the saved config says which engine ran ("auto" resolved)
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(r, backend=engine.backend))
     if a.old_logp == "engine" and engine.backend != "vllm":
-        raise ConfigError(f"algo.old_logp=engine: rollout.backend=auto chose {engine.backend}, which reports no "
-                          "log-probs (vLLM is not installed); use algo.old_logp=recompute or first_update")
+        raise ConfigError(
+            f"algo.old_logp=engine: rollout.backend=auto chose {engine.backend}, which reports no "
+            "log-probs (vLLM is not installed); use algo.old_logp=recompute or first_update"
+        )
     encode = make_encoder(policy.tokenizer, cfg.data.max_prompt_tokens)
     train_examples = inputs.train_examples if inputs.train_examples is not None else load_train_examples(cfg.data)
     sampler = PromptSampler(train_examples, seed=cfg.data.seed)
-    eval_sets = inputs.eval_sets if inputs.eval_sets is not None else [
-        load_benchmark(b, template=cfg.data.template, num_problems=cfg.eval.num_problems,
-                       max_row_chars=cfg.data.max_row_chars) for b in cfg.eval.benchmarks]
+    eval_sets = (
+        inputs.eval_sets
+        if inputs.eval_sets is not None
+        else [
+            load_benchmark(
+                b, template=cfg.data.template, num_problems=cfg.eval.num_problems, max_row_chars=cfg.data.max_row_chars
+            )
+            for b in cfg.eval.benchmarks
+        ]
+    )
     pool = stack.enter_context(grading_pool(cfg, d, inputs.reward_fn))
     grader = REWARD_FN if inputs.reward_fn is not None else None
-    scorer = Scorer(pool, grader=grader or cfg.reward.grader, algo_cfg=a, max_response_tokens=r.max_response_tokens,
-                    reward_from_score=grader is not None)
-    sampling = SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              max_new_tokens=r.max_response_tokens)
-    collector = BatchCollector(engine=engine, sampler=sampler, scorer=scorer, encode=encode, sampling=sampling, algo_cfg=a)
-    run = Run(cfg, d, policy, reference, engine, encode, sampler, collector, pool, make_loss_fn(a, r.max_response_tokens),
-              eval_sets, TrainState(), NullLogger(),
-              checkpoint.CheckpointWriter(asynchronous=cfg.run.async_checkpoint and not d.sharded), grader=grader,
-              memory=PhaseMemory(cuda=device.type == "cuda"))
+    scorer = Scorer(
+        pool,
+        grader=grader or cfg.reward.grader,
+        algo_cfg=a,
+        max_response_tokens=r.max_response_tokens,
+        reward_from_score=grader is not None,
+    )
+    sampling = SamplingParams(
+        n=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_response_tokens
+    )
+    collector = BatchCollector(
+        engine=engine, sampler=sampler, scorer=scorer, encode=encode, sampling=sampling, algo_cfg=a
+    )
+    run = Run(
+        cfg,
+        d,
+        policy,
+        reference,
+        engine,
+        encode,
+        sampler,
+        collector,
+        pool,
+        make_loss_fn(a, r.max_response_tokens),
+        eval_sets,
+        TrainState(),
+        NullLogger(),
+        checkpoint.CheckpointWriter(asynchronous=cfg.run.async_checkpoint and not d.sharded),
+        grader=grader,
+        memory=PhaseMemory(cuda=device.type == "cuda"),
+    )
     stack.callback(run.memory.close)
     resume_from = checkpoint.latest_checkpoint(cfg.run_dir) if cfg.run.resume else None
     saved_world_size = run.resume(resume_from) if resume_from is not None else None
     if d.is_main:
         (cfg.run_dir / "config.yaml").write_text(dump_yaml(cfg))
-        run.logger = RunLogger(cfg.run_dir, total_steps=cfg.train.total_steps, start_step=run.state.step,
-                               tensorboard="tensorboard" in cfg.run.loggers, progress=cfg.run.progress,
-                               step_lines="console" in cfg.run.loggers, console=console)
+        run.logger = RunLogger(
+            cfg.run_dir,
+            total_steps=cfg.train.total_steps,
+            start_step=run.state.step,
+            tensorboard="tensorboard" in cfg.run.loggers,
+            progress=cfg.run.progress,
+            step_lines="console" in cfg.run.loggers,
+            console=console,
+        )
     stack.push(lambda kind, err, tb: parallel.shutdown(d, clean=kind is None))
     stack.push(lambda kind, err, tb: run.logger.close(run_status(kind)))
     stack.callback(run.writer.wait)  # first of these: a run that stops (an error, Ctrl-C) still completes its write
@@ -403,8 +499,11 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
     if policy.adapted:
         run.logger.info(lora.summary(policy.model))
     if resume_from is not None:
-        resharded = (f"; written by {saved_world_size} rank{'s' * (saved_world_size > 1)}, resharded onto {d.world_size}"
-                     if saved_world_size not in (None, d.world_size) else "")
+        resharded = (
+            f"; written by {saved_world_size} rank{'s' * (saved_world_size > 1)}, resharded onto {d.world_size}"
+            if saved_world_size not in (None, d.world_size)
+            else ""
+        )
         run.logger.info(f"resumed from {resume_from} (step {run.state.step}){resharded}")
     return run
 
@@ -414,10 +513,16 @@ def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
     cfg, state, policy, engine = run.cfg, run.state, run.policy, run.engine
     timer = Timer(run.memory)
     with timer("step"):
-        with run.logger.warnings_of(step), timer("collect"):  # generation and grading, every round (perf/time_generate_s, _reward_s)
-            batch, cstats = run.collector.collect(cfg.train.prompts_per_step, state.buffer,
-                                                  round_seed=state.round_seed(cfg.rollout.seed),
-                                                  keep_rate_estimate=state.keep_rate if cfg.algo.adaptive_oversample else 1.0)
+        with (
+            run.logger.warnings_of(step),
+            timer("collect"),
+        ):  # generation and grading, every round (perf/time_generate_s, _reward_s)
+            batch, cstats = run.collector.collect(
+                cfg.train.prompts_per_step,
+                state.buffer,
+                round_seed=state.round_seed(cfg.rollout.seed),
+                keep_rate_estimate=state.keep_rate if cfg.algo.adaptive_oversample else 1.0,
+            )
         state.observe(cstats)
         metrics = sampling_metrics(cstats, buffer_groups=len(state.buffer), gen_rounds_total=state.gen_rounds)
         run.note_signal(batch, cstats, step)
@@ -437,9 +542,15 @@ def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
                 engine.wake()
                 engine.update_weights(policy.named_weights())
             metrics |= old.metrics | step_metrics(
-                batch, cstats, update, timer.seconds, max_prompt_tokens=cfg.data.max_prompt_tokens,
-                max_response_tokens=cfg.rollout.max_response_tokens, old_logprob_tokens=old.tokens_computed,
-                engine_vs_trainer=cfg.algo.old_logp != "engine")
+                batch,
+                cstats,
+                update,
+                timer.seconds,
+                max_prompt_tokens=cfg.data.max_prompt_tokens,
+                max_response_tokens=cfg.rollout.max_response_tokens,
+                old_logprob_tokens=old.tokens_computed,
+                engine_vs_trainer=cfg.algo.old_logp != "engine",
+            )
             run.note_engine_gap(metrics, step)
         if step == cfg.train.total_steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0):
             with timer("eval"):
@@ -476,9 +587,11 @@ def checked_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
         log.info("step %d failed in %s; the traceback:", step, where, exc_info=err)  # train.log only (INFO)
         last = checkpoint.latest_checkpoint(run.cfg.run_dir)
         why = " ".join(str(err).split())[:300] or "no message"
-        raise StepError(f"step {step} failed in {where} on rank {run.dist.rank}: {type(err).__name__}: {why} (the "
-                        f"traceback is in {rank_log_path(run.cfg.run_dir, run.dist.rank)}); start the run again to resume from "
-                        + (str(last) if last else "the start (no checkpoint yet)")) from err
+        raise StepError(
+            f"step {step} failed in {where} on rank {run.dist.rank}: {type(err).__name__}: {why} (the "
+            f"traceback is in {rank_log_path(run.cfg.run_dir, run.dist.rank)}); start the run again to resume from "
+            + (str(last) if last else "the start (no checkpoint yet)")
+        ) from err
 
 
 def train(cfg: Config, *, console=None, inputs: RunInputs | None = None) -> dict:
@@ -500,10 +613,13 @@ def train(cfg: Config, *, console=None, inputs: RunInputs | None = None) -> dict
                 run.logger.write_samples(step, sample_records(batch, run.policy.tokenizer, cfg.run.samples_per_step))
             run.stop_if_nonfinite(step)  # after its row and samples are written: the skipped updates are counted there
         with watchdog.phase("checkpoint"):
-            run.finish_saves()  # the last checkpoint is whole on disk before train returns (train.log has how long it took)
+            # the last checkpoint is whole on disk before train returns (train.log has how long it took)
+            run.finish_saves()
         run.logger.log_run_files(title=cfg.run.name)
     return last
 
 
-if __name__ == "__main__":  # one run in its own process, as the ablation runner starts them: python -m dapo.training PRESET [key=value ...]
+if (
+    __name__ == "__main__"
+):  # one run in its own process, as the ablation runner starts them: python -m dapo.training PRESET [key=value ...]
     train(load_config(sys.argv[1], sys.argv[2:]))

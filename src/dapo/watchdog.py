@@ -120,8 +120,20 @@ class Watchdog:
 
     ``exit`` ends the process (tests pass one that records the call instead)."""
 
-    def __init__(self, *, rank: int, log_path: Path, factor: float, floor_s: float, first_s: float,
-                 exit_factor: float, console=None, exit=os._exit, phases: Phases = PHASES, backstop: bool = False):
+    def __init__(
+        self,
+        *,
+        rank: int,
+        log_path: Path,
+        factor: float,
+        floor_s: float,
+        first_s: float,
+        exit_factor: float,
+        console=None,
+        exit=os._exit,
+        phases: Phases = PHASES,
+        backstop: bool = False,
+    ):
         self.rank, self.log_path = rank, Path(log_path)
         self.factor, self.floor_s, self.first_s, self.exit_factor = factor, floor_s, first_s, exit_factor
         self.console = console
@@ -144,10 +156,13 @@ class Watchdog:
         if slowest is None:
             return self.first_s, f"its first run, run.watchdog_first_s={self.first_s:g}"
         limit = max(self.floor_s, self.factor * slowest)
-        return limit, (f"{self.factor:g} x its slowest completed run, {_seconds(slowest)}" if limit > self.floor_s
-                       else f"the floor run.watchdog_floor_s={self.floor_s:g}")
+        return limit, (
+            f"{self.factor:g} x its slowest completed run, {_seconds(slowest)}"
+            if limit > self.floor_s
+            else f"the floor run.watchdog_floor_s={self.floor_s:g}"
+        )
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         self._owner = threading.get_ident()
         self._thread = threading.Thread(target=self._watch, name="dapo-watchdog", daemon=True)
         self._thread.start()
@@ -175,7 +190,9 @@ class Watchdog:
             if self._backstop is not None and not self._stop.is_set():
                 if stack:
                     due = min(entry.t0 + self.exit_limit(entry) for entry in stack) - now
-                    faulthandler.dump_traceback_later(max(due, 0.0) + 10 * self.tick + 2.0, exit=True, file=self._backstop)
+                    faulthandler.dump_traceback_later(
+                        max(due, 0.0) + 10 * self.tick + 2.0, exit=True, file=self._backstop
+                    )
                 else:
                     faulthandler.cancel_dump_traceback_later()
 
@@ -194,15 +211,19 @@ class Watchdog:
                 entry.said = True
                 self._dump(f"rank {self.rank} late in {entry.path} after {_seconds(elapsed)}")
                 wait = f", waiting for the other ranks in {waiting}" if waiting else ""
-                self._say(f"watchdog: rank {self.rank} is late in {entry.path}{wait}: {_seconds(elapsed)}, its limit "
-                          f"{_seconds(limit)} ({why}); every thread's stack is in {self.log_path}; the process "
-                          f"ends at {_seconds(exit_at)} (run.watchdog_exit_factor={self.exit_factor:g})")
+                self._say(
+                    f"watchdog: rank {self.rank} is late in {entry.path}{wait}: {_seconds(elapsed)}, its limit "
+                    f"{_seconds(limit)} ({why}); every thread's stack is in {self.log_path}; the process "
+                    f"ends at {_seconds(exit_at)} (run.watchdog_exit_factor={self.exit_factor:g})"
+                )
             if elapsed > exit_at:
                 self._dump(f"rank {self.rank} ends in {entry.path} after {_seconds(elapsed)}")
-                self._say(f"watchdog: rank {self.rank} stopped after {_seconds(elapsed)} in {entry.path}"
-                          f"{f' (waiting for the other ranks in {waiting})' if waiting else ''}, past "
-                          f"{self.exit_factor:g} x its limit; exit code {EXIT_CODE}: start the run again to resume "
-                          f"from its last checkpoint (stacks: {self.log_path})")
+                self._say(
+                    f"watchdog: rank {self.rank} stopped after {_seconds(elapsed)} in {entry.path}"
+                    f"{f' (waiting for the other ranks in {waiting})' if waiting else ''}, past "
+                    f"{self.exit_factor:g} x its limit; exit code {EXIT_CODE}: start the run again to resume "
+                    f"from its last checkpoint (stacks: {self.log_path})"
+                )
                 for stream in (sys.stdout, sys.stderr):
                     with contextlib.suppress(Exception):
                         stream.flush()
@@ -215,7 +236,9 @@ class Watchdog:
         from the threads it walks, so a thread stuck anywhere is still shown)."""
         try:
             with open(self.log_path, "a", encoding="utf-8") as f:
-                f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} WARNING dapo.watchdog: {header}; every thread's stack:\n")
+                f.write(
+                    f"{time.strftime('%Y-%m-%d %H:%M:%S')} WARNING dapo.watchdog: {header}; every thread's stack:\n"
+                )
                 f.flush()
                 faulthandler.dump_traceback(file=f, all_threads=True)
                 f.flush()
@@ -232,5 +255,12 @@ def start(cfg, *, rank: int, log_path: Path | None) -> Watchdog | None:
     """The run's watchdog (``cfg``: the RunConfig), started on this thread; None when switched off."""
     if not cfg.watchdog or log_path is None:
         return None
-    return Watchdog(rank=rank, log_path=log_path, factor=cfg.watchdog_factor, floor_s=cfg.watchdog_floor_s,
-                    first_s=cfg.watchdog_first_s, exit_factor=cfg.watchdog_exit_factor, backstop=True).start()
+    return Watchdog(
+        rank=rank,
+        log_path=log_path,
+        factor=cfg.watchdog_factor,
+        floor_s=cfg.watchdog_floor_s,
+        first_s=cfg.watchdog_first_s,
+        exit_factor=cfg.watchdog_exit_factor,
+        backstop=True,
+    ).start()

@@ -7,4 +7,14 @@ Imports only the standard library here; math-verify is loaded on the first `math
 from dapo.rewards.graders import GRADERS, Grade, grade, grader_for, graders_for
 from dapo.rewards.pool import REWARD_FN, PoolResult, RewardFnError, RewardPool
 
-__all__ = ["GRADERS", "Grade", "grade", "grader_for", "graders_for", "PoolResult", "REWARD_FN", "RewardFnError", "RewardPool"]
+__all__ = [
+    "GRADERS",
+    "Grade",
+    "grade",
+    "grader_for",
+    "graders_for",
+    "PoolResult",
+    "REWARD_FN",
+    "RewardFnError",
+    "RewardPool",
+]

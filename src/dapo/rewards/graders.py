@@ -8,8 +8,8 @@ built by math-verify's LaTeX parser.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from dapo.rewards import math_equiv, minerva, numeric
 from dapo.rewards.math_equiv import GradingTimeout

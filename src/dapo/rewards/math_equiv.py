@@ -39,6 +39,7 @@ class GradingTimeout(BaseException):
     """The `math` grader's own time limit struck. A BaseException, so that the `except Exception`
     handlers inside math-verify and sympy let it through instead of turning it into "not equal"."""
 
+
 # Answers that make sympy build integers with billions of digits: power towers, `**` chains,
 # factorials of 4+ digit numbers or of expressions, repeated `!`, binomials and exponents of huge
 # numbers. Checked only on the extracted answer (at most TAIL_CHARS long).

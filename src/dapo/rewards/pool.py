@@ -29,8 +29,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib
-import logging
 import io
+import logging
 import math
 import multiprocessing as mp
 import numbers
@@ -43,9 +43,9 @@ import types
 import warnings
 import weakref
 from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_for
-from typing import Callable, Mapping, Sequence
 
 from dapo.rewards.graders import RAW_GRADERS, TAIL_CHARS, TIMEOUT_PRED, Grade, GradingTimeout, check_inputs
 
@@ -90,8 +90,10 @@ def _check_extra_graders(extra: Mapping[str, str] | None) -> dict[str, str]:
     out: dict[str, str] = {}
     for name, path in (extra or {}).items():
         if not isinstance(name, str) or not name or name in RAW_GRADERS:
-            raise ValueError(f"extra grader name {name!r}: must be a new, non-empty name (built-ins: "
-                             f"{', '.join(sorted(RAW_GRADERS))})")
+            raise ValueError(
+                f"extra grader name {name!r}: must be a new, non-empty name (built-ins: "
+                f"{', '.join(sorted(RAW_GRADERS))})"
+            )
         if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
             raise ValueError(f"extra grader {name!r}: {path!r} is not an import path 'package.module:function'")
         out[name] = path
@@ -131,8 +133,10 @@ def _main_script(name: str) -> dict:
     main = {k: data[k] for k in ("sys_path", "init_main_from_name", "init_main_from_path") if k in data}
     module = main.get("init_main_from_name", "")
     if "init_main_from_path" not in main and (not module or module == "__main__" or module.endswith(".__main__")):
-        raise RewardFnError(f"{name} is defined in an interactive session or a package's __main__, which the "
-                            "reward workers cannot import; define it in a .py file and import it from there")
+        raise RewardFnError(
+            f"{name} is defined in an interactive session or a package's __main__, which the "
+            "reward workers cannot import; define it in a .py file and import it from there"
+        )
     return main
 
 
@@ -147,15 +151,18 @@ def pickle_reward_fn(name: str, fn) -> tuple[bytes, dict]:
         pickler.dump(fn)
     except (pickle.PicklingError, AttributeError, TypeError) as err:
         what = getattr(fn, "__qualname__", type(fn).__name__)
-        raise RewardFnError(f"{name}={what} cannot be sent to the reward worker processes ({err}); define it with "
-                            "def at the top level of a module or of your script (not a lambda, closure or nested "
-                            "function)") from None
+        raise RewardFnError(
+            f"{name}={what} cannot be sent to the reward worker processes ({err}); define it with "
+            "def at the top level of a module or of your script (not a lambda, closure or nested "
+            "function)"
+        ) from None
     return buffer.getvalue(), _main_script(name) if pickler.uses_main else {"sys_path": list(sys.path)}
 
 
 def _check_score(name: str, out) -> tuple[float, bool]:
     """A reward function's return value as (score, correct): a number (correct when > 0), or
     (score, correct) with correct a bool."""
+
     def number(x) -> bool:  # numpy's scalars count (they register as numbers.Real); a bool is not a score
         return isinstance(x, numbers.Real) and type(x).__name__ not in ("bool", "bool_")
 
@@ -164,8 +171,10 @@ def _check_score(name: str, out) -> tuple[float, bool]:
     elif isinstance(out, tuple) and len(out) == 2 and number(out[0]) and type(out[1]).__name__ in ("bool", "bool_"):
         score, correct = float(out[0]), bool(out[1])
     else:
-        raise RewardFnError(f"{name} returned {out!r:.80} ({type(out).__name__}); return a float score, or a "
-                            "tuple (score, correct) with correct a bool")
+        raise RewardFnError(
+            f"{name} returned {out!r:.80} ({type(out).__name__}); return a float score, or a "
+            "tuple (score, correct) with correct a bool"
+        )
     if not math.isfinite(score):
         raise RewardFnError(f"{name} returned the score {score}; return a finite number")
     return score, correct
@@ -227,8 +236,14 @@ def _limit_memory(extra_mb: int | None) -> None:
         pass  # no address-space limit on this platform: the time limit still holds
 
 
-def _worker_main(conn, progress, memory_limit_mb: int | None, extra_graders: dict[str, str],
-                 reward_fns: dict[str, bytes], main: dict | None) -> None:
+def _worker_main(
+    conn,
+    progress,
+    memory_limit_mb: int | None,
+    extra_graders: dict[str, str],
+    reward_fns: dict[str, bytes],
+    main: dict | None,
+) -> None:
     """Grade chunks until the pipe closes. progress = [index in progress, its start time]."""
     _die_with_parent()
     try:
@@ -319,8 +334,14 @@ def _main_module_hidden():
 class _Worker:
     """One worker process and the parent's view of it."""
 
-    def __init__(self, ctx, memory_limit_mb: int | None, extra_graders: dict[str, str],
-                 reward_fns: dict[str, bytes], main: dict | None):
+    def __init__(
+        self,
+        ctx,
+        memory_limit_mb: int | None,
+        extra_graders: dict[str, str],
+        reward_fns: dict[str, bytes],
+        main: dict | None,
+    ):
         self.progress = ctx.RawArray(ctypes.c_double, 2)
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         self.process = ctx.Process(
@@ -422,9 +443,7 @@ class RewardPool:
 
     # -- public ---------------------------------------------------------------------------------
 
-    def score(
-        self, responses: Sequence[str], ground_truths: Sequence[str], graders: Sequence[str] | str
-    ) -> PoolResult:
+    def score(self, responses: Sequence[str], ground_truths: Sequence[str], graders: Sequence[str] | str) -> PoolResult:
         """Grade responses[i] against ground_truths[i] with graders[i]; results in input order."""
         t0 = time.perf_counter()
         n = len(responses)
@@ -580,8 +599,11 @@ class _Run:
             name = self.payload[i][2]
             if failure == "crash" and name in self.pool._reward_fns and name not in self.pool._warned:
                 self.pool._warned.add(name)
-                warnings.warn(f"{name} raised {detail}; the response scores as a crash ({CRASH_PRED}, -1, counted "
-                              "in reward/worker_crashes), here and in every later call that raises", stacklevel=2)
+                warnings.warn(
+                    f"{name} raised {detail}; the response scores as a crash ({CRASH_PRED}, -1, counted "
+                    "in reward/worker_crashes), here and in every later call that raises",
+                    stacklevel=2,
+                )
 
     def _settle(self, i: int, result: tuple) -> None:
         if self.results[i] is None:

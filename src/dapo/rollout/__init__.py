@@ -58,16 +58,26 @@ def make_training_engine(rollout_cfg, model_cfg, policy_model, tokenizer, dist, 
     backend = resolve_backend(rollout_cfg.backend)
     k = rollout_cfg.tensor_parallel_size if backend == "vllm" else 1
     if dist.world_size % k:
-        raise ConfigError(f"rollout.tensor_parallel_size={k} does not divide the {dist.world_size} trainer ranks; "
-                          "pick a divisor (one vLLM engine per group of that many ranks)")
+        raise ConfigError(
+            f"rollout.tensor_parallel_size={k} does not divide the {dist.world_size} trainer ranks; "
+            "pick a divisor (one vLLM engine per group of that many ranks)"
+        )
     trust = model_cfg.trust_remote_code
     if backend == "vllm":  # vLLM reads the checkpoint itself: a full copy here would cost every GPU the whole model
         model = weightless_model(model_cfg.path, model_cfg.dtype, trust_remote_code=trust)
     else:
         model, _ = load_model_and_tokenizer(model_cfg.path, model_cfg.dtype, dist.device, trust_remote_code=trust)
-    return ShardedRollout(make_rollout(rollout_cfg, model, tokenizer, max_model_len=max_model_len), dist,
-                          tensor_parallel_size=k)
+    return ShardedRollout(
+        make_rollout(rollout_cfg, model, tokenizer, max_model_len=max_model_len), dist, tensor_parallel_size=k
+    )
 
 
-__all__ = ["Generation", "RolloutEngine", "SamplingParams", "ShardedRollout", "make_rollout", "make_training_engine",
-           "resolve_backend"]
+__all__ = [
+    "Generation",
+    "RolloutEngine",
+    "SamplingParams",
+    "ShardedRollout",
+    "make_rollout",
+    "make_training_engine",
+    "resolve_backend",
+]

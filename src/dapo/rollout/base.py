@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Iterable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -92,10 +93,13 @@ class ShardedRollout:
             mine = self.engine.generate(prompt_ids[lo:hi], replace(params, seed=params.seed * w + r))
         parts = parallel.all_gather_object(mine if self.d.rank % self.k == 0 else None, self.d)[:: self.k]
         with_logprobs = all(g.logprobs is not None or not g.response_ids for g in parts)
-        return Generation(prompt_ids=[x for g in parts for x in g.prompt_ids],
-                          response_ids=[x for g in parts for x in g.response_ids],
-                          truncated=torch.cat([g.truncated for g in parts]), texts=[x for g in parts for x in g.texts],
-                          logprobs=[x for g in parts for x in (g.logprobs or [])] if with_logprobs else None)
+        return Generation(
+            prompt_ids=[x for g in parts for x in g.prompt_ids],
+            response_ids=[x for g in parts for x in g.response_ids],
+            truncated=torch.cat([g.truncated for g in parts]),
+            texts=[x for g in parts for x in g.texts],
+            logprobs=[x for g in parts for x in (g.logprobs or [])] if with_logprobs else None,
+        )
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.engine.update_weights(named_tensors)

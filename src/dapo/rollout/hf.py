@@ -7,7 +7,7 @@ are not padded to each other more than needed; each chunk stops when all of its 
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from transformers import GenerationConfig
@@ -46,7 +46,9 @@ class HFRolloutEngine:
                 chunk = order[start : start + self.max_batch_size]
                 input_ids, attention_mask = self._left_pad([rows[i] for i in chunk], device)
                 out = self.model.generate(
-                    input_ids=input_ids, attention_mask=attention_mask, generation_config=self._generation_config(params)
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    generation_config=self._generation_config(params),
                 )
                 new_tokens = out[:, input_ids.shape[1] :].tolist()
                 for row, tokens in zip(chunk, new_tokens):
@@ -70,11 +72,18 @@ class HFRolloutEngine:
         come from the policy whose log-probs the loss uses."""
         greedy = params.temperature <= 0
         return GenerationConfig(
-            max_new_tokens=params.max_new_tokens, min_new_tokens=0, do_sample=not greedy,
-            temperature=None if greedy else params.temperature, top_p=None if greedy else params.top_p,
+            max_new_tokens=params.max_new_tokens,
+            min_new_tokens=0,
+            do_sample=not greedy,
+            temperature=None if greedy else params.temperature,
+            top_p=None if greedy else params.top_p,
             top_k=None if greedy else params.top_k or 0,  # None here would mean generate's default (50); 0 is off
-            repetition_penalty=1.0, num_beams=1, num_return_sequences=1, use_cache=True,
-            pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids),
+            repetition_penalty=1.0,
+            num_beams=1,
+            num_return_sequences=1,
+            use_cache=True,
+            pad_token_id=self.pad_id,
+            eos_token_id=sorted(self.eos_ids),
         )
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -78,7 +78,6 @@ class WeightSync:
     def dapo_finish_weight_update(self) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
         model = self.model_runner.get_model()
@@ -209,13 +208,23 @@ class VLLMRolloutEngine:
         greedy = params.temperature <= 0
         # one request per row, each with its own seed: the same seed gives the same samples however
         # vLLM batches them, and rows of one prompt share its cached prefix
-        requests = [VLLMSamplingParams(
-            n=1, seed=(params.seed * 1_000_003 + i) % 2**63, max_tokens=params.max_new_tokens, min_tokens=0,
-            temperature=0.0 if greedy else params.temperature, top_p=1.0 if greedy else params.top_p,
-            top_k=0 if greedy or not params.top_k else params.top_k,
-            repetition_penalty=1.0, stop_token_ids=sorted(self.eos_ids), ignore_eos=False,
-            logprobs=0, detokenize=False,
-        ) for i in range(len(rows))]
+        requests = [
+            VLLMSamplingParams(
+                n=1,
+                seed=(params.seed * 1_000_003 + i) % 2**63,
+                max_tokens=params.max_new_tokens,
+                min_tokens=0,
+                temperature=0.0 if greedy else params.temperature,
+                top_p=1.0 if greedy else params.top_p,
+                top_k=0 if greedy or not params.top_k else params.top_k,
+                repetition_penalty=1.0,
+                stop_token_ids=sorted(self.eos_ids),
+                ignore_eos=False,
+                logprobs=0,
+                detokenize=False,
+            )
+            for i in range(len(rows))
+        ]
         with preserved_rng():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], requests, use_tqdm=False)
         responses, logprobs = [], []

@@ -8,10 +8,15 @@ from dapo.data import Example, load_examples
 def load_train_examples(data_cfg) -> list[Example]:
     """The training problems a ``DataConfig`` names: its files, or the built-in task."""
     if data_cfg.train_files:
-        return [ex for path in data_cfg.train_files
-                for ex in load_examples(path, template=data_cfg.template, max_row_chars=data_cfg.max_row_chars)]
+        return [
+            ex
+            for path in data_cfg.train_files
+            for ex in load_examples(path, template=data_cfg.template, max_row_chars=data_cfg.max_row_chars)
+        ]
     if data_cfg.task != "arith":
         raise ValueError(f"data.task={data_cfg.task!r}: the built-in task is arith; or give data.train_files")
     from dapo.tasks import arith
 
-    return arith.make_examples("train", data_cfg.task_train_size, seed=data_cfg.seed, difficulty=data_cfg.task_difficulty)
+    return arith.make_examples(
+        "train", data_cfg.task_train_size, seed=data_cfg.seed, difficulty=data_cfg.task_difficulty
+    )

@@ -12,7 +12,8 @@ step, and ends like a DAPO-Math-17K response::
 The "demo" difficulty uses three one-digit operands (``6+5*3=``); "hard" uses five to eight
 operands up to 19, with long enough solutions to study truncation; "long" uses four to six
 one-digit operands: easy steps, but many of them. The prompt is the whole text
-the model sees (no template, no chat turn), so a character-level model learns it in minutes. Train and test problems are split by a hash of the problem text,
+the model sees (no template, no chat turn), so a character-level model learns it in minutes. Train and test
+problems are split by a hash of the problem text,
 so no problem can ever land in both splits, whatever ``n`` and ``seed`` are.
 """
 
@@ -41,8 +42,8 @@ class Difficulty:
     name: str
     min_operands: int
     max_operands: int
-    max_operand: int   # operands are drawn from 1..max_operand
-    max_value: int     # every intermediate value stays within 0..max_value
+    max_operand: int  # operands are drawn from 1..max_operand
+    max_value: int  # every intermediate value stays within 0..max_value
 
 
 DIFFICULTIES = {
@@ -67,9 +68,7 @@ def _difficulty(name: str) -> Difficulty:
     try:
         return DIFFICULTIES[name]
     except KeyError:
-        raise ValueError(
-            f"unknown arith difficulty {name!r}; choose one of {sorted(DIFFICULTIES)}"
-        ) from None
+        raise ValueError(f"unknown arith difficulty {name!r}; choose one of {sorted(DIFFICULTIES)}") from None
 
 
 def parse(problem_text: str) -> tuple[list[int], list[str]]:
@@ -210,9 +209,7 @@ def random_problem(rng: random.Random, difficulty: str = "demo") -> str:
 
 
 def _candidates(spec: Difficulty) -> int:
-    return sum(
-        spec.max_operand**k * 3 ** (k - 1) for k in range(spec.min_operands, spec.max_operands + 1)
-    )
+    return sum(spec.max_operand**k * 3 ** (k - 1) for k in range(spec.min_operands, spec.max_operands + 1))
 
 
 @functools.lru_cache(maxsize=8)
