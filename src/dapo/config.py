@@ -36,6 +36,8 @@ Backend = Literal["hf", "vllm", "auto"]
 Grader = Literal["auto", "dapo", "dapo_relaxed", "math", "gsm8k", "arith"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KlKind = Literal["k1", "k2", "k3"]
+Objective = Literal["dapo", "gspo", "cispo"]
+RolloutIsMode = Literal["token_truncate", "sequence_truncate", "sequence_mask"]
 FilterMetric = Literal["acc", "reward"]
 OnMaxGenRounds = Literal["train", "fail"]
 BufferLogp = Literal["trainer", "engine"]
@@ -131,6 +133,10 @@ class AlgoConfig:
     loss_agg: LossAgg = (
         "token-mean"  # token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum-norm (Dr. GRPO)
     )
+    # the surrogate: dapo (the clipped token ratio: the paper's and the reference's), gspo (the clipped sequence
+    # ratio, arXiv 2507.18071; configs/gspo.yaml) or cispo (the clipped, detached token weight, arXiv 2506.13585;
+    # configs/cispo.yaml). eps_low / eps_high are each one's clip range; docs/fidelity.md lists them
+    objective: Objective = "dapo"
     scale_adv_by_std: bool = True  # False gives Dr. GRPO's advantage (no division by the group std)
     kl_coef: float = 0.0  # KL-loss weight to the initial policy; 0 means no reference model (DAPO)
     kl_kind: KlKind = "k3"  # KL estimator
@@ -162,6 +168,10 @@ class AlgoConfig:
     rollout_is_cap: float | None = (
         None  # C: each token's loss x min(pi_old / pi_rollout, C) on vllm's log-probs; null: off (the reference)
     )
+    # how rollout_is_cap corrects: token_truncate (each token x min(ratio, C)), sequence_truncate (a response's
+    # tokens x min(rho, C), rho the product of its token ratios) or sequence_mask (a response whose rho leaves
+    # [1/C, C] does not train)
+    rollout_is_mode: RolloutIsMode = "token_truncate"
 
 
 @dataclass
@@ -533,7 +543,9 @@ def validate(cfg: Config) -> None:
     """Raise ConfigError for the first bad setting; the config is left as it is."""
     _check_fields(cfg)
     a, r, t, e = cfg.algo, cfg.rollout, cfg.train, cfg.eval
-    _check(0.0 < a.eps_low < 1.0, f"algo.eps_low={a.eps_low}: must be in (0, 1); the paper uses 0.2")
+    _check(
+        0.0 < a.eps_low <= 1.0, f"algo.eps_low={a.eps_low}: must be in (0, 1] (1: no lower bound); the paper uses 0.2"
+    )
     _check(0.0 < a.eps_high <= 10.0, f"algo.eps_high={a.eps_high}: must be in (0, 10]; the paper uses 0.28")
     _check(a.dual_clip is None or a.dual_clip > 1.0, f"algo.dual_clip={a.dual_clip}: must be > 1 or null")
     _check(a.kl_coef >= 0.0, f"algo.kl_coef={a.kl_coef}: must be >= 0")
@@ -551,6 +563,16 @@ def validate(cfg: Config) -> None:
     _check(
         a.rollout_is_cap is None or a.rollout_is_cap >= 1.0,
         f"algo.rollout_is_cap={a.rollout_is_cap}: must be >= 1 (a cap below 1 would shrink every token), or null (off)",
+    )
+    _check(
+        a.rollout_is_mode == "token_truncate" or a.rollout_is_cap is not None,
+        f"algo.rollout_is_mode={a.rollout_is_mode}: corrects nothing without algo.rollout_is_cap; set the cap "
+        "(e.g. algo.rollout_is_cap=2) or leave the mode at token_truncate",
+    )
+    _check(
+        a.rollout_is_mode != "sequence_mask" or a.rollout_is_cap is None or a.rollout_is_cap > 1.0,
+        f"algo.rollout_is_cap={a.rollout_is_cap}: algo.rollout_is_mode=sequence_mask keeps responses whose ratio is "
+        "in [1/cap, cap]; a cap of 1 masks every one, use > 1",
     )
     _check(
         a.rollout_is_cap is None or r.backend == "vllm",
