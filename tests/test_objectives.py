@@ -1,11 +1,16 @@
 """GSPO and CISPO (algo.objective) and the sequence-level engine correction, against hand-computed values."""
 
+import dataclasses
 import math
+import typing
+from pathlib import Path
 
 import pytest
 import torch
 
-from dapo import algo
+from dapo import ablate, algo
+from dapo import config as config_module
+from dapo.config import ConfigError, load_config
 
 
 def _logps(ratios, old_prob=0.5):
@@ -180,3 +185,50 @@ def test_sequence_is_weights_truncate_and_mask_hand_computed():
     assert stats["is_masked_frac"].item() == pytest.approx(1 / 3)
     w, _ = algo.sequence_is_weights(old, rollout, mask, cap=1.9, mask_outside=True)
     assert torch.equal(w[1], torch.tensor([0.0, 0.0]))  # rho 0.5 < 1/1.9 leaves the band at the bottom
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_config_offers_exactly_the_objectives_algo_implements():
+    assert tuple(algo.OBJECTIVES) == typing.get_args(config_module.Objective)
+    assert load_config("configs/demo.yaml").algo.objective == "dapo"  # the paper's surrogate stays the default
+
+
+def test_objective_rows_change_only_the_surrogate_and_the_presets_are_the_rows_on_the_paper_scale():
+    rows = ablate.find_rows(REPO / "configs" / "objectives")
+    assert [r.stem for r in rows] == ["1_dapo", "2_gspo", "3_cispo"]
+    base = REPO / "configs/ablation/base.yaml"
+    dapo = load_config([base, rows[0]]).algo
+    assert dapo == load_config([base, REPO / "configs/ablation/8_no_overlong_filtering.yaml"]).algo
+    gspo, cispo = (load_config([base, r]).algo for r in rows[1:])
+    changed = lambda a: {f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(dapo, f.name)}  # noqa: E731
+    assert changed(gspo) == {"objective", "eps_low", "eps_high", "loss_agg"}
+    assert (gspo.eps_low, gspo.eps_high, gspo.loss_agg) == (3e-4, 4e-4, "seq-mean-token-mean")
+    assert changed(cispo) == {"objective", "eps_low", "eps_high"} and (cispo.eps_low, cispo.eps_high) == (1.0, 4.0)
+    paper = REPO / "configs/dapo_qwen2.5_32b.yaml"
+    for preset, row in (("gspo", rows[1]), ("cispo", rows[2])):
+        cfg = load_config(REPO / "configs" / f"{preset}.yaml")
+        assert cfg.algo == load_config([paper, row]).algo and cfg.train == load_config(paper).train
+
+
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (["algo.rollout_is_mode=sequence_mask"], "algo.rollout_is_mode=sequence_mask: corrects nothing without"),
+        (
+            ["rollout.backend=vllm", "algo.rollout_is_cap=1", "algo.rollout_is_mode=sequence_mask"],
+            "a cap of 1 masks every one",
+        ),
+        (["algo.objective=ppo"], "algo.objective"),
+        (["algo.eps_low=1.5"], "algo.eps_low"),
+    ],
+)
+def test_combinations_that_make_no_sense_are_refused_in_one_line(overrides, says):
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/demo.yaml", overrides)
+    assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_cispo_without_a_lower_bound_is_accepted():
+    assert load_config("configs/demo.yaml", ["algo.objective=cispo", "algo.eps_low=1", "algo.eps_high=4"])
