@@ -129,6 +129,15 @@ def rank_log_path(run_dir: Path, rank: int = 0) -> Path:
     return Path(run_dir) / ("train.log" if rank == 0 else f"train.rank{rank}.log")
 
 
+def raised_outside(err: BaseException) -> bool:
+    """Whether ``err`` was raised outside this package (an engine, a CUDA call), so that its own message says
+    nothing of where the run was; this package's errors already say what to change."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next  # the frame that raised it
+    return tb is None or tb.tb_frame.f_globals.get("__name__", "").split(".")[0] != "dapo"
+
+
 def setup_library_logging(run_dir: Path | None = None, console_level: str = "warning", *, rank: int = 0) -> Path | None:
     """Route the libraries' logging: everything at INFO and above to ``<run_dir>/train.log`` (other ranks
     than 0: ``train.rank<k>.log``), and to the console (stderr) what reaches ``console_level``, less

@@ -36,7 +36,7 @@ from dapo.config import AlgoConfig, Config, ConfigError, dump_yaml, load_config
 from dapo.data import PromptSampler, make_encoder, render_prompt
 from dapo.dynamic_sampling import BatchCollector, CollectStats, Scorer, record_behaviour_logp
 from dapo.evaluation import evaluate, load_benchmark, sampling_settings
-from dapo.log import NullLogger, RunLogger, rank_log_path, setup_library_logging
+from dapo.log import NullLogger, RunLogger, raised_outside, rank_log_path, setup_library_logging
 from dapo.memory import PhaseMemory
 from dapo.metrics import engine_gap_warning, no_signal_advice, sample_records, sampling_metrics, step_metrics
 from dapo.models import pick_device
@@ -566,15 +566,6 @@ def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
                 run.save()
     peaks = run.memory.take() if run.memory is not None else {}
     return metrics | {f"perf/time_{k}_s": v for k, v in timer.seconds.items()} | peaks, batch
-
-
-def raised_outside(err: BaseException) -> bool:
-    """Whether ``err`` was raised outside this package (an engine, a CUDA call), so that its own message says
-    nothing of where the run was; this package's errors already say what to change."""
-    tb = err.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next  # the frame that raised it
-    return tb is None or tb.tb_frame.f_globals.get("__name__", "").split(".")[0] != "dapo"
 
 
 def checked_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
