@@ -36,7 +36,7 @@ from dapo.config import AlgoConfig, Config, ConfigError, dump_yaml, load_config
 from dapo.data import PromptSampler, make_encoder, render_prompt
 from dapo.dynamic_sampling import BatchCollector, CollectStats, Scorer, record_behaviour_logp
 from dapo.evaluation import evaluate, load_benchmark, sampling_settings
-from dapo.log import NullLogger, RunLogger, raised_outside, rank_log_path, setup_library_logging
+from dapo.log import RunLogger, raised_outside, rank_log_path, setup_library_logging
 from dapo.memory import PhaseMemory
 from dapo.metrics import engine_gap_warning, no_signal_advice, sample_records, sampling_metrics, step_metrics
 from dapo.models import pick_device
@@ -270,7 +270,7 @@ class Run:
     loss_fn: object
     eval_sets: list
     state: TrainState
-    logger: RunLogger | NullLogger
+    logger: RunLogger
     writer: checkpoint.CheckpointWriter = field(default_factory=lambda: checkpoint.CheckpointWriter(asynchronous=False))
     grader: str | None = None  # every row's grader (a caller's reward function); None: reward.grader
     no_signal: int = 0  # steps in a row without an informative group
@@ -474,7 +474,7 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
         make_loss_fn(a, r.max_response_tokens),
         eval_sets,
         TrainState(),
-        NullLogger(),
+        RunLogger(None, total_steps=cfg.train.total_steps),  # writes nothing; rank 0's is made once resumed
         checkpoint.CheckpointWriter(asynchronous=cfg.run.async_checkpoint and not d.sharded),
         grader=grader,
         memory=PhaseMemory(cuda=device.type == "cuda"),
