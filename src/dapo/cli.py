@@ -393,10 +393,9 @@ def user_error(err: BaseException) -> str | None:
         and isinstance(err, (ValueError, RuntimeError, ImportError))
         and not isinstance(err, NotImplementedError)
     ):
-        tb = err.__traceback__
-        while tb is not None and tb.tb_next is not None:
-            tb = tb.tb_next  # the frame that raised it
-        known = tb is not None and tb.tb_frame.f_globals.get("__name__", "").split(".")[0] == "dapo"
+        from dapo.log import raised_outside
+
+        known = not raised_outside(err)
     if not known:
         return None
     return "error: " + (" ".join(str(err).split()) or type(err).__name__)
