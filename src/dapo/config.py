@@ -43,6 +43,7 @@ OldLogp = Literal["recompute", "first_update", "engine"]
 PackSequences = Literal["auto", "true", "false"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 Logger = Literal["console", "tensorboard", "wandb", "mlflow"]
+ResumeDamaged = Literal["skip", "refuse"]
 WandbMode = Literal["online", "offline", "disabled"]
 
 
@@ -241,6 +242,13 @@ class RunConfig:
     # error. false: write before going on. Under FSDP (several ranks): always synchronous.
     async_checkpoint: bool = False
     resume: bool = True  # continue from the run directory's latest checkpoint
+    # a checkpoint that fails its manifest's check on resume: skip (move it aside to damaged.step_*, resume from the
+    # newest that verifies) or refuse (stop, leaving it where it is, to look first)
+    resume_damaged: ResumeDamaged = "skip"
+    # on SIGTERM, SIGUSR1 or SIGINT the run checkpoints its last completed step and exits with code 75; past this many
+    # seconds from the signal it exits without that checkpoint (the previous one is whole): below the scheduler's
+    # grace period (Slurm's KillWait and Kubernetes' terminationGracePeriodSeconds are 30 s by default)
+    preempt_grace_s: float = 25.0
     overwrite: bool = False  # with resume=false: move an earlier run in the directory aside (<name>.<date-time>) first
     samples_per_step: int = 4  # decoded responses written to samples/ each step
     # where metrics go besides metrics.jsonl (always written): console (one line per step), tensorboard
@@ -670,6 +678,7 @@ def validate(cfg: Config) -> None:
         f"run.watchdog_exit_factor={rc.watchdog_exit_factor}: must be > 1 (the process ends at this multiple of a "
         "phase's limit, after the late line and the stacks); switch the watchdog off with run.watchdog=false",
     )
+    _check(rc.preempt_grace_s > 0, f"run.preempt_grace_s={rc.preempt_grace_s}: must be > 0 seconds")
     _check_unset_or_positive("run.max_nonfinite_in_a_row", rc.max_nonfinite_in_a_row, "never stop, skip them all")
     _check(cfg.run.keep_checkpoints >= 1, f"run.keep_checkpoints={cfg.run.keep_checkpoints}: must be >= 1")
     name = cfg.run.name
