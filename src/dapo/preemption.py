@@ -88,21 +88,27 @@ class Signals:
     def _handle(self, signum, frame) -> None:
         if self.signum is not None:
             self._exit(f"a second {signal.Signals(signum).name}: stopped at once, without a new checkpoint")
-        self.signum, self.t0 = signum, time.monotonic()
         stack = watchdog.PHASES.here().stack
         innermost = stack[-1].path.split(" > ")[-1] if stack else None
-        self.phase = stack[-1].path if stack else "between steps"
+        self._note(signum, stack[-1].path if stack else "between steps")
+        if innermost in ABANDON and not self.dist.sharded:
+            raise Stop(innermost)
+
+    def _note(self, signum: int, phase: str) -> None:
+        """The signal (this rank's, or another rank's seen at a boundary) and where it found the rank; the grace
+        period starts."""
+        self.signum, self.t0, self.phase = signum, time.monotonic(), phase
         self.timer = threading.Timer(self.grace_s, self._too_late)
         self.timer.daemon = True
         self.timer.start()
-        if innermost in ABANDON and not self.dist.sharded:
-            raise Stop(innermost)
 
     def check(self, run, where: str) -> None:
         """A boundary of the step (``where``: "step", before it; "collect", "old_logprob", after them): raise Stop
         when any rank has had a signal; before a step, keep the small state a stop in it would save."""
-        flag = torch.tensor(0.0 if self.signum is None else 1.0)
-        if parallel.all_reduce(flag, self.dist, "max").item():
+        seen = int(parallel.all_reduce(torch.tensor(float(self.signum or 0)), self.dist, "max").item())
+        if seen:
+            if self.signum is None:  # another rank's signal
+                self._note(seen, "between steps" if where == "step" else f"{where} (a signal to another rank)")
             raise Stop(None if where == "step" else where)
         if where == "step":
             self.snapshot = run.small_state()
