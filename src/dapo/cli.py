@@ -122,8 +122,10 @@ def closing_summary(cfg, wall_s: float, *, title: str) -> None:
     "alone (peft: PeftModel.from_pretrained(base, OUT_DIR)).",
 )
 def cmd_export(args) -> int:
-    from dapo.checkpoint import export_hf
+    from dapo.checkpoint import check_whole, export_hf
 
+    if note := check_whole(Path(args.checkpoint)):
+        print(note)
     out = export_hf(
         Path(args.checkpoint),
         Path(args.out_dir),
@@ -258,7 +260,7 @@ ground_truth, correct, length_tokens, truncated).
 def cmd_eval(args) -> int:
     from rich.progress import Progress
 
-    from dapo.checkpoint import latest_checkpoint
+    from dapo.checkpoint import check_whole, latest_checkpoint
     from dapo.evaluation import BENCHMARKS, evaluate_model, load_benchmark, write_report
 
     preset = args.items[0] if args.items and "=" not in args.items[0] else None
@@ -267,6 +269,8 @@ def cmd_eval(args) -> int:
         ckpt = latest_checkpoint(Path(args.run))
         if ckpt is None:
             raise SystemExit(f"error: --run {args.run} has no checkpoint (looked in {args.run}/checkpoints)")
+        if note := check_whole(ckpt):
+            print(note)
         model_dir = ckpt / "model"
         if not model_dir.is_dir():
             kind = "holds LoRA adapters" if (ckpt / "adapter").is_dir() else "is sharded"
@@ -421,6 +425,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except Exception as err:
+        from dapo.preemption import Stopped
+
+        if isinstance(err, Stopped):  # a signal stopped the run, its checkpoint written: one line, exit code 75
+            print(err, file=sys.stderr, flush=True)
+            return err.exit_code
         line = user_error(err)
         if line is None:
             raise

@@ -55,6 +55,7 @@ OldLogp = Literal["recompute", "first_update", "engine"]
 PackSequences = Literal["auto", "true", "false"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 Logger = Literal["console", "tensorboard", "wandb", "mlflow"]
+ResumeDamaged = Literal["skip", "refuse"]
 WandbMode = Literal["online", "offline", "disabled"]
 
 
@@ -321,6 +322,13 @@ class RunConfig:
     # error. false: write before going on. Under FSDP (several ranks): always synchronous.
     async_checkpoint: bool = False
     resume: bool = True  # continue from the run directory's latest checkpoint
+    # a checkpoint that fails its manifest's check on resume: skip (move it aside to damaged.step_*, resume from the
+    # newest that verifies) or refuse (stop, leaving it where it is, to look first)
+    resume_damaged: ResumeDamaged = "skip"
+    # on SIGTERM, SIGUSR1 or SIGINT the run checkpoints its last completed step and exits with code 75; past this many
+    # seconds from the signal it exits without that checkpoint (the previous one is whole): below the scheduler's
+    # grace period (Slurm's KillWait and Kubernetes' terminationGracePeriodSeconds are 30 s by default)
+    preempt_grace_s: float = field(25.0, gt=0, unit="seconds")
     overwrite: bool = False  # with resume=false: move an earlier run in the directory aside (<name>.<date-time>) first
     samples_per_step: int = 4  # decoded responses written to samples/ each step
     # where metrics go besides metrics.jsonl (always written): console (one line per step), tensorboard

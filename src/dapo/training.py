@@ -19,6 +19,7 @@ holds the same batch and computes log-probs and gradients for its share of the r
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import logging
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dapo import algo, checkpoint, lora, parallel, watchdog
+from dapo import algo, checkpoint, lora, parallel, preemption, watchdog
 from dapo.batch import RolloutBatch
 from dapo.config import AlgoConfig, Config, ConfigError, dump_yaml, load_config
 from dapo.data import PromptSampler, make_encoder, render_prompt
@@ -276,6 +277,7 @@ class Run:
     no_signal: int = 0  # steps in a row without an informative group
     engine_gap_said: bool = False  # the engine-vs-trainer gap has been reported (once a run)
     memory: PhaseMemory | None = None  # each phase's peak memory (perf/peak_*_gb)
+    signals: preemption.Signals | None = None  # SIGTERM, SIGUSR1, SIGINT: a checkpoint on the way out
 
     def evaluate(self, step: int) -> dict:
         """The held-out metrics; every sampled response goes to samples/step_NNNNNN.<benchmark>.responses.jsonl."""
@@ -297,17 +299,19 @@ class Run:
             out.update(res.metrics())
         return out
 
-    def save(self) -> None:
+    def small_state(self) -> dict:
+        """The trainer state a step changes before its update (sampler, counters, held-over groups, RNG), copied."""
+        state = {"sampler": self.sampler.state_dict(), **self.state.state_dict(), "rng": checkpoint.rng_state()}
+        return copy.deepcopy(state)
+
+    def save(self, small: dict | None = None) -> None:
+        """Checkpoint the run as it is, or (``small``, from ``small_state``) as it was before an abandoned step."""
         cfg, policy, d = self.cfg, self.policy, self.dist
-        trainer_state = {
-            "policy": policy.trainer_state(),
-            "sampler": self.sampler.state_dict(),
-            **self.state.state_dict(),
-            "world_size": d.world_size,
-        }
+        small = small or {"sampler": self.sampler.state_dict(), **self.state.state_dict()}
+        trainer_state = {"policy": policy.trainer_state(), **small, "world_size": d.world_size}
         checkpoint.save_checkpoint(
             cfg.run_dir,
-            self.state.step,
+            small["step"],
             model=policy.model,
             tokenizer=policy.tokenizer,
             trainer_state=trainer_state,
@@ -342,6 +346,11 @@ class Run:
         self.state = TrainState.from_state_dict(saved)
         checkpoint.set_rng_state(saved["rng"])
         return saved.get("world_size")
+
+    def boundary(self, where: str) -> None:
+        """Stop here when a rank has had SIGTERM, SIGUSR1 or SIGINT (preemption.py)."""
+        if self.signals is not None:
+            self.signals.check(self, where)
 
     def note_engine_gap(self, metrics: dict, step: int) -> None:
         """Say once when the engine samples from other weights than the trainer's (``engine_gap_warning``).
@@ -480,7 +489,11 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
         memory=PhaseMemory(cuda=device.type == "cuda"),
     )
     stack.callback(run.memory.close)
-    resume_from = checkpoint.latest_checkpoint(cfg.run_dir) if cfg.run.resume else None
+    resume_from, passed_over = (
+        checkpoint.resume_point(cfg.run_dir, refuse_damaged=cfg.run.resume_damaged == "refuse", dist=d)
+        if cfg.run.resume
+        else (None, [])
+    )
     saved_world_size = run.resume(resume_from) if resume_from is not None else None
     if d.is_main:
         (cfg.run_dir / "config.yaml").write_text(dump_yaml(cfg))
@@ -500,6 +513,8 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
         run.logger.trackers = open_trackers(cfg, start_step=run.state.step, warn=run.logger.warn, info=run.logger.info)
     if policy.adapted:
         run.logger.info(lora.summary(policy.model))
+    for line in passed_over:  # checkpoints found damaged (moved aside), or not verifiable (written without a manifest)
+        run.logger.warn(line)
     if resume_from is not None:
         resharded = (
             f"; written by {saved_world_size} rank{'s' * (saved_world_size > 1)}, resharded onto {d.world_size}"
@@ -527,6 +542,7 @@ def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
                 round_seed=state.round_seed(cfg.rollout.seed),
                 keep_rate_estimate=state.keep_rate if cfg.algo.adaptive_oversample else 1.0,
             )
+        run.boundary("collect")
         state.observe(cstats)
         metrics = sampling_metrics(cstats, buffer_groups=len(state.buffer), gen_rounds_total=state.gen_rounds)
         run.note_signal(batch, cstats, step)
@@ -535,6 +551,7 @@ def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
             engine.sleep()  # a colocated engine frees its memory for the trainer; no-op for hf
             with phase("old_logprob"):
                 old = old_logprobs(batch, run)
+            run.boundary("old_logprob")  # the last point a stop abandons the step: past it the update is finished
             # an asynchronous save writes the weights and AdamW state from live memory (for the watchdog a phase of
             # its own: a wait of nothing must not set the limit of the save itself)
             with phase("checkpoint", watchdog="checkpoint_wait"):
@@ -593,6 +610,7 @@ def train(cfg: Config, *, console=None, inputs: RunInputs | None = None) -> dict
     """Run (or resume) training; returns the last logged row (with eval/* before and after)."""
     with contextlib.ExitStack() as stack:
         run = start(cfg, stack, console, inputs)
+        stack.enter_context(preemption.on_signals(run))  # from here a signal stops the run with a checkpoint
         last: dict = {}
         if run.state.step == 0 and cfg.eval.before_train:
             with watchdog.phase("eval"):
@@ -600,6 +618,7 @@ def train(cfg: Config, *, console=None, inputs: RunInputs | None = None) -> dict
             last = run.logger.log(0, metrics)
             run.logger.held_out(0, last)
         for step in range(run.state.step + 1, cfg.train.total_steps + 1):
+            run.boundary("step")
             metrics, batch = checked_step(run, step)
             last = run.logger.log(step, metrics)
             run.logger.step_line(step, cfg.train.total_steps, last)
