@@ -331,3 +331,14 @@ def test_checkpoints_and_exports_follow_the_umask(tiny_model_dir, tmp_path, umas
     checkpoint.export_hf(step, mine)
     assert _mode(mine) == 0o700 and _mode(mine / "secret.txt") == 0o600
     assert _mode(mine / "model.safetensors") == 0o644
+
+
+def test_help_of_a_command_with_settings_lists_the_config_keys(capsys):
+    for command in ("train", "demo", "eval", "launch-ray", "ablate"):
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args([command, "--help"])
+        out = capsys.readouterr().out
+        assert "algo.{eps_low, eps_high," in out and "run.wandb.{project, entity, name, mode}" in out, command
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["export", "--help"])
+    assert "algo.{" not in capsys.readouterr().out

@@ -187,6 +187,8 @@ def test_a_choice_setting_refuses_other_values_and_lists_its_choices(key, tp):
             if (key, choice) in (("algo.buffer_logp", "engine"), ("algo.old_logp", "engine"))
             else []
         )
+        if key == "algo.rollout_is_mode" and choice != "token_truncate":  # a sequence mode needs the cap it uses
+            extra = ["rollout.backend=vllm", "algo.rollout_is_cap=2"]
         assert getattr(getattr(load_config(None, [f"{key}={choice}", *extra]), section), name) == choice
 
 
@@ -402,3 +404,78 @@ def test_shipped_presets_and_files_resolve_from_any_directory(tmp_path, monkeypa
     assert shipped("other/arith-base") == Path("other/arith-base")
     (tmp_path / "assets" / "arith-base").mkdir(parents=True)
     assert shipped("assets/arith-base") == Path("assets/arith-base")
+
+
+# ---- a value is read as its setting's type --------------------------------------------------------
+@pytest.mark.parametrize("text", ["off", "on", "yes", "no", "true", "null_run", "123", "1e3", "0x10"])
+def test_a_string_setting_keeps_the_text_as_written(text, tmp_path):
+    assert load_config("configs/demo.yaml", [f"run.name={text}"]).run.name == text
+    preset = tmp_path / "p.yaml"
+    preset.write_text(f"run:\n  name: {text}\n  dir: {text}\n")
+    cfg = load_config(preset)
+    assert (cfg.run.name, cfg.run.dir) == (text, text)
+    assert load_config(None, [f"eval.benchmarks=[{text},arith]"]).eval.benchmarks == [text, "arith"]
+
+
+@pytest.mark.parametrize(
+    "key, raw, shown, kind",
+    [
+        ("train.lr", "abc", "'abc'", "a number"),
+        ("train.lr", "[1]", "[1]", "a number"),
+        ("train.total_steps", "2.5", "2.5", "an integer"),
+        ("algo.dynamic_sampling", "maybe", "'maybe'", "true or false"),
+        ("run.name", "[a]", "['a']", "a string"),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_refused_in_one_line(key, raw, shown, kind, tmp_path):
+    expected = f"{key}: expected {kind}, got {shown}"
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/demo.yaml", [f"{key}={raw}"])
+    assert str(err.value) == expected
+    section, name = key.split(".")
+    preset = tmp_path / "p.yaml"
+    preset.write_text(f"{section}:\n  {name}: {raw}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(preset)
+    assert str(err.value) == expected
+
+
+@pytest.mark.parametrize(
+    "raw, expected",
+    [("true", True), ("false", False), ("True", True), ("FALSE", False), ("yes", True), ("no", False)]
+    + [("on", True), ("off", False), ("1", True), ("0", False)],
+)
+def test_a_bool_setting_takes_true_false_and_their_yaml_spellings(raw, expected, tmp_path):
+    assert load_config(None, [f"algo.dynamic_sampling={raw}"]).algo.dynamic_sampling is expected
+    preset = tmp_path / "p.yaml"
+    preset.write_text(f"algo:\n  dynamic_sampling: {raw}\n")
+    assert load_config(preset).algo.dynamic_sampling is expected
+    preset.write_text(f"algo:\n  dynamic_sampling: '{raw}'\n")  # quoted, as before
+    assert load_config(preset).algo.dynamic_sampling is expected
+
+
+BOUNDED = [(key, rule) for key, _, rule in config_module.settings() if rule is not None and rule.check is None]
+
+
+@pytest.mark.parametrize("key, rule", BOUNDED, ids=[k for k, _ in BOUNDED])
+def test_a_declared_range_is_refused_with_the_key_and_the_range(key, rule):
+    """Every setting with declared bounds refuses a value just past each bound, naming the key and the range."""
+    outside = [rule.gt, None if rule.ge is None else rule.ge - 1, rule.lt, None if rule.le is None else rule.le + 1]
+    for value in [v for v in outside if v is not None]:
+        with pytest.raises(ConfigError) as err:
+            load_config("configs/demo.yaml", [f"{key}={value}"])
+        msg = str(err.value)
+        assert msg.startswith(f"{key}=") and ": must be " in msg and "\n" not in msg, msg
+        bound = next(b for b in (rule.gt, rule.ge, rule.lt, rule.le) if b is not None)
+        assert f"{bound:g}" in msg and (rule.null == "" or f"or null ({rule.null})" in msg)
+
+
+def test_the_range_message_reads_as_declared():
+    with pytest.raises(ConfigError, match=r"^rollout.top_p=1.5: must be in \(0, 1\]$"):
+        load_config(None, ["rollout.top_p=1.5"])
+    with pytest.raises(ConfigError, match=r"^rollout.top_k=-2: must be > 0, or null \(no top-k\)$"):
+        load_config(None, ["rollout.top_k=-2"])
+    with pytest.raises(ConfigError, match=r"^algo.eps_high=11.0: must be in \(0, 10\]; the paper uses 0.28$"):
+        load_config(None, ["algo.eps_high=11"])
+    rule = config_module.Rule(ge=0, lt=1, unit="tokens", why="why")
+    assert rule.broken("a.b", 1) == "a.b=1: must be in [0, 1) tokens; why" and rule.broken("a.b", 0) is None

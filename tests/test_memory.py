@@ -64,3 +64,14 @@ def test_take_starts_afresh_and_a_phase_entered_twice_keeps_its_larger_peak():
     mem.exit("checkpoint")
     assert mem.take()["perf/peak_rss_checkpoint_gb"] * GIB < base + 100 * MIB
     mem.close()
+
+
+def test_a_phase_block_closes_its_phase_when_it_raises():
+    mem = PhaseMemory(interval_s=0.001)
+    with pytest.raises(KeyError), mem.phase("update"):
+        raise KeyError("x")
+    with mem.phase("eval"):
+        pass
+    assert set(mem.take()) == {"perf/peak_rss_update_gb", "perf/peak_rss_eval_gb"}
+    assert mem._open == []
+    mem.close()

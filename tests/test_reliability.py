@@ -4,6 +4,7 @@ mid-generation, a Ray worker that dies mid-step. Each says so in one line, and n
 The 2-rank parts run this file as a torchrun worker (``python -m torch.distributed.run ... this file``).
 """
 
+import contextlib
 import json
 import os
 import re
@@ -170,6 +171,36 @@ def test_phases_nest_and_a_failure_names_the_innermost():
         with watchdog.waiting("barrier"):
             assert watchdog.PHASES.here().stack[-1].waiting == "barrier"
     assert "outer > inner" not in watchdog.PHASES.slowest  # a failed run is no history
+
+
+def test_the_steps_blocks_reach_each_hook_and_the_watchdog_under_its_own_names():
+    from dapo.training import StepPhases, Timer
+
+    watchdog.PHASES.slowest.clear()
+    seen, timer = [], Timer()
+
+    @contextlib.contextmanager
+    def recorder(name):
+        seen.append(("enter", name))
+        try:
+            yield
+        finally:
+            seen.append(("exit", name))
+
+    phase = StepPhases(memory=recorder, timer=timer, watchdog=watchdog.step_phase)
+    with phase("step"):
+        with phase("collect"), watchdog.phase("generate"):
+            pass
+        with phase("checkpoint", watchdog="checkpoint_wait"):
+            assert watchdog.PHASES.here().stack[-1].path == "checkpoint_wait"  # the step itself is not watched
+        with phase("checkpoint"):
+            pass
+    assert set(watchdog.PHASES.slowest) == {"generate", "checkpoint_wait", "checkpoint"}
+    assert set(timer.seconds) == {"step", "collect", "checkpoint"}  # the wait is timed as checkpoint
+    assert seen[:2] == [("enter", "step"), ("enter", "collect")] and seen[-1] == ("exit", "step")
+    with pytest.raises(KeyError), phase("update"):
+        raise KeyError("x")
+    assert watchdog.failed_in() == "update" and ("exit", "update") in seen and "update" in timer.seconds
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -196,6 +197,24 @@ def test_without_console_no_step_lines_and_without_tensorboard_no_directory(tmp_
     assert any((a / "tensorboard").iterdir()) and not (b / "tensorboard").exists()
     assert [r["step"] for r in read_metrics(a)] == [0, 1, 2] and [r["step"] for r in read_metrics(b)] == [1, 2]
     assert not (a / "trackers.json").exists() and not (a / "plots").exists()  # no tracker, nothing for one
+
+
+def test_the_logger_of_other_ranks_writes_nothing_and_returns_the_row(tmp_path, monkeypatch, capsys):
+    from dapo.log import RunLogger
+
+    monkeypatch.chdir(tmp_path)
+    logger = RunLogger(None, total_steps=2)
+    row = logger.log(1, {"actor/entropy": 0.5, "rollout/response_length_mean": 7})
+    assert row == {"step": 1, "actor/entropy": 0.5, "response_length/mean": 7.0, "rollout/response_length_mean": 7.0}
+    logger.step_line(1, 2, row)
+    logger.info("a line")
+    logger.warn("a warning")
+    with logger.warnings_of(1):
+        warnings.warn("capped", RuntimeWarning, stacklevel=1)
+    logger.write_samples(1, [])
+    logger.close()
+    out = capsys.readouterr()
+    assert out.out == out.err == "" and list(tmp_path.iterdir()) == []
 
 
 # ---- MLflow ------------------------------------------------------------------------------------------

@@ -25,6 +25,11 @@ write that fails (a full disk) removes its partial files and stops the run with 
 checkpoint a restart resumes from (an asynchronous write's failure is raised at the next save or at
 the end of training).
 
+Each checkpoint ends with ``manifest.json`` (written last, inside the directory before its rename): every other
+file's size and CRC-32. ``verify`` compares a checkpoint with it; resuming, ``dapo export`` and ``dapo eval --run``
+do so before they trust one (a copy cut short, a full disk on the other side, bit rot). ``resume_point`` picks the
+newest checkpoint that verifies and moves damaged ones aside (``damaged.step_*``).
+
 Any checkpoint resumes at any world size (``load_policy``): one process's on N ranks, N ranks' in one
 process or on M ranks, the model and AdamW state resharded by torch.distributed.checkpoint.
 A single process can write it in a background thread (``CheckpointWriter``, run.async_checkpoint):
@@ -45,6 +50,7 @@ import shutil
 import tempfile
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -55,6 +61,8 @@ from dapo.parallel import CheckpointError
 log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
+MANIFEST = "manifest.json"  # every other file of a checkpoint: its size and CRC-32 (verify)
+DAMAGED_PREFIX = "damaged."  # a checkpoint that failed verification, moved aside: damaged.step_000020
 # trainer-state entries an asynchronous save writes from live memory: only the update changes them
 LIVE_STATE_KEYS = ("policy",)
 
@@ -67,8 +75,16 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     root = checkpoint_dir(run_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name) and (p / "trainer_state.pt").exists()]
+    found = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and STEP_DIR.match(p.name) and ((p / "trainer_state.pt").exists() or (p / MANIFEST).exists())
+    ]
     return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+
+
+def step_of(path: Path) -> int:
+    return int(STEP_DIR.match(Path(path).name).group(1))
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -217,7 +233,7 @@ def save_checkpoint(
     root = checkpoint_dir(run_dir)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}"
-    state = {**trainer_state, "step": step, "rng": rng_state()}  # the RNG as the step left it
+    state = {"rng": rng_state(), **trainer_state, "step": step}  # the RNG as the step left it (or as given)
     if shards is None:
         weights_dir = lora.ADAPTER_DIR if lora.is_adapted(model) else "model"
         files = {
@@ -325,6 +341,7 @@ def _write(
 def _complete(run_dir: Path, tmp: Path, final: Path, keep: int) -> None:
     """Modes, fsync, rename: from here ``final`` is a whole checkpoint; then the rotation."""
     root = tmp.parent
+    write_manifest(tmp)  # last: what it lists is what the directory holds
     readable_as_umask(_tree(tmp))
     _fsync_tree(tmp)
     if final.exists():  # same step saved twice (e.g. end of run right after a periodic save)
@@ -669,6 +686,131 @@ def load_model_weights(model, path: Path, *, trust_remote_code: bool = False) ->
     missing, unexpected = model.load_state_dict(saved.state_dict(), strict=False)
     if unexpected or any(not k.endswith("lm_head.weight") for k in missing):
         raise RuntimeError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
+
+
+# ---- manifests: a checkpoint verified before it is trusted ------------------------------------------
+CHUNK = 8 << 20  # bytes read at a time while checksumming
+
+
+def _crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def _files(path: Path) -> list[str]:
+    """Every regular file under ``path`` but the manifest, as sorted relative POSIX paths."""
+    return sorted(p.relative_to(path).as_posix() for p in Path(path).rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(path: Path) -> Path:
+    """Record every file of the checkpoint directory ``path`` (size, CRC-32: a truncation, zeroed blocks,
+    flipped bits) in its manifest.json, written whole under a temporary name and renamed."""
+    path = Path(path)
+    files = {name: {"bytes": (path / name).stat().st_size, "crc32": _crc32(path / name)} for name in _files(path)}
+    tmp = path / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps({"format": 1, "checksum": "crc32", "files": files}, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path / MANIFEST)
+    return path / MANIFEST
+
+
+def verify(path: Path) -> str | None:
+    """What differs between checkpoint ``path`` and its manifest, in a few words naming the file (the first
+    difference found), or None when every file is as written. A checkpoint without a manifest (written before
+    manifests existed) raises Unverified."""
+    path = Path(path)
+    if not (path / MANIFEST).exists():
+        raise Unverified(f"checkpoint {path} has no {MANIFEST} (written before checkpoints had one)")
+    try:
+        listed = json.loads((path / MANIFEST).read_text())["files"]
+        assert isinstance(listed, dict)
+    except Exception as err:
+        return f"{MANIFEST} is unreadable ({type(err).__name__})"
+    for name, want in sorted(listed.items()):
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing ({want['bytes']} bytes in the manifest)"
+        size = file.stat().st_size
+        if size != want["bytes"]:
+            return f"{name} is {size} bytes, the manifest says {want['bytes']}"
+        crc = _crc32(file)
+        if crc != want["crc32"]:
+            return f"{name} has CRC-32 {crc}, the manifest says {want['crc32']} (same size: its content changed)"
+    extra = [name for name in _files(path) if name not in listed]
+    if extra:
+        return f"{extra[0]} is not in the manifest" + (f" (and {len(extra) - 1} more files)" if len(extra) > 1 else "")
+    return None
+
+
+class Unverified(Exception):
+    """A checkpoint without a manifest: it cannot be checked, and is trusted as before."""
+
+
+def check_whole(path: Path) -> str | None:
+    """Raise CheckpointError naming the file and what differs when checkpoint ``path`` is damaged; return a
+    one-line note when it cannot be verified (no manifest), else None. For ``dapo export`` and ``dapo eval``."""
+    try:
+        why = verify(path)
+    except Unverified:
+        return f"note: checkpoint {path} has no {MANIFEST} (written before checkpoints had one): not verified"
+    if why is not None:
+        before = [p for p in list_checkpoints(Path(path).parent.parent) if p != Path(path)]
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: {why}"
+            + (f"; an earlier checkpoint of the run: {before[-1]}" if before else "")
+        )
+    return None
+
+
+def resume_point(run_dir: Path, *, refuse_damaged: bool = False, dist: parallel.Dist | None = None):
+    """The newest checkpoint of ``run_dir`` that verifies (None: none) and the lines to say about the ones
+    passed over, decided by rank 0 and the same on every rank. A damaged checkpoint is moved aside to
+    damaged.step_NNNNNN, not deleted (it may be worth a look); with ``refuse_damaged`` the run stops instead
+    (CheckpointError), leaving it where it is."""
+    d = dist or parallel.Dist()
+    answer = _resume_point(Path(run_dir), refuse_damaged) if d.is_main else None
+    path, lines, error = parallel.broadcast_object(answer, d)
+    if error is not None:
+        raise CheckpointError(error)
+    return path, lines
+
+
+def _resume_point(run_dir: Path, refuse_damaged: bool) -> tuple[Path | None, list[str], str | None]:
+    lines: list[str] = []
+    for path in reversed(list_checkpoints(run_dir)):
+        try:
+            why = verify(path)
+        except Unverified:
+            lines.append(
+                f"checkpoint {path} has no {MANIFEST} (written before checkpoints had one): resumed unverified"
+            )
+            return path, lines, None
+        if why is None:
+            return path, lines, None
+        if refuse_damaged:
+            return (
+                None,
+                lines,
+                (
+                    f"checkpoint {path} is damaged: {why}; run.resume_damaged=refuse, so the run stops: look at it, "
+                    f"then remove it (or set run.resume_damaged=skip) to resume from the checkpoint before it"
+                ),
+            )
+        aside = _aside(path)
+        os.rename(path, aside)
+        lines.append(f"checkpoint {path} is damaged: {why}; moved aside to {aside.name}, not deleted")
+    return None, lines, None
+
+
+def _aside(path: Path) -> Path:
+    aside = path.with_name(DAMAGED_PREFIX + path.name)
+    for k in range(1, 1000):
+        if not aside.exists():
+            break
+        aside = path.with_name(f"{DAMAGED_PREFIX}{path.name}-{k}")
+    return aside
 
 
 def _fsync_tree(path: Path) -> None:

@@ -17,13 +17,45 @@ import argparse
 import functools
 import os
 import sys
+import textwrap
 import time
 import typing
 from pathlib import Path
 
-from dapo.config import PRESET_DIR, Config, ConfigError, Dtype, load_config, resolve_preset
+from dapo.config import PRESET_DIR, Config, ConfigError, Dtype, load_config, resolve_preset, settings
+
+# each command's name, handler, one-line help, its own arguments and parser keywords, in the order of `dapo --help`;
+# build_parser adds --verbose to each, and to those that take key=value overrides the settings of the config tree
+COMMANDS: dict[str, tuple] = {}
 
 
+def _arg(*names, **kw) -> tuple:
+    return names, kw
+
+
+def command(name: str, help: str, *arguments, **parser_kw):
+    """Register the decorated function as ``dapo NAME``; an argument is an ``_arg`` or a function that adds some."""
+
+    def register(func):
+        COMMANDS[name] = (func, help, arguments, parser_kw)
+        return func
+
+    return register
+
+
+CONFIG = _arg("config", help="YAML preset, e.g. configs/demo.yaml")
+OVERRIDES = _arg("overrides", nargs="*", metavar="key=value", help="settings, e.g. algo.eps_high=0.28 (keys below)")
+
+
+@command(
+    "train",
+    "train (or resume) a run from a YAML preset plus dotted overrides",
+    CONFIG,
+    OVERRIDES,
+    description="Train (or resume) a run. It lives in <run.dir>/<run.name> (runs/<preset name>): "
+    "metrics.jsonl, train.log, samples/, checkpoints/. The preset says the cost: "
+    "configs/demo.yaml is minutes on 2 CPU cores; the Qwen2.5 presets need GPUs.",
+)
 def cmd_train(args) -> int:
     from dapo.checkpoint import removed_if_start_fails
     from dapo.training import train
@@ -36,6 +68,14 @@ def cmd_train(args) -> int:
     return 0
 
 
+@command(
+    "demo",
+    "train a tiny model on the built-in task on CPU; print before/after accuracy",
+    OVERRIDES,
+    description="Train the ~1M-parameter model in assets/arith-base on the built-in arithmetic task "
+    "(configs/demo.yaml: 60 steps, a few minutes on 2 CPU cores) into runs/demo, and print "
+    "held-out accuracy before and after.",
+)
 def cmd_demo(args) -> int:
     from dapo.checkpoint import removed_if_start_fails
     from dapo.training import train
@@ -61,9 +101,31 @@ def closing_summary(cfg, wall_s: float, *, title: str) -> None:
     print("\n".join(run_summary(rows, wall_s=wall_s, run_dir=cfg.run_dir, plot=png)))
 
 
+@command(
+    "export",
+    "turn a checkpoint (sharded or not) into one Hugging Face model directory",
+    _arg("checkpoint", help="a checkpoint directory, e.g. runs/NAME/checkpoints/step_000100"),
+    _arg("out_dir", help="where to write the model (config, safetensors, tokenizer)"),
+    _arg(
+        "--adapter",
+        action="store_true",
+        help="LoRA checkpoints: write the peft adapter (adapter_config.json, adapter_model.safetensors) "
+        "instead of the merged model",
+    ),
+    _arg(
+        "--base",
+        help="LoRA checkpoints: the base model directory, where it is no longer at the path the adapter config names",
+    ),
+    _arg("--trust-remote-code", action="store_true", help="run Python files shipped in the checkpoint"),
+    description="Write a checkpoint's model as one Hugging Face model directory. A LoRA checkpoint "
+    "exports its base model with the adapters merged in, or with --adapter the adapters "
+    "alone (peft: PeftModel.from_pretrained(base, OUT_DIR)).",
+)
 def cmd_export(args) -> int:
-    from dapo.checkpoint import export_hf
+    from dapo.checkpoint import check_whole, export_hf
 
+    if note := check_whole(Path(args.checkpoint)):
+        print(note)
     out = export_hf(
         Path(args.checkpoint),
         Path(args.out_dir),
@@ -75,6 +137,18 @@ def cmd_export(args) -> int:
     return 0
 
 
+@command(
+    "import-model",
+    "convert a GGUF model file into a Hugging Face model directory",
+    _arg("src", help="a .gguf file of an architecture transformers reads (Llama, Qwen2, Mistral, ...)"),
+    _arg("out_dir", help="where to write the model (safetensors, config, generation config, tokenizer)"),
+    _arg(
+        "--dtype",
+        default="float32",
+        choices=typing.get_args(Dtype),
+        help="dtype of the written weights (the GGUF's quantised blocks are de-quantised)",
+    ),
+)
 def cmd_import_model(args) -> int:
     from dapo.models import import_gguf
 
@@ -83,6 +157,40 @@ def cmd_import_model(args) -> int:
     return 0
 
 
+@command(
+    "launch-ray",
+    "train with one Ray worker per GPU across a Ray cluster (FSDP)",
+    _arg("config", help="YAML preset"),
+    OVERRIDES,
+    _arg(
+        "--address",
+        default="auto",
+        help="Ray cluster address ('auto': the one `ray start --head` runs on this machine); "
+        "'local' starts a private one-machine cluster for this run",
+    ),
+    _arg("--nodes", type=int, default=1, help="machines to spread the ranks over"),
+    _arg("--gpus-per-node", type=int, default=0, help="ranks per machine, one GPU each"),
+    _arg("--cpu-workers-per-node", type=int, default=0, help="CPU-only ranks per machine (gloo), without GPUs"),
+    _arg(
+        "--cpus-per-worker",
+        type=float,
+        default=None,
+        help="CPU slots reserved for each rank (default: 4 with --gpus-per-node, 1 for CPU workers)",
+    ),
+    _arg(
+        "--num-cpus",
+        type=int,
+        default=0,
+        help="with --address local: CPU slots of the private cluster (0: the machine's cores)",
+    ),
+    _arg(
+        "--insecure",
+        action="store_true",
+        help="join (or start) a Ray cluster without token authentication: anyone who reaches its ports runs code",
+    ),
+    description="Train with one Ray worker per rank (FSDP). A first try on one machine, without a "
+    "cluster: dapo launch-ray configs/demo.yaml --address local --cpu-workers-per-node 2",
+)
 def cmd_launch_ray(args) -> int:
     from dapo.cluster import Placement, launch
 
@@ -111,10 +219,48 @@ def eval_config(preset: str | None, run: Path | None, overrides: list[str]) -> C
     return load_config(layers, ([] if layers else ["eval.benchmarks=[aime2024]"]) + overrides)
 
 
+@command(
+    "eval",
+    "avg@n, pass@k, maj@n on benchmarks for a model directory or a run",
+    _arg(
+        "items",
+        nargs="*",
+        metavar="[PRESET] [key=value ...]",
+        help="a YAML preset (optional), then dotted overrides, e.g. eval.benchmarks=[arith,aime2024]",
+    ),
+    _arg("--model", help="Hugging Face model directory; the report goes to ./eval/<its name>/"),
+    _arg(
+        "--run",
+        help="run directory: evaluates its latest checkpoint with the run's config; "
+        "the report goes to RUN_DIR/eval/step_NNNNNN/",
+    ),
+    _arg("--out", help="output directory instead"),
+    usage="dapo eval [PRESET] (--model DIR | --run RUN_DIR) [--out DIR] [key=value ...]",
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+    description="""\
+Evaluate a model on the benchmarks in eval.benchmarks. Settings come from the run's saved
+config.yaml (with --run), then PRESET, then dotted overrides as for `dapo train`; the keys read
+are eval.* (benchmarks, n, temperature, top_p, max_response_tokens, num_problems, seed),
+data.template, data.max_prompt_tokens, reward.grader/num_workers/timeout_s, rollout.backend
+(hf unless the config says otherwise) and model.dtype/device/trust_remote_code.
+
+With neither --run nor PRESET the benchmark is AIME 2024, sampled as the DAPO paper reports it:
+n=32 samples per problem, temperature 1.0, top-p 0.7, up to 20,480 tokens each. That takes hours
+on a CPU; eval.num_problems=5 eval.n=4 eval.max_response_tokens=512 is a quick look. eval.n,
+eval.temperature, eval.top_p and eval.max_response_tokens left null take each benchmark's own
+setting (a data file: n=4, temperature 1.0, top-p 1.0, rollout.max_response_tokens).
+
+The report (eval.json, eval.md, <benchmark>.problems.jsonl) comes with <benchmark>.responses.jsonl:
+every sampled response, one JSON line each (id, sample, prompt, response, extracted_answer,
+ground_truth, correct, length_tokens, truncated).
+
+  dapo eval --model ~/models/SmolLM2-135M-Instruct eval.benchmarks=[word] data.template=raw
+  dapo eval --run runs/demo eval.n=8 rollout.backend=vllm""",
+)
 def cmd_eval(args) -> int:
     from rich.progress import Progress
 
-    from dapo.checkpoint import latest_checkpoint
+    from dapo.checkpoint import check_whole, latest_checkpoint
     from dapo.evaluation import BENCHMARKS, evaluate_model, load_benchmark, write_report
 
     preset = args.items[0] if args.items and "=" not in args.items[0] else None
@@ -123,6 +269,8 @@ def cmd_eval(args) -> int:
         ckpt = latest_checkpoint(Path(args.run))
         if ckpt is None:
             raise SystemExit(f"error: --run {args.run} has no checkpoint (looked in {args.run}/checkpoints)")
+        if note := check_whole(ckpt):
+            print(note)
         model_dir = ckpt / "model"
         if not model_dir.is_dir():
             kind = "holds LoRA adapters" if (ckpt / "adapter").is_dir() else "is sharded"
@@ -167,6 +315,9 @@ def cmd_eval(args) -> int:
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
     """Every option's help ends with its default (none for flags and options without one)."""
 
+    def _fill_text(self, text, width, indent):  # the settings come wrapped, one section a line
+        return text if "\n" in text else super()._fill_text(text, width, indent)
+
     def _get_help_string(self, action):
         if any(action.default is x for x in (None, False, argparse.SUPPRESS)) or "default" in (action.help or ""):
             return action.help
@@ -175,7 +326,19 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def settings_help() -> str:
+    """Every key of the config tree, by section: what the key=value overrides may set."""
+    sections: dict[str, list[str]] = {}
+    for key, _, _ in settings():
+        section, name = key.rsplit(".", 1)
+        sections.setdefault(section, []).append(name)
+    lines = [textwrap.fill(f"{s}.{{{', '.join(n)}}}", 100, subsequent_indent="    ") for s, n in sections.items()]
+    return "\n".join(["settings (key=value; their defaults, ranges and meanings: dapo/config.py):", *lines])
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from dapo import ablate
+
     parser = argparse.ArgumentParser(prog="dapo", description="DAPO reinforcement learning for language models")
     sub = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
@@ -184,156 +347,29 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="show every library message (vLLM, Ray, transformers) and the traceback of an error",
     )
-
-    def add(name: str, **kw) -> argparse.ArgumentParser:
-        return sub.add_parser(name, parents=[common], formatter_class=_Help, **kw)
-
-    p = add(
-        "train",
-        help="train (or resume) a run from a YAML preset plus dotted overrides",
-        description="Train (or resume) a run. It lives in <run.dir>/<run.name> (runs/<preset name>): "
-        "metrics.jsonl, train.log, samples/, checkpoints/. The preset says the cost: "
-        "configs/demo.yaml is minutes on 2 CPU cores; the Qwen2.5 presets need GPUs.",
-    )
-    p.add_argument("config", help="YAML preset, e.g. configs/demo.yaml")
-    p.add_argument("overrides", nargs="*", help="key=value, e.g. algo.eps_high=0.28")
-    p.set_defaults(func=cmd_train)
-
-    p = add(
-        "demo",
-        help="train a tiny model on the built-in task on CPU; print before/after accuracy",
-        description="Train the ~1M-parameter model in assets/arith-base on the built-in arithmetic task "
-        "(configs/demo.yaml: 60 steps, a few minutes on 2 CPU cores) into runs/demo, and print "
-        "held-out accuracy before and after.",
-    )
-    p.add_argument("overrides", nargs="*", help="key=value overrides of configs/demo.yaml")
-    p.set_defaults(func=cmd_demo)
-
-    p = add(
-        "export",
-        help="turn a checkpoint (sharded or not) into one Hugging Face model directory",
-        description="Write a checkpoint's model as one Hugging Face model directory. A LoRA checkpoint "
-        "exports its base model with the adapters merged in, or with --adapter the adapters "
-        "alone (peft: PeftModel.from_pretrained(base, OUT_DIR)).",
-    )
-    p.add_argument("checkpoint", help="a checkpoint directory, e.g. runs/NAME/checkpoints/step_000100")
-    p.add_argument("out_dir", help="where to write the model (config, safetensors, tokenizer)")
-    p.add_argument(
-        "--adapter",
-        action="store_true",
-        help="LoRA checkpoints: write the peft adapter (adapter_config.json, adapter_model.safetensors) "
-        "instead of the merged model",
-    )
-    p.add_argument(
-        "--base",
-        help="LoRA checkpoints: the base model directory, where it is no longer at the path the adapter config names",
-    )
-    p.add_argument("--trust-remote-code", action="store_true", help="run Python files shipped in the checkpoint")
-    p.set_defaults(func=cmd_export)
-
-    p = add("import-model", help="convert a GGUF model file into a Hugging Face model directory")
-    p.add_argument("src", help="a .gguf file of an architecture transformers reads (Llama, Qwen2, Mistral, ...)")
-    p.add_argument("out_dir", help="where to write the model (safetensors, config, generation config, tokenizer)")
-    p.add_argument(
-        "--dtype",
-        default="float32",
-        choices=typing.get_args(Dtype),
-        help="dtype of the written weights (the GGUF's quantised blocks are de-quantised)",
-    )
-    p.set_defaults(func=cmd_import_model)
-
-    p = add(
-        "launch-ray",
-        help="train with one Ray worker per GPU across a Ray cluster (FSDP)",
-        description="Train with one Ray worker per rank (FSDP). A first try on one machine, without a "
-        "cluster: dapo launch-ray configs/demo.yaml --address local --cpu-workers-per-node 2",
-    )
-    p.add_argument("config", help="YAML preset")
-    p.add_argument("overrides", nargs="*", help="key=value overrides")
-    p.add_argument(
-        "--address",
-        default="auto",
-        help="Ray cluster address ('auto': the one `ray start --head` runs on this machine); "
-        "'local' starts a private one-machine cluster for this run",
-    )
-    p.add_argument("--nodes", type=int, default=1, help="machines to spread the ranks over")
-    p.add_argument("--gpus-per-node", type=int, default=0, help="ranks per machine, one GPU each")
-    p.add_argument(
-        "--cpu-workers-per-node", type=int, default=0, help="CPU-only ranks per machine (gloo), without GPUs"
-    )
-    p.add_argument(
-        "--cpus-per-worker",
-        type=float,
-        default=None,
-        help="CPU slots reserved for each rank (default: 4 with --gpus-per-node, 1 for CPU workers)",
-    )
-    p.add_argument(
-        "--num-cpus",
-        type=int,
-        default=0,
-        help="with --address local: CPU slots of the private cluster (0: the machine's cores)",
-    )
-    p.add_argument(
-        "--insecure",
-        action="store_true",
-        help="join (or start) a Ray cluster without token authentication: anyone who reaches its ports runs code",
-    )
-    p.set_defaults(func=cmd_launch_ray)
-
-    from dapo import ablate
-
     rows = len(ablate.find_rows(PRESET_DIR / "ablation"))
-    p = add(
-        "ablate",
-        help="the paper's ablation: every row x seed trained, evaluated and reported",
-        description=f"The paper's ablation: every row (configs/ablation/<k>_<name>.yaml) x seed is one "
-        f"training run, then evaluated and reported. Bare, it runs all {rows} rows x 5 seeds "
-        f"({5 * rows} runs and one base-model evaluation) into runs/ablation: about 30 minutes on "
-        "2 CPU cores (docs/ablation.md). A quick look: dapo ablate --rows grpo no_overlong_filtering --seeds 1",
+    ablate_command = (
+        ablate.main_args,
+        "the paper's ablation: every row x seed trained, evaluated and reported",
+        (ablate.add_arguments,),
+        {
+            "description": f"The paper's ablation: every row (configs/ablation/<k>_<name>.yaml) x seed is one "
+            f"training run, then evaluated and reported. Bare, it runs all {rows} rows x 5 seeds "
+            f"({5 * rows} runs and one base-model evaluation) into runs/ablation: about 30 minutes on "
+            "2 CPU cores (docs/ablation.md). A quick look: dapo ablate --rows grpo no_overlong_filtering --seeds 1"
+        },
     )
-    ablate.add_arguments(p)
-    p.set_defaults(func=ablate.main_args)
-
-    p = sub.add_parser(
-        "eval",
-        help="avg@n, pass@k, maj@n on benchmarks for a model directory or a run",
-        parents=[common],
-        usage="dapo eval [PRESET] (--model DIR | --run RUN_DIR) [--out DIR] [key=value ...]",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="""\
-Evaluate a model on the benchmarks in eval.benchmarks. Settings come from the run's saved
-config.yaml (with --run), then PRESET, then dotted overrides as for `dapo train`; the keys read
-are eval.* (benchmarks, n, temperature, top_p, max_response_tokens, num_problems, seed),
-data.template, data.max_prompt_tokens, reward.grader/num_workers/timeout_s, rollout.backend
-(hf unless the config says otherwise) and model.dtype/device/trust_remote_code.
-
-With neither --run nor PRESET the benchmark is AIME 2024, sampled as the DAPO paper reports it:
-n=32 samples per problem, temperature 1.0, top-p 0.7, up to 20,480 tokens each. That takes hours
-on a CPU; eval.num_problems=5 eval.n=4 eval.max_response_tokens=512 is a quick look. eval.n,
-eval.temperature, eval.top_p and eval.max_response_tokens left null take each benchmark's own
-setting (a data file: n=4, temperature 1.0, top-p 1.0, rollout.max_response_tokens).
-
-The report (eval.json, eval.md, <benchmark>.problems.jsonl) comes with <benchmark>.responses.jsonl:
-every sampled response, one JSON line each (id, sample, prompt, response, extracted_answer,
-ground_truth, correct, length_tokens, truncated).
-
-  dapo eval --model ~/models/SmolLM2-135M-Instruct eval.benchmarks=[word] data.template=raw
-  dapo eval --run runs/demo eval.n=8 rollout.backend=vllm""",
-    )
-    p.add_argument(
-        "items",
-        nargs="*",
-        metavar="[PRESET] [key=value ...]",
-        help="a YAML preset (optional), then dotted overrides, e.g. eval.benchmarks=[arith,aime2024]",
-    )
-    p.add_argument("--model", help="Hugging Face model directory; the report goes to ./eval/<its name>/")
-    p.add_argument(
-        "--run",
-        help="run directory: evaluates its latest checkpoint with the run's config; "
-        "the report goes to RUN_DIR/eval/step_NNNNNN/",
-    )
-    p.add_argument("--out", help="output directory instead")
-    p.set_defaults(func=cmd_eval)
+    for name, (func, help, arguments, parser_kw) in {**COMMANDS, "ablate": ablate_command}.items():
+        takes_settings = any(callable(a) or a[0] in (("overrides",), ("items",)) for a in arguments)  # key=value
+        p = sub.add_parser(
+            name,
+            help=help,
+            parents=[common],
+            **{"formatter_class": _Help, "epilog": settings_help() if takes_settings else None, **parser_kw},
+        )
+        for a in arguments:
+            a(p) if callable(a) else p.add_argument(*a[0], **a[1])
+        p.set_defaults(func=func)
     return parser
 
 
@@ -361,10 +397,9 @@ def user_error(err: BaseException) -> str | None:
         and isinstance(err, (ValueError, RuntimeError, ImportError))
         and not isinstance(err, NotImplementedError)
     ):
-        tb = err.__traceback__
-        while tb is not None and tb.tb_next is not None:
-            tb = tb.tb_next  # the frame that raised it
-        known = tb is not None and tb.tb_frame.f_globals.get("__name__", "").split(".")[0] == "dapo"
+        from dapo.log import raised_outside
+
+        known = not raised_outside(err)
     if not known:
         return None
     return "error: " + (" ".join(str(err).split()) or type(err).__name__)
@@ -390,6 +425,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except Exception as err:
+        from dapo.preemption import Stopped
+
+        if isinstance(err, Stopped):  # a signal stopped the run, its checkpoint written: one line, exit code 75
+            print(err, file=sys.stderr, flush=True)
+            return err.exit_code
         line = user_error(err)
         if line is None:
             raise

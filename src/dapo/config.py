@@ -4,17 +4,29 @@
     cfg = load_config(["configs/ablation/base.yaml", "configs/ablation/3_clip_higher.yaml"])  # layered
 
 Unknown keys, wrong types and inconsistent values fail at start with a ConfigError naming the key.
-A setting with a fixed set of values is typed as a ``Literal`` (named below, so the CLI, the code that
-acts on it and the error messages read its choices from one place); ``None`` (YAML null) means unset.
+A value is read as its setting's type: ``run.name=off`` is the text "off", ``algo.dynamic_sampling=off``
+is false, ``train.lr=abc`` is refused. A setting with a fixed set of values is typed as a ``Literal``
+(named below, so the CLI, the code that acts on it and the error messages read its choices from one
+place); ``None`` (YAML null) means unset. What else one setting accepts is declared on it with
+``field`` (this module's, a ``dataclasses.field`` that also takes a ``Rule``)::
+
+    eps_low: float = field(0.2, gt=0, lt=1, why="the paper uses 0.2")  # "must be in (0, 1); the paper ..."
+    top_k: int | None = field(None, gt=0, null="no top-k")  # "must be > 0, or null (no top-k)"
+
+and checked by one routine (``_check_fields``); ``validate`` holds the rules between settings.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import operator
+import os
 import types
 import typing
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -45,7 +57,49 @@ OldLogp = Literal["recompute", "first_update", "engine"]
 PackSequences = Literal["auto", "true", "false"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 Logger = Literal["console", "tensorboard", "wandb", "mlflow"]
+ResumeDamaged = Literal["skip", "refuse"]
 WandbMode = Literal["online", "offline", "disabled"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one setting accepts beyond its type, and what its error message says."""
+
+    gt: float | None = None  # bounds of a number: > gt, >= ge, < lt, <= le
+    ge: float | None = None
+    lt: float | None = None
+    le: float | None = None
+    unit: str = ""  # said after the bound: "must be > 0 seconds"
+    null: str = ""  # what null (unset) means, for a setting that may be null: "must be > 0, or null (no cap)"
+    why: str = ""  # said after the range: "must be in (0, 1); the paper uses 0.2"
+    check: Callable[[typing.Any], bool] | None = None  # a rule bounds cannot say ...
+    must: str = ""  # ... and what it wants: "run.name='a/b': must be one plain directory name ..."
+
+    def broken(self, key: str, value) -> str | None:
+        """The one-line error for ``value``, or None where it is fine."""
+        if self.check is not None and not self.check(value):
+            return f"{key}={value!r}: {self.must}"
+        bounds = [
+            (op, b) for op, b in ((">", self.gt), (">=", self.ge), ("<", self.lt), ("<=", self.le)) if b is not None
+        ]
+        if all(OPS[op](value, b) for op, b in bounds):
+            return None
+        if len(bounds) == 2:  # an interval: (0, 1]
+            (lo, a), (hi, b) = bounds
+            text = f"in {'(' if lo == '>' else '['}{a:g}, {b:g}{')' if hi == '<' else ']'}"
+        else:
+            text = f"{bounds[0][0]} {bounds[0][1]:g}"
+        unit, null = f" {self.unit}" if self.unit else "", f", or null ({self.null})" if self.null else ""
+        return f"{key}={value!r}: must be {text}{unit}{null}" + (f"; {self.why}" if self.why else "")
+
+
+OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
+
+
+def field(default=dataclasses.MISSING, *, default_factory=dataclasses.MISSING, **rule) -> typing.Any:
+    """A dataclass field with its ``Rule``: ``eps_high: float = field(0.28, gt=0, le=10)``."""
+    metadata = {"rule": Rule(**rule)} if rule else {}
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 
 # the linear layers of a Llama / Qwen2 / Mistral decoder layer: attention and MLP
@@ -56,14 +110,20 @@ LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 class LoraConfig:
     # LoRA rank r: train low-rank adapters (peft) on the target layers and freeze every base weight; null: off
     # (every weight trains). LoRA usually wants a learning rate about 10x the full fine-tuning one (train.lr).
-    rank: int | None = None
-    alpha: float | None = None  # the adapters' output is scaled by alpha / rank; null: 2 x rank (scale 2)
+    rank: int | None = field(None, gt=0, null="off: every weight trains")
+    alpha: float | None = field(
+        None, gt=0, null="2 x rank"
+    )  # the adapters' output is scaled by alpha / rank; null: 2 x rank (scale 2)
     # dropout on the adapters' input in the update's forward passes only; 0 keeps the trained policy the one that
     # sampled (log-probs are computed without dropout), so the first update's ratio is exactly 1
-    dropout: float = 0.0
+    dropout: float = field(0.0, ge=0, lt=1)
     # names of the decoder layers' linear modules that get adapters (the model's own names; the LM head and the
     # embeddings stay frozen)
-    target_modules: list[str] = field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
+    target_modules: list[str] = field(
+        default_factory=lambda: list(LORA_DEFAULT_TARGETS),
+        check=lambda names: len(names) > 0 and all(names),
+        must="name at least one linear layer, e.g. [q_proj,v_proj]",
+    )
 
     @property
     def enabled(self) -> bool:
@@ -95,25 +155,28 @@ class DataConfig:
     task_train_size: int = 3000  # problems drawn for the built-in task's train split (demo has ~3.6k distinct)
     train_files: list[str] = field(default_factory=list)  # .jsonl/.parquet in DAPO-Math-17K or {problem, answer} layout
     template: Template = "dapo"  # prompt template for dataset files: dapo (the paper's) or raw
-    max_prompt_tokens: int = 2048  # longer prompts are cut from the left, as the reference does
-    max_row_chars: int = DEFAULT_MAX_ROW_CHARS  # a data-file row longer than this (1M characters) stops the run at load
+    # longer prompts are cut from the left, as the reference does (ids[-0:] would keep them whole: 0 is refused)
+    max_prompt_tokens: int = field(2048, gt=0)
+    max_row_chars: int = field(
+        DEFAULT_MAX_ROW_CHARS, gt=0
+    )  # a data-file row longer than this (1M characters) stops the run at load
     seed: int = 0  # prompt order
 
 
 @dataclass
 class RolloutConfig:
     backend: Backend = "hf"  # hf (transformers generate, CPU or GPU), vllm, or auto (vllm where installed, else hf)
-    group_size: int = 8  # G: responses sampled per prompt
-    max_response_tokens: int = 48  # L_max: generation limit per response
-    temperature: float = 1.0  # sampling temperature; log-probs are computed at the same temperature
-    top_p: float = 1.0
-    top_k: int | None = None  # null: no top-k
+    group_size: int = field(8, ge=2, why="group-relative advantages need two responses")  # G: responses per prompt
+    max_response_tokens: int = field(48, gt=0)  # L_max: generation limit per response
+    # sampling temperature; log-probs are computed at the same temperature
+    temperature: float = field(1.0, gt=0, why="log-probs divide by it")
+    top_p: float = field(1.0, gt=0, le=1)
+    top_k: int | None = field(None, gt=0, null="no top-k")
     seed: int = 0  # base seed; each generation round derives its own
-    gpu_memory_utilization: float = 0.6  # vllm: share of GPU memory for weights + KV cache
-    tensor_parallel_size: int = 1  # vllm: GPUs one engine's weights are split over
-    kv_cache_gib: float | None = (
-        None  # vllm: KV-cache size in GiB; null: what gpu_memory_utilization leaves on a GPU, 1 GiB on CPU
-    )
+    gpu_memory_utilization: float = field(0.6, gt=0, le=1)  # vllm: share of GPU memory for weights + KV cache
+    tensor_parallel_size: int = field(1, ge=1)  # vllm: GPUs one engine's weights are split over
+    # vllm: KV-cache size in GiB; null: what gpu_memory_utilization leaves on a GPU, 1 GiB on CPU
+    kv_cache_gib: float | None = field(None, gt=0, null="sized from rollout.gpu_memory_utilization")
 
 
 @dataclass
@@ -121,15 +184,17 @@ class RewardConfig:
     # auto: by data_source, routed as the reference does (math_dapo, math, aime* -> dapo); dapo: exactly verl's
     # math_dapo ("025" != "25"); dapo_relaxed: dapo + equal integers in any spelling ("025" == "25"); math, gsm8k, arith
     grader: Grader = "auto"
-    num_workers: int = 2  # grading worker processes
-    timeout_s: float = 5.0  # per-response time limit; a time-out scores as incorrect
+    num_workers: int = field(2, ge=1)  # grading worker processes
+    timeout_s: float = field(5.0, gt=0, unit="seconds")  # per-response time limit; a time-out scores as incorrect
 
 
 @dataclass
 class AlgoConfig:
-    eps_low: float = 0.2  # lower clip: ratio >= 1 - eps_low (DAPO sec. 3.1)
-    eps_high: float = 0.28  # upper clip: ratio <= 1 + eps_high (Clip-Higher)
-    dual_clip: float | None = 10.0  # bound on the loss of negative-advantage tokens (reference recipe); null disables
+    # lower clip: ratio >= 1 - eps_low (DAPO sec. 3.1); 1 sets no lower bound (CISPO's setting)
+    eps_low: float = field(0.2, gt=0, le=1, why="the paper uses 0.2; 1 sets no lower bound")
+    eps_high: float = field(0.28, gt=0, le=10, why="the paper uses 0.28")  # upper clip: ratio <= 1 + eps_high
+    # bound on the loss of negative-advantage tokens (reference recipe); null disables
+    dual_clip: float | None = field(10.0, gt=1, null="off")
     loss_agg: LossAgg = (
         "token-mean"  # token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum-norm (Dr. GRPO)
     )
@@ -138,26 +203,26 @@ class AlgoConfig:
     # configs/cispo.yaml). eps_low / eps_high are each one's clip range; docs/fidelity.md lists them
     objective: Objective = "dapo"
     scale_adv_by_std: bool = True  # False gives Dr. GRPO's advantage (no division by the group std)
-    kl_coef: float = 0.0  # KL-loss weight to the initial policy; 0 means no reference model (DAPO)
+    kl_coef: float = field(0.0, ge=0)  # KL-loss weight to the initial policy; 0 means no reference model (DAPO)
     kl_kind: KlKind = "k3"  # KL estimator
     correct_reward: float = 1.0  # rule reward for an equivalent answer (eq. 7)
     wrong_reward: float = -1.0  # rule reward otherwise
     soft_overlong_punishment: bool = True  # add eq. 13's length penalty to the reward
     overlong_buffer_tokens: int = 8  # L_cache: the penalty ramps over the last this-many tokens
-    overlong_penalty_factor: float = 1.0  # the penalty at L_max
+    overlong_penalty_factor: float = field(1.0, ge=0)  # the penalty at L_max
     overlong_filtering: bool = False  # mask truncated responses out of the loss (sec. 3.4; not in the reference code)
     # with overlong_filtering: masked truncated responses still set their group's mean and std (true: the paper
     # masks only their loss) or the baseline comes from the untruncated responses alone (false)
     truncated_in_group_stats: bool = True
     dynamic_sampling: bool = True  # drop groups whose accuracies are all equal and sample again (sec. 3.2)
     filter_metric: FilterMetric = "acc"  # what must vary within a group: acc (raw correctness) or reward (shaped)
-    max_gen_rounds: int | None = 10  # cap on generation rounds per training step; null: no cap
+    max_gen_rounds: int | None = field(10, gt=0, null="no cap")  # cap on generation rounds per training step
     on_max_gen_rounds: OnMaxGenRounds = "train"  # when the cap is hit: train (on what was kept, with a warning) or fail
-    oversample: float = 1.0  # prompts generated per round = missing prompts * this (>= 1)
+    oversample: float = field(1.0, ge=1)  # prompts generated per round = missing prompts * this (>= 1)
     adaptive_oversample: bool = False  # also divide by the measured keep rate, so most steps need one round
     # how many surplus informative groups (beyond train.prompts_per_step) wait for the next step; a count, so
     # 0 keeps none and discards every surplus group, as the reference does
-    buffer_max_groups: int = 0
+    buffer_max_groups: int = field(0, ge=0, why="0 keeps no surplus groups")
     buffer_logp: BufferLogp = (
         "trainer"  # a buffered group's behaviour log-probs: trainer (computed when buffered) or engine (vllm's)
     )
@@ -165,9 +230,8 @@ class AlgoConfig:
     # first_update (the first mini-batch's from the update's own forward, detached: exact, the weights have not
     # moved yet; the pass runs over the other rows) or engine (vLLM's sampling log-probs, no pass; float32 only)
     old_logp: OldLogp = "recompute"
-    rollout_is_cap: float | None = (
-        None  # C: each token's loss x min(pi_old / pi_rollout, C) on vllm's log-probs; null: off (the reference)
-    )
+    # C: each token's loss x min(pi_old / pi_rollout, C) on vllm's log-probs; null: off (the reference)
+    rollout_is_cap: float | None = field(None, ge=1, null="off", why="a cap below 1 would shrink every token")
     # how rollout_is_cap corrects: token_truncate (each token x min(ratio, C)), sequence_truncate (a response's
     # tokens x min(rho, C), rho the product of its token ratios) or sequence_mask (a response whose rho leaves
     # [1/C, C] does not train)
@@ -176,15 +240,14 @@ class AlgoConfig:
 
 @dataclass
 class TrainConfig:
-    total_steps: int = 60  # training steps (one rollout batch and its optimizer updates each)
-    prompts_per_step: int = 32  # P: prompts in a training batch (the paper: 512)
-    mini_batch_prompts: int = 8  # prompts per optimizer update; P / this = updates per step (the paper: 32 -> 16)
-    max_tokens_per_micro_batch: int = (
-        8192  # token budget of one forward/backward pass (padded rows x longest, or packed)
-    )
-    micro_batch_size: int | None = (
-        None  # optional cap on responses per forward/backward pass; null: the token budget alone
-    )
+    total_steps: int = field(60, ge=0)  # training steps (one rollout batch and its optimizer updates each)
+    prompts_per_step: int = field(32, gt=0)  # P: prompts in a training batch (the paper: 512)
+    # prompts per optimizer update; P / this = updates per step (the paper: 32 -> 16)
+    mini_batch_prompts: int = field(8, gt=0)
+    # token budget of one forward/backward pass (padded rows x longest, or packed)
+    max_tokens_per_micro_batch: int = field(8192, gt=0, why="tokens per forward pass")
+    # optional cap on responses per forward/backward pass; null: the token budget alone
+    micro_batch_size: int | None = field(None, gt=0, null="no cap on rows")
     pack_sequences: PackSequences = (
         "auto"  # auto (pack when the model uses flash-attention varlen kernels), true or false
     )
@@ -192,12 +255,16 @@ class TrainConfig:
     # values (the G rows of a group share it) instead of recomputing the prompt per row; padded rows only (eager or
     # sdpa attention, full-attention models). Off: the reference recomputes the prompt for every row
     share_prompt_prefix: bool = False
-    ppo_epochs: int = 1  # passes over the rollout batch
-    lr: float = 1e-6  # AdamW learning rate after warmup (constant)
-    warmup_steps: int = 20  # linear warmup, in training steps
-    weight_decay: float = 0.1
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    grad_clip: float = 1.0  # max gradient norm; a step with a non-finite norm is skipped
+    ppo_epochs: int = field(1, ge=1)  # passes over the rollout batch
+    lr: float = field(1e-6, gt=0)  # AdamW learning rate after warmup (constant)
+    warmup_steps: int = field(20, ge=0)  # linear warmup, in training steps
+    weight_decay: float = field(0.1, ge=0)
+    betas: list[float] = field(
+        default_factory=lambda: [0.9, 0.999],
+        check=lambda b: len(b) == 2 and all(0 <= x < 1 for x in b),
+        must="two numbers in [0, 1)",
+    )
+    grad_clip: float = field(1.0, gt=0)  # max gradient norm; a step with a non-finite norm is skipped
     seed: int = 0  # model init / dropout / everything not seeded elsewhere
     cpu_offload: bool = (
         False  # FSDP (several ranks) only: keep parameter shards, gradients and AdamW state in CPU memory
@@ -206,18 +273,20 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    every_steps: int | None = None  # evaluate every N training steps; null: only at the end
+    every_steps: int | None = field(None, gt=0, null="only at the end")  # evaluate every N training steps
     before_train: bool = True  # evaluate the initial model
     benchmarks: list[str] = field(default_factory=lambda: ["arith"])  # built-in task name, benchmark name or file
-    num_problems: int | None = None  # the first N problems of each benchmark; null: all (the built-in task: 200)
+    num_problems: int | None = field(
+        None, gt=0, null="all problems"
+    )  # the first N problems of each benchmark; null: all (the built-in task: 200)
     # sampling; null: the benchmark's own setting (dapo.evaluation.BENCHMARKS: AIME n=32, top_p 0.7, 20,480 tokens;
     # arith n=4, top_p 1.0), and for a data file n=4, temperature 1.0, top_p 1.0
-    n: int | None = None  # samples per problem (avg@n)
-    temperature: float | None = None
-    top_p: float | None = None
+    n: int | None = field(None, gt=0, null="the benchmark's own")  # samples per problem (avg@n)
+    temperature: float | None = field(None, ge=0, null="the benchmark's own", why="0 = greedy")
+    top_p: float | None = field(None, gt=0, le=1, null="the benchmark's own")
     # null: the benchmark's own limit in `dapo eval`, and rollout.max_response_tokens during training (the
     # rollout engine is sized for the run's lengths) and for a data file
-    max_response_tokens: int | None = None
+    max_response_tokens: int | None = field(None, gt=0, null="the benchmark's own or the rollout's")
     seed: int = 1234
 
 
@@ -238,12 +307,21 @@ class MlflowConfig:
     tracking_uri: str | None = None
 
 
+WATCHDOG_OFF = "switch the watchdog off with run.watchdog=false"
+
+
 @dataclass
 class RunConfig:
-    name: str = "demo"
+    name: str = field(
+        "demo",
+        # the run lives in run.dir/run.name: '..', '/x' or 'a/b' would write into (or over) another directory
+        check=lambda name: name not in ("", ".", "..") and not any(c in name for c in "/\\\0"),
+        must="must be one plain directory name (not empty, '.' or '..', no '/' or '\\'), e.g. run.name=demo2; "
+        "put the parent directory in run.dir",
+    )
     dir: str = "runs"  # the run lives in <dir>/<name>
-    save_every: int | None = 20  # checkpoint every N steps (and at the end); null: only at the end
-    keep_checkpoints: int = 2  # newest checkpoints kept
+    save_every: int | None = field(20, gt=0, null="only at the end")  # checkpoint every N steps (and at the end)
+    keep_checkpoints: int = field(2, ge=1)  # newest checkpoints kept
     # write single-process checkpoints in a background thread: at the step's end the loop copies only the small
     # trainer state (sampler, buffer, RNG); the weights and AdamW state are written from live memory, and the next
     # step waits for the write before its update changes them (generation and old log-probs overlap with it). The
@@ -251,6 +329,13 @@ class RunConfig:
     # error. false: write before going on. Under FSDP (several ranks): always synchronous.
     async_checkpoint: bool = False
     resume: bool = True  # continue from the run directory's latest checkpoint
+    # a checkpoint that fails its manifest's check on resume: skip (move it aside to damaged.step_*, resume from the
+    # newest that verifies) or refuse (stop, leaving it where it is, to look first)
+    resume_damaged: ResumeDamaged = "skip"
+    # on SIGTERM, SIGUSR1 or SIGINT the run checkpoints its last completed step and exits with code 75; past this many
+    # seconds from the signal it exits without that checkpoint (the previous one is whole): below the scheduler's
+    # grace period (Slurm's KillWait and Kubernetes' terminationGracePeriodSeconds are 30 s by default)
+    preempt_grace_s: float = field(25.0, gt=0, unit="seconds")
     overwrite: bool = False  # with resume=false: move an earlier run in the directory aside (<name>.<date-time>) first
     samples_per_step: int = 4  # decoded responses written to samples/ each step
     # where metrics go besides metrics.jsonl (always written): console (one line per step), tensorboard
@@ -268,15 +353,20 @@ class RunConfig:
     # the phase; past watchdog_exit_factor x that limit the process ends with exit code 124, to be restarted into a
     # resume
     watchdog: bool = True
-    watchdog_factor: float = 5.0
-    watchdog_floor_s: float = 600.0  # no phase is late sooner (noise in short phases)
-    watchdog_first_s: float = (
-        1800.0  # the limit of a phase that has not completed once yet (first generation, evaluation)
+    watchdog_factor: float = field(
+        5.0, ge=1, why=f"a phase is late past this multiple of its slowest completed run; {WATCHDOG_OFF}"
     )
-    watchdog_exit_factor: float = 3.0  # > 1: the process ends at this multiple of the phase's limit
+    watchdog_floor_s: float = field(600.0, gt=0, unit="seconds", why=WATCHDOG_OFF)  # no phase is late sooner
+    # the limit of a phase that has not completed once yet (first generation, evaluation)
+    watchdog_first_s: float = field(1800.0, gt=0, unit="seconds", why=WATCHDOG_OFF)
+    watchdog_exit_factor: float = field(
+        3.0,
+        gt=1,
+        why=f"the process ends at this multiple of a phase's limit, after the late line and the stacks; {WATCHDOG_OFF}",
+    )
     # optimizer updates in a row whose loss or gradient norm is not finite (each skipped, the weights and AdamW state
     # left as they were) before the run stops saying what to check; null: skip them and go on (the reference)
-    max_nonfinite_in_a_row: int | None = 5
+    max_nonfinite_in_a_row: int | None = field(5, gt=0, null="never stop, skip them all")
 
 
 @dataclass
@@ -308,8 +398,37 @@ def _resolve_type(tp):
     return tp, False
 
 
+class _Plain(str):
+    """A plain (unquoted) YAML scalar as written, until its setting's type says how to read it."""
+
+
+class _TextLoader(yaml.SafeLoader):
+    """YAML whose plain scalars stay text: ``name: off`` is 'off' until ``_read`` knows the setting is a
+    bool (then false); quoted scalars, lists and mappings load as usual."""
+
+    yaml_implicit_resolvers: typing.ClassVar[dict] = {}
+
+
+_TextLoader.add_constructor(
+    "tag:yaml.org,2002:str", lambda loader, node: (_Plain if node.style is None else str)(loader.construct_scalar(node))
+)
+
+
+def _as_yaml(value):
+    """What plain YAML reads from ``value``: a _Plain resolved (off -> False, 3 -> 3, null -> None), lists too."""
+    if isinstance(value, list):
+        return [_as_yaml(v) for v in value]
+    if not isinstance(value, _Plain):
+        return value
+    try:
+        read = yaml.safe_load(value)
+    except yaml.YAMLError:
+        return str(value)
+    return str(value) if isinstance(read, (list, dict)) else read
+
+
 def _number(value) -> int | float | None:
-    """A YAML/CLI value read as a number; booleans are not numbers here."""
+    """A value read as a number; booleans are not numbers here."""
     if isinstance(value, bool):
         return None
     if isinstance(value, (int, float)):
@@ -323,38 +442,44 @@ def _number(value) -> int | float | None:
     return None
 
 
-def _coerce(key: str, value, tp):
+BOOLS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+
+
+def _read(key: str, value, tp):
+    """``value`` (from a preset, an override or Python) as the setting's type ``tp``; a ConfigError naming
+    the key, the type and the value where it is not one."""
     base, optional = _resolve_type(tp)
+    origin = typing.get_origin(base)
+    value = None if isinstance(value, _Plain) and _as_yaml(value) is None else value
     if value is None:
         if optional:
             return None
         raise ConfigError(f"{key}: null is not allowed; give a {getattr(base, '__name__', base)}")
-    origin = typing.get_origin(base)
-    if origin is Literal:
-        # YAML reads a bare true/false as a boolean; such a choice is its spelling (validate checks the rest)
-        return str(value).lower() if isinstance(value, bool) else value
     if origin is list:
         (item_tp,) = typing.get_args(base)
-        if isinstance(value, str):  # CLI: a=b,c or a=[b,c]
-            value = yaml.safe_load(value) if value.startswith("[") else [v for v in value.split(",") if v]
+        if isinstance(value, str):  # an override's a,b (or a quoted [a,b])
+            value = (
+                yaml.load(value, _TextLoader) if value.startswith("[") else [_Plain(v) for v in value.split(",") if v]
+            )
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        return [_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
+            raise ConfigError(f"{key}: expected a list, got {_as_yaml(value)!r}")
+        return [_read(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
+    if origin is Literal:  # a choice spelt as a YAML boolean (true, False, yes) is its lower-case spelling
+        as_yaml = _as_yaml(value)
+        return str(as_yaml).lower() if isinstance(as_yaml, bool) else str(value) if isinstance(value, str) else value
+    if base is str:  # the text as written: run.name=off is 'off'
+        if isinstance(value, (str, os.PathLike)):
+            return str(value)
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
     if base is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        if isinstance(value, bool) or (isinstance(value, str) and value.lower() in BOOLS):
+            return BOOLS.get(str(value).lower(), value)
+        raise ConfigError(f"{key}: expected true or false, got {_as_yaml(value)!r}")
     if base in (int, float):
-        number = _number(value)
+        number = _number(_as_yaml(value))
         if number is not None and (base is float or float(number).is_integer()):
             return base(number)
-        raise ConfigError(f"{key}: expected {'an integer' if base is int else 'a number'}, got {value!r}")
-    if base is str:
-        if isinstance(value, (dict, list)):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return str(value)
+        raise ConfigError(f"{key}: expected {'an integer' if base is int else 'a number'}, got {_as_yaml(value)!r}")
     raise ConfigError(f"{key}: unsupported type {base}")
 
 
@@ -376,10 +501,10 @@ def _merge(obj, overrides: dict, prefix: str = ""):
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
-                raise ConfigError(f"{full}: expected a section (mapping), got {value!r}")
+                raise ConfigError(f"{full}: expected a section (mapping), got {_as_yaml(value)!r}")
             _merge(current, value, prefix=f"{full}.")
         else:
-            setattr(obj, key, _coerce(full, value, hints[key]))
+            setattr(obj, key, _read(full, value, hints[key]))
 
 
 def _dotted_to_nested(items: list[str]) -> dict:
@@ -389,7 +514,7 @@ def _dotted_to_nested(items: list[str]) -> dict:
             raise ConfigError(f"override {item!r}: expected key=value, e.g. algo.eps_high=0.28")
         key, raw = item.split("=", 1)
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
+            value = yaml.load(raw, _TextLoader) if raw != "" else ""
         except yaml.YAMLError as err:
             raise ConfigError(f"override {item!r}: not a valid value ({str(err).splitlines()[0]})") from None
         node = nested
@@ -412,12 +537,12 @@ def _read_preset(path: Path, seen: tuple = ()) -> list[dict]:
     if path.resolve() in seen:
         raise ConfigError(f"{path}: 'base' presets form a cycle")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), _TextLoader) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from err
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
-    base = data.pop("base", None)
+    base = _as_yaml(data.pop("base", None))
     bases = [] if base is None else base if isinstance(base, list) else [base]
     if not all(isinstance(b, str) and b for b in bases):
         raise ConfigError(f"{path}: base: expected a preset path or a list of them, got {base!r}")
@@ -500,69 +625,59 @@ REFUSED_CHOICES = {
 }
 
 
-def _check_fields(obj, prefix: str = "") -> None:
-    """What each field's type says: a Literal setting holds one of its choices, and no float setting
-    takes inf or nan: each bounds something (a time limit, the gradient norm, a clip), and inf would
-    switch it off without saying so (nan fails every comparison but !=). The settings that can be
-    switched off say how in their comment (null)."""
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            _check_fields(value, f"{prefix}{f.name}.")
-        base, optional = _resolve_type(hints[f.name])
+@functools.cache
+def settings(cls: type | None = None, prefix: str = "") -> tuple[tuple[str, typing.Any, Rule | None], ...]:
+    """(dotted key, annotation, rule) of every setting under ``cls`` (the whole Config), in declaration order."""
+    out: list = []
+    hints = typing.get_type_hints(Config if cls is None else cls)
+    for f in dataclasses.fields(Config if cls is None else cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out += settings(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            out.append((f"{prefix}{f.name}", hints[f.name], f.metadata.get("rule")))
+    return tuple(out)
+
+
+def _check_fields(cfg: Config) -> None:
+    """What each setting's declaration says: a Literal setting holds one of its choices; no float setting
+    takes inf or nan (each bounds something: a time limit, the gradient norm, a clip; inf would switch it
+    off without saying so, and nan fails every comparison but !=); and its Rule. The settings that can be
+    switched off say how (null)."""
+    for key, tp, rule in settings():
+        value = functools.reduce(getattr, key.split("."), cfg)
+        base, optional = _resolve_type(tp)
+        if value is None and optional:
+            continue
         is_list = typing.get_origin(base) is list
         item_tp = typing.get_args(base)[0] if is_list else base
-        if typing.get_origin(item_tp) is Literal and not (optional and value is None):
+        if typing.get_origin(item_tp) is Literal:
             choices = typing.get_args(item_tp)
             if is_list:
                 bad = [v for v in value if v not in choices]
-                _check(
-                    not bad,
-                    f"{prefix}{f.name}={_spelled(value)}: {bad[0]!r} is not one of {', '.join(choices)}" if bad else "",
-                )
+                _check(not bad, bad and f"{key}={_spelled(value)}: {bad[0]!r} is not one of {', '.join(choices)}")
             else:
-                _check(
-                    value not in REFUSED_CHOICES.get(f"{prefix}{f.name}", {}),
-                    f"{prefix}{f.name}={value}: {REFUSED_CHOICES.get(f'{prefix}{f.name}', {}).get(value)}",
-                )
-                _check(value in choices, f"{prefix}{f.name}={value!r}: choose {_or_list(choices)}")
+                refused = REFUSED_CHOICES.get(key, {})
+                _check(value not in refused, f"{key}={value}: {refused.get(value)}")
+                _check(value in choices, f"{key}={value!r}: choose {_or_list(choices)}")
         for v in value if isinstance(value, list) else [value]:
             _check(
                 not isinstance(v, float) or math.isfinite(v),
-                f"{prefix}{f.name}={value}: must be a finite number (inf or nan would switch its limit off)",
+                f"{key}={value}: must be a finite number (inf or nan would switch its limit off)",
             )
-
-
-def _check_unset_or_positive(key: str, value, unset: str) -> None:
-    # 0 meant "unset" in earlier versions of these settings; null says it now, so 0 is refused, not reinterpreted
-    _check(value is None or value > 0, f"{key}={value}: must be > 0, or null ({unset})")
+        if rule is not None:
+            error = rule.broken(key, value)
+            _check(error is None, error)
 
 
 def validate(cfg: Config) -> None:
-    """Raise ConfigError for the first bad setting; the config is left as it is."""
+    """Raise ConfigError for the first bad setting; the config is left as it is. Each setting's own range is
+    declared on it (``field``); here are the rules between settings."""
     _check_fields(cfg)
-    a, r, t, e = cfg.algo, cfg.rollout, cfg.train, cfg.eval
-    _check(
-        0.0 < a.eps_low <= 1.0, f"algo.eps_low={a.eps_low}: must be in (0, 1] (1: no lower bound); the paper uses 0.2"
-    )
-    _check(0.0 < a.eps_high <= 10.0, f"algo.eps_high={a.eps_high}: must be in (0, 10]; the paper uses 0.28")
-    _check(a.dual_clip is None or a.dual_clip > 1.0, f"algo.dual_clip={a.dual_clip}: must be > 1 or null")
-    _check(a.kl_coef >= 0.0, f"algo.kl_coef={a.kl_coef}: must be >= 0")
-    _check_unset_or_positive("algo.max_gen_rounds", a.max_gen_rounds, "no cap")
-    _check(a.oversample >= 1.0, f"algo.oversample={a.oversample}: must be >= 1")
-    _check(
-        a.buffer_max_groups >= 0,
-        f"algo.buffer_max_groups={a.buffer_max_groups}: must be >= 0 (0 = keep no surplus groups)",
-    )
+    a, r, t = cfg.algo, cfg.rollout, cfg.train
     _check(
         a.buffer_logp == "trainer" or r.backend == "vllm",
         f"algo.buffer_logp=engine: rollout.backend={r.backend} reports no log-probs; use "
         "rollout.backend=vllm or trainer",
-    )
-    _check(
-        a.rollout_is_cap is None or a.rollout_is_cap >= 1.0,
-        f"algo.rollout_is_cap={a.rollout_is_cap}: must be >= 1 (a cap below 1 would shrink every token), or null (off)",
     )
     _check(
         a.rollout_is_mode == "token_truncate" or a.rollout_is_cap is not None,
@@ -605,40 +720,15 @@ def validate(cfg: Config) -> None:
         "rows need no advantage)",
     )
     _check(a.correct_reward > a.wrong_reward, "algo.correct_reward must be greater than algo.wrong_reward")
-    if a.soft_overlong_punishment:
-        _check(
-            0 < a.overlong_buffer_tokens <= r.max_response_tokens,
-            f"algo.overlong_buffer_tokens={a.overlong_buffer_tokens}: must be in (0, rollout.max_response_tokens="
-            f"{r.max_response_tokens}]; the buffer cannot be longer than the maximum length",
-        )
-        _check(a.overlong_penalty_factor >= 0, "algo.overlong_penalty_factor must be >= 0")
-    lora = cfg.model.lora
-    _check_unset_or_positive("model.lora.rank", lora.rank, "off: every weight trains")
-    _check_unset_or_positive("model.lora.alpha", lora.alpha, "2 x rank")
-    _check(0.0 <= lora.dropout < 1.0, f"model.lora.dropout={lora.dropout}: must be in [0, 1)")
     _check(
-        len(lora.target_modules) > 0 and all(lora.target_modules),
-        f"model.lora.target_modules={lora.target_modules}: name at least one linear layer, e.g. [q_proj,v_proj]",
+        not a.soft_overlong_punishment or 0 < a.overlong_buffer_tokens <= r.max_response_tokens,
+        f"algo.overlong_buffer_tokens={a.overlong_buffer_tokens}: must be in (0, rollout.max_response_tokens="
+        f"{r.max_response_tokens}]; the buffer cannot be longer than the maximum length",
     )
     _check(
-        lora.dropout == 0 or a.old_logp != "first_update",
-        f"model.lora.dropout={lora.dropout}: algo.old_logp=first_update would take old_logp from a forward with "
-        "dropout; use algo.old_logp=recompute, or model.lora.dropout=0",
-    )
-    _check(r.group_size >= 2, f"rollout.group_size={r.group_size}: must be >= 2 for group-relative advantages")
-    _check(r.max_response_tokens > 0, "rollout.max_response_tokens must be > 0")
-    _check(r.temperature > 0, f"rollout.temperature={r.temperature}: must be > 0 (log-probs divide by it)")
-    _check(0 < r.top_p <= 1.0, f"rollout.top_p={r.top_p}: must be in (0, 1]")
-    _check_unset_or_positive("rollout.top_k", r.top_k, "no top-k")
-    _check(
-        0 < r.gpu_memory_utilization <= 1.0,
-        f"rollout.gpu_memory_utilization={r.gpu_memory_utilization}: must be in (0, 1]",
-    )
-    _check(r.tensor_parallel_size >= 1, f"rollout.tensor_parallel_size={r.tensor_parallel_size}: must be >= 1")
-    _check_unset_or_positive("rollout.kv_cache_gib", r.kv_cache_gib, "sized from rollout.gpu_memory_utilization")
-    _check(
-        t.prompts_per_step > 0 and t.mini_batch_prompts > 0,
-        "train.prompts_per_step and train.mini_batch_prompts must be > 0",
+        cfg.model.lora.dropout == 0 or a.old_logp != "first_update",
+        f"model.lora.dropout={cfg.model.lora.dropout}: algo.old_logp=first_update would take old_logp from a "
+        "forward with dropout; use algo.old_logp=recompute, or model.lora.dropout=0",
     )
     _check(
         t.prompts_per_step % t.mini_batch_prompts == 0,
@@ -649,57 +739,6 @@ def validate(cfg: Config) -> None:
         not (t.share_prompt_prefix and t.pack_sequences == "true"),
         "train.share_prompt_prefix=true shares a prompt across padded rows; packed rows (train.pack_sequences=true) "
         "have none: set train.pack_sequences=auto or false, or train.share_prompt_prefix=false",
-    )
-    _check(t.max_tokens_per_micro_batch > 0, "train.max_tokens_per_micro_batch must be > 0 (tokens per forward pass)")
-    _check_unset_or_positive("train.micro_batch_size", t.micro_batch_size, "no cap on rows")
-    _check(
-        t.total_steps >= 0 and t.warmup_steps >= 0 and t.ppo_epochs >= 1,
-        "train.total_steps/warmup_steps >= 0, ppo_epochs >= 1",
-    )
-    _check(t.lr > 0, f"train.lr={t.lr}: must be > 0")
-    _check(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), f"train.betas={t.betas}: two numbers in [0, 1)")
-    _check(t.grad_clip > 0, "train.grad_clip must be > 0")
-    _check(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay}: must be >= 0")
-    # ids[-0:] is the whole list: 0 would silently keep prompts of any length
-    _check(cfg.data.max_prompt_tokens > 0, f"data.max_prompt_tokens={cfg.data.max_prompt_tokens}: must be > 0")
-    _check(cfg.data.max_row_chars > 0, f"data.max_row_chars={cfg.data.max_row_chars}: must be > 0")
-    _check(cfg.reward.num_workers >= 1 and cfg.reward.timeout_s > 0, "reward.num_workers >= 1 and reward.timeout_s > 0")
-    _check_unset_or_positive("eval.every_steps", e.every_steps, "only at the end")
-    _check_unset_or_positive("eval.num_problems", e.num_problems, "all problems")
-    _check_unset_or_positive("eval.n", e.n, "the benchmark's own")
-    _check_unset_or_positive("eval.max_response_tokens", e.max_response_tokens, "the benchmark's own or the rollout's")
-    _check(
-        e.top_p is None or 0 < e.top_p <= 1.0, f"eval.top_p={e.top_p}: must be in (0, 1], or null (the benchmark's own)"
-    )
-    _check(
-        e.temperature is None or e.temperature >= 0,
-        f"eval.temperature={e.temperature}: must be >= 0 (0 = greedy), or null (the benchmark's own)",
-    )
-    _check_unset_or_positive("run.save_every", cfg.run.save_every, "only at the end")
-    rc = cfg.run
-    _check(
-        rc.watchdog_factor >= 1.0,
-        f"run.watchdog_factor={rc.watchdog_factor}: must be >= 1 (a phase is late past this "
-        "multiple of its slowest completed run); switch the watchdog off with run.watchdog=false",
-    )
-    for key in ("watchdog_floor_s", "watchdog_first_s"):
-        _check(
-            getattr(rc, key) > 0,
-            f"run.{key}={getattr(rc, key)}: must be > 0 seconds; switch the watchdog off with run.watchdog=false",
-        )
-    _check(
-        rc.watchdog_exit_factor > 1.0,
-        f"run.watchdog_exit_factor={rc.watchdog_exit_factor}: must be > 1 (the process ends at this multiple of a "
-        "phase's limit, after the late line and the stacks); switch the watchdog off with run.watchdog=false",
-    )
-    _check_unset_or_positive("run.max_nonfinite_in_a_row", rc.max_nonfinite_in_a_row, "never stop, skip them all")
-    _check(cfg.run.keep_checkpoints >= 1, f"run.keep_checkpoints={cfg.run.keep_checkpoints}: must be >= 1")
-    name = cfg.run.name
-    # the run lives in run.dir/run.name: '..', '/x' or 'a/b' would write into (or over) another directory
-    _check(
-        name not in ("", ".", "..") and Path(name).name == name and not any(c in name for c in "/\\\0"),
-        f"run.name={name!r}: must be one plain directory name (not empty, '.' or '..', no '/' or '\\'), "
-        "e.g. run.name=demo2; put the parent directory in run.dir",
     )
     _check(
         not (cfg.run.overwrite and cfg.run.resume),

@@ -129,6 +129,15 @@ def rank_log_path(run_dir: Path, rank: int = 0) -> Path:
     return Path(run_dir) / ("train.log" if rank == 0 else f"train.rank{rank}.log")
 
 
+def raised_outside(err: BaseException) -> bool:
+    """Whether ``err`` was raised outside this package (an engine, a CUDA call), so that its own message says
+    nothing of where the run was; this package's errors already say what to change."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next  # the frame that raised it
+    return tb is None or tb.tb_frame.f_globals.get("__name__", "").split(".")[0] != "dapo"
+
+
 def setup_library_logging(run_dir: Path | None = None, console_level: str = "warning", *, rank: int = 0) -> Path | None:
     """Route the libraries' logging: everything at INFO and above to ``<run_dir>/train.log`` (other ranks
     than 0: ``train.rank<k>.log``), and to the console (stderr) what reaches ``console_level``, less
@@ -323,7 +332,7 @@ class RunLogger:
 
     def __init__(
         self,
-        run_dir: Path,
+        run_dir: Path | None,
         *,
         total_steps: int,
         start_step: int = 0,
@@ -332,20 +341,21 @@ class RunLogger:
         step_lines: bool = True,
         console: Console | None = None,
     ):
-        """``step_lines``: print each step's line and each evaluation (run.loggers' console); warnings,
-        errors and the closing summary print either way. ``trackers`` (set after): W&B, MLflow."""
-        self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "samples").mkdir(exist_ok=True)
-        self.console = console or Console(highlight=False)
-        self.metrics_path = self.run_dir / "metrics.jsonl"
+        """``run_dir`` None: a logger that writes nothing, files or console (ranks other than 0 under FSDP: rank 0
+        writes the run's files and lines). ``step_lines``: print each step's line and each evaluation (run.loggers'
+        console); warnings, errors and the closing summary print either way. ``trackers`` (set after): W&B, MLflow."""
+        self.run_dir = None if run_dir is None else Path(run_dir)
+        self.console = Console(quiet=True) if run_dir is None else console or Console(highlight=False)
+        self.metrics_path = None if run_dir is None else self.run_dir / "metrics.jsonl"
         self.step_lines = step_lines
         self.trackers = None
         self._legend_shown = False
         self._eval_files: dict[int, list[Path]] = {}  # evaluations' responses files not yet named on the console
-        self._truncate_after(start_step)
+        if self.run_dir is not None:
+            (self.run_dir / "samples").mkdir(parents=True, exist_ok=True)
+            self._truncate_after(start_step)
         self.tb = None
-        if tensorboard:
+        if tensorboard and self.run_dir is not None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -353,7 +363,7 @@ class RunLogger:
             except ImportError:
                 self.console.print("[yellow]tensorboard is not installed; metrics go to metrics.jsonl only[/]")
         self.progress = None
-        if progress and step_lines and self.console.is_terminal:
+        if progress and step_lines and self.run_dir is not None and self.console.is_terminal:
             self.progress = Progress(
                 TextColumn("[bold]train"),
                 BarColumn(),
@@ -380,6 +390,8 @@ class RunLogger:
 
     def log(self, step: int, metrics: dict) -> dict:
         row = {"step": step, **{k: _float(v) for k, v in sorted(with_verl_names(metrics).items())}}
+        if self.metrics_path is None:
+            return row
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
         if self.tb is not None:
@@ -416,11 +428,13 @@ class RunLogger:
             for path in self._eval_files.pop(step, []):
                 self.console.print(f"  responses: {path}", soft_wrap=True, markup=False)
 
-    def write_eval_responses(self, step: int, result) -> Path:
+    def write_eval_responses(self, step: int, result) -> Path | None:
         """An evaluation's sampled responses (an ``EvalResult``), one JSON line each, in
         samples/step_NNNNNN.<benchmark>.responses.jsonl; ``held_out`` names the file."""
         from dapo.evaluation import write_responses
 
+        if self.run_dir is None:
+            return None
         path = write_responses(result, self.run_dir / "samples" / f"step_{step:06d}.{result.name}.responses.jsonl")
         self._eval_files.setdefault(step, []).append(path)
         return path
@@ -439,6 +453,8 @@ class RunLogger:
             self.warn(f"warning (step {step}): {w.message}")
 
     def write_samples(self, step: int, records: list[dict]) -> None:
+        if self.run_dir is None:
+            return
         lines = [f"# step {step}\n"]
         for i, r in enumerate(records):
             lines.append(
@@ -462,40 +478,3 @@ class RunLogger:
             self.tb.close()
         if self.trackers is not None:
             self.trackers.close(status)
-
-
-class NullLogger:
-    """The logger of ranks other than 0 under FSDP: rank 0 writes the run's files and console lines."""
-
-    def log(self, step: int, metrics: dict) -> dict:
-        return {"step": step, **{k: _float(v) for k, v in sorted(with_verl_names(metrics).items())}}
-
-    def step_line(self, step: int, total: int, row: dict) -> None:
-        pass
-
-    def info(self, text: str) -> None:
-        pass
-
-    def held_out(self, step: int, row: dict) -> None:
-        pass
-
-    def warn(self, text: str) -> None:
-        pass
-
-    @contextlib.contextmanager
-    def warnings_of(self, step: int):
-        with warnings.catch_warnings(record=True):  # rank 0 reports them
-            warnings.simplefilter("always", RuntimeWarning)
-            yield
-
-    def write_samples(self, step: int, records: list[dict]) -> None:
-        pass
-
-    def write_eval_responses(self, step: int, result) -> None:
-        pass
-
-    def log_run_files(self, title: str) -> None:
-        pass
-
-    def close(self, status: str = "FINISHED") -> None:
-        pass

@@ -11,6 +11,7 @@ opens. A phase that encloses others ("step") gets the largest peak of its own an
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -19,8 +20,9 @@ GIB = 2**30
 
 
 class PhaseMemory:
-    """``enter(phase)`` / ``exit(phase)`` around each phase (``Timer`` does it); ``take()`` returns the
-    peaks since the last ``take()`` in GiB and starts afresh. One per process; ``close()`` stops its thread."""
+    """``with memory.phase(name): ...`` (or ``enter(name)`` / ``exit(name)``) around each phase (the loop's
+    ``StepPhases`` does it); ``take()`` returns the peaks since the last ``take()`` in GiB and starts afresh.
+    One per process; ``close()`` stops its thread."""
 
     def __init__(self, *, interval_s: float = 0.02, cuda: bool = False):
         self.interval_s = interval_s
@@ -86,6 +88,14 @@ class PhaseMemory:
             if self.cuda:
                 self._fold_cuda()
             self._open.remove(phase)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        self.enter(name)
+        try:
+            yield
+        finally:
+            self.exit(name)
 
     def take(self) -> dict[str, float]:
         """``{"perf/peak_rss_<phase>_gb": ..., "perf/peak_cuda_<phase>_gb": ...}`` since the last call."""

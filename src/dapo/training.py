@@ -19,6 +19,7 @@ holds the same batch and computes log-probs and gradients for its share of the r
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import logging
@@ -30,13 +31,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dapo import algo, checkpoint, lora, parallel, watchdog
+from dapo import algo, checkpoint, lora, parallel, preemption, watchdog
 from dapo.batch import RolloutBatch
 from dapo.config import AlgoConfig, Config, ConfigError, dump_yaml, load_config
 from dapo.data import PromptSampler, make_encoder, render_prompt
 from dapo.dynamic_sampling import BatchCollector, CollectStats, Scorer, record_behaviour_logp
 from dapo.evaluation import evaluate, load_benchmark, sampling_settings
-from dapo.log import NullLogger, RunLogger, rank_log_path, setup_library_logging
+from dapo.log import RunLogger, raised_outside, rank_log_path, setup_library_logging
 from dapo.memory import PhaseMemory
 from dapo.metrics import engine_gap_warning, no_signal_advice, sample_records, sampling_metrics, step_metrics
 from dapo.models import pick_device
@@ -51,9 +52,6 @@ from dapo.trackers import check_installed, open_trackers, run_status
 # a run whose problems get easier is followed within a few steps.
 KEEP_RATE_MOMENTUM = 0.7
 NO_SIGNAL_STREAK = 3  # steps in a row without an informative group before the run says what to change
-# Timer blocks the watchdog does not time: each is a varying number of watched phases (a step with or without an
-# evaluation or a save; one to algo.max_gen_rounds generation rounds), so its own history would say nothing
-UNWATCHED = ("step", "collect")
 
 
 class StepError(RuntimeError):
@@ -103,29 +101,34 @@ class TrainState:
 
 
 class Timer:
-    """``with timer("update"): ...`` adds the block's wall time to ``timer.seconds["update"]``, and
-    has ``memory`` (when given) record the block's peak memory."""
+    """``with timer("update"): ...`` adds the block's wall time to ``timer.seconds["update"]``."""
 
-    def __init__(self, memory: PhaseMemory | None = None):
+    def __init__(self):
         self.seconds: dict[str, float] = {}
-        self.memory = memory
 
     @contextlib.contextmanager
-    def __call__(self, phase: str, watch_as: str | None = None):
-        """``watch_as``: the block's name for the step watchdog, where its history differs from the other
-        blocks timed under ``phase``."""
-        if self.memory is not None:
-            self.memory.enter(phase)
+    def __call__(self, phase: str):
         t0 = time.perf_counter()
         try:
-            with (
-                contextlib.nullcontext() if phase in UNWATCHED else watchdog.phase(watch_as or phase)
-            ):  # the watchdog's phases
-                yield
+            yield
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
-            if self.memory is not None:
-                self.memory.exit(phase)
+
+
+class StepPhases:
+    """The step's blocks: ``with phase("update"): ...`` enters each hook's own context for the block, ``hook(name)``,
+    in the order given (the memory recorder, the timer, the watchdog). A block may go by another name for one hook:
+    ``phase("checkpoint", watchdog="checkpoint_wait")``."""
+
+    def __init__(self, **hooks: Callable[[str], contextlib.AbstractContextManager]):
+        self.hooks = hooks
+
+    @contextlib.contextmanager
+    def __call__(self, name: str, **renamed: str):
+        with contextlib.ExitStack() as stack:
+            for key, hook in self.hooks.items():
+                stack.enter_context(hook(renamed.get(key, name)))
+            yield
 
 
 def make_loss_fn(algo_cfg: AlgoConfig, max_response_tokens: int) -> LossFn:
@@ -276,12 +279,13 @@ class Run:
     loss_fn: object
     eval_sets: list
     state: TrainState
-    logger: RunLogger | NullLogger
+    logger: RunLogger
     writer: checkpoint.CheckpointWriter = field(default_factory=lambda: checkpoint.CheckpointWriter(asynchronous=False))
     grader: str | None = None  # every row's grader (a caller's reward function); None: reward.grader
     no_signal: int = 0  # steps in a row without an informative group
     engine_gap_said: bool = False  # the engine-vs-trainer gap has been reported (once a run)
     memory: PhaseMemory | None = None  # each phase's peak memory (perf/peak_*_gb)
+    signals: preemption.Signals | None = None  # SIGTERM, SIGUSR1, SIGINT: a checkpoint on the way out
 
     def evaluate(self, step: int) -> dict:
         """The held-out metrics; every sampled response goes to samples/step_NNNNNN.<benchmark>.responses.jsonl."""
@@ -303,17 +307,19 @@ class Run:
             out.update(res.metrics())
         return out
 
-    def save(self) -> None:
+    def small_state(self) -> dict:
+        """The trainer state a step changes before its update (sampler, counters, held-over groups, RNG), copied."""
+        state = {"sampler": self.sampler.state_dict(), **self.state.state_dict(), "rng": checkpoint.rng_state()}
+        return copy.deepcopy(state)
+
+    def save(self, small: dict | None = None) -> None:
+        """Checkpoint the run as it is, or (``small``, from ``small_state``) as it was before an abandoned step."""
         cfg, policy, d = self.cfg, self.policy, self.dist
-        trainer_state = {
-            "policy": policy.trainer_state(),
-            "sampler": self.sampler.state_dict(),
-            **self.state.state_dict(),
-            "world_size": d.world_size,
-        }
+        small = small or {"sampler": self.sampler.state_dict(), **self.state.state_dict()}
+        trainer_state = {"policy": policy.trainer_state(), **small, "world_size": d.world_size}
         checkpoint.save_checkpoint(
             cfg.run_dir,
-            self.state.step,
+            small["step"],
             model=policy.model,
             tokenizer=policy.tokenizer,
             trainer_state=trainer_state,
@@ -348,6 +354,11 @@ class Run:
         self.state = TrainState.from_state_dict(saved)
         checkpoint.set_rng_state(saved["rng"])
         return saved.get("world_size")
+
+    def boundary(self, where: str) -> None:
+        """Stop here when a rank has had SIGTERM, SIGUSR1 or SIGINT (preemption.py)."""
+        if self.signals is not None:
+            self.signals.check(self, where)
 
     def note_engine_gap(self, metrics: dict, step: int) -> None:
         """Say once when the engine samples from other weights than the trainer's (``engine_gap_warning``).
@@ -480,13 +491,17 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
         make_loss_fn(a, r.max_response_tokens),
         eval_sets,
         TrainState(),
-        NullLogger(),
+        RunLogger(None, total_steps=cfg.train.total_steps),  # writes nothing; rank 0's is made once resumed
         checkpoint.CheckpointWriter(asynchronous=cfg.run.async_checkpoint and not d.sharded),
         grader=grader,
         memory=PhaseMemory(cuda=device.type == "cuda"),
     )
     stack.callback(run.memory.close)
-    resume_from = checkpoint.latest_checkpoint(cfg.run_dir) if cfg.run.resume else None
+    resume_from, passed_over = (
+        checkpoint.resume_point(cfg.run_dir, refuse_damaged=cfg.run.resume_damaged == "refuse", dist=d)
+        if cfg.run.resume
+        else (None, [])
+    )
     saved_world_size = run.resume(resume_from) if resume_from is not None else None
     if d.is_main:
         (cfg.run_dir / "config.yaml").write_text(dump_yaml(cfg))
@@ -506,6 +521,8 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
         run.logger.trackers = open_trackers(cfg, start_step=run.state.step, warn=run.logger.warn, info=run.logger.info)
     if policy.adapted:
         run.logger.info(lora.summary(policy.model))
+    for line in passed_over:  # checkpoints found damaged (moved aside), or not verifiable (written without a manifest)
+        run.logger.warn(line)
     if resume_from is not None:
         resharded = (
             f"; written by {saved_world_size} rank{'s' * (saved_world_size > 1)}, resharded onto {d.world_size}"
@@ -519,11 +536,13 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
 def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
     """One training step, phase by phase; returns its metrics and the batch it trained on."""
     cfg, state, policy, engine = run.cfg, run.state, run.policy, run.engine
-    timer = Timer(run.memory)
-    with timer("step"):
+    timer = Timer()
+    memory = {"memory": run.memory.phase} if run.memory is not None else {}
+    phase = StepPhases(**memory, timer=timer, watchdog=watchdog.step_phase)  # each block timed, measured, watched
+    with phase("step"):
         with (
             run.logger.warnings_of(step),
-            timer("collect"),
+            phase("collect"),
         ):  # generation and grading, every round (perf/time_generate_s, _reward_s)
             batch, cstats = run.collector.collect(
                 cfg.train.prompts_per_step,
@@ -531,22 +550,24 @@ def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
                 round_seed=state.round_seed(cfg.rollout.seed),
                 keep_rate_estimate=state.keep_rate if cfg.algo.adaptive_oversample else 1.0,
             )
+        run.boundary("collect")
         state.observe(cstats)
         metrics = sampling_metrics(cstats, buffer_groups=len(state.buffer), gen_rounds_total=state.gen_rounds)
         run.note_signal(batch, cstats, step)
         if batch is not None:
             assign_advantages(batch, cfg.algo, cfg.rollout.group_size)
             engine.sleep()  # a colocated engine frees its memory for the trainer; no-op for hf
-            with timer("old_logprob"):
+            with phase("old_logprob"):
                 old = old_logprobs(batch, run)
+            run.boundary("old_logprob")  # the last point a stop abandons the step: past it the update is finished
             # an asynchronous save writes the weights and AdamW state from live memory (for the watchdog a phase of
             # its own: a wait of nothing must not set the limit of the save itself)
-            with timer("checkpoint", watch_as="checkpoint_wait"):
+            with phase("checkpoint", watchdog="checkpoint_wait"):
                 run.writer.wait()
-            with timer("update"):
+            with phase("update"):
                 update = policy.update(batch, run.loss_fn, **old.from_update)
             run.note_nonfinite(step)
-            with timer("weight_sync"):
+            with phase("weight_sync"):
                 engine.wake()
                 engine.update_weights(policy.named_weights())
             metrics |= old.metrics | step_metrics(
@@ -561,24 +582,15 @@ def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
             )
             run.note_engine_gap(metrics, step)
         if step == cfg.train.total_steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0):
-            with timer("eval"):
+            with phase("eval"):
                 metrics |= run.evaluate(step)
         state.step = step
-        with timer("checkpoint"):  # the time the loop waits: with run.async_checkpoint, copying the small state
+        with phase("checkpoint"):  # the time the loop waits: with run.async_checkpoint, copying the small state
             if step == cfg.train.total_steps or (cfg.run.save_every and step % cfg.run.save_every == 0):
                 metrics |= run.finish_saves()  # the previous save's background write (perf/checkpoint_write_s)
                 run.save()
     peaks = run.memory.take() if run.memory is not None else {}
     return metrics | {f"perf/time_{k}_s": v for k, v in timer.seconds.items()} | peaks, batch
-
-
-def raised_outside(err: BaseException) -> bool:
-    """Whether ``err`` was raised outside this package (an engine, a CUDA call), so that its own message says
-    nothing of where the run was; this package's errors already say what to change."""
-    tb = err.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next  # the frame that raised it
-    return tb is None or tb.tb_frame.f_globals.get("__name__", "").split(".")[0] != "dapo"
 
 
 def checked_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
@@ -606,6 +618,7 @@ def train(cfg: Config, *, console=None, inputs: RunInputs | None = None) -> dict
     """Run (or resume) training; returns the last logged row (with eval/* before and after)."""
     with contextlib.ExitStack() as stack:
         run = start(cfg, stack, console, inputs)
+        stack.enter_context(preemption.on_signals(run))  # from here a signal stops the run with a checkpoint
         last: dict = {}
         if run.state.step == 0 and cfg.eval.before_train:
             with watchdog.phase("eval"):
@@ -613,6 +626,7 @@ def train(cfg: Config, *, console=None, inputs: RunInputs | None = None) -> dict
             last = run.logger.log(0, metrics)
             run.logger.held_out(0, last)
         for step in range(run.state.step + 1, cfg.train.total_steps + 1):
+            run.boundary("step")
             metrics, batch = checked_step(run, step)
             last = run.logger.log(step, metrics)
             run.logger.step_line(step, cfg.train.total_steps, last)

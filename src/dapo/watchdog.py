@@ -1,7 +1,7 @@
 """The step watchdog: every rank says which phase it is in, and a thread notices when one runs late.
 
-The loop marks its phases (``with phase("update"): ...``; training.Timer does it for the step's
-blocks, the batch collector for generation and grading). The phases nest: ``step > collect >
+The loop marks its phases (``with phase("update"): ...``; ``step_phase`` for the step's blocks, the
+batch collector for generation and grading). The phases nest: ``step > collect >
 generate``. A phase's limit comes from the run's own history: ``run.watchdog_factor`` times the
 slowest completed instance of the same phase (never below ``run.watchdog_floor_s``), and
 ``run.watchdog_first_s`` while none has completed yet (the first generation, the first evaluation).
@@ -30,6 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 EXIT_CODE = 124  # as timeout(1): the process ran past its time
+# The step's blocks the watchdog does not time: each is a varying number of watched phases (a step with or without an
+# evaluation or a save; one to algo.max_gen_rounds generation rounds), so its own history would say nothing
+UNWATCHED = ("step", "collect")
 
 
 @dataclass
@@ -89,6 +92,11 @@ def phase(name: str):
             PHASES.slowest[path] = seconds
     finally:
         t.stack.pop()
+
+
+def step_phase(name: str) -> contextlib.AbstractContextManager:
+    """The watchdog's context for the training step's block ``name``: ``phase(name)``, or nothing for ``UNWATCHED``."""
+    return contextlib.nullcontext() if name in UNWATCHED else phase(name)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,83 @@
+"""What the checkpoint manifest (size and CRC-32 of every file) adds to a save, and what verifying costs,
+on the real model's checkpoint.
+
+    python benchmarks/manifest_cost.py [--runs 3]     # make smollm2 first
+
+The state the real-model preset (configs/smollm2_135m.yaml) saves: SmolLM2-135M-Instruct in float32 with its
+AdamW state after one optimizer step (1.6 GB), saved synchronously. Per run: the whole save (manifest
+included), the manifest's part of it (reading every file back, from the page cache, and checksumming), and a
+verify of the written checkpoint (what resume, `dapo export` and `dapo eval --run` do first); medians printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from checkpoint_cost import MODEL, ROOT
+
+from dapo import checkpoint
+from dapo.config import load_config
+from dapo.policy import Policy
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args()
+    if not (MODEL / "config.json").exists():
+        raise SystemExit(f"needs {MODEL}: run `make smollm2` once")
+    cfg = load_config(ROOT / "configs/smollm2_135m.yaml", [f"model.path={MODEL}", "model.device=cpu"])
+    policy = Policy(cfg.model, cfg.train, temperature=cfg.rollout.temperature, device=torch.device("cpu"))
+    for p in policy.master or policy.model.parameters():  # one AdamW step: its moments exist, as in training
+        p.grad = torch.randn_like(p) * 1e-3
+    policy.optimizer.step()
+    policy.optimizer.zero_grad(set_to_none=True)
+    spent: list[float] = []
+    real = checkpoint.write_manifest
+
+    def timed(path):
+        t0 = time.perf_counter()
+        out = real(path)
+        spent.append(time.perf_counter() - t0)
+        return out
+
+    checkpoint.write_manifest = timed
+    rows = []
+    with tempfile.TemporaryDirectory(dir=ROOT) as tmp:  # the disk training runs write to
+        for step in range(1, args.runs + 1):
+            t0 = time.perf_counter()
+            path = checkpoint.save_checkpoint(
+                Path(tmp),
+                step,
+                model=policy.model,
+                tokenizer=policy.tokenizer,
+                trainer_state={"policy": policy.trainer_state()},
+                config_yaml="run: {}\n",
+                keep=2,
+            )
+            save = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            assert checkpoint.verify(path) is None
+            verify = time.perf_counter() - t0
+            size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+            rows.append((save, spent[-1], verify))
+            print(
+                f"run {step}: {size / 2**30:.2f} GiB, save {save:.2f} s of which the manifest {spent[-1]:.2f} s "
+                f"({100 * spent[-1] / save:.1f}%); verify {verify:.2f} s",
+                flush=True,
+            )
+    save, manifest, verify = (statistics.median(r[i] for r in rows) for i in range(3))
+    print(
+        f"median of {args.runs}: save {save:.2f} s, manifest {manifest:.2f} s ({100 * manifest / save:.1f}% of the "
+        f"save), verify {verify:.2f} s; load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs"
+    )
+
+
+if __name__ == "__main__":
+    main()

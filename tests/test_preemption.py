@@ -1,0 +1,219 @@
+"""Preempted, nothing lost: SIGTERM (or SIGUSR1, SIGINT) at a chosen moment of step 2 (in generation, in
+grading, in the old log-probs, in the update, during a checkpoint write; asynchronous checkpoints on and off)
+leaves a checkpoint of the last completed step, and the resumed run ends with the weights and AdamW state of an
+uninterrupted run, bit for bit. The moment is made deterministic by having the run signal itself from a hook at
+that phase; benchmarks/ has no randomized sweep (yet). With 2 gloo ranks: a signal to one rank stops both, and
+they write one checkpoint together."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import SMALL_OVERRIDES, small_config  # noqa: E402
+
+from dapo import checkpoint, preemption  # noqa: E402
+
+STEPS = ["train.total_steps=3", "run.save_every=null"]
+LINE = re.compile(
+    r"stopped by (SIG\w+) at step (\d+) \((.*?)\): checkpoint (\S+) (written|already there), ([\d.]+) s after the "
+    r"signal; start the run again to resume \(exit code 75\)"
+)
+
+
+def final_state(run_dir: Path) -> dict:
+    """The last checkpoint's weights and AdamW state."""
+    from safetensors.torch import load_file
+
+    step = checkpoint.latest_checkpoint(run_dir)
+    state = checkpoint.load_trainer_state(step)["policy"]["optimizer"]["state"]
+    moments = {f"{k}.{m}": v[m] for k, v in state.items() for m in ("exp_avg", "exp_avg_sq")}
+    return {
+        **load_file(str(step / "model" / "model.safetensors")),
+        **moments,
+        "step": torch.as_tensor(state[0]["step"]).clone(),
+    }
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model_dir, tmp_path_factory):
+    from dapo.training import train
+
+    root = tmp_path_factory.mktemp("uninterrupted")
+    train(small_config(root, tiny_model_dir, *STEPS))
+    return final_state(root / "t")
+
+
+def signal_at(monkeypatch, where: str, call: int, sig=signal.SIGTERM) -> None:
+    """Have the run send itself ``sig`` at the ``call``-th entry into ``where`` (the hook then goes on as usual)."""
+    from dapo import dynamic_sampling
+    from dapo.policy import Policy
+    from dapo.rollout import hf
+
+    owner, name = {
+        "generate": (hf.HFRolloutEngine, "generate"),
+        "reward": (dynamic_sampling.Scorer, "__call__"),
+        "old_logprob": (Policy, "compute_logprobs"),
+        "update": (Policy, "update"),
+        "checkpoint": (checkpoint, "_complete"),  # inside the write, before the rename (a background one too)
+    }[where]
+    real, calls = getattr(owner, name), {"n": 0}
+
+    def hooked(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == call:
+            os.kill(os.getpid(), sig)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, hooked)
+
+
+SLOW = pytest.mark.slow  # the same paths as the unmarked cases beside them (an abandoned phase, a finished one)
+CASES = [  # where, async checkpoints, extra settings, the step the checkpoint is of, what the line says
+    ("generate", False, [], 1, "in generate, abandoned"),
+    pytest.param("reward", True, [], 1, "in reward, abandoned", marks=SLOW),
+    pytest.param("old_logprob", False, [], 1, "in old_logprob, abandoned", marks=SLOW),
+    ("update", True, [], 2, "in update, finished"),
+    pytest.param("checkpoint", False, ["run.save_every=2"], 2, "in checkpoint, finished", marks=SLOW),
+    ("checkpoint", True, ["run.save_every=2"], 2, None),  # the write is in a thread: the loop is wherever it is
+]
+
+
+@pytest.mark.parametrize("where,asynchronous,extra,saved,said", CASES)
+def test_a_signal_checkpoints_the_last_completed_step_and_the_resume_is_bit_identical(
+    uninterrupted, tiny_model_dir, tmp_path, monkeypatch, where, asynchronous, extra, saved, said
+):
+    from dapo.training import train
+
+    cfg = small_config(tmp_path, tiny_model_dir, *STEPS, f"run.async_checkpoint={str(asynchronous).lower()}", *extra)
+    signal_at(monkeypatch, where, 2 if where != "checkpoint" else 1)  # step 2 (the first save is step 2's)
+    t0 = time.perf_counter()
+    with pytest.raises(preemption.Stopped) as stopped:
+        train(cfg)
+    seconds = time.perf_counter() - t0
+    line = str(stopped.value)
+    print(f"\n{where} (async {asynchronous}): {line}")
+    m = LINE.fullmatch(line)
+    assert m and m.group(1) == "SIGTERM" and int(m.group(2)) == saved, line
+    assert said is None or m.group(3) == said
+    assert [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(cfg.run_dir)] == [saved]
+    assert m.group(4) == str(checkpoint.latest_checkpoint(cfg.run_dir))
+    assert checkpoint.verify(checkpoint.latest_checkpoint(cfg.run_dir)) is None
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or not callable(signal.getsignal(signal.SIGTERM))
+    monkeypatch.undo()
+    train(cfg)  # started again: resumes and finishes
+    resumed = final_state(cfg.run_dir)
+    assert resumed.keys() == uninterrupted.keys()
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed), "the resumed run's weights differ"
+    print(f"  stopped {seconds:.1f} s into the run; resumed to bit-identical weights and AdamW state")
+
+
+def test_dapo_train_stops_on_sigterm_in_one_line_with_exit_code_75(tiny_model_dir, tmp_path):
+    """From outside, as a scheduler would: SIGTERM once step 1's row is written, wherever step 2 then is."""
+    from test_parallel import REPO, env_for_children
+
+    cmd = [sys.executable, "-m", "dapo.cli", "train", "configs/demo.yaml", *SMALL_OVERRIDES]
+    cmd += [f"model.path={tiny_model_dir}", f"run.dir={tmp_path}", "train.total_steps=50", "run.save_every=null"]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env_for_children(COLUMNS="500"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    metrics = tmp_path / "t" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        time.sleep(0.2)
+    t0 = time.perf_counter()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    seconds = time.perf_counter() - t0
+    lines = [x for x in err.splitlines() if x.startswith("stopped by")]
+    print(f"\nexit {proc.returncode} {seconds:.1f} s after SIGTERM: {lines}")
+    assert proc.returncode == preemption.EXIT_CODE, err[-3000:]
+    assert len(lines) == 1 and LINE.fullmatch(lines[0]), err[-3000:]
+    step = int(LINE.fullmatch(lines[0]).group(2))
+    assert step >= 1 and [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(tmp_path / "t")] == [step]
+    assert "Traceback" not in err
+
+
+# ---- 2 gloo ranks ------------------------------------------------------------------------------------
+def ranks_worker(model_dir: str, root: str) -> None:
+    """Under torchrun (2 ranks, one process group for every run here): the uninterrupted run; the same run with
+    SIGUSR1 to rank 1 alone in its second generation; that run started again. Each rank writes what it saw."""
+    from dapo import parallel
+    from dapo.rollout import hf
+    from dapo.training import train
+
+    root, rank = Path(root), int(os.environ["RANK"])
+    leave = parallel.shutdown
+    parallel.shutdown = lambda d, clean=True: None  # one process group for all the runs here
+    train(small_config(root / "ref", model_dir, *STEPS))
+    real, calls = hf.HFRolloutEngine.generate, {"n": 0}
+
+    def generate(self, *args, **kwargs):
+        calls["n"] += 1
+        if rank == 1 and calls["n"] == 2:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return real(self, *args, **kwargs)
+
+    hf.HFRolloutEngine.generate = generate
+    try:
+        train(small_config(root / "stopped", model_dir, *STEPS))
+        line = "not stopped"
+    except preemption.Stopped as stop:
+        line = str(stop)
+    hf.HFRolloutEngine.generate = real
+    (root / f"line.{rank}.txt").write_text(line)
+    train(small_config(root / "stopped", model_dir, *STEPS))
+    leave(parallel.init("cpu"))
+
+
+def test_a_signal_to_one_of_two_ranks_stops_both_at_one_checkpoint(tiny_model_dir, tmp_path):
+
+    _torchrun(tiny_model_dir, tmp_path)
+    lines = [(tmp_path / f"line.{r}.txt").read_text() for r in (0, 1)]
+    print("\n" + "\n".join(lines))
+    for line in lines:
+        m = LINE.fullmatch(line)
+        assert m and m.group(1) == "SIGUSR1" and m.group(2) == "1", line
+    assert "in generate" in lines[1]  # where it landed, on the rank it was sent to
+    # the resumed run reached the uninterrupted run's weights (and AdamW state), through the shards
+    from dapo import parallel
+
+    a = parallel.read_shards(checkpoint.latest_checkpoint(tmp_path / "ref" / "t") / "shards")
+    b = parallel.read_shards(checkpoint.latest_checkpoint(tmp_path / "stopped" / "t") / "shards")
+    assert checkpoint.step_of(checkpoint.latest_checkpoint(tmp_path / "stopped" / "t")) == 3
+    flat_a, flat_b = _flat(a), _flat(b)
+    assert flat_a.keys() == flat_b.keys() and all(torch.equal(flat_a[k], flat_b[k]) for k in flat_a)
+
+
+def _flat(tree, prefix="") -> dict:
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}.{key}").items()}
+    return {}
+
+
+def _torchrun(model_dir, root):
+    from test_parallel import REPO, env_for_children
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__]
+    out = subprocess.run(
+        [*cmd, str(model_dir), str(root)],
+        cwd=REPO,
+        env=env_for_children(COLUMNS="500"),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+
+
+if __name__ == "__main__":
+    ranks_worker(*sys.argv[1:])
