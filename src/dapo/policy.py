@@ -133,15 +133,10 @@ def _head_logp(head, h: torch.Tensor, targets: torch.Tensor, temperature: float,
     return logits.gather(-1, targets[:, None]).squeeze(-1) - log_z, logits, log_z
 
 
-# Response rows per LM-head chunk on the CPU: a chunk's float32 logits (rows x vocabulary) stay near
-# 24 MiB, under glibc's 32 MiB ceiling for serving a block from the heap (a larger one is mapped
-# fresh, and page-faulted in, on every call), and at least 64 rows, below which the head's matmuls
-# slow down. At SmolLM2's shapes 128 to 2,085 rows per chunk cost the same time (benchmarks/RESULTS.md),
-# so the small chunk is free memory. CUDA's caching allocator reuses its blocks: there a chunk is
-# as large as a matmul likes.
+# CPU head chunks keep float32 logits under glibc's mmap threshold, free in time (benchmarks/RESULTS.md, HeadLogProbs)
 CPU_HEAD_CHUNK_BYTES = 24 * 2**20
-MIN_HEAD_CHUNK_ROWS = 64
-CUDA_HEAD_CHUNK_ROWS = 1024
+MIN_HEAD_CHUNK_ROWS = 64  # below this the head's matmuls slow down
+CUDA_HEAD_CHUNK_ROWS = 1024  # CUDA's caching allocator reuses blocks: a chunk as large as a matmul likes
 
 
 def head_chunk_rows(vocab_size: int, device: torch.device) -> int:
