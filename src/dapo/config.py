@@ -39,7 +39,7 @@ KlKind = Literal["k1", "k2", "k3"]
 FilterMetric = Literal["acc", "reward"]
 OnMaxGenRounds = Literal["train", "fail"]
 BufferLogp = Literal["trainer", "engine"]
-OldLogp = Literal["recompute", "first_update", "engine"]
+OldLogp = Literal["recompute", "engine"]
 PackSequences = Literal["auto", "true", "false"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 Logger = Literal["console", "tensorboard", "wandb", "mlflow"]
@@ -155,9 +155,8 @@ class AlgoConfig:
     buffer_logp: BufferLogp = (
         "trainer"  # a buffered group's behaviour log-probs: trainer (computed when buffered) or engine (vllm's)
     )
-    # where old_logp comes from: recompute (a forward pass over the batch before the update, the reference),
-    # first_update (the first mini-batch's from the update's own forward, detached: exact, the weights have not
-    # moved yet; the pass runs over the other rows) or engine (vLLM's sampling log-probs, no pass; float32 only)
+    # where old_logp comes from: recompute (a forward pass over the batch before the update, the reference)
+    # or engine (vLLM's sampling log-probs, no pass; float32 only)
     old_logp: OldLogp = "recompute"
     rollout_is_cap: float | None = (
         None  # C: each token's loss x min(pi_old / pi_rollout, C) on vllm's log-probs; null: off (the reference)
@@ -597,11 +596,6 @@ def validate(cfg: Config) -> None:
     _check(
         len(lora.target_modules) > 0 and all(lora.target_modules),
         f"model.lora.target_modules={lora.target_modules}: name at least one linear layer, e.g. [q_proj,v_proj]",
-    )
-    _check(
-        lora.dropout == 0 or a.old_logp != "first_update",
-        f"model.lora.dropout={lora.dropout}: algo.old_logp=first_update would take old_logp from a forward with "
-        "dropout; use algo.old_logp=recompute, or model.lora.dropout=0",
     )
     _check(r.group_size >= 2, f"rollout.group_size={r.group_size}: must be >= 2 for group-relative advantages")
     _check(r.max_response_tokens > 0, "rollout.max_response_tokens must be > 0")
