@@ -1,6 +1,6 @@
-"""What `algo.old_logp` saves on a real-model step: recompute (the reference) against first_update and engine.
+"""What `algo.old_logp` saves on a real-model step: recompute (the reference) against engine.
 
-    python benchmarks/old_logp.py [--runs 3] [--steps 2]      # make smollm2 first; about 25 minutes on 2 cores
+    python benchmarks/old_logp.py [--runs 3] [--steps 2]      # make smollm2 first; about 17 minutes on 2 idle cores
 
 Each run is `python -m dapo.training configs/smollm2_135m.yaml` in its own process (the same point
 as benchmarks/scaling.py: 8 prompts x G=8, <= 96 tokens, 2 optimizer updates, dynamic sampling off,
@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scaling import BASE, MODEL, run_point  # noqa: E402
 
-SETTINGS = ("recompute", "first_update", "engine")
+SETTINGS = ("recompute", "engine")  # first_update was removed (RESULTS.md, "Old log-probs")
 
 
 def main() -> None:

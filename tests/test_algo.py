@@ -93,13 +93,24 @@ def test_policy_loss_clip_higher_hand_computed():
     loss, stats = algo.policy_loss(logp, old, torch.tensor([1.0]), mask, eps_low=0.2, eps_high=0.28)
     # adv > 0: per-token max(-r, -clip(r, .8, 1.28)) = [-1.28, -0.5, -1.0]
     assert loss.item() == pytest.approx((-1.28 - 0.5 - 1.0) / 3, abs=1e-6)
-    assert stats["clipfrac_high"].item() == pytest.approx(1 / 3)
-    assert stats["clipfrac_low"].item() == 0.0
+    assert stats["clipfrac_high"].value.item() == pytest.approx(1 / 3)
+    assert stats["clipfrac_low"].value.item() == 0.0
     loss.backward()
     # the clipped token gets no gradient; the others get -r/3
     assert torch.allclose(logp.grad, torch.tensor([[0.0, -0.5 / 3, -1.0 / 3]]), atol=1e-6)
     # the up-clipped token's probability under the new policy: 0.5 * 1.5
-    assert stats["up_clipped_prob_max"].item() == pytest.approx(0.75, abs=1e-6)
+    assert stats["up_clipped_prob_max"].value.item() == pytest.approx(0.75, abs=1e-6)
+    # how each combines over micro-batches: token means weigh by the valid tokens, the top-clipped
+    # probability's mean by the clipped tokens
+    assert {k: (s.how, s.weight.item()) for k, s in stats.items()} == {
+        "clipfrac_high": ("mean", 3.0),
+        "clipfrac_low": ("mean", 3.0),
+        "clipfrac_dual": ("mean", 3.0),
+        "approx_kl": ("mean", 3.0),
+        "token_prob_mean": ("mean", 3.0),
+        "up_clipped_prob_mean": ("mean", 1.0),
+        "up_clipped_prob_max": ("max", 1.0),
+    }
 
 
 def test_eps_high_binds_only_where_advantage_positive():
@@ -108,8 +119,8 @@ def test_eps_high_binds_only_where_advantage_positive():
     loss, stats = algo.policy_loss(logp, old, torch.tensor([-1.0]), mask, eps_low=0.2, eps_high=0.28)
     # adv < 0: max(r, clip(r)) = [1.5 (not clipped at the top), 0.8 (clipped at the bottom), 1.0]
     assert loss.item() == pytest.approx((1.5 + 0.8 + 1.0) / 3, abs=1e-6)
-    assert stats["clipfrac_high"].item() == 0.0
-    assert stats["clipfrac_low"].item() == pytest.approx(1 / 3)
+    assert stats["clipfrac_high"].value.item() == 0.0
+    assert stats["clipfrac_low"].value.item() == pytest.approx(1 / 3)
     loss.backward()
     assert torch.allclose(logp.grad, torch.tensor([[1.5 / 3, 0.0, 1.0 / 3]]), atol=1e-6)
 
@@ -139,11 +150,11 @@ def test_clip_fractions_as_the_reference_counts_them():
     loss, stats = algo.policy_loss(logp, old, adv, torch.ones(4, 1), eps_low=0.2, eps_high=0.28, dual_clip=10.0)
     # per token: -1.28 (clipped at the top), 0.8 (at the bottom), min(12, 10) = 10 (dual clip), 1.0
     assert loss.item() == pytest.approx((-1.28 + 0.8 + 10.0 + 1.0) / 4, abs=1e-5)
-    assert stats["clipfrac_high"].item() == pytest.approx(0.25)
-    assert stats["clipfrac_low"].item() == pytest.approx(0.25)
-    assert stats["clipfrac_dual"].item() == pytest.approx(0.25)  # verl's actor/pg_clipfrac_lower
+    assert stats["clipfrac_high"].value.item() == pytest.approx(0.25)
+    assert stats["clipfrac_low"].value.item() == pytest.approx(0.25)
+    assert stats["clipfrac_dual"].value.item() == pytest.approx(0.25)  # verl's actor/pg_clipfrac_lower
     _, no_dual = algo.policy_loss(logp, old, adv, torch.ones(4, 1), eps_low=0.2, eps_high=0.28, dual_clip=None)
-    assert no_dual["clipfrac_dual"].item() == 0.0
+    assert no_dual["clipfrac_dual"].value.item() == 0.0
 
 
 def test_truncated_is_weights_hand_computed():
@@ -228,8 +239,8 @@ def test_approx_kl_and_token_prob():
     old = torch.log(torch.tensor([[0.5, 0.25]]))
     logp = torch.log(torch.tensor([[0.25, 0.25]]))
     _, stats = algo.policy_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 2))
-    assert stats["approx_kl"].item() == pytest.approx(math.log(2) / 2, abs=1e-6)
-    assert stats["token_prob_mean"].item() == pytest.approx(0.25)
+    assert stats["approx_kl"].value.item() == pytest.approx(math.log(2) / 2, abs=1e-6)
+    assert stats["token_prob_mean"].value.item() == pytest.approx(0.25)
 
 
 def test_kl_estimators_hand_computed():
@@ -257,11 +268,13 @@ def test_actor_loss_is_policy_loss_plus_the_weighted_kl_term():
     common = dict(num_tokens=12.0, num_seqs=3.0, loss_agg="seq-mean-token-mean", dual_clip=10.0)
     pg, pg_stats = algo.policy_loss(logp, old, adv, mask, **common)
     loss, stats = algo.actor_loss(logp, old, adv, mask, **common)  # kl_coef 0: DAPO's loss, no reference needed
-    assert torch.equal(loss, pg) and torch.equal(stats["pg_loss"], pg) and "kl_loss" not in stats
-    assert all(torch.equal(stats[k], v) for k, v in pg_stats.items())
+    assert torch.equal(loss, pg) and torch.equal(stats["pg_loss"].value, pg) and "kl_loss" not in stats
+    assert stats["pg_loss"].how == "sum"
+    for k, v in pg_stats.items():
+        assert torch.equal(stats[k].value, v.value) and torch.equal(stats[k].weight, v.weight) and stats[k].how == v.how
     loss, stats = algo.actor_loss(logp, old, adv, mask, ref_logp=ref, kl_coef=0.5, kl_kind="k2", **common)
     kl = (0.5 * (logp - ref).square() * mask).sum(-1) / mask.sum(-1)  # k2, each sequence's token mean
-    assert stats["kl_loss"].item() == pytest.approx(kl.sum().item() / 3, rel=1e-6)
-    assert loss.item() == pytest.approx(pg.item() + 0.5 * stats["kl_loss"].item(), rel=1e-6)
+    assert stats["kl_loss"].value.item() == pytest.approx(kl.sum().item() / 3, rel=1e-6)
+    assert loss.item() == pytest.approx(pg.item() + 0.5 * stats["kl_loss"].value.item(), rel=1e-6)
     with pytest.raises(ValueError, match="ref_logp"):
         algo.actor_loss(logp, old, adv, mask, kl_coef=0.5)

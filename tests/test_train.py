@@ -274,7 +274,7 @@ def sgd(policy) -> None:
     policy.scheduler = torch.optim.lr_scheduler.LambdaLR(policy.optimizer, lambda step: 1.0)
 
 
-def traced_update(cfg, *, old_logp: str, ppo_epochs: int = 1, engine_logp_from=None):
+def traced_update(cfg, *, old_logp: str, engine_logp_from=None):
     """One step's old-log-prob phase and update (train.old_logprobs, Policy.update) with ``algo.old_logp``
     on three groups, one per mini-batch, under SGD: returns the batch as the update left it, the
     phase's result, each loss call's (old_logp, logp, loss) and each optimizer step's gradients and
@@ -293,9 +293,8 @@ def traced_update(cfg, *, old_logp: str, ppo_epochs: int = 1, engine_logp_from=N
     if engine_logp_from is not None:  # what vLLM in float32 reports: the trainer's own numbers
         batch.rollout_logp = [engine_logp_from[i, : len(r)].tolist() for i, r in enumerate(batch.response_ids)]
     run_cfg = load_config(None, [f"algo.old_logp={old_logp}", "rollout.backend=vllm"])
-    policy.train_cfg.ppo_epochs = ppo_epochs
     phase = old_logprobs(batch, SimpleNamespace(cfg=run_cfg, state=TrainState(), policy=policy, reference=None))
-    before_update = batch.old_logp.clone(), batch.entropy.clone()
+    before_update = batch.old_logp.clone()
     real_loss, calls, grads = loss_fn_of(cfg), [], []
 
     def spy(logp, old, *args, **kwargs):
@@ -306,7 +305,7 @@ def traced_update(cfg, *, old_logp: str, ppo_epochs: int = 1, engine_logp_from=N
     policy.optimizer.register_step_pre_hook(
         lambda *_: grads.append([p.grad.clone() for p in policy.model.parameters()])
     )
-    policy.update(batch, spy, **phase.from_update)
+    policy.update(batch, spy, with_entropy=phase.entropy_from_update)
     weights = torch.cat([p.detach().flatten() for p in policy.model.parameters()])
     return SimpleNamespace(
         batch=batch,
@@ -320,37 +319,6 @@ def traced_update(cfg, *, old_logp: str, ppo_epochs: int = 1, engine_logp_from=N
     )
 
 
-@pytest.mark.parametrize("ppo_epochs", [1, 2])
-def test_first_update_takes_the_first_mini_batchs_old_logp_from_the_updates_own_forward(
-    tiny_model_dir, tmp_path, ppo_epochs
-):
-    cfg = small_config(tmp_path, tiny_model_dir, "train.prompts_per_step=3", "train.mini_batch_prompts=1")
-    rec = traced_update(cfg, old_logp="recompute", ppo_epochs=ppo_epochs)
-    first = traced_update(cfg, old_logp="first_update", ppo_epochs=ppo_epochs)
-    lengths = first.batch.response_lengths
-    # the old-log-prob pass ran over groups 2 and 3 only; group 1's rows were left to the update
-    assert first.phase.tokens_computed == int(lengths[4:].sum()) and rec.phase.tokens_computed == int(lengths.sum())
-    assert torch.equal(first.phase.from_update["old_logp_rows"], torch.arange(12) < 4)
-    old_before, entropy_before = first.before_update
-    assert old_before[:4].abs().max() == 0 and entropy_before[:4].abs().max() == 0
-    assert torch.allclose(old_before[4:], rec.reference_old[4:], atol=1e-6)
-    # the update's first forward over group 1 is its old_logp: the ratio is exactly 1 there
-    old, logp, loss = first.calls[0]
-    assert torch.equal(old, logp)
-    assert first.calls[0][2].item() == pytest.approx(rec.calls[0][2].item(), abs=1e-6)
-    for g_first, g_rec in zip(first.grads[0], rec.grads[0]):  # the first optimizer step's gradients
-        assert torch.allclose(g_first, g_rec, atol=1e-6)
-    assert max(g.abs().max() for g in rec.grads[0]) > 1e-2
-    # it recorded the old_logp and entropy the pass would have given; later mini-batches used the pass's
-    for name, reference in (("old_logp", rec.reference_old), ("entropy", rec.reference_entropy)):
-        assert torch.allclose(getattr(first.batch, name), reference, atol=1e-5), name
-    assert len(first.calls) == len(rec.calls) == 3 * ppo_epochs
-    for (old_f, _, loss_f), (old_r, _, loss_r) in zip(first.calls, rec.calls):
-        assert torch.allclose(old_f, old_r, atol=1e-5)  # epoch 2's first mini-batch: the recorded values
-        assert loss_f.item() == pytest.approx(loss_r.item(), abs=1e-5)
-    assert (first.weights - rec.weights).abs().max() < 1e-5
-
-
 def test_engine_old_logp_is_the_engines_and_runs_no_pass(tiny_model_dir, tmp_path):
     from dapo.dynamic_sampling import CollectStats
     from dapo.metrics import step_metrics
@@ -358,8 +326,9 @@ def test_engine_old_logp_is_the_engines_and_runs_no_pass(tiny_model_dir, tmp_pat
     cfg = small_config(tmp_path, tiny_model_dir, "train.prompts_per_step=3", "train.mini_batch_prompts=1")
     rec = traced_update(cfg, old_logp="recompute")
     engine = traced_update(cfg, old_logp="engine", engine_logp_from=rec.reference_old)
-    assert engine.phase.tokens_computed == 0 and engine.phase.from_update.keys() == {"entropy_rows"}
-    assert torch.equal(engine.before_update[0], rec.reference_old)  # the engine's numbers, as they came
+    assert engine.phase.tokens_computed == 0 and engine.phase.entropy_from_update
+    assert rec.phase.tokens_computed == int(rec.batch.response_lengths.sum()) and not rec.phase.entropy_from_update
+    assert torch.equal(engine.before_update, rec.reference_old)  # the engine's numbers, as they came
     assert (engine.weights - rec.weights).abs().max() < 1e-6 and rec.grads[0][0].abs().max() > 1e-3
     # entropy from the update's forwards: group 1's before any step (the pass's); later groups' after the
     # first steps, under the weights that trained them
@@ -378,11 +347,6 @@ def test_old_logp_sources_fail_in_one_line_where_they_cannot_be_exact(tiny_model
         ValueError, match="^algo.old_logp=engine: the rollout engine reported no log-probs; use rollout.backend=vllm$"
     ):
         traced_update(cfg, old_logp="engine")  # the hf engine's batch has none
-    policy = make_policy(cfg)
-    batch = sampled_batch(policy)
-    late = torch.arange(len(batch)) >= 8  # the third mini-batch: trained after two optimizer steps
-    with pytest.raises(ValueError, match="^old_logp_rows must be trained before the first optimizer step"):
-        policy.update(batch, loss_fn_of(cfg), old_logp_rows=late)
 
 
 def test_update_minimises_the_loss_fn_it_is_given_with_the_documented_arguments(tiny_model_dir, tmp_path):
@@ -416,7 +380,7 @@ def test_update_minimises_the_loss_fn_it_is_given_with_the_documented_arguments(
         )
         zero = torch.zeros(())
         stats = {
-            k: zero
+            k: algo.mean_stat(zero, zero)
             for k in (
                 "clipfrac_high",
                 "clipfrac_low",
@@ -424,12 +388,10 @@ def test_update_minimises_the_loss_fn_it_is_given_with_the_documented_arguments(
                 "approx_kl",
                 "token_prob_mean",
                 "up_clipped_prob_mean",
-                "up_clipped_prob_max",
-                "num_up_clipped",
             )
         }
         loss = -3.0 * (logp * mask).sum()  # a hand-made objective: 3 x the summed log-likelihood
-        return loss, {**stats, "pg_loss": loss.detach()}
+        return loss, {**stats, "up_clipped_prob_max": algo.max_stat(zero), "pg_loss": algo.sum_stat(loss)}
 
     # the expected step: 3 x the gradient of the batch's log-likelihood in one pass, however update splits the rows
     mb = make_micro_batch(batch, list(range(len(batch))), policy.pad_id, "cpu")
@@ -490,18 +452,20 @@ def test_update_statistics_are_the_token_weighted_micro_batch_ones_synced_once(t
     per_update = []
     for u in range(3):
         micro = [(w, s) for k, w, s in seen if k == u]
-        up_n = sum(s["num_up_clipped"] for _, s in micro)
+        up_n = sum(s["up_clipped_prob_mean"].weight for _, s in micro)  # the top-clipped tokens
         per_update.append(
             {
-                "pg_loss": sum(s["pg_loss"] for _, s in micro),
-                "kl_loss": sum(s["kl_loss"] for _, s in micro),
+                "pg_loss": sum(s["pg_loss"].value for _, s in micro),
+                "kl_loss": sum(s["kl_loss"].value for _, s in micro),
                 **{
-                    k: sum(w * s[k] for w, s in micro)
+                    k: sum(w * s[k].value for w, s in micro)
                     for k in ("clipfrac_high", "clipfrac_low", "clipfrac_dual", "approx_kl", "token_prob_mean")
                 },
-                "up_clipped_prob_mean": sum(s["up_clipped_prob_mean"] * s["num_up_clipped"] for _, s in micro)
+                "up_clipped_prob_mean": sum(
+                    s["up_clipped_prob_mean"].value * s["up_clipped_prob_mean"].weight for _, s in micro
+                )
                 / max(up_n, 1),
-                "up_clipped_prob_max": max(s["up_clipped_prob_max"] for _, s in micro),
+                "up_clipped_prob_max": max(s["up_clipped_prob_max"].value for _, s in micro),
             }
         )
     assert set(out) == {*per_update[0], "grad_norm", "lr", "skipped_updates", "nonfinite_updates"}
@@ -509,6 +473,62 @@ def test_update_statistics_are_the_token_weighted_micro_batch_ones_synced_once(t
     for k in per_update[0]:
         expected = (max if k.endswith("_max") else lambda v: sum(v) / 3)([u[k] for u in per_update])
         assert out[k].item() == pytest.approx(float(expected), abs=1e-7), k
+
+
+def test_a_statistic_the_loss_adds_reaches_the_steps_metrics_combined_as_it_says(tiny_model_dir, tmp_path):
+    """A new name with each ``how``, and nothing else changed: per update a weighted mean over the
+    micro-batches (0 where the weights add up to 0), a sum, a max or a min (of the micro-batches with a weight);
+    over the updates their mean, max or min."""
+    from dapo.dynamic_sampling import CollectStats
+    from dapo.metrics import step_metrics
+
+    cfg = small_config(
+        tmp_path,
+        tiny_model_dir,
+        "train.prompts_per_step=3",
+        "train.mini_batch_prompts=1",
+        "train.max_tokens_per_micro_batch=40",
+    )
+    torch.manual_seed(0)
+    policy = make_policy(cfg)
+    batch = sampled_batch(policy)
+    real_loss, calls, steps = loss_fn_of(cfg), [], []
+    policy.optimizer.register_step_pre_hook(lambda *_: steps.append(None))
+
+    def loss_fn(logp, old_logp, adv, mask, **kwargs):
+        loss, stats = real_loss(logp, old_logp, adv, mask, **kwargs)
+        k = torch.tensor(float(len(calls)))  # this call's number: a value known by hand
+        calls.append((len(steps), float(mask.sum())))  # which update, its valid tokens
+        new = {
+            "my_mean": algo.mean_stat(k, mask.sum()),
+            "my_unweighted": algo.mean_stat(k, torch.zeros(())),
+            "my_sum": algo.sum_stat(k + 1),
+            "my_max": algo.max_stat(-k),
+            # odd-numbered calls give 10 - k; even-numbered ones give -100 with weight 0, which must be ignored
+            "my_min": algo.min_stat(10 - k if k % 2 else torch.tensor(-100.0), torch.tensor(float(k % 2))),
+        }
+        return loss, {**stats, **new}
+
+    out = policy.update(batch, loss_fn)
+    updates = [[k for k, (u, _) in enumerate(calls) if u == update] for update in range(3)]
+    assert len(steps) == 3 and sum(map(len, updates)) == len(calls)
+    assert all(len(u) > 1 for u in updates)  # micro-batches in each update
+    per_update = [
+        {
+            "my_mean": sum(k * calls[k][1] for k in u) / sum(calls[k][1] for k in u),
+            "my_unweighted": 0.0,
+            "my_sum": sum(k + 1 for k in u),
+            "my_max": max(-k for k in u),
+            "my_min": min((10 - k for k in u if k % 2), default=0.0),
+        }
+        for u in updates
+    ]
+    for name in per_update[0]:
+        over = {"my_max": max, "my_min": min}.get(name, lambda v: sum(v) / 3)
+        expected = over([u[name] for u in per_update])
+        assert out[name].item() == pytest.approx(expected, abs=1e-6), name
+    m = step_metrics(batch, CollectStats(), out, {"update": 1.0, "old_logprob": 1.0})
+    assert {"actor/my_mean", "actor/my_unweighted", "actor/my_sum", "actor/my_max", "actor/my_min"} <= set(m)
 
 
 def test_reference_model_gives_the_initial_policys_log_probs(tiny_model_dir, tmp_path):

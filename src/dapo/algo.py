@@ -17,6 +17,7 @@ The objectives the field sets beside DAPO's (algo.objective), each checkable aga
                               eq. 13-14    gspo_loss    its token form: value s_i, gradient s_i * grad log pi_t
   CISPO (arXiv 2506.13585)    eq. 4-5      cispo_loss   -sg(clip(r_t)) A log pi_t: clip the weight, not the update
 The GRPO and Dr. GRPO baselines are arguments of the same functions, not separate code paths.
+The losses return their statistics as ``Stat``s: a value and how it combines over micro-batches and ranks.
 Beyond the paper: truncated_is_weights (per token) and sequence_is_weights (per response) correct for the
 rollout engine's sampling distribution (Yao et al. 2025), off unless asked for.
 """
@@ -31,6 +32,35 @@ import torch
 # checks), and this module stays free of config objects
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3")
+
+
+class Stat(NamedTuple):
+    """One micro-batch's loss statistic and how it combines over micro-batches and ranks."""
+
+    value: torch.Tensor  # () detached
+    # () for how="mean": what the value is a mean over in this micro-batch (its valid tokens, its sequences, its
+    # clipped tokens); unused otherwise
+    weight: torch.Tensor
+    # "mean": weighted by weight; "sum": added (losses already normalised by the whole mini-batch); "max"; "min"
+    # (over the micro-batches whose weight is not 0)
+    how: str
+
+
+def mean_stat(value: torch.Tensor, weight: torch.Tensor) -> Stat:
+    return Stat(value.detach(), weight.detach().to(value.dtype), "mean")
+
+
+def sum_stat(value: torch.Tensor) -> Stat:
+    return Stat(value.detach(), value.new_ones(()), "sum")
+
+
+def max_stat(value: torch.Tensor) -> Stat:
+    return Stat(value.detach(), value.new_ones(()), "max")
+
+
+def min_stat(value: torch.Tensor, weight: torch.Tensor) -> Stat:
+    """The smallest value; ``weight`` 0 where this micro-batch has none to give (its value is ignored)."""
+    return Stat(value.detach(), weight.detach().to(value.dtype), "min")
 
 
 def group_advantages(
@@ -163,17 +193,18 @@ def policy_loss(
     norm_length: float | None = None,
     dual_clip: float | None = None,
     is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+) -> tuple[torch.Tensor, dict[str, Stat]]:
     """PPO clipped surrogate with the decoupled clip range [1 - eps_low, 1 + eps_high] (eq. 10).
 
     logp, old_logp, response_mask: (N, T); adv: (N,) or (N, T). Returns the loss to minimise
-    (the negated objective) and a dict of detached scalar tensors:
+    (the negated objective) and its statistics (``Stat``), means over the valid tokens unless named:
       clipfrac_high  share of tokens whose ratio was clipped at 1 + eps_high (only where adv > 0)
       clipfrac_low   share clipped at 1 - eps_low (only where adv < 0)
       clipfrac_dual  share of tokens whose loss the dual clip bounded (adv < 0 and ratio > dual_clip)
       approx_kl      mean of old_logp - logp, the k1 estimate of KL(old || new)
-      up_clipped_prob_max / _mean  probability pi(o_t) of tokens clipped at the top (DAPO fig. 3a)
-      token_prob_mean               mean pi(o_t) over valid tokens
+      up_clipped_prob_mean / _max  probability pi(o_t) of tokens clipped at the top, their mean and
+                     max (DAPO fig. 3a)
+      token_prob_mean               mean pi(o_t)
     ``dual_clip`` (> 1) additionally bounds the loss of negative-advantage tokens at -adv * c,
     as the reference recipe does with c = 10; None disables it.
     ``is_weights`` (N, T), no gradient: each token's clipped loss is multiplied by it (truncated
@@ -200,21 +231,21 @@ def policy_loss(
 
     with torch.no_grad():
         valid = mask > 0
-        n_valid = mask.sum().clamp(min=1.0)
+        n_tokens = mask.sum()
+        token_mean = lambda x: mean_stat((x * mask).sum() / n_tokens.clamp(min=1.0), n_tokens)  # noqa: E731
         clipped_high = valid & (adv > 0) & (ratio > 1.0 + eps_high)
         clipped_low = valid & (adv < 0) & (ratio < 1.0 - eps_low)
         prob = logp.detach().exp()
         up_probs = torch.where(clipped_high, prob, torch.zeros_like(prob))
         n_up = clipped_high.sum()
         stats = {
-            "clipfrac_high": clipped_high.sum() / n_valid,
-            "clipfrac_low": clipped_low.sum() / n_valid,
-            "clipfrac_dual": (valid & dual_clipped).sum() / n_valid,
-            "approx_kl": ((old_logp - logp.detach()) * mask).sum() / n_valid,
-            "up_clipped_prob_max": up_probs.max(),  # 0 when nothing was clipped
-            "up_clipped_prob_mean": up_probs.sum() / n_up.clamp(min=1),
-            "token_prob_mean": (prob * mask).sum() / n_valid,
-            "num_up_clipped": n_up.to(prob.dtype),
+            "clipfrac_high": token_mean(clipped_high),
+            "clipfrac_low": token_mean(clipped_low),
+            "clipfrac_dual": token_mean(dual_clipped),
+            "approx_kl": token_mean(old_logp - logp.detach()),
+            "up_clipped_prob_max": max_stat(up_probs.max()),  # 0 when nothing was clipped
+            "up_clipped_prob_mean": mean_stat(up_probs.sum() / n_up.clamp(min=1), n_up),
+            "token_prob_mean": token_mean(prob),
         }
     return loss, stats
 
@@ -237,14 +268,14 @@ def actor_loss(
     kl_coef: float = 0.0,
     kl_kind: str = "k3",
     objective: str = "dapo",
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+) -> tuple[torch.Tensor, dict[str, Stat]]:
     """The actor's whole loss: the surrogate ``objective`` names (``OBJECTIVES``: DAPO's policy_loss, gspo_loss,
     cispo_loss, each given the same arguments), plus with ``kl_coef`` > 0 the KL penalty to the reference
     policy (kl_penalty on ``ref_logp`` (N, T)) aggregated like the loss and weighted by ``kl_coef``
     (GRPO's KL loss; DAPO has none).
 
-    Returns the loss and policy_loss's statistics with ``pg_loss`` (the clipped surrogate alone) and,
-    with the KL term, ``kl_loss`` (the aggregated penalty before weighting), both detached.
+    Returns the loss and policy_loss's statistics with the sums ``pg_loss`` (the clipped surrogate alone)
+    and, with the KL term, ``kl_loss`` (the aggregated penalty before weighting).
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {tuple(OBJECTIVES)}, got {objective!r}")
@@ -262,7 +293,7 @@ def actor_loss(
         dual_clip=dual_clip,
         is_weights=is_weights,
     )
-    stats["pg_loss"] = loss.detach()
+    stats["pg_loss"] = sum_stat(loss)
     if kl_coef > 0:
         if ref_logp is None:
             raise ValueError("kl_coef > 0 needs ref_logp, the reference policy's log-probs of the same tokens")
@@ -274,7 +305,7 @@ def actor_loss(
             num_seqs=num_seqs,
             norm_length=norm_length,
         )
-        stats["kl_loss"] = kl_loss.detach()
+        stats["kl_loss"] = sum_stat(kl_loss)
         loss = loss + kl_coef * kl_loss
     return loss, stats
 
@@ -338,7 +369,7 @@ def gspo_loss(
             "seq_clipfrac_dual": mean_stat((dual_clipped[:, 0] & valid).sum() / n_seqs.clamp(min=1), n_seqs),
             "seq_ratio_mean": mean_stat((s * valid).sum() / n_seqs.clamp(min=1), n_seqs),
             "seq_ratio_max": max_stat(torch.where(valid, s, torch.zeros_like(s)).max()),
-            "seq_ratio_min": min_stat(torch.where(valid, s, torch.full_like(s, float("inf"))).min()),
+            "seq_ratio_min": min_stat(torch.where(valid, s, torch.full_like(s, float("inf"))).min(), n_seqs),
         }
     return loss, stats
 
@@ -479,24 +510,3 @@ def truncated_is_weights(
         "is_truncated_frac": ((ratio > cap).to(mask.dtype) * mask).sum() / n_valid,
     }
     return weights.detach(), stats
-
-
-# ---- loss statistics (provisional until the update step's accumulator lands) -------------------------------
-class Stat(NamedTuple):
-    """One micro-batch's loss statistic and how it combines over micro-batches and ranks."""
-
-    value: torch.Tensor
-    weight: torch.Tensor
-    how: str
-
-
-def mean_stat(value, weight) -> Stat:
-    return Stat(value, torch.as_tensor(weight), "mean")
-
-
-def max_stat(value) -> Stat:
-    return Stat(value, torch.ones(()), "max")
-
-
-def min_stat(value) -> Stat:
-    return Stat(value, torch.ones(()), "min")

@@ -53,7 +53,7 @@ RolloutIsMode = Literal["token_truncate", "sequence_truncate", "sequence_mask"]
 FilterMetric = Literal["acc", "reward"]
 OnMaxGenRounds = Literal["train", "fail"]
 BufferLogp = Literal["trainer", "engine"]
-OldLogp = Literal["recompute", "first_update", "engine"]
+OldLogp = Literal["recompute", "engine"]
 PackSequences = Literal["auto", "true", "false"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 Logger = Literal["console", "tensorboard", "wandb", "mlflow"]
@@ -226,9 +226,8 @@ class AlgoConfig:
     buffer_logp: BufferLogp = (
         "trainer"  # a buffered group's behaviour log-probs: trainer (computed when buffered) or engine (vllm's)
     )
-    # where old_logp comes from: recompute (a forward pass over the batch before the update, the reference),
-    # first_update (the first mini-batch's from the update's own forward, detached: exact, the weights have not
-    # moved yet; the pass runs over the other rows) or engine (vLLM's sampling log-probs, no pass; float32 only)
+    # where old_logp comes from: recompute (a forward pass over the batch before the update, the reference)
+    # or engine (vLLM's sampling log-probs, no pass; float32 only)
     old_logp: OldLogp = "recompute"
     # C: each token's loss x min(pi_old / pi_rollout, C) on vllm's log-probs; null: off (the reference)
     rollout_is_cap: float | None = field(None, ge=1, null="off", why="a cap below 1 would shrink every token")
@@ -724,11 +723,6 @@ def validate(cfg: Config) -> None:
         not a.soft_overlong_punishment or 0 < a.overlong_buffer_tokens <= r.max_response_tokens,
         f"algo.overlong_buffer_tokens={a.overlong_buffer_tokens}: must be in (0, rollout.max_response_tokens="
         f"{r.max_response_tokens}]; the buffer cannot be longer than the maximum length",
-    )
-    _check(
-        cfg.model.lora.dropout == 0 or a.old_logp != "first_update",
-        f"model.lora.dropout={cfg.model.lora.dropout}: algo.old_logp=first_update would take old_logp from a "
-        "forward with dropout; use algo.old_logp=recompute, or model.lora.dropout=0",
     )
     _check(
         t.prompts_per_step % t.mini_batch_prompts == 0,

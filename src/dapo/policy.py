@@ -133,15 +133,10 @@ def _head_logp(head, h: torch.Tensor, targets: torch.Tensor, temperature: float,
     return logits.gather(-1, targets[:, None]).squeeze(-1) - log_z, logits, log_z
 
 
-# Response rows per LM-head chunk on the CPU: a chunk's float32 logits (rows x vocabulary) stay near
-# 24 MiB, under glibc's 32 MiB ceiling for serving a block from the heap (a larger one is mapped
-# fresh, and page-faulted in, on every call), and at least 64 rows, below which the head's matmuls
-# slow down. At SmolLM2's shapes 128 to 2,085 rows per chunk cost the same time (benchmarks/RESULTS.md),
-# so the small chunk is free memory. CUDA's caching allocator reuses its blocks: there a chunk is
-# as large as a matmul likes.
+# CPU head chunks keep float32 logits under glibc's mmap threshold, free in time (benchmarks/RESULTS.md, HeadLogProbs)
 CPU_HEAD_CHUNK_BYTES = 24 * 2**20
-MIN_HEAD_CHUNK_ROWS = 64
-CUDA_HEAD_CHUNK_ROWS = 1024
+MIN_HEAD_CHUNK_ROWS = 64  # below this the head's matmuls slow down
+CUDA_HEAD_CHUNK_ROWS = 1024  # CUDA's caching allocator reuses blocks: a chunk as large as a matmul likes
 
 
 def head_chunk_rows(vocab_size: int, device: torch.device) -> int:
@@ -358,6 +353,10 @@ def _grad_into(master: torch.Tensor):
     return hook
 
 
+# dapo.algo.Stat (value, weight, how): the loss brings its statistics, and this module imports no algorithm
+Stat = tuple[torch.Tensor, torch.Tensor, str]
+
+
 class LossFn(Protocol):
     """The loss ``Policy.update`` minimises, called once per micro-batch (B rows, T its longest response):
 
@@ -370,10 +369,10 @@ class LossFn(Protocol):
       is_weights  (B, T) per-token loss weights, or None
       ref_logp    (B, T) under the reference model, or None when the batch has none
 
-    It returns the loss and detached scalar statistics: ``pg_loss`` (its policy-gradient part, normalised
-    like the loss), ``kl_loss`` only when it has a KL term, and ``dapo.algo.policy_loss``'s per-token
-    means (clipfrac_high, clipfrac_low, clipfrac_dual, approx_kl, token_prob_mean) and top-clip
-    statistics (up_clipped_prob_mean, up_clipped_prob_max, num_up_clipped).
+    It returns the loss and its statistics by name (``dapo.algo.Stat``: a value and how it combines over
+    micro-batches and ranks), the same names at every call; each becomes a metric of the step
+    (``actor/<name>``). ``dapo.algo.actor_loss`` gives pg_loss, kl_loss with a KL term, and policy_loss's.
+    The name ``loss`` is the update's own: the loss itself, whose sum skips a non-finite update.
     """
 
     def __call__(
@@ -387,66 +386,52 @@ class LossFn(Protocol):
         num_seqs: torch.Tensor,
         is_weights: torch.Tensor | None,
         ref_logp: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+    ) -> tuple[torch.Tensor, dict[str, Stat]]: ...
 
 
-TOKEN_MEANS = ("clipfrac_high", "clipfrac_low", "clipfrac_dual", "approx_kl", "token_prob_mean")
+class StatTotals:
+    """One optimizer update's statistics (``dapo.algo.Stat``), combined on the device over its micro-batches,
+    then over the ranks in one collective: a "mean" weighted by its weights (0 where they add up to 0), a
+    "sum" added, a "max" the largest, a "min" the smallest of those with a weight (0 where none has)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, Stat] = {}  # value: the sum of value x weight ("mean"), the sum, or the max
+
+    def add(self, stats: dict[str, Stat]) -> None:
+        for name, (value, weight, how) in stats.items():
+            if how == "mean":
+                value = value * weight
+            elif how == "min":
+                value = torch.where(weight > 0, value, torch.full_like(value, float("inf")))
+            if (t := self.totals.get(name)) is None:
+                self.totals[name] = (value, weight, how)
+            else:
+                combine = {"max": torch.maximum, "min": torch.minimum}.get(how, torch.add)
+                self.totals[name] = (combine(t[0], value), t[1] + weight, how)
+
+    def reduce(self, dist: parallel.Dist) -> dict[str, tuple[torch.Tensor, str]]:
+        """Each statistic's value over every rank (whose losses return the same names), on the CPU, and its how."""
+        if not self.totals:  # a mini-batch whose rows were all filtered out trained on nothing
+            return {}
+        names, hows = list(self.totals), [how for _, _, how in self.totals.values()]
+        local = torch.stack([torch.stack([v.float(), w.float()]) for v, w, _ in self.totals.values()])  # (K, 2)
+        per_rank = parallel.all_gather(local, dist).cpu()  # (ranks, K, 2)
+        is_ = {h: torch.tensor([how == h for how in hows]) for h in ("mean", "max", "min")}  # (K,) each
+        value = torch.where(is_["max"], per_rank[..., 0].amax(0), per_rank[..., 0].sum(0))  # (K,)
+        value = torch.where(is_["min"], per_rank[..., 0].amin(0), value)
+        weight = per_rank[..., 1].sum(0)  # (K,)
+        value = torch.where(is_["mean"], value / weight.clamp(min=1e-30), value)
+        value = torch.where((is_["mean"] | is_["min"]) & (weight <= 0), torch.zeros(()), value)
+        return {k: (v, h) for k, v, h in zip(names, value.unbind(), hows)}
 
 
-@dataclass
-class UpdateStats:
-    """One optimizer update's statistics, summed on the device over its micro-batches.
-
-    The losses come normalised by the whole mini-batch, so they add up as they are; the per-token
-    means are weighted by each micro-batch's share of the mini-batch's tokens; the top-clipped
-    tokens' probability is kept as a sum and a count, so its mean is over the tokens themselves.
-    ``summary`` combines the ranks' records in one collective and moves them to the CPU once.
-    """
-
-    pg_loss: torch.Tensor
-    token_means: torch.Tensor  # (len(TOKEN_MEANS),) token-weighted sums
-    up_clipped_prob_sum: torch.Tensor
-    num_up_clipped: torch.Tensor
-    up_clipped_prob_max: torch.Tensor
-    kl_loss: torch.Tensor | None = None  # only from a loss with a KL term
-    passes: int = 0  # micro-batches added
-
-    @classmethod
-    def zeros(cls, device) -> UpdateStats:
-        zero = torch.zeros((), device=device)
-        return cls(zero, torch.zeros(len(TOKEN_MEANS), device=device), zero, zero, zero)
-
-    def add(self, stats: dict[str, torch.Tensor], token_share: torch.Tensor) -> None:
-        """One micro-batch's loss statistics; ``token_share``: its valid tokens / the mini-batch's."""
-        self.pg_loss = self.pg_loss + stats["pg_loss"]
-        if "kl_loss" in stats:
-            self.kl_loss = stats["kl_loss"] if self.kl_loss is None else self.kl_loss + stats["kl_loss"]
-        self.token_means = self.token_means + torch.stack([stats[k] for k in TOKEN_MEANS]) * token_share
-        self.up_clipped_prob_sum = self.up_clipped_prob_sum + stats["up_clipped_prob_mean"] * stats["num_up_clipped"]
-        self.num_up_clipped = self.num_up_clipped + stats["num_up_clipped"]
-        self.up_clipped_prob_max = torch.maximum(self.up_clipped_prob_max, stats["up_clipped_prob_max"])
-        self.passes += 1
-
-    def summary(self, dist: parallel.Dist) -> dict[str, torch.Tensor]:
-        """The mini-batch's statistics over every rank, on the CPU, by their names in the metrics."""
-        sums = {
-            "pg_loss": self.pg_loss,
-            **dict(zip(TOKEN_MEANS, self.token_means.unbind())),
-            "up_clipped_prob_sum": self.up_clipped_prob_sum,
-            "num_up_clipped": self.num_up_clipped,
-        }
-        if self.kl_loss is not None:  # every rank runs the same loss: all of them have it or none
-            sums["kl_loss"] = self.kl_loss
-        per_rank = parallel.all_gather(torch.stack([*sums.values(), self.up_clipped_prob_max]), dist)  # (ranks, K)
-        values = torch.cat([per_rank[:, :-1].sum(0), per_rank[:, -1:].amax(0)]).cpu()
-        total = dict(zip(sums, values.unbind()))
-        out = {"kl_loss": total["kl_loss"]} if "kl_loss" in total else {}
-        if self.passes or dist.sharded:  # a mini-batch whose rows were all filtered out trained on nothing
-            out["pg_loss"] = total["pg_loss"]
-            out.update({k: total[k] for k in TOKEN_MEANS})
-        out["up_clipped_prob_mean"] = total["up_clipped_prob_sum"] / total["num_up_clipped"].clamp(min=1)
-        out["up_clipped_prob_max"] = values[-1]
-        return out
+def over_updates(per_update: list[dict[str, tuple[torch.Tensor, str]]]) -> dict[str, torch.Tensor]:
+    """The step's statistics: each one's mean over the optimizer updates that have it ("max", "min": their
+    largest, smallest)."""
+    hows = {k: how for stats in per_update for k, (_, how) in stats.items()}
+    values = {k: torch.stack([stats[k][0] for stats in per_update if k in stats]) for k in hows}
+    reduce = {"max": torch.amax, "min": torch.amin}
+    return {k: reduce.get(hows[k], torch.mean)(v) for k, v in values.items()}
 
 
 class LogProbModel:
@@ -575,15 +560,14 @@ class LogProbModel:
         ]
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: RolloutBatch, *, with_entropy: bool = False, rows: list[int] | None = None):
-        """(N, T) log-probs of the sampled tokens (and entropy) under this model; with ``rows``, only
-        those rows are computed and the others are left 0."""
+    def compute_logprobs(self, batch: RolloutBatch, *, with_entropy: bool = False):
+        """(N, T) log-probs of the sampled tokens (and entropy) under this model."""
         was_training = self.model.training
         self.model.train(False)
         T = batch.max_response_len
         logp = torch.zeros(len(batch), T)
         entropy = torch.zeros(len(batch), T) if with_entropy else None
-        rows = list(range(len(batch))) if rows is None else rows
+        rows = list(range(len(batch)))
         if self.dist.sharded:  # the rows this rank trains on; the others' come with the all-reduce below
             per_update = self.train_cfg.mini_batch_prompts * batch.group_size
             by_update: dict[int, list[int]] = {}
@@ -748,117 +732,52 @@ class Policy(LogProbModel):
                 p.copy_(master)  # round to the compute dtype
 
     # ---- the update -----------------------------------------------------------------------
-    def update(
-        self,
-        batch: RolloutBatch,
-        loss_fn: LossFn,
-        *,
-        old_logp_rows: torch.Tensor | None = None,
-        entropy_rows: torch.Tensor | None = None,
-    ) -> dict[str, torch.Tensor]:
+    def update(self, batch: RolloutBatch, loss_fn: LossFn, *, with_entropy: bool = False) -> dict[str, torch.Tensor]:
         """Several optimizer updates over one rollout batch (mini-batches of whole groups,
         ``mini_batch_rows``), each minimising ``loss_fn`` summed over its micro-batches.
 
         ``loss_fn`` gets the whole mini-batch's token and sequence counts, so splitting it into
-        micro-batches (or over ranks) leaves the gradient unchanged. Returns the statistics averaged
-        over the updates (``_max`` ones: their maximum), the learning rate and the skipped updates.
-
-        ``old_logp_rows`` (N,) bool: rows whose old_logp is this update's own first forward over them,
-        detached, written into ``batch.old_logp`` (allocated by the caller) and used from then on; that
-        forward must come before the first optimizer step (a ValueError otherwise), so it runs under
-        the weights the old-log-prob pass would have used. ``entropy_rows`` (N,) bool: rows whose
-        entropy the first forward over them writes into ``batch.entropy`` (allocated by the caller),
-        under the weights of that moment.
+        micro-batches (or over ranks) leaves the gradient unchanged. Returns its statistics and the
+        gradient norm over the updates (``over_updates``), the learning rate and the skipped updates.
+        ``with_entropy``: each row's entropy from the first forward over it goes into ``batch.entropy``
+        (algo.old_logp=engine runs no log-prob pass that would give it).
         """
-        t = self.train_cfg
         self.model.train()
-        first = {"old_logp": old_logp_rows, "entropy": entropy_rows}
-        pending = {k: v.clone().bool() for k, v in first.items() if v is not None and v.any()}
-        recorded = {k: torch.zeros_like(getattr(batch, k)) for k in pending}  # this rank's rows (the others stay 0)
-        totals: dict[str, list[torch.Tensor]] = {}
-        updates, skipped_before = 0, self.skipped_updates
-        for _epoch in range(t.ppo_epochs):
+        entropy = torch.zeros(len(batch), batch.max_response_len) if with_entropy else None  # this rank's rows
+        per_update, skipped_before = [], self.skipped_updates
+        for epoch in range(self.train_cfg.ppo_epochs):
             for rows in self.mini_batch_rows(batch):
-                if updates and "old_logp" in pending and pending["old_logp"][rows].any():
-                    raise ValueError(
-                        "old_logp_rows must be trained before the first optimizer step (the first mini-batch)"
-                    )
-                stats = self._mini_batch_update(batch, rows, loss_fn, pending, recorded)
-                for v in pending.values():
-                    v[rows] = False  # recorded by whichever rank computed them
-                updates += 1
-                for k, v in stats.items():
-                    totals.setdefault(k, []).append(v)
-        for k, values in recorded.items():  # every rank's rows, for the step's metrics
-            values = parallel.all_reduce(values, self.dist) if self.dist.sharded else values
-            setattr(batch, k, torch.where(first[k].bool()[:, None], values, getattr(batch, k)))
+                rows = self._rank_rows(batch, rows)
+                per_update.append(self._mini_batch_update(batch, rows, loss_fn, entropy if epoch == 0 else None))
+        if entropy is not None:  # every row was filled by exactly one rank
+            batch.entropy = parallel.all_reduce(entropy, self.dist)
         self.scheduler.step()
-        out = {k: (torch.stack(v).max() if k.endswith("_max") else torch.stack(v).mean()) for k, v in totals.items()}
+        out = over_updates(per_update)
         out["lr"] = torch.tensor(self.optimizer.param_groups[0]["lr"])
         out["skipped_updates"] = torch.tensor(float(self.skipped_updates))
         out["nonfinite_updates"] = torch.tensor(float(self.skipped_updates - skipped_before))  # this step's
-        self.last_updates = (updates, self.skipped_updates - skipped_before)
+        self.last_updates = (len(per_update), self.skipped_updates - skipped_before)
         return out
 
     def _mini_batch_update(
-        self,
-        batch: RolloutBatch,
-        rows: list[int],
-        loss_fn: LossFn,
-        pending: dict[str, torch.Tensor],
-        recorded: dict[str, torch.Tensor],
-    ) -> dict[str, torch.Tensor]:
-        """One optimizer update; ``pending``: rows whose old_logp / entropy this forward over them
-        records (into ``recorded``, this rank's, and ``batch``)."""
-        rows = self._rank_rows(batch, rows)
+        self, batch: RolloutBatch, rows: list[int], loss_fn: LossFn, entropy: torch.Tensor | None
+    ) -> dict[str, tuple[torch.Tensor, str]]:
+        """One optimizer update over this rank's ``rows``: the loss's statistics and the gradient norm."""
         width = max((len(batch.response_ids[i]) for i in rows), default=0)
-        mask_all = batch.response_mask(torch.tensor(rows, dtype=torch.long), width=width)  # (n, T_mb)
-        # the divisor counts the whole mini-batch on every rank (DAPO eq. 12 over the step, not the shard)
-        num_tokens = parallel.all_reduce(mask_all.sum(), self.dist).to(self.device)
-        num_seqs = parallel.all_reduce((mask_all.sum(-1) > 0).sum(), self.dist).to(self.device)
-        stats = UpdateStats.zeros(self.device)
+        mask = batch.response_mask(torch.tensor(rows, dtype=torch.long), width=width)  # (n, T_mb)
+        # the divisors count the whole mini-batch on every rank (DAPO eq. 12 over the step, not the shard)
+        counts = {
+            "num_tokens": parallel.all_reduce(mask.sum(), self.dist).to(self.device),
+            "num_seqs": parallel.all_reduce((mask.sum(-1) > 0).sum(), self.dist).to(self.device),
+        }
+        totals = StatTotals()
         for micro in parallel.same_count(self.micro_batches(batch, rows), self.dist):
-            mb = self._make_micro_batch(batch, micro or [0])  # None: a pass only to join the collectives
-            idx = torch.tensor(micro or [0])
-            mask_cpu = batch.response_mask(idx, width=mb.width) * (micro is not None)  # (B, T)
-            if mask_cpu.sum() == 0 and not self.dist.sharded:  # every row filtered out (overlong filtering)
-                continue
-            mask = mask_cpu.to(self.device)
-            record = {k: rows_[idx] & (micro is not None) for k, rows_ in pending.items()}  # (B,) each
-            logp, entropy = token_logprobs(
-                self.logprob_pass,
-                mb,
-                temperature=self.temperature,
-                with_entropy="entropy" in record and bool(record["entropy"].any()),
-            )
-            on_device = lambda x: None if x is None else x[idx, : mb.width].to(self.device)  # noqa: E731
-            old_logp = on_device(batch.old_logp)
-            for k, values in (("old_logp", logp), ("entropy", entropy)):
-                if k in record and record[k].any():
-                    if k == "old_logp":  # the weights have not moved yet: the forward itself is pi_old
-                        old_logp = torch.where(record[k].to(self.device)[:, None], logp.detach(), old_logp)
-                    fresh = values.detach().float().cpu()[record[k]]  # (b, T_mb)
-                    recorded[k][idx[record[k]], : mb.width] = fresh
-                    getattr(batch, k)[idx[record[k]], : mb.width] = fresh
-            loss, loss_stats = loss_fn(
-                logp,
-                old_logp,
-                batch.adv[idx].to(self.device),
-                mask,
-                num_tokens=num_tokens,
-                num_seqs=num_seqs,
-                is_weights=on_device(batch.is_weights),
-                ref_logp=on_device(batch.ref_logp),
-            )
-            loss.backward()
-            stats.add(loss_stats, token_share=mask.sum() / num_tokens.clamp(min=1))
-        summary = stats.summary(self.dist)
-        trained = self.master or self.model.parameters()
-        grad_norm = parallel.clip_grad_norm(trained, self.train_cfg.grad_clip)
-        # the loss summed over every rank (summary): a non-finite loss skips the update even where the gradient
-        # came out finite (an inf whose gradient is 0); every rank sees the same values, so all skip together
-        losses = torch.stack([v for k, v in summary.items() if k.endswith("_loss")])
-        if torch.isfinite(grad_norm) and bool(torch.isfinite(losses).all()):
+            totals.add(self._micro_batch_backward(batch, micro, loss_fn, counts, entropy))
+        stats = totals.reduce(self.dist)
+        grad_norm = parallel.clip_grad_norm(self.master or self.model.parameters(), self.train_cfg.grad_clip)
+        # the loss summed over every rank: an inf whose gradient is 0 skips too, and every rank skips together
+        loss, _ = stats.pop("loss", (torch.zeros(()), "sum"))
+        if torch.isfinite(grad_norm) and bool(torch.isfinite(loss)):
             self.optimizer.step()
             self._sync_from_master()
             self.nonfinite_in_a_row = 0
@@ -866,8 +785,36 @@ class Policy(LogProbModel):
             self.skipped_updates += 1  # one bad batch must not poison the weights: they and AdamW's state stay
             self.nonfinite_in_a_row += 1
         self.optimizer.zero_grad(set_to_none=True)
-        summary["grad_norm"] = grad_norm.detach().float().cpu()
-        return summary
+        return {**stats, "grad_norm": (grad_norm.detach().float().cpu(), "mean")}
+
+    def _micro_batch_backward(
+        self, batch: RolloutBatch, micro: list[int] | None, loss_fn: LossFn, counts: dict, entropy: torch.Tensor | None
+    ) -> dict[str, Stat]:
+        """Forward and backward over one micro-batch (None: a pass only to join the ranks' collectives);
+        returns the loss's statistics and the loss itself, as "loss"."""
+        rows = micro or [0]
+        idx = torch.tensor(rows)
+        width = max(len(batch.response_ids[i]) for i in rows)
+        mask = batch.response_mask(idx, width=width) * (micro is not None)  # (B, T)
+        if mask.sum() == 0 and not self.dist.sharded:  # every row filtered out (overlong filtering)
+            return {}
+        with_entropy = entropy is not None and micro is not None
+        mb = self._make_micro_batch(batch, rows)
+        logp, ent = token_logprobs(self.logprob_pass, mb, temperature=self.temperature, with_entropy=with_entropy)
+        if with_entropy:
+            entropy[idx, :width] = ent.float().cpu()  # (B, T)
+        on_device = lambda x: None if x is None else x[idx, :width].to(self.device)  # noqa: E731
+        loss, stats = loss_fn(
+            logp,
+            on_device(batch.old_logp),
+            batch.adv[idx].to(self.device),
+            mask.to(self.device),
+            **counts,
+            is_weights=on_device(batch.is_weights),
+            ref_logp=on_device(batch.ref_logp),
+        )
+        loss.backward()
+        return {**stats, "loss": (loss.detach(), loss.new_ones(()), "sum")}
 
     # ---- state -----------------------------------------------------------------------------
     def named_weights(self):

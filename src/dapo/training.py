@@ -5,7 +5,7 @@
                        (dynamic_sampling.BatchCollector)
   advantages           overlong filtering (optional), then (R - mean_G) / (std_G + eps) per response
   old log-probs        under the policy that sampled, recomputed before the update (algo.old_logp: or
-                       the first mini-batch's from the update's own forward, or vLLM's)
+                       vLLM's)
   update               P / mini_batch_prompts optimizer updates of the token-mean clipped surrogate
                        (the loss built here from algo.py; Policy only runs it)
   weight push          the new weights to the rollout engine
@@ -190,58 +190,37 @@ def assign_advantages(batch: RolloutBatch, a, group_size: int) -> None:
 @dataclass
 class OldLogprobs:
     """What the old-log-prob phase did: the importance weights' statistics, the response tokens it
-    computed, and what ``Policy.update`` takes from its own forward instead (its keyword arguments)."""
+    computed, and whether the update must give the entropy (no pass ran to give it)."""
 
     metrics: dict
     tokens_computed: int
-    from_update: dict
-
-
-def first_update_rows(batch: RolloutBatch, policy: Policy) -> torch.Tensor:
-    """(N,) bool: the rows whose old_logp the update's first forward gives exactly (algo.old_logp=
-    first_update): those of the first mini-batch, sampled by the current weights (not held over), trained on."""
-    rows = torch.zeros(len(batch), dtype=torch.bool)
-    rows[policy.mini_batch_rows(batch)[0]] = True
-    if batch.behaviour_logp:
-        rows &= torch.tensor([lp is None for lp in batch.behaviour_logp])
-    return rows if batch.trainable is None else rows & batch.trainable
+    entropy_from_update: bool = False
 
 
 def old_logprobs(batch: RolloutBatch, run: Run) -> OldLogprobs:
     """old_logp (and entropy) under the weights that sampled, the reference's log-probs for a KL
     term, and the truncated importance weights when they are on.
 
-    algo.old_logp: ``recompute`` runs the log-prob pass over every row; ``first_update`` skips the rows
-    ``first_update_rows`` names, whose old_logp and entropy the update's first forward records;
-    ``engine`` takes vLLM's log-probs and runs no pass (entropy from the update's forwards).
+    algo.old_logp: ``recompute`` runs the log-prob pass over every row; ``engine`` takes vLLM's
+    log-probs and runs no pass (entropy from the update's forwards).
     """
     a = run.cfg.algo
     if run.state.buffer:  # held-over groups keep the log-probs of the weights that sampled them (still loaded)
         record_behaviour_logp(run.state.buffer, run.policy.compute_logprobs, source=a.buffer_logp)
-    N, T = len(batch), batch.max_response_len
     if a.old_logp == "engine":
         if not batch.rollout_logp:
             raise ValueError("algo.old_logp=engine: the rollout engine reported no log-probs; use rollout.backend=vllm")
+        T = batch.max_response_len
         batch.old_logp = batch.behaviour_old_logp(batch.padded_logp(batch.rollout_logp, T))  # (N, T)
-        batch.entropy = torch.zeros(N, T)
-        computed, from_update = [], {"entropy_rows": torch.ones(N, dtype=torch.bool)}
+        tokens = 0
     else:
-        skip = (
-            first_update_rows(batch, run.policy) if a.old_logp == "first_update" else torch.zeros(N, dtype=torch.bool)
-        )
-        computed = [i for i in range(N) if not skip[i]]
-        if computed:
-            old_logp, batch.entropy = run.policy.compute_logprobs(batch, with_entropy=True, rows=computed)  # (N, T)
-        else:
-            old_logp, batch.entropy = torch.zeros(N, T), torch.zeros(N, T)
+        old_logp, batch.entropy = run.policy.compute_logprobs(batch, with_entropy=True)  # (N, T)
         batch.old_logp = batch.behaviour_old_logp(old_logp)  # held-over groups: the weights that sampled them
-        from_update = {"old_logp_rows": skip, "entropy_rows": skip} if skip.any() else {}
+        tokens = int(batch.response_lengths.sum())
     if run.reference is not None:
         batch.ref_logp = run.reference.logprobs(batch)  # (N, T)
-    metrics = importance_weights(
-        batch, a.rollout_is_cap, a.rollout_is_mode
-    )  # engine vs trainer sampling; off unless a cap is set
-    return OldLogprobs(metrics, int(batch.response_lengths[computed].sum()) if computed else 0, from_update)
+    metrics = importance_weights(batch, a.rollout_is_cap, a.rollout_is_mode)  # engine vs trainer; off without a cap
+    return OldLogprobs(metrics, tokens, entropy_from_update=a.old_logp == "engine")
 
 
 def importance_weights(batch: RolloutBatch, cap: float | None, mode: str = "token_truncate") -> dict:
@@ -448,7 +427,7 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
     if a.old_logp == "engine" and engine.backend != "vllm":
         raise ConfigError(
             f"algo.old_logp=engine: rollout.backend=auto chose {engine.backend}, which reports no "
-            "log-probs (vLLM is not installed); use algo.old_logp=recompute or first_update"
+            "log-probs (vLLM is not installed); use algo.old_logp=recompute"
         )
     encode = make_encoder(policy.tokenizer, cfg.data.max_prompt_tokens)
     train_examples = inputs.train_examples if inputs.train_examples is not None else load_train_examples(cfg.data)
@@ -565,7 +544,7 @@ def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
             with phase("checkpoint", watchdog="checkpoint_wait"):
                 run.writer.wait()
             with phase("update"):
-                update = policy.update(batch, run.loss_fn, **old.from_update)
+                update = policy.update(batch, run.loss_fn, with_entropy=old.entropy_from_update)
             run.note_nonfinite(step)
             with phase("weight_sync"):
                 engine.wake()
