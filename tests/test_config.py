@@ -187,6 +187,8 @@ def test_a_choice_setting_refuses_other_values_and_lists_its_choices(key, tp):
             if (key, choice) in (("algo.buffer_logp", "engine"), ("algo.old_logp", "engine"))
             else []
         )
+        if key == "algo.rollout_is_mode" and choice != "token_truncate":  # a sequence mode needs the cap it uses
+            extra = ["rollout.backend=vllm", "algo.rollout_is_cap=2"]
         assert getattr(getattr(load_config(None, [f"{key}={choice}", *extra]), section), name) == choice
 
 

@@ -477,7 +477,8 @@ def test_update_statistics_are_the_token_weighted_micro_batch_ones_synced_once(t
 
 def test_a_statistic_the_loss_adds_reaches_the_steps_metrics_combined_as_it_says(tiny_model_dir, tmp_path):
     """A new name with each ``how``, and nothing else changed: per update a weighted mean over the
-    micro-batches (0 where the weights add up to 0), a sum or a max; over the updates their mean, or max."""
+    micro-batches (0 where the weights add up to 0), a sum, a max or a min (of the micro-batches with a weight);
+    over the updates their mean, max or min."""
     from dapo.dynamic_sampling import CollectStats
     from dapo.metrics import step_metrics
 
@@ -503,6 +504,8 @@ def test_a_statistic_the_loss_adds_reaches_the_steps_metrics_combined_as_it_says
             "my_unweighted": algo.mean_stat(k, torch.zeros(())),
             "my_sum": algo.sum_stat(k + 1),
             "my_max": algo.max_stat(-k),
+            # odd-numbered calls give 10 - k; even-numbered ones give -100 with weight 0, which must be ignored
+            "my_min": algo.min_stat(10 - k if k % 2 else torch.tensor(-100.0), torch.tensor(float(k % 2))),
         }
         return loss, {**stats, **new}
 
@@ -516,14 +519,16 @@ def test_a_statistic_the_loss_adds_reaches_the_steps_metrics_combined_as_it_says
             "my_unweighted": 0.0,
             "my_sum": sum(k + 1 for k in u),
             "my_max": max(-k for k in u),
+            "my_min": min((10 - k for k in u if k % 2), default=0.0),
         }
         for u in updates
     ]
     for name in per_update[0]:
-        expected = (max if name == "my_max" else lambda v: sum(v) / 3)([u[name] for u in per_update])
+        over = {"my_max": max, "my_min": min}.get(name, lambda v: sum(v) / 3)
+        expected = over([u[name] for u in per_update])
         assert out[name].item() == pytest.approx(expected, abs=1e-6), name
     m = step_metrics(batch, CollectStats(), out, {"update": 1.0, "old_logprob": 1.0})
-    assert {"actor/my_mean", "actor/my_unweighted", "actor/my_sum", "actor/my_max"} <= set(m)
+    assert {"actor/my_mean", "actor/my_unweighted", "actor/my_sum", "actor/my_max", "actor/my_min"} <= set(m)
 
 
 def test_reference_model_gives_the_initial_policys_log_probs(tiny_model_dir, tmp_path):

@@ -47,6 +47,10 @@ ROW_LABELS = {
     "6_dynamic_sampling": ("+ dynamic sampling (the paper's DAPO row)", 50),
     "7_no_kl": ("- KL loss", None),
     "8_no_overlong_filtering": ("- overlong filtering (DAPO as the reference runs it)", None),
+    # configs/objectives/: DAPO's recipe with each surrogate (dapo ablate --rows-dir configs/objectives)
+    "1_dapo": ("DAPO (clipped token ratio)", 50),
+    "2_gspo": ("GSPO (clipped sequence ratio)", None),
+    "3_cispo": ("CISPO (clipped, detached token weight)", None),
 }
 # two-sided 97.5% quantiles of Student's t, by degrees of freedom (for the 95% interval over seeds)
 _T975 = {

@@ -12,10 +12,14 @@ Every function here can be checked by hand against the DAPO paper (arXiv 2503.14
   eq. 12      policy_loss          token-level mean over the whole batch    (sec. 3.3)
   eq. 13      overlong_penalty     soft overlong punishment                 (sec. 3.4)
   eq. 9       group_advantages     (R - mean) / std within a group
+The objectives the field sets beside DAPO's (algo.objective), each checkable against its own paper:
+  GSPO (arXiv 2507.18071)     eq. 5, 7     gspo_loss    sequence ratio s_i = exp(mean_t log r_t), clipped per sequence
+                              eq. 13-14    gspo_loss    its token form: value s_i, gradient s_i * grad log pi_t
+  CISPO (arXiv 2506.13585)    eq. 4-5      cispo_loss   -sg(clip(r_t)) A log pi_t: clip the weight, not the update
 The GRPO and Dr. GRPO baselines are arguments of the same functions, not separate code paths.
 The losses return their statistics as ``Stat``s: a value and how it combines over micro-batches and ranks.
-Beyond the paper: truncated_is_weights corrects for the rollout engine's sampling distribution
-(Yao et al. 2025), off unless asked for.
+Beyond the paper: truncated_is_weights (per token) and sequence_is_weights (per response) correct for the
+rollout engine's sampling distribution (Yao et al. 2025), off unless asked for.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ class Stat(NamedTuple):
     # () for how="mean": what the value is a mean over in this micro-batch (its valid tokens, its sequences, its
     # clipped tokens); unused otherwise
     weight: torch.Tensor
-    how: str  # "mean": weighted by weight; "sum": added (losses already normalised by the whole mini-batch); "max"
+    # "mean": weighted by weight; "sum": added (losses already normalised by the whole mini-batch); "max"; "min"
+    # (over the micro-batches whose weight is not 0)
+    how: str
 
 
 def mean_stat(value: torch.Tensor, weight: torch.Tensor) -> Stat:
@@ -50,6 +56,11 @@ def sum_stat(value: torch.Tensor) -> Stat:
 
 def max_stat(value: torch.Tensor) -> Stat:
     return Stat(value.detach(), value.new_ones(()), "max")
+
+
+def min_stat(value: torch.Tensor, weight: torch.Tensor) -> Stat:
+    """The smallest value; ``weight`` 0 where this micro-batch has none to give (its value is ignored)."""
+    return Stat(value.detach(), weight.detach().to(value.dtype), "min")
 
 
 def group_advantages(
@@ -256,15 +267,19 @@ def actor_loss(
     dual_clip: float | None = None,
     kl_coef: float = 0.0,
     kl_kind: str = "k3",
+    objective: str = "dapo",
 ) -> tuple[torch.Tensor, dict[str, Stat]]:
-    """The actor's whole loss: policy_loss, plus with ``kl_coef`` > 0 the KL penalty to the reference
+    """The actor's whole loss: the surrogate ``objective`` names (``OBJECTIVES``: DAPO's policy_loss, gspo_loss,
+    cispo_loss, each given the same arguments), plus with ``kl_coef`` > 0 the KL penalty to the reference
     policy (kl_penalty on ``ref_logp`` (N, T)) aggregated like the loss and weighted by ``kl_coef``
     (GRPO's KL loss; DAPO has none).
 
     Returns the loss and policy_loss's statistics with the sums ``pg_loss`` (the clipped surrogate alone)
     and, with the KL term, ``kl_loss`` (the aggregated penalty before weighting).
     """
-    loss, stats = policy_loss(
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {tuple(OBJECTIVES)}, got {objective!r}")
+    loss, stats = OBJECTIVES[objective](
         logp,
         old_logp,
         adv,
@@ -293,6 +308,183 @@ def actor_loss(
         stats["kl_loss"] = sum_stat(kl_loss)
         loss = loss + kl_coef * kl_loss
     return loss, stats
+
+
+# ---- the objectives beside DAPO's (algo.objective): same batch conventions, same aggregation ----------------
+
+
+def gspo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    loss_agg: str = "seq-mean-token-mean",
+    num_tokens: torch.Tensor | float | None = None,
+    num_seqs: torch.Tensor | float | None = None,
+    norm_length: float | None = None,
+    dual_clip: float | None = None,
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, Stat]]:
+    """GSPO (Zheng et al. 2025, arXiv 2507.18071): the clipped surrogate on the sequence-level ratio.
+
+    s_i = exp(mean_t log(pi / pi_old)) over response i's valid tokens (eq. 7), clipped per sequence to
+    [1 - eps_low, 1 + eps_high] (eq. 5; the paper uses 3e-4 / 4e-4), in its token form (GSPO-token,
+    eq. 13-14): s_it = sg[s_i] * pi_t / sg[pi_t] has the value s_i at every token and the gradient
+    s_i * grad log pi_t, so with ``loss_agg="seq-mean-token-mean"`` (the paper's 1/G sum_i 1/|y_i| sum_t)
+    the loss and gradient are GSPO's exactly, and the other aggregations weigh sequences as they do for
+    DAPO. ``dual_clip`` bounds a negative-advantage sequence's loss at -adv * c, as for the token ratio.
+    Shapes and ``is_weights`` as ``policy_loss``. Statistics: the token ones of ``policy_loss`` that
+    apply (approx_kl, token_prob_mean), the shares of sequences clipped at the top (adv > 0) and the
+    bottom (adv < 0), and the sequence ratios' mean, max and min over valid sequences.
+    """
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(-1)  # (N, 1)
+    mask = response_mask.to(logp.dtype)  # (N, T)
+    lengths = mask.sum(dim=-1)  # (N,)
+    seq_log_ratio = ((logp - old_logp) * mask).sum(dim=-1) / lengths.clamp(min=1.0)  # (N,) log s_i
+    log_s = logp - logp.detach() + seq_log_ratio.detach()[:, None]  # (N, T): value log s_i, gradient of log pi_t
+    ratio = log_s.clamp(-20.0, 20.0).exp()  # (N, T); exp of a huge value is inf
+    per_token, dual_clipped = _clipped_surrogate(ratio, adv, eps_low, eps_high, dual_clip)
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach()
+    loss = aggregate(
+        per_token, response_mask, loss_agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length
+    )
+    with torch.no_grad():
+        valid = lengths > 0  # (N,) sequences trained on
+        s = seq_log_ratio.clamp(-20.0, 20.0).exp()  # (N,)
+        seq_adv = adv[:, 0]  # (N,) an outcome advantage is one value per response
+        n_seqs = valid.sum().to(logp.dtype)
+        stats = {
+            **_token_stats(logp, old_logp, mask),
+            "seq_clipfrac_high": mean_stat(
+                ((seq_adv > 0) & (s > 1.0 + eps_high) & valid).sum() / n_seqs.clamp(min=1), n_seqs
+            ),
+            "seq_clipfrac_low": mean_stat(
+                ((seq_adv < 0) & (s < 1.0 - eps_low) & valid).sum() / n_seqs.clamp(min=1), n_seqs
+            ),
+            "seq_clipfrac_dual": mean_stat((dual_clipped[:, 0] & valid).sum() / n_seqs.clamp(min=1), n_seqs),
+            "seq_ratio_mean": mean_stat((s * valid).sum() / n_seqs.clamp(min=1), n_seqs),
+            "seq_ratio_max": max_stat(torch.where(valid, s, torch.zeros_like(s)).max()),
+            "seq_ratio_min": min_stat(torch.where(valid, s, torch.full_like(s, float("inf"))).min(), n_seqs),
+        }
+    return loss, stats
+
+
+def cispo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    eps_low: float = 1.0,
+    eps_high: float = 4.0,
+    loss_agg: str = "token-mean",
+    num_tokens: torch.Tensor | float | None = None,
+    num_seqs: torch.Tensor | float | None = None,
+    norm_length: float | None = None,
+    dual_clip: float | None = None,
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, Stat]]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): clip the importance weight, not the update.
+
+    Per token -sg(w) * adv * log pi with w = clip(pi / pi_old, 1 - eps_low, 1 + eps_high) (eq. 4-5):
+    the weight is detached, so a token whose ratio left the range still passes gradient, scaled by the
+    bound. MiniMax-M1 sets no lower bound (``eps_low=1``) and tunes only the upper one; the default
+    cap 1 + 4 = 5 is the absolute cap peers ship for it. Written as sg(w) * exp(log pi - sg(log pi)),
+    whose value is -adv * w (comparable with the other objectives' pg_loss) and whose gradient is
+    eq. 4's. ``dual_clip`` caps a negative-advantage token's weight at c (its loss at -adv * c, as for
+    the clipped surrogate). Aggregated like DAPO's loss (eq. 4 divides by the step's tokens: token-mean).
+    Statistics: approx_kl, token_prob_mean, the shares of tokens whose weight was clipped at the top and
+    the bottom, and the mean weight.
+    """
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(-1)  # (N, 1)
+    mask = response_mask.to(logp.dtype)  # (N, T)
+    with torch.no_grad():
+        ratio = (logp - old_logp).clamp(-20.0, 20.0).exp()  # (N, T)
+        weight = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)  # (N, T) eq. 5
+        if dual_clip is not None:
+            weight = torch.where(adv < 0, weight.clamp(max=dual_clip), weight)
+    per_token = -adv * weight * (logp - logp.detach()).exp()  # (N, T): value -adv * w, gradient -adv * w * grad log pi
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach()
+    loss = aggregate(
+        per_token, response_mask, loss_agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length
+    )
+    with torch.no_grad():
+        n = mask.sum()
+        valid = mask > 0
+        stats = {
+            **_token_stats(logp, old_logp, mask),
+            "cispo_clipfrac_high": mean_stat((valid & (ratio > 1.0 + eps_high)).sum() / n.clamp(min=1), n),
+            "cispo_clipfrac_low": mean_stat((valid & (ratio < 1.0 - eps_low)).sum() / n.clamp(min=1), n),
+            "cispo_weight_mean": mean_stat((weight * mask).sum() / n.clamp(min=1), n),
+        }
+    return loss, stats
+
+
+OBJECTIVES = {"dapo": policy_loss, "gspo": gspo_loss, "cispo": cispo_loss}  # algo.objective: the surrogate
+
+
+def _clipped_surrogate(
+    ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float, dual_clip: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """max(-adv * r, -adv * clip(r)), then the dual clip: (N, T) per-token losses and where the dual clip bound."""
+    per_token = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high))
+    dual_clipped = torch.zeros_like(per_token, dtype=torch.bool)  # (N, T)
+    if dual_clip is not None:
+        bound = -adv * dual_clip
+        dual_clipped = (adv < 0) & (per_token > bound)
+        per_token = torch.where(adv < 0, torch.minimum(per_token, bound), per_token)
+    return per_token, dual_clipped
+
+
+def _token_stats(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, Stat]:
+    """approx_kl (k1 of KL(old || new)) and token_prob_mean over valid tokens, for every objective."""
+    n = mask.sum()
+    return {
+        "approx_kl": mean_stat(((old_logp - logp.detach()) * mask).sum() / n.clamp(min=1), n),
+        "token_prob_mean": mean_stat((logp.detach().exp() * mask).sum() / n.clamp(min=1), n),
+    }
+
+
+def sequence_is_weights(
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor, response_mask: torch.Tensor, *, cap: float, mask_outside: bool
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Sequence-level correction for the rollout engine: the response's ratio rho_i = prod_t pi_old / pi_rollout
+    (the product over its valid tokens, as the sequence is what the engine sampled).
+
+    ``mask_outside=False`` (sequence truncation): every token of response i weighs min(rho_i, cap).
+    ``mask_outside=True`` (sequence masking): weight 1 where 1/cap <= rho_i <= cap, 0 elsewhere, so a
+    response the engine sampled from a visibly other distribution does not train (its tokens still count
+    in the loss's divisor, as the token-level weights' do). Returns the weights (N, T), 0 on padding, and
+    detached statistics over valid sequences: is_weight_mean (over tokens, as the token-level one),
+    is_seq_ratio_mean / _max / _min, and is_truncated_frac or is_masked_frac (share of sequences).
+    """
+    mask = response_mask.to(old_logp.dtype)  # (N, T)
+    log_rho = ((old_logp - rollout_logp) * mask).sum(dim=-1).clamp(-20.0, 20.0)  # (N,)
+    rho = log_rho.exp()  # (N,)
+    if mask_outside:
+        outside = (rho > cap) | (rho < 1.0 / cap)  # (N,)
+        seq_w = (~outside).to(mask.dtype)
+    else:
+        outside = rho > cap
+        seq_w = rho.clamp(max=cap)
+    weights = seq_w[:, None] * mask  # (N, T)
+    valid = mask.sum(dim=-1) > 0  # (N,)
+    n_seqs = valid.sum().clamp(min=1)
+    stats = {
+        "is_weight_mean": weights.sum() / mask.sum().clamp(min=1.0),
+        "is_seq_ratio_mean": (rho * valid).sum() / n_seqs,
+        "is_seq_ratio_max": torch.where(valid, rho, torch.zeros_like(rho)).max(),
+        "is_seq_ratio_min": torch.where(valid, rho, torch.full_like(rho, float("inf"))).min(),
+        ("is_masked_frac" if mask_outside else "is_truncated_frac"): (outside & valid).sum() / n_seqs,
+    }
+    return weights.detach(), stats
 
 
 def truncated_is_weights(

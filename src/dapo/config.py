@@ -48,6 +48,8 @@ Backend = Literal["hf", "vllm", "auto"]
 Grader = Literal["auto", "dapo", "dapo_relaxed", "math", "gsm8k", "arith"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KlKind = Literal["k1", "k2", "k3"]
+Objective = Literal["dapo", "gspo", "cispo"]
+RolloutIsMode = Literal["token_truncate", "sequence_truncate", "sequence_mask"]
 FilterMetric = Literal["acc", "reward"]
 OnMaxGenRounds = Literal["train", "fail"]
 BufferLogp = Literal["trainer", "engine"]
@@ -188,17 +190,18 @@ class RewardConfig:
 
 @dataclass
 class AlgoConfig:
-    eps_low: float = field(
-        0.2, gt=0, lt=1, why="the paper uses 0.2"
-    )  # lower clip: ratio >= 1 - eps_low (DAPO sec. 3.1)
-    eps_high: float = field(
-        0.28, gt=0, le=10, why="the paper uses 0.28"
-    )  # upper clip: ratio <= 1 + eps_high (Clip-Higher)
+    # lower clip: ratio >= 1 - eps_low (DAPO sec. 3.1); 1 sets no lower bound (CISPO's setting)
+    eps_low: float = field(0.2, gt=0, le=1, why="the paper uses 0.2; 1 sets no lower bound")
+    eps_high: float = field(0.28, gt=0, le=10, why="the paper uses 0.28")  # upper clip: ratio <= 1 + eps_high
     # bound on the loss of negative-advantage tokens (reference recipe); null disables
     dual_clip: float | None = field(10.0, gt=1, null="off")
     loss_agg: LossAgg = (
         "token-mean"  # token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum-norm (Dr. GRPO)
     )
+    # the surrogate: dapo (the clipped token ratio: the paper's and the reference's), gspo (the clipped sequence
+    # ratio, arXiv 2507.18071; configs/gspo.yaml) or cispo (the clipped, detached token weight, arXiv 2506.13585;
+    # configs/cispo.yaml). eps_low / eps_high are each one's clip range; docs/fidelity.md lists them
+    objective: Objective = "dapo"
     scale_adv_by_std: bool = True  # False gives Dr. GRPO's advantage (no division by the group std)
     kl_coef: float = field(0.0, ge=0)  # KL-loss weight to the initial policy; 0 means no reference model (DAPO)
     kl_kind: KlKind = "k3"  # KL estimator
@@ -228,6 +231,10 @@ class AlgoConfig:
     old_logp: OldLogp = "recompute"
     # C: each token's loss x min(pi_old / pi_rollout, C) on vllm's log-probs; null: off (the reference)
     rollout_is_cap: float | None = field(None, ge=1, null="off", why="a cap below 1 would shrink every token")
+    # how rollout_is_cap corrects: token_truncate (each token x min(ratio, C)), sequence_truncate (a response's
+    # tokens x min(rho, C), rho the product of its token ratios) or sequence_mask (a response whose rho leaves
+    # [1/C, C] does not train)
+    rollout_is_mode: RolloutIsMode = "token_truncate"
 
 
 @dataclass
@@ -670,6 +677,16 @@ def validate(cfg: Config) -> None:
         a.buffer_logp == "trainer" or r.backend == "vllm",
         f"algo.buffer_logp=engine: rollout.backend={r.backend} reports no log-probs; use "
         "rollout.backend=vllm or trainer",
+    )
+    _check(
+        a.rollout_is_mode == "token_truncate" or a.rollout_is_cap is not None,
+        f"algo.rollout_is_mode={a.rollout_is_mode}: corrects nothing without algo.rollout_is_cap; set the cap "
+        "(e.g. algo.rollout_is_cap=2) or leave the mode at token_truncate",
+    )
+    _check(
+        a.rollout_is_mode != "sequence_mask" or a.rollout_is_cap is None or a.rollout_is_cap > 1.0,
+        f"algo.rollout_is_cap={a.rollout_is_cap}: algo.rollout_is_mode=sequence_mask keeps responses whose ratio is "
+        "in [1/cap, cap]; a cap of 1 masks every one, use > 1",
     )
     _check(
         a.rollout_is_cap is None or r.backend == "vllm",

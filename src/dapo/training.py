@@ -145,6 +145,7 @@ def make_loss_fn(algo_cfg: AlgoConfig, max_response_tokens: int) -> LossFn:
         dual_clip=a.dual_clip,
         kl_coef=a.kl_coef,
         kl_kind=a.kl_kind,
+        objective=a.objective,
     )
 
 
@@ -218,21 +219,26 @@ def old_logprobs(batch: RolloutBatch, run: Run) -> OldLogprobs:
         tokens = int(batch.response_lengths.sum())
     if run.reference is not None:
         batch.ref_logp = run.reference.logprobs(batch)  # (N, T)
-    metrics = importance_weights(batch, a.rollout_is_cap)  # engine vs trainer sampling; off unless a cap is set
+    metrics = importance_weights(batch, a.rollout_is_cap, a.rollout_is_mode)  # engine vs trainer; off without a cap
     return OldLogprobs(metrics, tokens, entropy_from_update=a.old_logp == "engine")
 
 
-def importance_weights(batch: RolloutBatch, cap: float | None) -> dict:
-    """Truncated importance sampling on the engine's log-probs (algo.truncated_is_weights): sets
-    ``batch.is_weights`` and returns its statistics; nothing when ``cap`` is None (off, the reference)."""
+def importance_weights(batch: RolloutBatch, cap: float | None, mode: str = "token_truncate") -> dict:
+    """Importance weights on the engine's log-probs, per token (algo.truncated_is_weights) or per response
+    (algo.sequence_is_weights, ``mode`` sequence_truncate / sequence_mask): sets ``batch.is_weights`` and
+    returns their statistics; nothing when ``cap`` is None (off, the reference)."""
     if cap is None:
         return {}
     if not batch.rollout_logp:
         raise ValueError("algo.rollout_is_cap needs the rollout engine's log-probs; this batch has none")
     T = batch.old_logp.shape[1]
-    batch.is_weights, stats = algo.truncated_is_weights(
-        batch.old_logp, batch.padded_logp(batch.rollout_logp, T), batch.response_mask(width=T), cap=cap
-    )  # (N, T)
+    rollout_logp, mask = batch.padded_logp(batch.rollout_logp, T), batch.response_mask(width=T)  # (N, T) each
+    if mode == "token_truncate":
+        batch.is_weights, stats = algo.truncated_is_weights(batch.old_logp, rollout_logp, mask, cap=cap)
+    else:
+        batch.is_weights, stats = algo.sequence_is_weights(
+            batch.old_logp, rollout_logp, mask, cap=cap, mask_outside=mode == "sequence_mask"
+        )
     return {f"rollout/{k}": v for k, v in stats.items()}
 
 
