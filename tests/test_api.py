@@ -157,7 +157,7 @@ def test_a_config_changed_in_python_is_checked_like_a_preset(tiny_model_dir, tmp
 
     cfg = small(tmp_path, tiny_model_dir)
     cfg.algo.eps_low = 1.5
-    with pytest.raises(ConfigError, match=r"^algo.eps_low=1.5: must be in \(0, 1\)"):
+    with pytest.raises(ConfigError, match=r"^algo.eps_low=1.5: must be in \(0, 1\]; the paper uses 0.2"):
         train(cfg)
     cfg.algo.eps_low, cfg.train.total_steps = 0.2, "many"
     with pytest.raises(ConfigError, match=r"^train.total_steps: expected an integer, got 'many'"):

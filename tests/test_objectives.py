@@ -158,7 +158,8 @@ def test_micro_batch_split_leaves_each_objective_unchanged(objective, loss_agg):
 def test_actor_loss_runs_the_named_objective():
     logp, old = _logps([[1.5, 0.5, 1.0]])
     mask, adv = torch.ones(1, 3), torch.tensor([1.0])
-    for name, fn in algo.OBJECTIVES.items():
+    for name, fn in zip(algo.OBJECTIVES, (algo.policy_loss, algo.gspo_loss, algo.cispo_loss)):
+        assert algo.objective_loss(name) is fn
         loss, stats = algo.actor_loss(logp, old, adv, mask, objective=name)
         direct, _ = fn(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_agg="token-mean")
         assert torch.equal(loss, direct), name

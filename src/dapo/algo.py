@@ -269,17 +269,15 @@ def actor_loss(
     kl_kind: str = "k3",
     objective: str = "dapo",
 ) -> tuple[torch.Tensor, dict[str, Stat]]:
-    """The actor's whole loss: the surrogate ``objective`` names (``OBJECTIVES``: DAPO's policy_loss, gspo_loss,
-    cispo_loss, each given the same arguments), plus with ``kl_coef`` > 0 the KL penalty to the reference
+    """The actor's whole loss: the surrogate ``objective`` names (``objective_loss``: DAPO's policy_loss, gspo_loss
+    or cispo_loss, each given the same arguments), plus with ``kl_coef`` > 0 the KL penalty to the reference
     policy (kl_penalty on ``ref_logp`` (N, T)) aggregated like the loss and weighted by ``kl_coef``
     (GRPO's KL loss; DAPO has none).
 
     Returns the loss and policy_loss's statistics with the sums ``pg_loss`` (the clipped surrogate alone)
     and, with the KL term, ``kl_loss`` (the aggregated penalty before weighting).
     """
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective must be one of {tuple(OBJECTIVES)}, got {objective!r}")
-    loss, stats = OBJECTIVES[objective](
+    loss, stats = objective_loss(objective)(
         logp,
         old_logp,
         adv,
@@ -427,7 +425,15 @@ def cispo_loss(
     return loss, stats
 
 
-OBJECTIVES = {"dapo": policy_loss, "gspo": gspo_loss, "cispo": cispo_loss}  # algo.objective: the surrogate
+OBJECTIVES = ("dapo", "gspo", "cispo")  # algo.objective: the surrogate actor_loss runs (config.Objective offers these)
+
+
+def objective_loss(objective: str):
+    """The surrogate ``objective`` names: policy_loss (DAPO's), gspo_loss or cispo_loss, looked up at each call."""
+    losses = {"dapo": policy_loss, "gspo": gspo_loss, "cispo": cispo_loss}
+    if objective not in losses:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    return losses[objective]
 
 
 def _clipped_surrogate(
