@@ -10,7 +10,7 @@ distribution is missing or older.
 
 Parts, each with its own time limit inside the whole budget (20 minutes by default):
   install  the wheels, then one import of everything the run needs; the versions found
-  tests    tests/test_gpu.py by item (a-g, see its docstring) with DAPO_GPU_CHECK=1, and every other test
+  tests    tests/test_gpu.py by item (a-g and i, see its docstring) with DAPO_GPU_CHECK=1, and every other test
            marked gpu (tests/test_parallel.py, tests/test_vllm.py: those need 2 GPUs or vLLM and say so)
   demo     item h: `dapo demo model.device=cuda`; held-out accuracy must rise by at least 15 points
   bench    benchmarks/gpu.py (the figures for benchmarks/RESULTS.md)
@@ -57,6 +57,11 @@ ITEMS = {
     "e": ("LoRA: only adapters change; the merged export gives the trainer's logits", "lora_trains", 120),
     "f": ("checkpoint at step 1, hard stop, resume: final weights vs an uninterrupted run", "hard_stop", 240),
     "g": ("perf/peak_cuda_<phase>_gb vs torch.cuda.max_memory_allocated", "phase_peaks or training_run_logs", 180),
+    "i": (
+        "GSPO and CISPO (algo.objective): one update in float32 and bf16 against the CPU float32 one",
+        "each_objective",
+        120,
+    ),
 }
 OTHER_GPU_TESTS = ["tests/test_parallel.py", "tests/test_vllm.py"]
 DEMO_RISE_POINTS = 15.0

@@ -1,4 +1,4 @@
-"""The CUDA paths against the CPU and float32 ones (the items of `make gpu-check`, a-g; h is the demo,
+"""The CUDA paths against the CPU and float32 ones (the items of `make gpu-check`, a-g and i; h is the demo,
 run by scripts/gpu_check.py).
 
 Every test runs on each device of DEVICES: "cpu" always (CI has no GPU; the CPU run of the same test
@@ -17,8 +17,10 @@ tests/test_train.py already check on CPU; they run only under ``DAPO_GPU_CHECK=1
   e  LoRA: only the adapters change; the merged export reproduces the trainer's logits
   f  a run stopped hard after checkpoint k resumes to the final weights of an uninterrupted run
   g  perf/peak_cuda_<phase>_gb against torch.cuda.max_memory_allocated
+  i  GSPO and CISPO (algo.objective): one update in float32 and bf16 against the CPU float32 one
 """
 
+import copy
 import json
 import os
 import subprocess
@@ -90,14 +92,18 @@ FSDP_VARIANTS = {  # name: overrides (every one computes in bf16 with float32 ma
 }
 
 
-def sgd_update(cfg, device: str, batch, d=None) -> dict:
+def sgd_update(cfg, device: str, batch, d=None, *, recompute_old: bool = False) -> dict:
     """log-probs, the statistics and minus the gradient (an SGD step at lr 1) of one update on ``batch``,
-    every tensor on the CPU in float32, keyed by the base model's parameter names."""
+    every tensor on the CPU in float32, keyed by the base model's parameter names. ``recompute_old``: the
+    update's old_logp is this policy's own pass (as the loop recomputes it), not the batch's."""
     policy = make_policy(cfg, device, d)
     trained = policy.master or [p for p in policy.model.parameters() if p.requires_grad]  # float32 either way
     names = [n for n, p in policy.model.named_parameters() if p.requires_grad]
     policy.optimizer = torch.optim.SGD(trained, lr=1.0)
     old_logp, _ = policy.compute_logprobs(batch)
+    if recompute_old:
+        batch = copy.copy(batch)
+        batch.old_logp = old_logp
     before = {n: t.clone() for n, t in parallel.full_tensors(zip(names, trained))}  # DTensors gathered
     stats = policy.update(batch, loss_fn_of(cfg))
     delta = {n: (t - before[n]).float().cpu() for n, t in parallel.full_tensors(zip(names, trained))}
@@ -173,6 +179,32 @@ def test_one_update_in_one_process_agrees_with_cpu_float32(reference_update, tin
         assert (
             found["grad_max_abs_diff"] == 0.0
         )  # the reference itself: the comparison sees a difference when there is one
+    assert_within(found, dtype)
+
+
+# ---- i: the objectives beside DAPO's (algo.objective) ---------------------------------------------------
+OBJECTIVE_ROWS = {  # as configs/objectives/ sets each one
+    "gspo": ["algo.objective=gspo", "algo.eps_low=3e-4", "algo.eps_high=4e-4", "algo.loss_agg=seq-mean-token-mean"],
+    "cispo": ["algo.objective=cispo", "algo.eps_low=1", "algo.eps_high=4"],
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("objective", list(OBJECTIVE_ROWS))
+def test_each_objective_update_agrees_with_cpu_float32(reference_update, tiny_model_dir, objective, device, dtype):
+    """GSPO's sequence ratio and CISPO's detached weight on the device and in bf16: the same update as on the CPU in
+    float32, within the tolerances of DAPO's own loss (item a). Each side's old_logp is its own pass, as the loop
+    recomputes it: GSPO's clip range (4e-4) is far below bf16's rounding of a log-prob, so a ratio against another
+    dtype's log-probs would clip every sequence."""
+    batch, _, tmp = reference_update
+    rows = [*ONE_SGD_UPDATE, *OBJECTIVE_ROWS[objective]]
+    ref_cfg = small_config(tmp / f"{objective}-ref", tiny_model_dir, *rows)
+    want = sgd_update(ref_cfg, "cpu", batch, recompute_old=True)
+    cfg = small_config(tmp / f"{objective}-{device}-{dtype}", tiny_model_dir, *rows, f"model.dtype={dtype}")
+    got = sgd_update(cfg, device, batch, recompute_old=True)
+    found = compare(got, want)
+    report(f"i {objective} {device} {dtype}", **found, tolerance=TOLERANCE[dtype])
     assert_within(found, dtype)
 
 
