@@ -189,7 +189,8 @@ OBJECTIVE_ROWS = {  # as configs/objectives/ sets each one
 }
 
 
-@pytest.mark.parametrize("device", DEVICES)
+# the CPU twin runs in make gpu-check only: tests/test_objectives.py has the maths on the CPU
+@pytest.mark.parametrize("device", HEAVY_DEVICES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("objective", list(OBJECTIVE_ROWS))
 def test_each_objective_update_agrees_with_cpu_float32(reference_update, tiny_model_dir, objective, device, dtype):
