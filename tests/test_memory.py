@@ -75,3 +75,34 @@ def test_a_phase_block_closes_its_phase_when_it_raises():
     assert set(mem.take()) == {"perf/peak_rss_update_gb", "perf/peak_rss_eval_gb"}
     assert mem._open == []
     mem.close()
+
+
+def test_close_while_the_sampler_goes_to_sleep_does_not_hang(monkeypatch):
+    """close() arriving just as the sampler, finding no phase open, clears its wake-up: the wake-up close
+    sets must not be lost (it was, once, and close() waited forever on the thread)."""
+    import threading
+    import types
+
+    from dapo import memory
+
+    holder = {}
+
+    class CloseDuringClear(threading.Event):
+        def clear(self):
+            if "closer" not in holder:  # the first time the sampler goes to sleep: close() runs now
+                holder["closer"] = threading.Thread(target=holder["mem"].close, daemon=True)
+                holder["closer"].start()
+                time.sleep(0.2)  # close() has had every chance to set its wake-up before this clear()
+            super().clear()
+
+    fake = types.SimpleNamespace(Lock=threading.Lock, Thread=threading.Thread, Event=CloseDuringClear)
+    monkeypatch.setattr(memory, "threading", fake)
+    mem = holder["mem"] = PhaseMemory(interval_s=0.001)
+    mem.enter("update")
+    mem.exit("update")  # nothing open: the sampler's next round clears the wake-up
+    deadline = time.monotonic() + 10
+    while "closer" not in holder and time.monotonic() < deadline:
+        time.sleep(0.01)
+    holder["closer"].join(timeout=10)
+    assert not holder["closer"].is_alive(), "close() never returned: the sampler slept through its wake-up"
+    assert not mem._thread.is_alive()

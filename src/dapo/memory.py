@@ -63,8 +63,11 @@ class PhaseMemory:
             self._cuda[phase] = max(self._cuda.get(phase, 0), peak)
 
     def _sample_while_open(self) -> None:
-        while self._wake.wait() and not self._closed:
-            with self._lock:
+        while True:
+            self._wake.wait()
+            with self._lock:  # close() sets _closed and the wake-up under this lock: neither is lost to clear()
+                if self._closed:
+                    return
                 if not self._open:
                     self._wake.clear()  # nothing open: sleep until a phase opens
                     continue
@@ -106,8 +109,9 @@ class PhaseMemory:
         return out
 
     def close(self) -> None:
-        self._closed = True
-        self._wake.set()
+        with self._lock:
+            self._closed = True
+            self._wake.set()
         if self._thread is not None:
             self._thread.join()
         if self._statm is not None:
