@@ -220,6 +220,14 @@ class AlgoConfig:
     on_max_gen_rounds: OnMaxGenRounds = "train"  # when the cap is hit: train (on what was kept, with a warning) or fail
     oversample: float = field(1.0, ge=1)  # prompts generated per round = missing prompts * this (>= 1)
     adaptive_oversample: bool = False  # also divide by the measured keep rate, so most steps need one round
+    # skip, before generating it, a training prompt whose last groups were all right or all wrong, with a probability
+    # that grows with how many in a row (prefilter.py; off: the paper's behaviour). Needs dynamic_sampling
+    prefilter: bool = False
+    # the share of generated groups that should be informative: the skip rate is steered towards it
+    prefilter_target: float = field(0.9, gt=0, le=1)
+    # the least probability that a drawn prompt is generated, whatever its history: none is retired for good
+    prefilter_floor: float = field(0.05, gt=0, le=1, why="0 would retire prompts for good")
+    prefilter_step: float = field(0.05, gt=0, le=1)  # how far the exploration bases move after each step
     # how many surplus informative groups (beyond train.prompts_per_step) wait for the next step; a count, so
     # 0 keeps none and discards every surplus group, as the reference does
     buffer_max_groups: int = field(0, ge=0, why="0 keeps no surplus groups")
@@ -677,6 +685,10 @@ def validate(cfg: Config) -> None:
         a.buffer_logp == "trainer" or r.backend == "vllm",
         f"algo.buffer_logp=engine: rollout.backend={r.backend} reports no log-probs; use "
         "rollout.backend=vllm or trainer",
+    )
+    _check(
+        not a.prefilter or a.dynamic_sampling,
+        "algo.prefilter=true: skips the prompts dynamic sampling would drop, so it needs algo.dynamic_sampling=true",
     )
     _check(
         a.rollout_is_mode == "token_truncate" or a.rollout_is_cap is not None,

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from dapo.prefilter import Prefilter, SkipCounts
 from dapo.resources import shipped
 
 DAPO_PROMPT_PREFIX = (
@@ -498,7 +499,9 @@ class PromptSampler:
     and a resumed run continues with exactly the examples the interrupted one would have drawn.
     """
 
-    def __init__(self, examples: Sequence[Example], *, seed: int, shuffle: bool = True):
+    def __init__(
+        self, examples: Sequence[Example], *, seed: int, shuffle: bool = True, prefilter: Prefilter | None = None
+    ):
         if len(examples) == 0:
             raise ValueError("PromptSampler needs at least one example; the data set is empty")
         if not isinstance(seed, int) or isinstance(seed, bool):
@@ -509,6 +512,9 @@ class PromptSampler:
         self._epoch = 0
         self._pos = 0
         self._order = self._permutation(0)
+        # algo.prefilter: each prompt's record, and the indices of the examples the last next() gave, in order
+        self.prefilter = prefilter
+        self._handed: list[int] = []
 
     def __len__(self) -> int:
         return len(self._examples)
@@ -528,16 +534,38 @@ class PromptSampler:
         """The next ``n`` examples, continuing into the next epoch (reshuffled) when one ends."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"n must be a non-negative integer, got {n!r}")
-        out: list[Example] = []
-        while len(out) < n:
+        handed: list[int] = []
+        while len(handed) < n:
             if self._pos == len(self._order):
                 self._epoch += 1
                 self._pos = 0
                 self._order = self._permutation(self._epoch)
-            take = min(n - len(out), len(self._order) - self._pos)
-            out.extend(self._examples[i] for i in self._order[self._pos : self._pos + take])
-            self._pos += take
-        return out
+            if self.prefilter is None:
+                take = min(n - len(handed), len(self._order) - self._pos)
+                handed.extend(self._order[self._pos : self._pos + take])
+                self._pos += take
+                continue
+            index = self._order[self._pos]
+            self._pos += 1
+            if self.prefilter.keep(index):  # a skipped prompt costs nothing: the next one is drawn
+                handed.append(index)
+        self._handed = handed
+        return [self._examples[i] for i in handed]
+
+    def observe(self, group_accs: Sequence[float]) -> None:
+        """The mean accuracy of each group generated for the examples the last ``next`` gave, in their order."""
+        if self.prefilter is not None:
+            if len(group_accs) != len(self._handed):
+                raise ValueError(f"observe: {len(group_accs)} group accuracies for {len(self._handed)} prompts drawn")
+            for index, acc in zip(self._handed, group_accs):
+                self.prefilter.observe(index, acc)
+
+    def end_step(self, *, informative: int, all_correct: int, all_wrong: int) -> SkipCounts:
+        """A training step's generated groups by kind (for the prefilter's steering); the prompts it skipped."""
+        if self.prefilter is None:
+            return SkipCounts()
+        self.prefilter.steer(informative=informative, all_correct=all_correct, all_wrong=all_wrong)
+        return self.prefilter.take_counts()
 
     def __iter__(self) -> Iterator[Example]:
         while True:
@@ -550,6 +578,7 @@ class PromptSampler:
             "epoch": self._epoch,
             "position": self._pos,
             "num_examples": len(self._examples),
+            **({"prefilter": self.prefilter.state_dict()} if self.prefilter is not None else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -568,6 +597,8 @@ class PromptSampler:
         self._epoch = int(state["epoch"])
         self._pos = int(state["position"])
         self._order = self._permutation(self._epoch)
+        if self.prefilter is not None and "prefilter" in state:  # (a run that turns it on at resume starts afresh)
+            self.prefilter.load_state_dict(state["prefilter"])
 
 
 def dedup_examples(examples: Iterable[Example]) -> list[Example]:

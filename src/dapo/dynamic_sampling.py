@@ -100,6 +100,8 @@ class CollectStats:
     seconds_generate: float = 0.0
     seconds_reward: float = 0.0
     seconds_dropped: float = 0.0  # generation time attributed to dropped groups (by token share)
+    skipped_all_correct: int = 0  # prompts the prefilter skipped (algo.prefilter), by their streak's kind
+    skipped_all_wrong: int = 0
     keep_rates: list[float] = field(default_factory=list)
 
 
@@ -108,7 +110,8 @@ class BatchCollector:
     each of a round's prompts, grade and shape them, drop the groups whose G values are all equal,
     and go again until ``num_prompts`` groups are kept.
 
-    ``sampler.next(k)`` gives k examples, ``encode(example)`` their prompt ids; ``sampling`` holds G
+    ``sampler.next(k)`` gives k examples (``sampler.observe`` gets their groups' accuracies, ``sampler.end_step``
+    the step's groups by kind: the prefilter's record), ``encode(example)`` their prompt ids; ``sampling`` holds G
     (``n``) and the sampling settings, each round getting its own seed.
     """
 
@@ -147,6 +150,12 @@ class BatchCollector:
             stats.groups_from_buffer += 1
         while len(kept) < num_prompts and not self._at_round_cap(stats, len(kept), num_prompts):
             kept += self._round(num_prompts - len(kept), round_seed(stats.rounds), keep_rate_estimate, stats)
+        skips = self.sampler.end_step(
+            informative=stats.prompts_generated - stats.groups_dropped,
+            all_correct=stats.groups_all_correct,
+            all_wrong=stats.groups_all_wrong,
+        )
+        stats.skipped_all_correct, stats.skipped_all_wrong = skips.all_correct, skips.all_wrong
         buffer.extend(kept[num_prompts:])
         del buffer[: max(0, len(buffer) - self.a.buffer_max_groups)]  # the oldest (stalest) go first
         kept = kept[:num_prompts]
@@ -194,6 +203,7 @@ class BatchCollector:
         else:
             keep = torch.ones(len(examples), dtype=torch.bool)
         group_acc = scored.acc.view(-1, G).mean(dim=1)  # (P,)
+        self.sampler.observe(group_acc.tolist())  # each prompt's record (algo.prefilter)
         dropped_tokens = int(lengths.view(-1, G)[~keep].sum())
         stats.seconds_generate += t1 - t0
         stats.seconds_reward += t2 - t1

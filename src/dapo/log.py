@@ -279,6 +279,37 @@ def held_out_line(row: dict) -> str:
     )
 
 
+def _generation_line(rows: list[dict]) -> str | None:
+    """What the run's generation cost against what it trained on: tokens per trained token, the seconds spent on
+    groups dynamic sampling dropped, and what the prefilter skipped (algo.prefilter)."""
+    steps = [r for r in rows if "sampling/tokens_generated" in r]
+    if not steps:
+        return None
+    total = {k: sum(r.get(k, 0.0) for r in steps) for k in _GENERATION_KEYS}
+    line = (
+        f"generation: {total['sampling/tokens_generated'] / max(total['sampling/tokens_trained'], 1):.2f} tokens "
+        f"generated per token trained; {total['sampling/dropped_gen_s']:.0f} s of "
+        f"{total['perf/time_generate_s']:.0f} s generating went to dropped groups "
+        f"({100 * total['sampling/dropped_gen_s'] / max(total['perf/time_generate_s'], 1e-9):.0f}%)"
+    )
+    if skipped := total["sampling/skipped_all_correct"] + total["sampling/skipped_all_wrong"]:
+        line += (
+            f"; the prefilter skipped {skipped:.0f} prompts ({total['sampling/skipped_all_correct']:.0f} "
+            f"all-correct, {total['sampling/skipped_all_wrong']:.0f} all-wrong)"
+        )
+    return line
+
+
+_GENERATION_KEYS = (
+    "sampling/tokens_generated",
+    "sampling/tokens_trained",
+    "sampling/dropped_gen_s",
+    "perf/time_generate_s",
+    "sampling/skipped_all_correct",
+    "sampling/skipped_all_wrong",
+)
+
+
 def run_summary(rows: list[dict], *, wall_s: float, run_dir: Path, plot: Path | None = None) -> list[str]:
     """The lines a finished run ends with: held-out accuracy before and after (95% bootstrap interval
     over problems), wall time, where the files are."""
@@ -292,6 +323,8 @@ def run_summary(rows: list[dict], *, wall_s: float, run_dir: Path, plot: Path | 
     if plot is not None:
         lines.append(f"plot: {plot}")
     lines.append(f"wall time: {wall_s:.0f} s")
+    if line := _generation_line(rows):
+        lines.append(line)
     if not evals:
         lines.append("held-out accuracy: not measured (eval.benchmarks is empty)")
     for key in held_out_keys(evals):

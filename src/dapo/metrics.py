@@ -24,6 +24,12 @@ def sampling_metrics(cstats: CollectStats, *, buffer_groups: int, gen_rounds_tot
         "sampling/all_wrong_frac": cstats.groups_all_wrong / max(cstats.prompts_generated, 1),
         "sampling/samples_generated": cstats.samples_generated,
         "sampling/dropped_gen_time_frac": cstats.seconds_dropped / max(cstats.seconds_generate, 1e-9),
+        "sampling/dropped_gen_s": cstats.seconds_dropped,
+        "sampling/tokens_generated": cstats.tokens_generated,
+        "sampling/informative_frac": (cstats.prompts_generated - cstats.groups_dropped)
+        / max(cstats.prompts_generated, 1),
+        "sampling/skipped_all_correct": cstats.skipped_all_correct,
+        "sampling/skipped_all_wrong": cstats.skipped_all_wrong,
         "sampling/buffer_groups": buffer_groups,
         "sampling/gen_rounds_total": gen_rounds_total,
         "sampling/cap_hit": float(cstats.cap_hit),
@@ -77,6 +83,7 @@ def step_metrics(
         "actor/adv_token_min": adv_tokens.min(),
         "sampling/samples_per_trained_sample": cstats.samples_generated / max(samples_trained, 1),
         "sampling/tokens_per_trained_token": cstats.tokens_generated / max(float(mask.sum()), 1.0),
+        "sampling/tokens_trained": float(mask.sum()),
         "perf/train_tokens_per_s": float(mask.sum()) / max(times["update"], 1e-9),
     }
     old_tokens = float(lengths.sum()) if old_logprob_tokens is None else old_logprob_tokens

@@ -42,6 +42,7 @@ from dapo.memory import PhaseMemory
 from dapo.metrics import engine_gap_warning, no_signal_advice, sample_records, sampling_metrics, step_metrics
 from dapo.models import pick_device
 from dapo.policy import BaseReference, LossFn, Policy, ReferenceModel
+from dapo.prefilter import Prefilter
 from dapo.rewards.pool import REWARD_FN
 from dapo.rollout import SamplingParams, make_training_engine
 from dapo.tasks import load_train_examples
@@ -431,7 +432,18 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
         )
     encode = make_encoder(policy.tokenizer, cfg.data.max_prompt_tokens)
     train_examples = inputs.train_examples if inputs.train_examples is not None else load_train_examples(cfg.data)
-    sampler = PromptSampler(train_examples, seed=cfg.data.seed)
+    prefilter = (
+        Prefilter(
+            len(train_examples),
+            seed=cfg.data.seed,
+            target=a.prefilter_target,
+            floor=a.prefilter_floor,
+            step_size=a.prefilter_step,
+        )
+        if a.prefilter
+        else None
+    )
+    sampler = PromptSampler(train_examples, seed=cfg.data.seed, prefilter=prefilter)
     eval_sets = (
         inputs.eval_sets
         if inputs.eval_sets is not None

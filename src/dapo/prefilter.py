@@ -1,0 +1,165 @@
+"""Skip, before generating it, a training prompt that dynamic sampling would very likely drop (``algo.prefilter``).
+
+Dynamic sampling (DAPO sec. 3.2) drops a group whose G responses are all right or all wrong, after paying for
+its generation. A prompt's groups are strongly consistent from one draw to the next (GRESO, arXiv 2506.02177):
+one that came back uninformative the last k times it was drawn is likely to do so again. The rule:
+
+* **Record.** Per training prompt: times drawn, generated and skipped, its last ``RECENT`` group accuracies, its
+  streak (how many of its last groups in a row were all-correct, > 0, or all-wrong, < 0; 0 after an informative
+  group or before any) and the step it was last generated at.
+* **Skip.** A drawn prompt with a streak of k of one kind is generated with probability
+  ``max(floor, explore[kind] ** k)`` and skipped otherwise. A prompt whose last group was informative (or that
+  was never generated) is always generated. The probability falls geometrically with the evidence, as GRESO's.
+* **Floor.** Never below ``algo.prefilter_floor``: no prompt is retired for good, so one the policy has
+  unlearned (all-correct turning mixed) or become able to learn (all-wrong turning mixed) comes back; the
+  first informative group resets its streak. Unlike a retirement pool (prime-rl), the floor bounds how long
+  that takes: a prompt is generated on average at least once in 1/floor of its draws.
+* **Steering.** ``explore`` has one base per kind, both steered after each step towards a target share of
+  informative groups among the groups generated (``algo.prefilter_target``): below it, the kinds that were
+  dropped lose ``algo.prefilter_step`` in proportion to their share of the dropped groups (skip more of what
+  was wasted); above it both regain the step (skip less: the target is met, explore). All-correct prompts
+  grow and all-wrong ones shrink as the policy learns, so one shared base would skip the wrong kind.
+* **Determinism.** Whether a draw is skipped is a hash of (seed, prompt, how many times it was drawn), not a
+  random stream: the record and the two bases are the whole state, so a resumed run skips exactly as an
+  uninterrupted one, at any world size (every rank holds the same sampler and sees every group's outcome).
+
+Held-out prompts are never touched: only the training sampler has a prefilter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass, field
+
+RECENT = 4  # group accuracies kept per prompt (for inspection; the rule uses the streak)
+START_EXPLORE = 0.5  # each base's value before any steering: a prompt uninformative once is generated half the time
+
+
+def _uniform(seed: int, index: int, draw: int) -> float:
+    """A uniform number in [0, 1) fixed by (seed, prompt index, draw number)."""
+    digest = hashlib.blake2b(f"{seed}:{index}:{draw}".encode(), digest_size=8).digest()
+    return (struct.unpack("<Q", digest)[0] >> 11) / float(1 << 53)
+
+
+@dataclass
+class SkipCounts:
+    """Prompts skipped since the last ``take``, by the kind of their streak."""
+
+    all_correct: int = 0
+    all_wrong: int = 0
+
+
+@dataclass
+class Prefilter:
+    """The record of every training prompt and the rule above. ``keep(i)`` decides a draw of prompt ``i``,
+    ``observe(i, group_acc)`` records its generated group, ``steer(informative, correct, wrong)``
+    ends a step."""
+
+    num_prompts: int
+    seed: int
+    target: float = 0.9
+    floor: float = 0.05
+    step_size: float = 0.05
+    drawn: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+    streak: list[int] = field(default_factory=list)
+    last_step: list[int] = field(default_factory=list)
+    recent: list[list[float]] = field(default_factory=list)
+    explore: dict[str, float] = field(
+        default_factory=lambda: {"all_correct": START_EXPLORE, "all_wrong": START_EXPLORE}
+    )
+    steps: int = 0  # training steps ended (``steer``): the step a prompt was last generated at is counted in these
+    counts: SkipCounts = field(default_factory=SkipCounts)
+
+    def __post_init__(self):
+        n = self.num_prompts
+        self.drawn = self.drawn or [0] * n
+        self.generated = self.generated or [0] * n
+        self.skipped = self.skipped or [0] * n
+        self.streak = self.streak or [0] * n
+        self.last_step = self.last_step or [-1] * n
+        self.recent = self.recent or [[] for _ in range(n)]
+
+    def keep_probability(self, index: int) -> float:
+        """The probability that the next draw of prompt ``index`` is generated."""
+        run = self.streak[index]
+        if run == 0:
+            return 1.0
+        base = self.explore["all_correct" if run > 0 else "all_wrong"]
+        return max(self.floor, base ** abs(run))
+
+    def keep(self, index: int) -> bool:
+        """Decide a draw of prompt ``index``: True to generate it, False to skip it (counted)."""
+        draw = self.drawn[index]
+        self.drawn[index] += 1
+        if _uniform(self.seed, index, draw) < self.keep_probability(index):
+            return True
+        self.skipped[index] += 1
+        if self.streak[index] > 0:
+            self.counts.all_correct += 1
+        else:
+            self.counts.all_wrong += 1
+        return False
+
+    def observe(self, index: int, group_acc: float) -> None:
+        """Record prompt ``index``'s generated group: its mean accuracy (all-correct 1, all-wrong 0)."""
+        self.generated[index] += 1
+        self.last_step[index] = self.steps
+        self.recent[index] = [*self.recent[index], float(group_acc)][-RECENT:]
+        run = self.streak[index]
+        if group_acc >= 1.0:
+            self.streak[index] = run + 1 if run > 0 else 1
+        elif group_acc <= 0.0:
+            self.streak[index] = run - 1 if run < 0 else -1
+        else:
+            self.streak[index] = 0
+
+    def steer(self, *, informative: int, all_correct: int, all_wrong: int) -> None:
+        """Move both bases after a step that generated ``informative + all_correct + all_wrong`` groups."""
+        self.steps += 1
+        generated = informative + all_correct + all_wrong
+        if generated == 0:
+            return
+        dropped = all_correct + all_wrong
+        if informative / generated < self.target and dropped:
+            for kind, n in (("all_correct", all_correct), ("all_wrong", all_wrong)):
+                self.explore[kind] = max(self.floor, self.explore[kind] - self.step_size * n / dropped)
+        elif informative / generated >= self.target:
+            for kind in self.explore:
+                self.explore[kind] = min(1.0, self.explore[kind] + self.step_size)
+
+    def take_counts(self) -> SkipCounts:
+        counts, self.counts = self.counts, SkipCounts()
+        return counts
+
+    def state_dict(self) -> dict:
+        return {
+            "seed": self.seed,
+            "drawn": list(self.drawn),
+            "generated": list(self.generated),
+            "skipped": list(self.skipped),
+            "streak": list(self.streak),
+            "last_step": list(self.last_step),
+            "recent": [list(r) for r in self.recent],
+            "explore": dict(self.explore),
+            "steps": self.steps,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["streak"]) != self.num_prompts:
+            raise ValueError(
+                f"prefilter state was saved for {len(state['streak'])} prompts but this data set has "
+                f"{self.num_prompts}; resume with the same data files and options"
+            )
+        self.seed = int(state["seed"])
+        self.drawn = list(state["drawn"])
+        self.generated = list(state["generated"])
+        self.skipped = list(state["skipped"])
+        self.streak = list(state["streak"])
+        self.last_step = list(state["last_step"])
+        self.recent = [list(r) for r in state["recent"]]
+        self.explore = dict(state["explore"])
+        self.steps = int(state["steps"])
+        self.counts = SkipCounts()

@@ -1,0 +1,175 @@
+"""algo.prefilter: the skip rule on synthetic histories, its steering, the sampler's exact resume, and the switch off
+changing nothing."""
+
+import copy
+import io
+import math
+import random
+
+import pytest
+import torch
+
+from dapo.config import ConfigError, load_config
+from dapo.data import Example, PromptSampler
+from dapo.prefilter import START_EXPLORE, Prefilter
+
+
+def examples(n):
+    return [Example(str(i), f"q{i}", str(i), "stub") for i in range(n)]
+
+
+def with_history(accs, **kw):
+    """A one-prompt record that has seen these group accuracies, in order."""
+    pf = Prefilter(1, **{"seed": 0, **kw})
+    for acc in accs:
+        pf.observe(0, acc)
+    return pf
+
+
+def test_a_prompt_always_all_correct_is_skipped_at_the_expected_rate_and_never_for_certain():
+    for k, expected_keep in [(1, 0.5), (2, 0.25), (3, 0.125), (4, 0.0625), (5, 0.05), (9, 0.05)]:
+        pf = with_history([1.0] * k)
+        assert pf.streak[0] == k
+        assert pf.keep_probability(0) == pytest.approx(expected_keep)  # 0.5 ** k, not below the floor 0.05
+        # draws: each decided by a hash of (seed, prompt, draw number); count the skips over many draws
+        draws, kept = 20_000, 0
+        for _ in range(draws):  # each draw decided by a hash of (seed, prompt, draw number)
+            kept += pf.keep(0)
+        sd = math.sqrt(expected_keep * (1 - expected_keep) / draws)
+        assert abs(kept / draws - expected_keep) < 5 * sd, (k, kept / draws)
+        assert kept > 0  # never retired: at the floor, 1 in 20 draws is still generated
+
+
+def test_a_prompt_that_just_had_an_informative_group_or_none_yet_is_never_skipped():
+    fresh = Prefilter(1, seed=3)
+    assert fresh.keep_probability(0) == 1.0
+    for history in ([1.0, 1.0, 1.0, 0.5], [0.0] * 6 + [0.25], [0.0, 1.0, 0.75]):
+        pf = with_history(history, seed=3)
+        assert pf.streak[0] == 0 and pf.keep_probability(0) == 1.0
+        assert all(pf.keep(0) for _ in range(500)) and pf.skipped[0] == 0
+
+
+def test_streaks_count_one_kind_in_a_row_and_a_flip_starts_over():
+    assert with_history([0.0, 0.0, 0.0]).streak[0] == -3
+    assert with_history([0.0, 0.0, 1.0]).streak[0] == 1  # all-wrong then all-correct: no run of either yet
+    assert with_history([1.0, 1.0, 0.0]).streak[0] == -1
+    pf = with_history([0.5, 0.0, 1.0, 1.0, 1.0])
+    assert pf.recent[0] == [0.0, 1.0, 1.0, 1.0]  # the last 4 group accuracies
+    assert pf.generated[0] == 5
+
+
+def test_skips_are_counted_by_kind():
+    pf = Prefilter(2, seed=1)
+    for _ in range(3):
+        pf.observe(0, 1.0)
+        pf.observe(1, 0.0)
+    for _ in range(200):
+        pf.keep(0), pf.keep(1)
+    counts = pf.take_counts()
+    assert counts.all_correct == pf.skipped[0] > 0 and counts.all_wrong == pf.skipped[1] > 0
+    assert pf.take_counts().all_correct == 0  # taken: the next step starts from zero
+
+
+def test_steering_moves_the_wasted_kind_down_and_both_up_once_the_target_is_met():
+    pf = Prefilter(1, seed=0, target=0.8, floor=0.05, step_size=0.1)
+    pf.steer(informative=6, all_correct=3, all_wrong=1)  # 60% informative, below 80%: 3/4 of the waste all-correct
+    assert pf.explore["all_correct"] == pytest.approx(START_EXPLORE - 0.075)
+    assert pf.explore["all_wrong"] == pytest.approx(START_EXPLORE - 0.025)
+    pf.steer(informative=9, all_correct=1, all_wrong=0)  # 90%: met, explore more
+    assert pf.explore["all_correct"] == pytest.approx(START_EXPLORE + 0.025)
+    assert pf.explore["all_wrong"] == pytest.approx(START_EXPLORE + 0.075)
+    for _ in range(50):
+        pf.steer(informative=0, all_correct=5, all_wrong=5)
+    assert pf.explore == {"all_correct": 0.05, "all_wrong": 0.05}  # held at the floor
+    for _ in range(50):
+        pf.steer(informative=5, all_correct=0, all_wrong=0)
+    assert pf.explore == {"all_correct": 1.0, "all_wrong": 1.0}  # at 1 nothing is skipped after one bad group...
+    assert with_history([1.0], floor=0.05).keep_probability(0) == START_EXPLORE  # (a fresh record starts at 0.5)
+    pf.steer(informative=0, all_correct=0, all_wrong=0)  # a step that generated nothing moves nothing
+    assert pf.explore == {"all_correct": 1.0, "all_wrong": 1.0} and pf.steps == 103
+
+
+def simulate(sampler, steps, *, per_step=6, start=0):
+    """A stand-in for the loop: draw, 'generate', observe, end the step. Prompts 0 mod 3 always come back
+    all-correct, 1 mod 3 all-wrong, 2 mod 3 mixed (all-correct one step in 5). Every drawn uid and the skips,
+    per step."""
+    drawn, skips = [], []
+    for step in range(start, start + steps):
+        exs = sampler.next(per_step)
+        accs = [[1.0, 0.0, 0.5 if step % 5 else 1.0][int(e.uid) % 3] for e in exs]
+        sampler.observe(accs)
+        informative = sum(0 < a < 1 for a in accs)
+        counts = sampler.end_step(informative=informative, all_correct=accs.count(1.0), all_wrong=accs.count(0.0))
+        drawn.append([e.uid for e in exs])
+        skips.append((counts.all_correct, counts.all_wrong))
+    return drawn, skips
+
+
+def new_sampler(n=30, seed=7):
+    return PromptSampler(examples(n), seed=seed, prefilter=Prefilter(n, seed=seed, target=0.9))
+
+
+def test_the_sampler_skips_prompts_whose_groups_kept_coming_back_uninformative():
+    sampler = new_sampler()
+    drawn, skips = simulate(sampler, 40)
+    late = [uid for step in drawn[20:] for uid in step]
+    # uids 0 mod 3 are always all-correct and 1 mod 3 always all-wrong: once seen they are mostly skipped
+    uninformative = sum(int(u) % 3 != 2 for u in late) / len(late)
+    assert uninformative < 0.35, uninformative  # without the prefilter two thirds of the draws
+    assert sum(a + w for a, w in skips) > 100
+    pf = sampler.prefilter
+    assert all(pf.generated[i] >= 2 for i in range(30))  # the floor: every prompt still generated now and then
+    assert pf.last_step[2] >= 30 and pf.steps == 40
+
+
+def test_a_resumed_sampler_draws_and_skips_exactly_the_prompts_an_uninterrupted_one_does():
+    whole = new_sampler()
+    want_drawn, want_skips = simulate(whole, 30)
+    first = new_sampler()
+    simulate(first, 11)
+    saved = io.BytesIO()
+    torch.save(copy.deepcopy(first.state_dict()), saved)  # as a checkpoint holds it
+    saved.seek(0)
+    resumed = new_sampler()
+    resumed.load_state_dict(torch.load(saved, weights_only=False))
+    got_drawn, got_skips = simulate(resumed, 19, start=11)
+    assert got_drawn == want_drawn[11:] and got_skips == want_skips[11:]
+    assert resumed.state_dict() == whole.state_dict()
+
+
+def test_with_the_switch_off_the_sampler_draws_the_seeded_permutations_as_before():
+    exs = examples(10)
+    sampler = PromptSampler(exs, seed=5)
+    got = [e.uid for e in sampler.next(7) + sampler.next(9) + sampler.next(4)]
+    want = []
+    for epoch in range(2):
+        order = list(range(10))
+        random.Random(f"dapo-sampler:5:{epoch}").shuffle(order)
+        want += [str(i) for i in order]
+    assert got == want
+    sampler.observe([1.0] * 4)  # no record to keep: nothing happens, and nothing is saved
+    assert sampler.end_step(informative=0, all_correct=4, all_wrong=0).all_correct == 0
+    assert "prefilter" not in sampler.state_dict()
+
+
+def test_observe_refuses_accuracies_that_do_not_match_the_draw():
+    sampler = new_sampler()
+    sampler.next(3)
+    with pytest.raises(ValueError, match="3 prompts drawn"):
+        sampler.observe([1.0, 0.0])
+
+
+def test_a_prefilter_state_of_another_data_set_is_refused_in_one_line():
+    state = new_sampler(30).state_dict()
+    state["num_examples"] = 20
+    with pytest.raises(ValueError, match="saved for 30 prompts but this data set has 20"):
+        new_sampler(20).prefilter.load_state_dict(state["prefilter"])
+
+
+def test_the_config_refuses_the_prefilter_without_dynamic_sampling_and_a_zero_floor(tmp_path):
+    with pytest.raises(ConfigError, match="needs algo.dynamic_sampling=true"):
+        load_config("configs/demo.yaml", ["algo.prefilter=true", "algo.dynamic_sampling=false"])
+    with pytest.raises(ConfigError, match="algo.prefilter_floor"):
+        load_config("configs/demo.yaml", ["algo.prefilter=true", "algo.prefilter_floor=0"])
+    cfg = load_config("configs/demo.yaml", ["algo.prefilter=true"])
+    assert cfg.algo.prefilter and cfg.algo.prefilter_floor == 0.05 and cfg.algo.prefilter_target == 0.9
