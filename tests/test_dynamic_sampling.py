@@ -29,7 +29,7 @@ class ListSampler:
         self.pos += n
         return out
 
-    def observe(self, group_accs):
+    def observe(self, group_accs, informative):
         pass
 
     def end_step(self, **groups):

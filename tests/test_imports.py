@@ -93,10 +93,11 @@ FLOORS = [
     ("dapo.algo", lambda n: n.startswith("dapo.")),
     ("dapo.resources", lambda n: n.startswith("dapo.")),
     ("dapo.memory", lambda n: n.startswith("dapo.")),
+    ("dapo.prefilter", lambda n: n.startswith("dapo.")),
     ("dapo.watchdog", lambda n: n.startswith("dapo.")),
     ("dapo.rewards", lambda n: not n.startswith("dapo.rewards")),
     ("dapo.batch", lambda n: n.startswith("dapo.")),
-    ("dapo.data", lambda n: n not in ("dapo.tasks", "dapo.tasks.arith", "dapo.resources")),
+    ("dapo.data", lambda n: n not in ("dapo.tasks", "dapo.tasks.arith", "dapo.resources", "dapo.prefilter")),
     *[
         (m, lambda n: n in ("dapo.training", "dapo.dynamic_sampling", "dapo.rollout", "dapo.evaluation", "dapo.algo"))
         for m in ("dapo.policy", "dapo.prefix")

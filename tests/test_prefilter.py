@@ -173,3 +173,109 @@ def test_the_config_refuses_the_prefilter_without_dynamic_sampling_and_a_zero_fl
         load_config("configs/demo.yaml", ["algo.prefilter=true", "algo.prefilter_floor=0"])
     cfg = load_config("configs/demo.yaml", ["algo.prefilter=true"])
     assert cfg.algo.prefilter and cfg.algo.prefilter_floor == 0.05 and cfg.algo.prefilter_target == 0.9
+
+
+def test_a_group_dynamic_sampling_kept_resets_the_streak_whatever_its_accuracies():
+    """algo.filter_metric=reward keeps a group of equal accuracies whose shaped rewards differ: it trained."""
+    pf = with_history([0.0, 0.0])
+    pf.observe(0, 0.0, True)
+    assert pf.streak[0] == 0 and pf.keep_probability(0) == 1.0
+    pf.observe(0, 1.0, False)
+    assert pf.streak[0] == 1
+
+
+def test_the_collector_feeds_the_record_and_reports_the_skips():
+    """The real BatchCollector and PromptSampler with the stub engine of test_dynamic_sampling: after a step in which
+    every prompt was generated once, the next steps skip most all-correct and all-wrong prompts before generating."""
+    from test_dynamic_sampling import EchoEngine, Ex, stub_scorer
+
+    from dapo.config import AlgoConfig
+    from dapo.dynamic_sampling import BatchCollector
+    from dapo.rollout.base import SamplingParams
+
+    kinds = ["mixed", "all", "none"]
+    exs = [Ex(str(i), kinds[i % 3]) for i in range(30)]
+    sampler = PromptSampler(exs, seed=0, prefilter=Prefilter(30, seed=0))
+    engine = EchoEngine()
+    collector = BatchCollector(
+        engine=engine,
+        sampler=sampler,
+        scorer=stub_scorer(None),
+        encode=lambda ex: [int(ex.uid)],
+        sampling=SamplingParams(n=4),
+        algo_cfg=AlgoConfig(max_gen_rounds=None),
+    )
+    first_pass = []
+    while sum(first_pass) < 30:  # every prompt once: nothing known yet, nothing skipped
+        _, stats = collector.collect(5, [], round_seed=lambda k: k)
+        first_pass.append(stats.prompts_generated)
+        assert stats.skipped_all_correct == stats.skipped_all_wrong == 0
+    generated = skipped = 0
+    for _ in range(6):
+        batch, stats = collector.collect(5, [], round_seed=lambda k: k)
+        assert batch.num_groups == 5
+        generated += stats.prompts_generated
+        skipped += stats.skipped_all_correct + stats.skipped_all_wrong
+        assert stats.skipped_all_correct > 0 or stats.skipped_all_wrong > 0
+    # 30 informative groups trained; without the prefilter about 90 prompts would have been generated for them
+    assert generated < 60 and skipped > 30
+    assert sampler.prefilter.streak[1] > 0 and sampler.prefilter.streak[2] < 0 and sampler.prefilter.streak[0] == 0
+
+
+# the demo's own base model (about 30% right: groups of every kind) on 12 problems, so prompts recur from step 1
+KILLED_RUN = [
+    "train.total_steps=4",
+    "run.save_every=1",
+    "rollout.max_response_tokens=48",
+    "algo.overlong_buffer_tokens=8",
+    "algo.dynamic_sampling=true",
+    "algo.max_gen_rounds=3",
+    "algo.prefilter=true",
+    "data.task_train_size=12",
+]
+
+
+@pytest.mark.slow
+def test_a_run_killed_after_a_checkpoint_resumes_to_the_prompts_skips_and_weights_of_an_uninterrupted_one(tmp_path):
+    """kill -9 (os._exit) right after checkpoint 2 of 4; the resumed run skips exactly the prompts the uninterrupted
+    one skipped at steps 3 and 4, ends with the same prompt records and the same weights, tensor for tensor."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from dapo import checkpoint
+    from dapo.log import read_metrics
+    from dapo.resources import shipped
+
+    repo = Path(__file__).resolve().parents[1]
+    model = shipped("assets/arith-base").resolve()
+
+    def drive(root, tag, kill_after):
+        env = {**__import__("os").environ, "PYTHONPATH": str(repo / "src")}
+        cmd = [sys.executable, str(repo / "tests" / "train_until_checkpoint.py"), str(root), str(model)]
+        cmd += [str(root / "saves.txt"), tag, str(kill_after), *KILLED_RUN]
+        return subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+
+    ref = drive(tmp_path / "a", "ref", 0)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    killed = drive(tmp_path / "b", "killed", 2)
+    assert killed.returncode == 1, killed.stderr[-3000:]
+    resumed = drive(tmp_path / "b", "resumed", 0)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "(step 2)" in resumed.stdout
+
+    want_rows = {r["step"]: r for r in read_metrics(tmp_path / "a" / "t") if "sampling/skipped_all_wrong" in r}
+    got_rows = {r["step"]: r for r in read_metrics(tmp_path / "b" / "t") if "sampling/skipped_all_wrong" in r}
+    keys = ["sampling/skipped_all_correct", "sampling/skipped_all_wrong", "sampling/prompts_generated"]
+    assert [[got_rows[s][k] for k in keys] for s in (3, 4)] == [[want_rows[s][k] for k in keys] for s in (3, 4)]
+    assert sum(want_rows[s][k] for s in want_rows for k in keys[:2]) > 0  # the prefilter did skip prompts
+
+    final = "checkpoints/step_000004"
+    want, got = (checkpoint.load_trainer_state(root / "t" / final) for root in (tmp_path / "a", tmp_path / "b"))
+    assert got["sampler"] == want["sampler"] and "prefilter" in want["sampler"]
+    w_want, w_got = (
+        load_file(str(root / "t" / final / "model" / "model.safetensors")) for root in (tmp_path / "a", tmp_path / "b")
+    )
+    assert [k for k in w_want if not torch.equal(w_want[k], w_got[k])] == []

@@ -552,13 +552,15 @@ class PromptSampler:
         self._handed = handed
         return [self._examples[i] for i in handed]
 
-    def observe(self, group_accs: Sequence[float]) -> None:
-        """The mean accuracy of each group generated for the examples the last ``next`` gave, in their order."""
+    def observe(self, group_accs: Sequence[float], informative: Sequence[bool] | None = None) -> None:
+        """The mean accuracy of each group generated for the examples the last ``next`` gave, in their order, and
+        whether dynamic sampling kept it (None: kept unless all-correct or all-wrong)."""
         if self.prefilter is not None:
             if len(group_accs) != len(self._handed):
                 raise ValueError(f"observe: {len(group_accs)} group accuracies for {len(self._handed)} prompts drawn")
-            for index, acc in zip(self._handed, group_accs):
-                self.prefilter.observe(index, acc)
+            kept = [None] * len(group_accs) if informative is None else informative
+            for index, acc, keep in zip(self._handed, group_accs, kept):
+                self.prefilter.observe(index, acc, keep)
 
     def end_step(self, *, informative: int, all_correct: int, all_wrong: int) -> SkipCounts:
         """A training step's generated groups by kind (for the prefilter's steering); the prompts it skipped."""

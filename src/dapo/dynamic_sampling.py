@@ -203,7 +203,7 @@ class BatchCollector:
         else:
             keep = torch.ones(len(examples), dtype=torch.bool)
         group_acc = scored.acc.view(-1, G).mean(dim=1)  # (P,)
-        self.sampler.observe(group_acc.tolist())  # each prompt's record (algo.prefilter)
+        self.sampler.observe(group_acc.tolist(), keep.tolist())  # each prompt's record (algo.prefilter)
         dropped_tokens = int(lengths.view(-1, G)[~keep].sum())
         stats.seconds_generate += t1 - t0
         stats.seconds_reward += t2 - t1

@@ -103,18 +103,22 @@ class Prefilter:
             self.counts.all_wrong += 1
         return False
 
-    def observe(self, index: int, group_acc: float) -> None:
-        """Record prompt ``index``'s generated group: its mean accuracy (all-correct 1, all-wrong 0)."""
+    def observe(self, index: int, group_acc: float, informative: bool | None = None) -> None:
+        """Record prompt ``index``'s generated group: its mean accuracy, and whether dynamic sampling kept it
+        (None: kept unless all-correct or all-wrong; with algo.filter_metric=reward a group of equal accuracies
+        may still be kept, and a kept group is informative whatever its accuracies)."""
         self.generated[index] += 1
         self.last_step[index] = self.steps
         self.recent[index] = [*self.recent[index], float(group_acc)][-RECENT:]
+        if informative is None:
+            informative = 0.0 < group_acc < 1.0
         run = self.streak[index]
-        if group_acc >= 1.0:
-            self.streak[index] = run + 1 if run > 0 else 1
-        elif group_acc <= 0.0:
-            self.streak[index] = run - 1 if run < 0 else -1
-        else:
+        if informative:
             self.streak[index] = 0
+        elif group_acc >= 1.0:
+            self.streak[index] = run + 1 if run > 0 else 1
+        else:
+            self.streak[index] = run - 1 if run < 0 else -1
 
     def steer(self, *, informative: int, all_correct: int, all_wrong: int) -> None:
         """Move both bases after a step that generated ``informative + all_correct + all_wrong`` groups."""
