@@ -44,9 +44,10 @@ from dapo import checkpoint, parallel, watchdog
 
 EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): a temporary failure, start the job again; README: requeue on it
 REPEAT_S = 5.0  # a second signal this soon after the first is the same stop delivered twice
-# True where the process ends with the run (`dapo train`, a Ray rank): after a stop the signals stay ignored, so
-# that a repeat of the signal (a scheduler's and a launcher's) cannot turn the exit code 75 into a death by signal
-# on the way out; elsewhere (a caller's process, a test) the handlers in place before the run come back
+# True where the process ends with the run (`dapo train`, a Ray rank): once the training loop is over (stopped or
+# finished) the signals stay ignored, so that a repeat of the signal (a scheduler's and a launcher's) or a late one
+# cannot turn the exit code (75, or 0 for a finished run) into a death by signal on the way out; elsewhere (a
+# caller's process, a test) the handlers in place before the run come back
 PROCESS_ENDS_WITH_RUN = False
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # the phases a single process leaves at once: before the update they only read the weights
@@ -96,9 +97,9 @@ class Signals:
         for sig in SIGNALS:
             self.installed[sig] = signal.signal(sig, self._handle)
 
-    def restore(self, stopped: bool = False) -> None:
+    def restore(self) -> None:
         for sig, old in self.installed.items():
-            signal.signal(sig, signal.SIG_IGN if stopped and PROCESS_ENDS_WITH_RUN else old)
+            signal.signal(sig, signal.SIG_IGN if PROCESS_ENDS_WITH_RUN else old)
         self.installed = {}
         if self.timer is not None:
             self.timer.cancel()
@@ -189,11 +190,9 @@ def on_signals(run):
     sig = Signals(run.cfg.run.preempt_grace_s, run.dist, run.cfg.run_dir)
     run.signals = sig
     sig.install()
-    stopped = False
     try:
         yield sig
     except Stop as stop:
-        stopped = True
         raise sig.finish(run, stop) from None
     finally:
-        sig.restore(stopped)
+        sig.restore()
