@@ -2,8 +2,9 @@
 grading, in the old log-probs, in the update, during a checkpoint write; asynchronous checkpoints on and off)
 leaves a checkpoint of the last completed step, and the resumed run ends with the weights and AdamW state of an
 uninterrupted run, bit for bit. The moment is made deterministic by having the run signal itself from a hook at
-that phase; benchmarks/ has no randomized sweep (yet). With 2 gloo ranks: a signal to one rank stops both, and
-they write one checkpoint together."""
+that phase; benchmarks/preempt_sweep.py sends SIGTERM at random moments instead. With 2 gloo ranks: a signal to
+one rank stops both, and they write one checkpoint together; a signal to the launcher (torchrun, the driver of
+``dapo launch-ray``) reaches both ranks, and the resumed run is bit-identical too."""
 
 import os
 import re
@@ -51,8 +52,9 @@ def uninterrupted(tiny_model_dir, tmp_path_factory):
     return final_state(root / "t")
 
 
-def signal_at(monkeypatch, where: str, call: int, sig=signal.SIGTERM) -> None:
-    """Have the run send itself ``sig`` at the ``call``-th entry into ``where`` (the hook then goes on as usual)."""
+def signal_at(monkeypatch, where: str, call: int, sig=signal.SIGTERM, times: int = 1) -> None:
+    """Have the run send itself ``sig`` (``times`` times in a row) at the ``call``-th entry into ``where`` (the hook
+    then goes on as usual)."""
     from dapo import dynamic_sampling
     from dapo.policy import Policy
     from dapo.rollout import hf
@@ -69,7 +71,8 @@ def signal_at(monkeypatch, where: str, call: int, sig=signal.SIGTERM) -> None:
     def hooked(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == call:
-            os.kill(os.getpid(), sig)
+            for _ in range(times):
+                os.kill(os.getpid(), sig)  # the handler runs before os.kill returns to Python code
         return real(*args, **kwargs)
 
     monkeypatch.setattr(owner, name, hooked)
@@ -115,8 +118,34 @@ def test_a_signal_checkpoints_the_last_completed_step_and_the_resume_is_bit_iden
     print(f"  stopped {seconds:.1f} s into the run; resumed to bit-identical weights and AdamW state")
 
 
-def test_dapo_train_stops_on_sigterm_in_one_line_with_exit_code_75(tiny_model_dir, tmp_path):
-    """From outside, as a scheduler would: SIGTERM once step 1's row is written, wherever step 2 then is."""
+def wait_for_rows(proc: subprocess.Popen, run_dir: Path, rows: int = 1, timeout: float = 240) -> None:
+    """Until the run's ``metrics.jsonl`` has ``rows`` rows (the run still going)."""
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while not (metrics.exists() and metrics.read_text().count("\n") >= rows):
+        assert time.monotonic() < deadline and proc.poll() is None, "the run ended before its first row"
+        time.sleep(0.1)
+
+
+def test_a_repeat_of_the_signal_within_seconds_is_the_same_stop(tiny_model_dir, tmp_path, monkeypatch):
+    """Slurm signals every process of a job step and torchrun forwards the SIGTERM it got too: a rank gets it
+    twice within milliseconds. That is one stop with its checkpoint, not a second signal's exit at once."""
+    from dapo.training import train
+
+    cfg = small_config(tmp_path, tiny_model_dir, *STEPS)
+    signal_at(monkeypatch, "update", 2, times=2)
+    with pytest.raises(preemption.Stopped) as stopped:
+        train(cfg)
+    m = LINE.fullmatch(str(stopped.value))
+    assert m and m.group(2) == "2" and m.group(3) == "in update, finished", str(stopped.value)
+    assert [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(cfg.run_dir)] == [2]
+
+
+@pytest.mark.parametrize("times", [1, 2], ids=["once", "twice"])
+def test_dapo_train_stops_on_sigterm_in_one_line_with_exit_code_75(tiny_model_dir, tmp_path, times):
+    """From outside, as a scheduler would: SIGTERM once step 1's row is written, wherever step 2 then is. Twice:
+    a second SIGTERM 0.1 s after the first, as when Slurm signals every process of the job and a launcher
+    forwards its own: the same stop, not a second one (which would exit at once without the checkpoint)."""
     from test_parallel import REPO, env_for_children
 
     cmd = [sys.executable, "-m", "dapo.cli", "train", "configs/demo.yaml", *SMALL_OVERRIDES]
@@ -124,12 +153,12 @@ def test_dapo_train_stops_on_sigterm_in_one_line_with_exit_code_75(tiny_model_di
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env_for_children(COLUMNS="500"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    metrics = tmp_path / "t" / "metrics.jsonl"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 1):
-        time.sleep(0.2)
+    wait_for_rows(proc, tmp_path / "t")
     t0 = time.perf_counter()
     proc.send_signal(signal.SIGTERM)
+    if times == 2:
+        time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     seconds = time.perf_counter() - t0
     lines = [x for x in err.splitlines() if x.startswith("stopped by")]
@@ -200,10 +229,10 @@ def _flat(tree, prefix="") -> dict:
     return {}
 
 
-def _torchrun(model_dir, root):
+def _torchrun(model_dir, root, mode="ranks"):
     from test_parallel import REPO, env_for_children
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__, mode]
     out = subprocess.run(
         [*cmd, str(model_dir), str(root)],
         cwd=REPO,
@@ -215,5 +244,132 @@ def _torchrun(model_dir, root):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
 
 
+# ---- a signal to the launcher -------------------------------------------------------------------------
+LAUNCHED = ["train.total_steps=4", "run.save_every=null"]
+
+
+def resume_worker(model_dir: str, root: str) -> None:
+    """Under torchrun (2 ranks): the uninterrupted run, then the stopped run started again (it resumes)."""
+    from dapo import parallel
+    from dapo.training import train
+
+    root = Path(root)
+    leave = parallel.shutdown
+    parallel.shutdown = lambda d, clean=True: None  # one process group for both runs
+    train(small_config(root / "ref", model_dir, *LAUNCHED))
+    train(small_config(root / "stopped", model_dir, *LAUNCHED))
+    leave(parallel.init("cpu"))
+
+
+def same_shards(a: Path, b: Path) -> bool:
+    """The last checkpoints of two sharded runs hold the same weights and AdamW state, bit for bit."""
+    from dapo import parallel
+
+    flat_a, flat_b = (_flat(parallel.read_shards(checkpoint.latest_checkpoint(r) / "shards")) for r in (a, b))
+    return flat_a.keys() == flat_b.keys() and all(torch.equal(flat_a[k], flat_b[k]) for k in flat_a)
+
+
+def test_sigterm_to_torchrun_stops_both_ranks_at_one_checkpoint_and_the_resume_is_bit_identical(
+    tiny_model_dir, tmp_path
+):
+    """SIGTERM to the torchrun launcher, not a rank (Kubernetes signals the container's first process): torchrun
+    sends it on to each rank's process group and waits for them (``--shutdown-timeout``, 30 s) before it kills
+    them; the ranks write one checkpoint of their last completed step within that. torchrun itself then exits
+    with 1 (its SignalException), not the ranks' 75. Started again, the run ends as an uninterrupted one."""
+    from test_parallel import REPO, env_for_children
+
+    run = tmp_path / "stopped" / "t"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "dapo.cli"]
+    cmd += ["train", "configs/demo.yaml", *SMALL_OVERRIDES, f"model.path={tiny_model_dir}"]
+    cmd += [f"run.dir={tmp_path / 'stopped'}", *LAUNCHED]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env_for_children(COLUMNS="500"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    wait_for_rows(proc, run)
+    t0 = time.perf_counter()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    seconds = time.perf_counter() - t0
+    lines = [x for x in err.splitlines() if x.startswith("stopped by")]
+    forwarded = re.findall(r"Sending process (\d+) closing signal SIGTERM", err)
+    print(f"\ntorchrun exit {proc.returncode} {seconds:.1f} s after SIGTERM; forwarded to {forwarded}: {lines}")
+    assert proc.returncode == 1 and "SignalException" in err, err[-3000:]  # torchrun's own exit, documented
+    assert len(set(forwarded)) == 2, err[-3000:]  # to both ranks
+    assert len(lines) == 1 and LINE.fullmatch(lines[0]), err[-3000:]  # rank 0's line only
+    step = int(LINE.fullmatch(lines[0]).group(2))
+    assert 1 <= step < 4 and [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(run)] == [step]
+    assert "exit code 75" in lines[0] and "Unable to shutdown process" not in err  # no rank was killed
+    _torchrun(tiny_model_dir, tmp_path, "resume")
+    assert checkpoint.step_of(checkpoint.latest_checkpoint(run)) == 4
+    assert same_shards(tmp_path / "ref" / "t", run), "the resumed run's weights differ"
+
+
+RAY_STEPS = ["train.total_steps=6", "run.save_every=null"]  # the signal reaches the ranks a step or two later
+
+
+def launch_ray(model_dir: Path, runs: Path, sig: signal.Signals | None = None):
+    """``dapo launch-ray`` with 2 CPU ranks on a private Ray cluster; ``sig`` to the driver once step 1's row is
+    written. Returns the finished process, its stderr and the seconds from the signal to the driver's exit."""
+    import shutil
+    import tempfile
+
+    from test_parallel import REPO, env_for_children
+
+    cmd = [sys.executable, "-m", "dapo.cli", "launch-ray", "configs/demo.yaml", *SMALL_OVERRIDES, *RAY_STEPS]
+    cmd += [f"model.path={model_dir}", f"run.dir={runs}", "--address", "local", "--num-cpus", "2"]
+    cmd += ["--cpu-workers-per-node", "2", "--cpus-per-worker", "1"]
+    home = runs.parent / "home"
+    home.mkdir(exist_ok=True)
+    ray_tmp = tempfile.mkdtemp(prefix="dray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    env = env_for_children(HOME=str(home), RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0", COLUMNS="500")
+    env = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH")}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        if sig is not None:
+            wait_for_rows(proc, runs / "t", timeout=300)
+            proc.send_signal(sig)
+        t0 = time.perf_counter()
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    return proc, err, time.perf_counter() - t0
+
+
+@pytest.fixture(scope="module")
+def ray_uninterrupted(tiny_model_dir, tmp_path_factory):
+    pytest.importorskip("ray")
+    runs = tmp_path_factory.mktemp("ray_ref") / "runs"
+    proc, err, _ = launch_ray(tiny_model_dir, runs)
+    assert proc.returncode == 0, err[-4000:]
+    return runs / "t"
+
+
+@pytest.mark.slow  # three launches of a private Ray cluster: about 2 minutes on 2 cores
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT], ids=lambda s: s.name)
+def test_a_signal_to_the_launch_ray_driver_reaches_every_rank_and_the_relaunch_is_bit_identical(
+    tiny_model_dir, tmp_path, ray_uninterrupted, sig
+):
+    """The driver of ``dapo launch-ray`` sends the signal on to each rank's process (a small actor pinned to its node):
+    both ranks stop at one checkpoint of their last completed step, the driver prints rank 0's line and exits
+    with 75; launched again, the run ends with the weights and AdamW state of an uninterrupted launch."""
+    runs = tmp_path / "runs"
+    proc, err, seconds = launch_ray(tiny_model_dir, runs, sig)
+    lines = [x for x in err.splitlines() if "stopped by" in x]
+    print(f"\ndriver exit {proc.returncode} {seconds:.1f} s after {sig.name}: {lines}")
+    assert proc.returncode == preemption.EXIT_CODE, err[-4000:]
+    assert len(lines) == 1 and LINE.fullmatch(lines[0]), err[-4000:]  # the driver's line, rank 0's
+    m = LINE.fullmatch(lines[0])
+    assert m.group(1) == sig.name and 1 <= int(m.group(2)) < 6
+    assert [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(runs / "t")] == [int(m.group(2))]
+    assert "Traceback" not in err and "died mid-run" not in err
+    proc, err, seconds = launch_ray(tiny_model_dir, runs)
+    print(f"relaunch: exit {proc.returncode}")
+    assert proc.returncode == 0, err[-4000:]
+    assert checkpoint.step_of(checkpoint.latest_checkpoint(runs / "t")) == 6
+    assert same_shards(ray_uninterrupted, runs / "t"), "the relaunched run's weights differ"
+
+
 if __name__ == "__main__":
-    ranks_worker(*sys.argv[1:])
+    {"ranks": ranks_worker, "resume": resume_worker}[sys.argv[1]](*sys.argv[2:])

@@ -57,9 +57,11 @@ OVERRIDES = _arg("overrides", nargs="*", metavar="key=value", help="settings, e.
     "configs/demo.yaml is minutes on 2 CPU cores; the Qwen2.5 presets need GPUs.",
 )
 def cmd_train(args) -> int:
+    from dapo import preemption
     from dapo.checkpoint import removed_if_start_fails
     from dapo.training import train
 
+    preemption.PROCESS_ENDS_WITH_RUN = True
     cfg = load_config(resolve_preset(args.config), args.overrides)
     t0 = time.perf_counter()
     with removed_if_start_fails(cfg.run_dir):
@@ -428,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
         from dapo.preemption import Stopped
 
         if isinstance(err, Stopped):  # a signal stopped the run, its checkpoint written: one line, exit code 75
-            print(err, file=sys.stderr, flush=True)
+            if err.main:  # rank 0's (under torchrun every rank has the same line)
+                print(err, file=sys.stderr, flush=True)
             return err.exit_code
         line = user_error(err)
         if line is None:

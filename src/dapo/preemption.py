@@ -19,7 +19,14 @@ is finished first.
 
 ``run.preempt_grace_s`` bounds the time from the signal to the exit. Past it the process exits (with the same
 code) without the new checkpoint, saying so: the previous checkpoint is whole (a write cut short leaves only a
-.tmp_* directory). A second signal ends the process at once, the same way.
+.tmp_* directory). A second signal ends the process at once, the same way, unless it comes within ``REPEAT_S`` of
+the first: that is the same stop delivered twice, as when Slurm signals every process of a job step and torchrun
+forwards the signal it got as well. A signal that reaches a rank already stopping for another rank's signal (a
+launcher's forwarding, slower than the ranks' agreement) is its first, not a second.
+
+Launchers: torchrun forwards SIGTERM and SIGINT (SIGUSR1 only when named in ``--signals-to-handle``) to each
+rank's process group and kills the ranks ``--shutdown-timeout`` (30) s later; ``dapo launch-ray``'s driver sends
+the signal on to every rank's process, on every node (cluster.py).
 """
 
 from __future__ import annotations
@@ -36,6 +43,12 @@ import torch
 from dapo import checkpoint, parallel, watchdog
 
 EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): a temporary failure, start the job again; README: requeue on it
+REPEAT_S = 5.0  # a second signal this soon after the first is the same stop delivered twice
+# True where the process ends with the run (`dapo train`, a Ray rank): once the training loop is over (stopped or
+# finished) the signals stay ignored, so that a repeat of the signal (a scheduler's and a launcher's) or a late one
+# cannot turn the exit code (75, or 0 for a finished run) into a death by signal on the way out; elsewhere (a
+# caller's process, a test) the handlers in place before the run come back
+PROCESS_ENDS_WITH_RUN = False
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # the phases a single process leaves at once: before the update they only read the weights
 ABANDON = ("generate", "reward", "old_logprob")
@@ -51,9 +64,14 @@ class Stop(BaseException):
 
 
 class Stopped(Exception):
-    """The run stopped for a signal, its checkpoint written: the message is the line to print."""
+    """The run stopped for a signal, its checkpoint written: the message is the line to print (by rank 0 only:
+    ``main``; every rank has the same line)."""
 
     exit_code = EXIT_CODE
+
+    def __init__(self, line: str, main: bool = True):
+        super().__init__(line)
+        self.main = main
 
 
 class Signals:
@@ -63,6 +81,7 @@ class Signals:
         self.grace_s, self.dist, self.run_dir = grace_s, dist, run_dir
         self.signum: int | None = None
         self.t0: float | None = None
+        self.delivered: float | None = None  # when this process itself got its first signal
         self.snapshot: dict | None = None  # the small trainer state at the end of the last completed step
         self.phase = "between steps"  # where the signal landed
         self.installed: dict = {}
@@ -80,14 +99,20 @@ class Signals:
 
     def restore(self) -> None:
         for sig, old in self.installed.items():
-            signal.signal(sig, old)
+            signal.signal(sig, signal.SIG_IGN if PROCESS_ENDS_WITH_RUN else old)
         self.installed = {}
         if self.timer is not None:
             self.timer.cancel()
 
     def _handle(self, signum, frame) -> None:
-        if self.signum is not None:
+        now = time.monotonic()
+        if self.delivered is not None:
+            if now - self.delivered < REPEAT_S:
+                return  # the same stop delivered twice (the scheduler's and the launcher's)
             self._exit(f"a second {signal.Signals(signum).name}: stopped at once, without a new checkpoint")
+        self.delivered = now
+        if self.signum is not None:
+            return  # already stopping for another rank's signal: this is the launcher's forwarding of the same
         stack = watchdog.PHASES.here().stack
         innermost = stack[-1].path.split(" > ")[-1] if stack else None
         self._note(signum, stack[-1].path if stack else "between steps")
@@ -154,7 +179,8 @@ class Signals:
             )
         return Stopped(
             f"stopped by {self.name} at step {step} ({where}): {done}; start the run again to resume "
-            f"(exit code {EXIT_CODE})"
+            f"(exit code {EXIT_CODE})",
+            main=self.dist.is_main,
         )
 
 
