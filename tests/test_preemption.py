@@ -346,8 +346,10 @@ def ray_uninterrupted(tiny_model_dir, tmp_path_factory):
     return runs / "t"
 
 
-@pytest.mark.slow  # three launches of a private Ray cluster: about 2 minutes on 2 cores
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT], ids=lambda s: s.name)
+# SIGTERM only: the driver forwards the three SIGNALS through one handler (cluster.py); SIGUSR1 and SIGINT took
+# 4.6 and 5.0 s to exit when this test ran with them too (benchmarks/RESULTS.md), and each launch costs CI 2 minutes
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM], ids=lambda s: s.name)
 def test_a_signal_to_the_launch_ray_driver_reaches_every_rank_and_the_relaunch_is_bit_identical(
     tiny_model_dir, tmp_path, ray_uninterrupted, sig
 ):
