@@ -12,7 +12,8 @@ Parts, each with its own time limit inside the whole budget (20 minutes by defau
   install  the wheels, then one import of everything the run needs; the versions found
   tests    tests/test_gpu.py by item (a-g and i, see its docstring) with DAPO_GPU_CHECK=1, and every other test
            marked gpu (tests/test_parallel.py, tests/test_vllm.py: those need 2 GPUs or vLLM and say so)
-  demo     item h: `dapo demo model.device=cuda`; held-out accuracy must rise by at least 15 points
+  demo     item h: `dapo demo model.device=cuda`; held-out accuracy must rise by at least 15 points; item j: the
+           same with algo.prefilter=true (the prompt pre-filter's run on a GPU, with its generation line)
   bench    benchmarks/gpu.py (the figures for benchmarks/RESULTS.md)
 
 Results accumulate in runs/gpu_check/state.json, so the parts can run as separate commands (a device
@@ -235,12 +236,18 @@ class Check:
 
     # ---- demo -------------------------------------------------------------------------------------
     def part_demo(self) -> None:
+        """Item h, the demo on CUDA; then item j, the same with algo.prefilter=true (the pre-filter's one short run)."""
+        for key, extra in (("demo", []), ("demo_prefilter", ["algo.prefilter=true"])):
+            self.state[key] = self.demo(key, extra)
+            self.save()
+
+    def demo(self, key: str, extra: list[str]) -> dict:
         cuda = (self.state.get("install", {}).get("env") or {}).get("device") is not None
-        run_dir = STATE_DIR / "demo"
+        run_dir = STATE_DIR / key
         import shutil
 
         shutil.rmtree(run_dir, ignore_errors=True)  # a finished demo would only be reported again
-        extra = os.environ.get("GPU_CHECK_DEMO_ARGS", "").split()
+        shorten = os.environ.get("GPU_CHECK_DEMO_ARGS", "").split()
         cmd = [
             sys.executable,
             "-m",
@@ -250,19 +257,22 @@ class Check:
             f"run.dir={run_dir}",
             "run.progress=false",
             *extra,
+            *shorten,
         ]
-        code, out, seconds = self.run(cmd, 420, STATE_DIR / "demo.log", COLUMNS="200")
+        code, out, seconds = self.run(cmd, 420, STATE_DIR / f"{key}.log", COLUMNS="200")
         m = re.search(
             r"held-out accuracy: \S+ (avg@\d+) ([\d.]+)% \[[^\]]*\] before -> ([\d.]+)% \[[^\]]*\] after step (\d+)",
             out,
         )
         wall = re.search(r"wall time: ([\d.]+) s", out)
+        generation = re.search(r"^generation: (.*)$", out, flags=re.M)
         found = {
             "exit": code,
             "seconds": round(seconds, 1),
             "command": " ".join(cmd[2:]),
             "cuda": cuda,
-            "shortened": bool(extra),
+            "shortened": bool(shorten),
+            "generation": generation.group(1) if generation else None,
             "tail": "" if code == 0 and m else out[-3000:],
         }
         if m:
@@ -275,8 +285,7 @@ class Check:
                 "rise": round(after - before, 1),
                 "wall_s": float(wall.group(1)) if wall else None,
             }
-        self.state["demo"] = found
-        self.save()
+        return found
 
     # ---- bench ------------------------------------------------------------------------------------
     def part_bench(self) -> None:
@@ -297,6 +306,29 @@ class Check:
         }
         self.state["bench"] = merge_bench(self.state.get("bench"), new)
         self.save()
+
+
+def demo_line(item: str, demo: dict | None, what: str) -> str:
+    """The report's row of a demo run (items h and j)."""
+    if demo is None:
+        return f"| {item} | `dapo demo model.device=cuda`: {what} | NOT RUN | | |"
+    if "rise" not in demo:
+        verdict = "FAIL (no result line)" if demo["exit"] is not None else "FAIL (time-out)"
+    elif not demo["cuda"]:
+        shortened = " (shortened)" if demo["shortened"] else ""
+        rose = "rose" if demo["rise"] >= DEMO_RISE_POINTS else "did not rise"
+        verdict = f"CPU run{shortened}: {rose} {demo['rise']} points"
+    else:
+        verdict = "PASS" if demo["rise"] >= DEMO_RISE_POINTS else f"FAIL (rose {demo['rise']} points)"
+    detail = (
+        f"{demo['metric']} {demo['before']}% -> {demo['after']}% after step {demo['steps']}, "
+        f"wall time {demo['wall_s']} s"
+        if "rise" in demo
+        else ""
+    )
+    if demo.get("generation"):
+        detail += f"; {demo['generation']}"
+    return f"| {item} | `{demo['command']}`: {what} | {verdict} | {detail} | {demo['seconds']} |"
 
 
 def merge_bench(old: dict | None, new: dict) -> dict:
@@ -414,30 +446,11 @@ def write_report(state: dict, paths: list[Path]) -> str:
         f"| other | tests marked gpu in {', '.join(OTHER_GPU_TESTS)} | {verdict} | {detail} | "
         f"{(tests.get('gpu-marked') or {}).get('seconds', '')} |"
     )
-    demo = state.get("demo")
-    if demo is None:
-        lines.append("| h | `dapo demo model.device=cuda`: held-out accuracy +15 points | NOT RUN | | |")
-    else:
-        if "rise" not in demo:
-            verdict = "FAIL (no result line)" if demo["exit"] is not None else "FAIL (time-out)"
-        elif not demo["cuda"]:
-            shortened = " (shortened)" if demo["shortened"] else ""
-            rose = "rose" if demo["rise"] >= DEMO_RISE_POINTS else "did not rise"
-            verdict = f"CPU run{shortened}: {rose} {demo['rise']} points"
-        else:
-            verdict = "PASS" if demo["rise"] >= DEMO_RISE_POINTS else f"FAIL (rose {demo['rise']} points)"
-        detail = (
-            (
-                f"{demo['metric']} {demo['before']}% -> {demo['after']}% after step {demo['steps']}, "
-                f"wall time {demo['wall_s']} s"
-            )
-            if "rise" in demo
-            else ""
-        )
-        lines.append(
-            f"| h | `{demo['command']}`: held-out accuracy +{DEMO_RISE_POINTS:.0f} points | {verdict} | {detail} | "
-            f"{demo['seconds']} |"
-        )
+    for item, key, what in (
+        ("h", "demo", "held-out accuracy +15 points"),
+        ("j", "demo_prefilter", "with algo.prefilter=true: held-out accuracy +15 points, prompts skipped"),
+    ):
+        lines.append(demo_line(item, state.get(key), what))
     lines += ["", "## Measured differences (tests/test_gpu.py, each beside the tolerance its test states)", ""]
     for item in [*ITEMS, "gpu-marked"]:
         for fig in (tests.get(item) or {}).get("figures", []):
@@ -474,7 +487,7 @@ def write_report(state: dict, paths: list[Path]) -> str:
                 f"`make gpu-check GPU_CHECK_PARTS=bench GPU_CHECK_BENCH_PARTS={','.join(left)}`",
             ]
     failures = [(k, r["tail"]) for k, r in tests.items() if r.get("tail")]
-    failures += [("demo", demo["tail"])] if demo and demo.get("tail") else []
+    failures += [(key, state[key]["tail"]) for key in ("demo", "demo_prefilter") if (state.get(key) or {}).get("tail")]
     failures += [("bench", bench["tail"])] if bench and bench.get("tail") else []
     if failures:
         lines += ["", "## Output of what failed (last lines)"]

@@ -87,6 +87,14 @@ def test_the_report_says_plainly_when_no_gpu_was_there(tmp_path):
     assert "no CUDA device was visible" in text and "no figure below is a GPU figure" in text
     assert "| h | `dapo.cli demo model.device=cpu`" in text and "CPU run (shortened): rose 15.6 points" in text
     assert "| a | " in text and "NOT RUN" in text  # the tests part never ran in this state
+    assert "| j | `dapo demo model.device=cuda`: with algo.prefilter=true" in text  # nor the pre-filter's demo
+    state["demo_prefilter"] = state["demo"] | {
+        "command": "dapo.cli demo model.device=cpu algo.prefilter=true",
+        "generation": "1.21 tokens generated per token trained; 9 s of 40 s generating went to dropped groups (22%)",
+    }
+    text = gpu_check.write_report(state, [])
+    assert "| j | `dapo.cli demo model.device=cpu algo.prefilter=true`: with algo.prefilter=true" in text
+    assert "; 1.21 tokens generated per token trained" in text
     state["install"]["env"] |= {
         "device": "NVIDIA H100 80GB HBM3",
         "devices": 1,
