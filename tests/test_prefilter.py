@@ -58,6 +58,14 @@ def test_streaks_count_one_kind_in_a_row_and_a_flip_starts_over():
     assert pf.generated[0] == 5
 
 
+def test_each_dropped_group_is_counted_by_what_the_record_knew_of_its_prompt():
+    pf = Prefilter(1, seed=0)
+    for acc in (1.0, 0.5, 1.0, 1.0, 0.0):  # unseen; informative; after an informative one; with a streak; again
+        pf.observe(0, acc)
+    c = pf.take_counts()
+    assert (c.dropped_unseen, c.dropped_after_informative, c.dropped_despite_streak) == (1, 1, 2)
+
+
 def test_skips_are_counted_by_kind():
     pf = Prefilter(2, seed=1)
     for _ in range(3):
@@ -209,14 +217,14 @@ def test_the_collector_feeds_the_record_and_reports_the_skips():
     while sum(first_pass) < 30:  # every prompt once: nothing known yet, nothing skipped
         _, stats = collector.collect(5, [], round_seed=lambda k: k)
         first_pass.append(stats.prompts_generated)
-        assert stats.skipped_all_correct == stats.skipped_all_wrong == 0
+        assert stats.prefilter.all_correct == stats.prefilter.all_wrong == 0
     generated = skipped = 0
     for _ in range(6):
         batch, stats = collector.collect(5, [], round_seed=lambda k: k)
         assert batch.num_groups == 5
         generated += stats.prompts_generated
-        skipped += stats.skipped_all_correct + stats.skipped_all_wrong
-        assert stats.skipped_all_correct > 0 or stats.skipped_all_wrong > 0
+        skipped += stats.prefilter.all_correct + stats.prefilter.all_wrong
+        assert stats.prefilter.all_correct > 0 or stats.prefilter.all_wrong > 0
     # 30 informative groups trained; without the prefilter about 90 prompts would have been generated for them
     assert generated < 60 and skipped > 30
     assert sampler.prefilter.streak[1] > 0 and sampler.prefilter.streak[2] < 0 and sampler.prefilter.streak[0] == 0

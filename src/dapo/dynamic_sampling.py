@@ -22,6 +22,7 @@ import torch
 
 from dapo import algo
 from dapo.batch import RolloutBatch
+from dapo.prefilter import SkipCounts
 from dapo.rewards.graders import TIMEOUT_PRED, graders_for
 from dapo.rewards.pool import CRASH_PRED
 from dapo.rollout.base import SamplingParams
@@ -100,8 +101,7 @@ class CollectStats:
     seconds_generate: float = 0.0
     seconds_reward: float = 0.0
     seconds_dropped: float = 0.0  # generation time attributed to dropped groups (by token share)
-    skipped_all_correct: int = 0  # prompts the prefilter skipped (algo.prefilter), by their streak's kind
-    skipped_all_wrong: int = 0
+    prefilter: SkipCounts = field(default_factory=SkipCounts)  # prompts skipped, groups dropped (algo.prefilter)
     keep_rates: list[float] = field(default_factory=list)
 
 
@@ -155,7 +155,7 @@ class BatchCollector:
             all_correct=stats.groups_all_correct,
             all_wrong=stats.groups_all_wrong,
         )
-        stats.skipped_all_correct, stats.skipped_all_wrong = skips.all_correct, skips.all_wrong
+        stats.prefilter = skips
         buffer.extend(kept[num_prompts:])
         del buffer[: max(0, len(buffer) - self.a.buffer_max_groups)]  # the oldest (stalest) go first
         kept = kept[:num_prompts]

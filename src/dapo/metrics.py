@@ -28,8 +28,8 @@ def sampling_metrics(cstats: CollectStats, *, buffer_groups: int, gen_rounds_tot
         "sampling/tokens_generated": cstats.tokens_generated,
         "sampling/informative_frac": (cstats.prompts_generated - cstats.groups_dropped)
         / max(cstats.prompts_generated, 1),
-        "sampling/skipped_all_correct": cstats.skipped_all_correct,
-        "sampling/skipped_all_wrong": cstats.skipped_all_wrong,
+        "sampling/skipped_all_correct": cstats.prefilter.all_correct,
+        "sampling/skipped_all_wrong": cstats.prefilter.all_wrong,
         "sampling/buffer_groups": buffer_groups,
         "sampling/gen_rounds_total": gen_rounds_total,
         "sampling/cap_hit": float(cstats.cap_hit),
@@ -37,6 +37,16 @@ def sampling_metrics(cstats: CollectStats, *, buffer_groups: int, gen_rounds_tot
         "perf/time_reward_s": cstats.seconds_reward,
         "perf/gen_tokens_per_s": cstats.tokens_generated / max(cstats.seconds_generate, 1e-9),
         "perf/reward_samples_per_s": cstats.samples_generated / max(cstats.seconds_reward, 1e-9),
+    }
+
+
+def prefilter_metrics(cstats: CollectStats) -> dict:
+    """algo.prefilter's record of the step's dropped groups: what it knew of their prompts when they were drawn."""
+    p = cstats.prefilter
+    return {
+        "prefilter/dropped_unseen": p.dropped_unseen,
+        "prefilter/dropped_after_informative": p.dropped_after_informative,
+        "prefilter/dropped_despite_streak": p.dropped_despite_streak,
     }
 
 

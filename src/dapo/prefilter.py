@@ -44,10 +44,15 @@ def _uniform(seed: int, index: int, draw: int) -> float:
 
 @dataclass
 class SkipCounts:
-    """Prompts skipped since the last ``take``, by the kind of their streak."""
+    """Prompts skipped since the last ``take``, by the kind of their streak; and the uninformative groups generated,
+    by what the record knew of their prompt when it was drawn (what no rule on this record could have skipped:
+    a prompt never generated before, or one whose last group was informative)."""
 
     all_correct: int = 0
     all_wrong: int = 0
+    dropped_unseen: int = 0
+    dropped_after_informative: int = 0
+    dropped_despite_streak: int = 0  # drawn with a streak, generated all the same (the floor, or exploration)
 
 
 @dataclass
@@ -113,6 +118,13 @@ class Prefilter:
         if informative is None:
             informative = 0.0 < group_acc < 1.0
         run = self.streak[index]
+        if not informative:
+            if self.generated[index] == 1:
+                self.counts.dropped_unseen += 1
+            elif run == 0:
+                self.counts.dropped_after_informative += 1
+            else:
+                self.counts.dropped_despite_streak += 1
         if informative:
             self.streak[index] = 0
         elif group_acc >= 1.0:

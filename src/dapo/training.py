@@ -39,7 +39,14 @@ from dapo.dynamic_sampling import BatchCollector, CollectStats, Scorer, record_b
 from dapo.evaluation import evaluate, load_benchmark, sampling_settings
 from dapo.log import RunLogger, raised_outside, rank_log_path, setup_library_logging
 from dapo.memory import PhaseMemory
-from dapo.metrics import engine_gap_warning, no_signal_advice, sample_records, sampling_metrics, step_metrics
+from dapo.metrics import (
+    engine_gap_warning,
+    no_signal_advice,
+    prefilter_metrics,
+    sample_records,
+    sampling_metrics,
+    step_metrics,
+)
 from dapo.models import pick_device
 from dapo.policy import BaseReference, LossFn, Policy, ReferenceModel
 from dapo.prefilter import Prefilter
@@ -544,6 +551,8 @@ def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
         run.boundary("collect")
         state.observe(cstats)
         metrics = sampling_metrics(cstats, buffer_groups=len(state.buffer), gen_rounds_total=state.gen_rounds)
+        if cfg.algo.prefilter:
+            metrics |= prefilter_metrics(cstats)
         run.note_signal(batch, cstats, step)
         if batch is not None:
             assign_advantages(batch, cfg.algo, cfg.rollout.group_size)
