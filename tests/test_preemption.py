@@ -141,14 +141,19 @@ def test_a_repeat_of_the_signal_within_seconds_is_the_same_stop(tiny_model_dir, 
     assert [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(cfg.run_dir)] == [2]
 
 
-@pytest.mark.parametrize("times", [1, 2], ids=["once", "twice"])
-def test_dapo_train_stops_on_sigterm_in_one_line_with_exit_code_75(tiny_model_dir, tmp_path, times):
+@pytest.mark.parametrize(
+    "times,entry",
+    [(1, ["dapo.cli", "train"]), (2, ["dapo.cli", "train"]), (1, ["dapo.training"])],
+    ids=["once", "twice", "module"],
+)
+def test_dapo_train_stops_on_sigterm_in_one_line_with_exit_code_75(tiny_model_dir, tmp_path, times, entry):
     """From outside, as a scheduler would: SIGTERM once step 1's row is written, wherever step 2 then is. Twice:
     a second SIGTERM 0.1 s after the first, as when Slurm signals every process of the job and a launcher
-    forwards its own: the same stop, not a second one (which would exit at once without the checkpoint)."""
+    forwards its own: the same stop, not a second one (which would exit at once without the checkpoint). Module:
+    ``python -m dapo.training``, the entry `dapo ablate` and the benchmarks start runs with."""
     from test_parallel import REPO, env_for_children
 
-    cmd = [sys.executable, "-m", "dapo.cli", "train", "configs/demo.yaml", *SMALL_OVERRIDES]
+    cmd = [sys.executable, "-m", *entry, "configs/demo.yaml", *SMALL_OVERRIDES]
     cmd += [f"model.path={tiny_model_dir}", f"run.dir={tmp_path}", "train.total_steps=50", "run.save_every=null"]
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env_for_children(COLUMNS="500"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

@@ -287,3 +287,24 @@ def test_a_run_killed_after_a_checkpoint_resumes_to_the_prompts_skips_and_weight
         load_file(str(root / "t" / final / "model" / "model.safetensors")) for root in (tmp_path / "a", tmp_path / "b")
     )
     assert [k for k in w_want if not torch.equal(w_want[k], w_got[k])] == []
+
+
+def test_the_run_summary_prices_the_whole_runs_generation(tmp_path):
+    """The end-of-run line adds the steps' raw counts: 5,000 tokens generated for 2,000 trained, 6 of 20 s of
+    generation on dropped groups, 7 prompts skipped; without the prefilter no skip part."""
+    from dapo.log import run_summary
+
+    rows = [
+        {"step": 1, "sampling/tokens_generated": 3000, "sampling/tokens_trained": 1000, "sampling/dropped_gen_s": 4.0,
+         "perf/time_generate_s": 12.0, "sampling/skipped_all_correct": 0, "sampling/skipped_all_wrong": 2},
+        {"step": 2, "sampling/tokens_generated": 2000, "sampling/tokens_trained": 1000, "sampling/dropped_gen_s": 2.0,
+         "perf/time_generate_s": 8.0, "sampling/skipped_all_correct": 5, "sampling/skipped_all_wrong": 0},
+    ]  # fmt: skip
+    lines = run_summary(rows, wall_s=30, run_dir=tmp_path)
+    assert (
+        "generation: 2.50 tokens generated per token trained; 6 s of 20 s generating went to dropped groups (30%); "
+        "the prefilter skipped 7 prompts (5 all-correct, 2 all-wrong)"
+    ) in lines
+    for r in rows:
+        r["sampling/skipped_all_correct"] = r["sampling/skipped_all_wrong"] = 0
+    assert any(x.endswith("went to dropped groups (30%)") for x in run_summary(rows, wall_s=30, run_dir=tmp_path))

@@ -644,4 +644,9 @@ def train(cfg: Config, *, console=None, inputs: RunInputs | None = None) -> dict
 if (
     __name__ == "__main__"
 ):  # one run in its own process, as the ablation runner starts them: python -m dapo.training PRESET [key=value ...]
-    train(load_config(sys.argv[1], sys.argv[2:]))
+    try:
+        train(load_config(sys.argv[1], sys.argv[2:]))
+    except preemption.Stopped as stopped:  # as `dapo train`: the stop line alone (rank 0's), exit code 75
+        if stopped.main:
+            print(stopped, file=sys.stderr, flush=True)
+        sys.exit(stopped.exit_code)
