@@ -18,7 +18,7 @@ QWEN_CODER_VERSION := 0.9.0
 QWEN_CODER_SHA256 := 1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
 QWEN_CODER_GGUF := $(dir $(QWEN_CODER_DIR))Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf
 
-.PHONY: demo test lint format install bench clean smollm2 qwen-coder gpu-wheels gpu-check
+.PHONY: demo test test-real lint format install bench clean smollm2 qwen-coder gpu-wheels gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -78,6 +78,10 @@ format: $(STAMP)
 
 test: $(STAMP) $(VLLM_STAMP) lint
 	$(PY) -m pytest -q
+
+# the tests on the real SmolLM2-135M-Instruct (make smollm2 first): minutes on 2 cores, so not in make test
+test-real: $(STAMP) $(VLLM_STAMP)
+	DAPO_REAL_MODEL_TESTS=1 $(PY) -m pytest -q tests/test_real_model.py tests/test_vllm_real.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -30,8 +31,12 @@ SMOL_CACHE = Path("~/.cache/dapo/models").expanduser()
 SMOL_MODEL = SMOL_CACHE / "SmolLM2-135M-Instruct"
 SMOL_GGUF = SMOL_CACHE / "SmolLM2-135M-Instruct.Q4_1.gguf"
 IM_END = 2  # <|im_end|>: EOS and pad
+# the real 135M model in the tests costs minutes on 2 cores, and tiny models of the same architecture check the same
+# paths in make test: these run with `make test-real` (DAPO_REAL_MODEL_TESTS=1)
+REAL_MODEL_TESTS = os.environ.get("DAPO_REAL_MODEL_TESTS") == "1"
 needs_smollm2 = pytest.mark.skipif(
-    not (SMOL_MODEL / "config.json").exists(), reason="SmolLM2-135M-Instruct is not cached: run `make smollm2`"
+    not REAL_MODEL_TESTS or not (SMOL_MODEL / "config.json").exists(),
+    reason="the real SmolLM2-135M-Instruct: `make test-real` (after `make smollm2`)",
 )
 
 
@@ -292,7 +297,10 @@ def test_import_model_cli_errors_in_one_line(tmp_path):
     )
 
 
-@pytest.mark.skipif(not SMOL_GGUF.exists(), reason="the SmolLM2 GGUF is not cached: run `make smollm2`")
+@pytest.mark.skipif(
+    not REAL_MODEL_TESTS or not SMOL_GGUF.exists(),
+    reason="the real SmolLM2 GGUF: `make test-real` (after `make smollm2`)",
+)
 def test_import_real_smollm2_gguf(tmp_path):
     """The real 4-bit file: the written model computes what transformers' own GGUF load computes."""
     from transformers import AutoModelForCausalLM
