@@ -177,3 +177,40 @@ def test_a_bench_cut_short_keeps_its_figures_and_a_rerun_of_the_rest_adds_to_the
         "smoke": True,
     }
     assert gpu_check.merge_bench({**cut, "rows": ["| a | b | c |"]}, rerun) is rerun
+
+
+def test_the_demo_part_runs_the_demo_then_the_prefilter_demo_and_reads_their_lines(tmp_path, monkeypatch):
+    """Items h and j without running them: the two commands the part starts, and what it reads from their output
+    (the held-out line, the wall time and the generation line of the run summary)."""
+    import types
+
+    monkeypatch.setattr(gpu_check, "STATE_DIR", tmp_path)
+    args = types.SimpleNamespace(site=str(tmp_path / "site"), budget_s=60, fresh=True)
+    check = gpu_check.Check(args)
+    env = {"device": "NVIDIA H200", "devices": 1, "memory_gib": 139.8, "capability": "9.0", "python": "3.12"}
+    check.state = {"install": {"env": env, "installed": [], "kept": [], "how": "none needed"}}
+    started = []
+
+    def fake_run(cmd, timeout, log, **env):
+        started.append(cmd[3:])  # after python -m dapo.cli
+        out = (
+            "held-out accuracy: arith avg@4 28.7% [25.1, 32.2] before -> 72.8% [68.9, 76.4] after step 60  (95% CI)\n"
+            "wall time: 29 s\n"
+            "generation: 1.52 tokens generated per token trained; 9 s of 30 s generating went to dropped groups (30%)"
+            + (
+                "; the prefilter skipped 700 prompts (500 all-correct, 200 all-wrong)"
+                if "algo.prefilter=true" in cmd
+                else ""
+            )
+        )
+        return 0, out, 35.0
+
+    check.run = fake_run
+    check.part_demo()
+    assert [c[:2] for c in started] == [["demo", "model.device=cuda"]] * 2
+    assert "algo.prefilter=true" not in started[0] and "algo.prefilter=true" in started[1]
+    h, j = check.state["demo"], check.state["demo_prefilter"]
+    assert (h["before"], h["after"], h["rise"], h["wall_s"], h["tail"]) == (28.7, 72.8, 44.1, 29.0, "")
+    assert j["generation"].endswith("the prefilter skipped 700 prompts (500 all-correct, 200 all-wrong)")
+    text = gpu_check.write_report(check.state, [])
+    assert "| j | `dapo.cli demo model.device=cuda" in text and "| PASS |" in text
