@@ -52,30 +52,37 @@ def train(preset: str, overrides: list[str], run_dir: Path) -> list[dict]:
     return read_metrics(run_dir)
 
 
+def generation(steps: list[dict]) -> dict:
+    """What the steps' generation cost, added up over them (both sides, demo and SmolLM2)."""
+
+    def total(k):
+        return sum(r.get(k, 0.0) for r in steps)
+
+    skipped = total("sampling/skipped_all_correct") + total("sampling/skipped_all_wrong")
+    return {
+        "steps": len(steps),
+        "tokens": total("sampling/tokens_generated"),
+        "tokens_per_trained": total("sampling/tokens_generated") / max(total("sampling/tokens_trained"), 1),
+        "gen_s": total("perf/time_generate_s"),
+        "dropped_gen_s": total("sampling/dropped_gen_s"),
+        "skipped": skipped,
+        "drawn": total("sampling/prompts_generated") + skipped,
+        "informative": statistics.fmean(r["sampling/informative_frac"] for r in steps),
+        "step_s": total("perf/time_step_s"),
+    }
+
+
 def summarise(rows: list[dict], target: float) -> dict:
     steps = [r for r in rows if "sampling/tokens_generated" in r]
     key = held_out_keys(rows)[0]
     evals = [(r["step"], r[key]) for r in rows if key in r]
     reached = next((step for step, acc in evals if acc >= target), None)
-    upto = [r for r in steps if reached is not None and r["step"] <= reached]
-
-    def total(k, rs=steps):
-        return sum(r.get(k, 0.0) for r in rs)
-
-    return {
-        "steps": len(steps),
-        "tokens_per_trained": total("sampling/tokens_generated") / max(total("sampling/tokens_trained"), 1),
-        "gen_s": total("perf/time_generate_s"),
-        "dropped_gen_s": total("sampling/dropped_gen_s"),
-        "skipped": total("sampling/skipped_all_correct") + total("sampling/skipped_all_wrong"),
-        "drawn": total("sampling/prompts_generated")
-        + total("sampling/skipped_all_correct")
-        + total("sampling/skipped_all_wrong"),
-        "informative": statistics.fmean(r["sampling/informative_frac"] for r in steps),
+    upto = generation([r for r in steps if r["step"] <= reached]) if reached is not None else None
+    return generation(steps) | {
         "reached_step": reached,
-        "tokens_to_target": total("sampling/tokens_generated", upto) if reached is not None else None,
-        "gen_s_to_target": total("perf/time_generate_s", upto) if reached is not None else None,
-        "step_s_to_target": total("perf/time_step_s", upto) if reached is not None else None,
+        "tokens_to_target": upto and upto["tokens"],
+        "gen_s_to_target": upto and upto["gen_s"],
+        "step_s_to_target": upto and upto["step_s"],
         "first_acc": evals[0][1],
         "final_acc": evals[-1][1],
         "metric": key,
@@ -134,20 +141,7 @@ def main() -> None:
 def summarise_real(rows: list[dict]) -> dict:
     """The SmolLM2 runs: no held-out curve (too slow on a CPU), only what generation cost."""
     steps = [r for r in rows if "sampling/tokens_generated" in r]
-
-    def total(k):
-        return sum(r.get(k, 0.0) for r in steps)
-
-    return {
-        "steps": len(steps),
-        "tokens_per_trained": total("sampling/tokens_generated") / max(total("sampling/tokens_trained"), 1),
-        "gen_s": total("perf/time_generate_s"),
-        "dropped_gen_s": total("sampling/dropped_gen_s"),
-        "skipped": total("sampling/skipped_all_correct") + total("sampling/skipped_all_wrong"),
-        "informative": statistics.fmean(r["sampling/informative_frac"] for r in steps),
-        "train_acc": statistics.fmean(r["rollout/acc_mean"] for r in steps),
-        "step_s": total("perf/time_step_s"),
-    }
+    return generation(steps) | {"train_acc": statistics.fmean(r["rollout/acc_mean"] for r in steps)}
 
 
 def line(r: dict, args) -> str:
