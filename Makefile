@@ -18,7 +18,7 @@ QWEN_CODER_VERSION := 0.9.0
 QWEN_CODER_SHA256 := 1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
 QWEN_CODER_GGUF := $(dir $(QWEN_CODER_DIR))Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf
 
-.PHONY: demo test test-real lint format install bench clean smollm2 qwen-coder gpu-wheels gpu-check
+.PHONY: demo test test-real lint format install bench clean sandbox smollm2 qwen-coder gpu-wheels gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -76,8 +76,17 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-test: $(STAMP) $(VLLM_STAMP) lint
+test: $(STAMP) $(VLLM_STAMP) lint sandbox
 	$(PY) -m pytest -q
+
+# bubblewrap, the tool sandbox (dapo.tools.sandbox): a system package, installed where missing; without it the
+# sandbox tests skip and a run with tools stops at start saying so
+sandbox:
+	@command -v bwrap >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo "sudo -n" ); \
+	  $$SUDO apt-get install -y --no-install-recommends bubblewrap >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update >/dev/null 2>&1 && $$SUDO apt-get install -y --no-install-recommends bubblewrap >/dev/null 2>&1; } || \
+	  echo "warning: could not install bubblewrap (apt-get install bubblewrap); the tool sandbox tests will skip"; }
 
 # the tests on the real SmolLM2-135M-Instruct (make smollm2 first): minutes on 2 cores, so not in make test
 test-real: $(STAMP) $(VLLM_STAMP)

@@ -160,6 +160,30 @@ def cmd_import_model(args) -> int:
 
 
 @command(
+    "tool-run",
+    "run a Python file in the tool sandbox training uses; print what the model would see",
+    _arg("file", help="a Python file, e.g. one a model wrote"),
+    _arg("--config", help="a YAML preset whose tools.* settings to use (default: the defaults)"),
+    OVERRIDES,
+    description="Run FILE exactly as a model's code runs during training: the same sandbox (tools.sandbox) and "
+    "limits (tools.timeout_s, cpu_s, memory_mb, processes, file_mb, output_chars); print the output block the "
+    "model would be given, then one line on how the call ended. Checks that this machine can sandbox tools.",
+)
+def cmd_tool_run(args) -> int:
+    from dapo.tools.python_tool import output_block
+    from dapo.tools.sandbox import Limits, Sandbox
+
+    cfg = load_config(resolve_preset(args.config) if args.config else None, args.overrides)
+    box = Sandbox(Limits.from_config(cfg.tools), kind=cfg.tools.sandbox)
+    box.check()
+    result = box.run(Path(args.file).read_text())
+    print(output_block(result), end="")
+    ended = f"failed: {result.error}" if result.failed else "exit 0"
+    print(f"({ended}; {result.seconds:.2f} s in sandbox {cfg.tools.sandbox})", file=sys.stderr)
+    return 0 if not result.failed else 1
+
+
+@command(
     "launch-ray",
     "train with one Ray worker per GPU across a Ray cluster (FSDP)",
     _arg("config", help="YAML preset"),

@@ -59,6 +59,7 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 Logger = Literal["console", "tensorboard", "wandb", "mlflow"]
 ResumeDamaged = Literal["skip", "refuse"]
 WandbMode = Literal["online", "offline", "disabled"]
+ToolSandbox = Literal["bwrap", "none"]
 
 
 @dataclass(frozen=True)
@@ -298,6 +299,19 @@ class EvalConfig:
 
 
 @dataclass
+class ToolsConfig:
+    # where code a model wrote runs (dapo.tools.sandbox): bwrap, a bubblewrap sandbox per call; none, a bare
+    # process with the same limits (trusted setups only: it can read and write what the trainer can)
+    sandbox: ToolSandbox = "bwrap"
+    timeout_s: float = field(5.0, gt=0, le=600, unit="seconds")  # wall clock per call; the sandbox is killed past it
+    cpu_s: int = field(5, ge=1, unit="seconds")  # CPU time per call
+    memory_mb: int = field(1024, ge=64, unit="MiB")  # address space per call
+    processes: int = field(16, ge=1)  # processes and threads per call (fork bombs end here)
+    file_mb: int = field(16, ge=1, unit="MiB")  # largest file a call may write, and the size of its /tmp
+    output_chars: int = field(512, gt=0)  # characters of stdout the model sees per call, and of an error line
+
+
+@dataclass
 class WandbConfig:
     project: str | None = None  # null: WANDB_PROJECT, else "dapo"
     entity: str | None = None  # team or user; null: WANDB_ENTITY, else your default entity
@@ -385,6 +399,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     @property
