@@ -33,6 +33,9 @@ class RolloutBatch:
     rollout_logp: list[list[float]] = field(
         default_factory=list
     )  # per token, as the rollout engine sampled it (vllm); empty if not reported
+    # per response token 1 where a tool wrote it (multi-turn rows): context the model reads, never trained on,
+    # so it is 0 in response_mask; empty when no row called a tool
+    tool_mask: list[list[int]] = field(default_factory=list)
     # per token, under the weights that sampled the row, for groups held over in the surplus buffer: their
     # behaviour policy, so their old_logp (None for a row sampled this step, whose old_logp is recomputed)
     behaviour_logp: list[list[float] | None] = field(default_factory=list)
@@ -63,12 +66,22 @@ class RolloutBatch:
 
     def response_mask(self, rows: torch.Tensor | None = None, width: int | None = None) -> torch.Tensor:
         """(n, width) float mask: 1 on response tokens that are trained on."""
-        lengths = self.response_lengths if rows is None else self.response_lengths[rows]
-        width = int(lengths.max()) if width is None else width
-        mask = (torch.arange(width)[None, :] < lengths[:, None]).float()  # (n, width)
+        mask = self.written_mask(rows, width)
         if self.trainable is not None:
             keep = self.trainable if rows is None else self.trainable[rows]
             mask = mask * keep[:, None].float()
+        return mask
+
+    def written_mask(self, rows: torch.Tensor | None = None, width: int | None = None) -> torch.Tensor:
+        """(n, width) float mask: 1 on the response tokens the model wrote (not padding, not a tool's output)."""
+        lengths = self.response_lengths if rows is None else self.response_lengths[rows]
+        width = int(lengths.max()) if width is None else width
+        mask = (torch.arange(width)[None, :] < lengths[:, None]).float()  # (n, width)
+        if self.tool_mask:
+            picked = self.tool_mask if rows is None else [self.tool_mask[i] for i in rows.tolist()]
+            for i, tool in enumerate(picked):
+                if any(tool):
+                    mask[i, : len(tool)] *= 1.0 - torch.tensor(tool[:width], dtype=mask.dtype)
         return mask
 
     def select_rows(self, rows: list[int]) -> RolloutBatch:
@@ -102,6 +115,12 @@ class RolloutBatch:
                 out[f.name] = values[0]
             elif f.name == "rollout_logp" and not all(values):
                 out[f.name] = []  # rows without them would misalign the rest
+            elif f.name == "tool_mask":  # rows of a batch without tools: no tool token
+                out[f.name] = (
+                    [m for b, v in zip(batches, values) for m in (v or [[0] * len(r) for r in b.response_ids])]
+                    if any(values)
+                    else []
+                )
             elif f.name == "behaviour_logp":
                 out[f.name] = (
                     [x for b, v in zip(batches, values) for x in (v or [None] * len(b))] if any(values) else []

@@ -300,6 +300,12 @@ class EvalConfig:
 
 @dataclass
 class ToolsConfig:
+    # multi-turn rollouts with a Python tool (dapo.rollout.multi_turn): a ```python block the model closes runs in
+    # the sandbox and its output comes back as an ```output block; off: single-turn, the paper's setting
+    python: bool = False
+    max_turns: int = field(4, ge=1)  # stretches of the model's own writing per response (so at most 3 calls)
+    max_calls: int = field(3, ge=1)  # code runs per response; a call past it is answered "no tool calls left"
+    workers: int = field(4, ge=1)  # sandboxed calls run at once (each its own process)
     # where code a model wrote runs (dapo.tools.sandbox): bwrap, a bubblewrap sandbox per call; none, a bare
     # process with the same limits (trusted setups only: it can read and write what the trainer can)
     sandbox: ToolSandbox = "bwrap"

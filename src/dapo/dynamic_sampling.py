@@ -25,7 +25,7 @@ from dapo.batch import RolloutBatch
 from dapo.prefilter import SkipCounts
 from dapo.rewards.graders import TIMEOUT_PRED, graders_for
 from dapo.rewards.pool import CRASH_PRED
-from dapo.rollout.base import SamplingParams
+from dapo.rollout.base import SamplingParams, ToolLog
 from dapo.watchdog import phase
 
 
@@ -102,6 +102,7 @@ class CollectStats:
     seconds_reward: float = 0.0
     seconds_dropped: float = 0.0  # generation time attributed to dropped groups (by token share)
     prefilter: SkipCounts = field(default_factory=SkipCounts)  # prompts skipped, groups dropped (algo.prefilter)
+    tools: ToolLog = field(default_factory=lambda: ToolLog(turns=0))  # summed over the generated responses
     keep_rates: list[float] = field(default_factory=list)
 
 
@@ -213,6 +214,8 @@ class BatchCollector:
         stats.samples_generated += len(per_row)
         stats.tokens_generated += int(lengths.sum())
         stats.tokens_in_dropped_groups += dropped_tokens
+        for log in gen.tool_logs or []:
+            stats.tools.add(log)
         stats.acc_sum += float(scored.acc.sum())
         stats.timeouts += scored.timeouts
         stats.worker_crashes += scored.worker_crashes
@@ -233,6 +236,7 @@ class BatchCollector:
             overlong_penalty=scored.overlong_penalty,
             preds=scored.preds,
             rollout_logp=gen.logprobs or [],
+            tool_mask=gen.tool_mask or [],
         )
         return [round_batch.select_groups([i]) for i in torch.nonzero(keep).flatten().tolist()]
 

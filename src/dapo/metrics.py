@@ -96,6 +96,12 @@ def step_metrics(
         "sampling/tokens_trained": float(mask.sum()),
         "perf/train_tokens_per_s": float(mask.sum()) / max(times["update"], 1e-9),
     }
+    if cstats.tools.turns:  # multi-turn rollouts (tools.python): per generated response, and the step's totals
+        per = 1.0 / max(cstats.samples_generated, 1)
+        t = cstats.tools
+        m["tools/calls_per_response"], m["tools/errors_per_response"] = t.calls * per, t.errors * per
+        m["tools/timeouts_per_response"], m["tools/turns_per_response"] = t.timeouts * per, t.turns * per
+        m["tools/seconds"], m["tools/tokens_masked"] = t.seconds, float(t.tool_tokens)
     old_tokens = float(lengths.sum()) if old_logprob_tokens is None else old_logprob_tokens
     if old_tokens:
         m["perf/old_logprob_tokens_per_s"] = old_tokens / max(times["old_logprob"], 1e-9)
@@ -104,7 +110,7 @@ def step_metrics(
     ):  # the engine's log-probs of its own samples vs the trainer's: numerics (and buffer staleness)
         T = batch.old_logp.shape[1]
         rollout_logp = batch.padded_logp(batch.rollout_logp, T)  # (N, T)
-        diff = (rollout_logp - batch.old_logp).abs()[torch.arange(T)[None, :] < batch.response_lengths[:, None]]
+        diff = (rollout_logp - batch.old_logp).abs()[batch.written_mask(width=T) > 0]  # the model's tokens only
         m["rollout/logprob_abs_diff_mean"], m["rollout/logprob_abs_diff_max"] = diff.mean(), diff.max()
     m.update({f"actor/{k}": v for k, v in update.items()})
     return m

@@ -429,7 +429,9 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
             )
         )
     max_model_len = cfg.data.max_prompt_tokens + max(r.max_response_tokens, cfg.eval.max_response_tokens or 0)
-    engine = make_training_engine(r, cfg.model, policy.model, policy.tokenizer, d, max_model_len=max_model_len)
+    engine = make_training_engine(
+        r, cfg.model, policy.model, policy.tokenizer, d, max_model_len=max_model_len, tools_cfg=cfg.tools
+    )
     # the saved config says which engine ran ("auto" resolved)
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(r, backend=engine.backend))
     if a.old_logp == "engine" and engine.backend != "vllm":

@@ -42,7 +42,29 @@ def make_rollout(cfg, model, tokenizer, *, max_model_len: int | None = None) -> 
     raise ValueError(f"rollout.backend={cfg.backend!r}: choose hf or vllm")
 
 
-def make_training_engine(rollout_cfg, model_cfg, policy_model, tokenizer, dist, *, max_model_len: int) -> RolloutEngine:
+def with_tools(engine: RolloutEngine, tokenizer, tools_cfg) -> RolloutEngine:
+    """The engine, multi-turn with the sandboxed Python tool where ``tools.python`` is on. The sandbox is started
+    once here, so a machine that cannot run it stops the run at start, in one line."""
+    if tools_cfg is None or not tools_cfg.python:
+        return engine
+    from dapo.config import ConfigError
+    from dapo.rollout.multi_turn import ToolRollout
+    from dapo.tools.sandbox import Limits, Sandbox, SandboxUnavailable
+
+    sandbox = Sandbox(Limits.from_config(tools_cfg), kind=tools_cfg.sandbox)
+    try:
+        sandbox.check()
+    except SandboxUnavailable as err:
+        raise ConfigError(f"tools.python=true: {err}") from None
+    return ToolRollout(
+        engine, tokenizer, sandbox, max_turns=tools_cfg.max_turns, max_calls=tools_cfg.max_calls,
+        workers=tools_cfg.workers,
+    )  # fmt: skip
+
+
+def make_training_engine(
+    rollout_cfg, model_cfg, policy_model, tokenizer, dist, *, max_model_len: int, tools_cfg=None
+) -> RolloutEngine:
     """The rollout engine of a training run. Alone it shares the policy's model. Under FSDP every rank
     holds a full copy in model.dtype (rows finish at different lengths, so generating with the sharded
     model would make the ranks wait on each other) and samples its share of the prompts; with vLLM and
@@ -51,7 +73,9 @@ def make_training_engine(rollout_cfg, model_cfg, policy_model, tokenizer, dist, 
     ``max_model_len``: the longest prompt + response the run asks for; vLLM sizes its KV cache and
     scheduler for this, not for the model's whole context."""
     if not dist.sharded:
-        return make_rollout(rollout_cfg, policy_model, tokenizer, max_model_len=max_model_len)
+        return with_tools(
+            make_rollout(rollout_cfg, policy_model, tokenizer, max_model_len=max_model_len), tokenizer, tools_cfg
+        )
     from dapo.config import ConfigError
     from dapo.models import load_model_and_tokenizer, weightless_model
 
@@ -67,9 +91,8 @@ def make_training_engine(rollout_cfg, model_cfg, policy_model, tokenizer, dist, 
         model = weightless_model(model_cfg.path, model_cfg.dtype, trust_remote_code=trust)
     else:
         model, _ = load_model_and_tokenizer(model_cfg.path, model_cfg.dtype, dist.device, trust_remote_code=trust)
-    return ShardedRollout(
-        make_rollout(rollout_cfg, model, tokenizer, max_model_len=max_model_len), dist, tensor_parallel_size=k
-    )
+    engine = with_tools(make_rollout(rollout_cfg, model, tokenizer, max_model_len=max_model_len), tokenizer, tools_cfg)
+    return ShardedRollout(engine, dist, tensor_parallel_size=k)  # each rank runs its own rows' tool calls
 
 
 __all__ = [

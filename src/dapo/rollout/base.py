@@ -17,6 +17,27 @@ class SamplingParams:
     top_k: int | None = None  # None (or 0): no top-k
     max_new_tokens: int = 64
     seed: int = 0
+    stop: tuple[str, ...] = ()  # a row stops after the token that completes one of these texts (multi-turn tools)
+
+
+@dataclass
+class ToolLog:
+    """What one multi-turn response did with its tool."""
+
+    turns: int = 1  # stretches of the model's own writing
+    calls: int = 0
+    errors: int = 0  # calls whose code failed (an exception, a limit), time-outs included
+    timeouts: int = 0
+    seconds: float = 0.0  # wall time of its calls
+    tool_tokens: int = 0  # response tokens the tool wrote
+
+    def add(self, other: ToolLog) -> None:
+        self.turns += other.turns
+        self.calls += other.calls
+        self.errors += other.errors
+        self.timeouts += other.timeouts
+        self.seconds += other.seconds
+        self.tool_tokens += other.tool_tokens
 
 
 @dataclass
@@ -28,6 +49,10 @@ class Generation:
     truncated: torch.Tensor  # (rows,) bool: stopped by the max_new_tokens limit
     texts: list[str]  # responses decoded without special tokens
     logprobs: list[list[float]] | None = None  # per response token: the log-prob it was sampled with (vllm)
+    # multi-turn rows (dapo.rollout.multi_turn): per response token 1 where a tool wrote it (context, not trained
+    # on), and each row's tool record; None for single-turn generation
+    tool_mask: list[list[int]] | None = None
+    tool_logs: list[ToolLog] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -93,12 +118,15 @@ class ShardedRollout:
             mine = self.engine.generate(prompt_ids[lo:hi], replace(params, seed=params.seed * w + r))
         parts = parallel.all_gather_object(mine if self.d.rank % self.k == 0 else None, self.d)[:: self.k]
         with_logprobs = all(g.logprobs is not None or not g.response_ids for g in parts)
+        with_tools = any(g.tool_mask is not None for g in parts)
         return Generation(
             prompt_ids=[x for g in parts for x in g.prompt_ids],
             response_ids=[x for g in parts for x in g.response_ids],
             truncated=torch.cat([g.truncated for g in parts]),
             texts=[x for g in parts for x in g.texts],
             logprobs=[x for g in parts for x in (g.logprobs or [])] if with_logprobs else None,
+            tool_mask=[x for g in parts for x in (g.tool_mask or [])] if with_tools else None,
+            tool_logs=[x for g in parts for x in (g.tool_logs or [])] if with_tools else None,
         )
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

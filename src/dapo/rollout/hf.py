@@ -49,6 +49,7 @@ class HFRolloutEngine:
                     input_ids=input_ids,
                     attention_mask=attention_mask,
                     generation_config=self._generation_config(params),
+                    tokenizer=self.tokenizer if params.stop else None,  # stop strings are matched on text
                 )
                 new_tokens = out[:, input_ids.shape[1] :].tolist()
                 for row, tokens in zip(chunk, new_tokens):
@@ -84,6 +85,7 @@ class HFRolloutEngine:
             use_cache=True,
             pad_token_id=self.pad_id,
             eos_token_id=sorted(self.eos_ids),
+            stop_strings=list(params.stop) or None,
         )
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -221,7 +221,9 @@ class VLLMRolloutEngine:
                 stop_token_ids=sorted(self.eos_ids),
                 ignore_eos=False,
                 logprobs=0,
-                detokenize=False,
+                stop=list(params.stop) or None,
+                include_stop_str_in_output=True,
+                detokenize=bool(params.stop),  # stop strings are matched on text
             )
             for i in range(len(rows))
         ]

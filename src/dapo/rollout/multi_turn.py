@@ -1,0 +1,162 @@
+"""Multi-turn rollout with a Python tool, around any rollout engine (HF generate or vLLM).
+
+A response is generated in turns. A turn ends when the model closes a fenced block (``tools.STOP``); if that block
+is a ```python one, its code runs in the sandbox, the output block is appended to the response, and the next turn
+continues from there. The whole exchange is one response row.
+
+Token in, token out: the engine's sampled ids are kept as sampled (a turn is cut after the token that closed the
+block: a prefix of a sample is a sample), only the appended output block is encoded, and the next turn's prompt is
+the prompt ids plus the response ids so far, never a re-encoded text. ``Generation.tool_mask`` marks the tool's
+tokens: context for the next turns, never trained on.
+
+Budget: ``max_new_tokens`` is the whole response's, tool tokens included. They sit in the context the model
+writes into and in the rows the trainer computes, so they count towards ``rollout.max_response_tokens`` and the
+overlong shaping alike: a response that spends its budget on long tool output is as long as one that spends it
+writing (``docs/fidelity.md``).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from dapo.rollout.base import Generation, RolloutEngine, SamplingParams, ToolLog
+from dapo.tools.python_tool import STOP, call_in, output_block
+from dapo.tools.sandbox import Sandbox
+
+_TAIL_TOKENS = 8  # response tokens before a turn's new ones that a closing fence may have started in
+
+
+@dataclass
+class _Row:
+    prompt: list[int]
+    ids: list[int] = field(default_factory=list)
+    tool: list[int] = field(default_factory=list)  # 1 where the tool wrote the token
+    logp: list[float] = field(default_factory=list)
+    log: ToolLog = field(default_factory=lambda: ToolLog(turns=0))
+    done: bool = False
+    truncated: bool = False
+
+
+class ToolRollout:
+    """``generate`` as the wrapped engine's, with ``max_turns`` turns and ``max_calls`` sandboxed calls per row."""
+
+    def __init__(self, engine: RolloutEngine, tokenizer, sandbox: Sandbox, *, max_turns: int, max_calls: int,
+                 workers: int = 4):  # fmt: skip
+        self.engine, self.tokenizer, self.sandbox = engine, tokenizer, sandbox
+        self.max_turns, self.max_calls, self.workers = max_turns, max_calls, workers
+
+    @property
+    def backend(self) -> str:
+        return self.engine.backend
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generation:
+        rows = [_Row(p) for p in prompt_ids for _ in range(params.n)]  # prompt-major
+        budget = params.max_new_tokens
+        with_logprobs = True
+        for turn in range(self.max_turns):
+            active = [r for r in rows if not r.done]
+            if not active:
+                break
+            last = turn == self.max_turns - 1
+            stop = () if last else STOP
+            if turn == 0:
+                gen = self.engine.generate(prompt_ids, replace(params, stop=stop))
+            else:  # one request per row, seeded apart from the first turn's and from each other turn's
+                left = max(budget - len(r.ids) for r in active)
+                seed = params.seed * 1_000_003 + turn
+                gen = self.engine.generate([r.prompt + r.ids for r in active], replace(
+                    params, n=1, max_new_tokens=left, seed=seed, stop=stop))  # fmt: skip
+            with_logprobs = with_logprobs and gen.logprobs is not None
+            calls = []
+            for k, row in enumerate(active):
+                new = gen.response_ids[k]
+                logp = gen.logprobs[k] if gen.logprobs is not None else [0.0] * len(new)
+                row.log.turns += 1
+                cut = None if last else self._turn_end(row.ids, new)
+                stopped_by_eos = cut is None and not bool(gen.truncated[k])
+                new, logp = (new[:cut], logp[:cut]) if cut is not None else (new, logp)
+                room = budget - len(row.ids)
+                if len(new) > room:  # the budget ends inside this turn: the row is cut there, truncated
+                    new, logp, cut, stopped_by_eos = new[:room], logp[:room], None, False
+                row.ids += new
+                row.tool += [0] * len(new)
+                row.logp += logp
+                if cut is None:
+                    row.done, row.truncated = True, not stopped_by_eos
+                    continue
+                code = call_in(self.tokenizer.decode(row.ids))
+                if code is not None and len(row.ids) < budget:
+                    calls.append((row, code))
+            self._run(calls, budget)
+            for row in rows:
+                if not row.done and len(row.ids) >= budget:
+                    row.done, row.truncated = True, True
+        for row in rows:
+            if not row.done:  # the turns ran out right after a call: the output block is the response's end
+                row.truncated = True
+        return Generation(
+            prompt_ids=[r.prompt for r in rows],
+            response_ids=[r.ids for r in rows],
+            truncated=torch.tensor([r.truncated for r in rows], dtype=torch.bool),
+            texts=self.tokenizer.batch_decode([r.ids for r in rows], skip_special_tokens=True),
+            logprobs=[r.logp for r in rows] if with_logprobs else None,
+            tool_mask=[r.tool for r in rows],
+            tool_logs=[r.log for r in rows],
+        )
+
+    def _turn_end(self, ids: list[int], new: list[int]) -> int | None:
+        """How many of ``new`` to keep: up to the token that completes a stop text, or None if none does."""
+        tail = ids[-_TAIL_TOKENS:]
+        start = len(self.tokenizer.decode(tail))
+
+        def stops_within(k: int) -> bool:
+            text = self.tokenizer.decode(tail + new[:k])
+            return any(text.find(s, max(0, start - len(s) + 1)) >= 0 for s in STOP)
+
+        if not new or not stops_within(len(new)):
+            return None
+        lo, hi = 1, len(new)  # the first k whose text holds a stop: the property only turns on as k grows
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if stops_within(mid) else (mid + 1, hi)
+        return lo
+
+    def _run(self, calls: list[tuple[_Row, str]], budget: int) -> None:
+        """Run the turn's calls in parallel; append each output block (encoded alone) to its row."""
+        runs = [(row, code) for row, code in calls if row.log.calls < self.max_calls]
+        results = {}
+        if runs:
+            with ThreadPoolExecutor(max_workers=min(self.workers, len(runs))) as pool:
+                results = dict(zip(map(id, (r for r, _ in runs)), pool.map(self.sandbox.run, [c for _, c in runs])))
+        for row, _ in calls:
+            result = results.get(id(row))
+            if result is None:  # its calls are used up: it is told so, and nothing runs
+                text = f"ToolLimit: no tool calls left ({self.max_calls} per response)"
+                block = self.tokenizer.encode(f"```output\n{text}\n```\n", add_special_tokens=False)
+                self._append(row, block, budget)
+                continue
+            self._append(row, self.tokenizer.encode(output_block(result), add_special_tokens=False), budget)
+            row.log.calls += 1
+            row.log.errors += result.failed
+            row.log.timeouts += result.timed_out
+            row.log.seconds += result.seconds
+
+    @staticmethod
+    def _append(row: _Row, block: list[int], budget: int) -> None:
+        block = block[: budget - len(row.ids)]
+        row.ids += block
+        row.tool += [1] * len(block)
+        row.logp += [0.0] * len(block)  # never read: the tool mask keeps these out of every ratio
+        row.log.tool_tokens += len(block)
+
+    def update_weights(self, named_tensors) -> None:
+        self.engine.update_weights(named_tensors)
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake(self) -> None:
+        self.engine.wake()

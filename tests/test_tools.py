@@ -1,0 +1,239 @@
+"""Multi-turn rollouts with the Python tool: token in, token out; the tool's tokens masked out of training."""
+
+import math
+import shutil
+
+import pytest
+import torch
+from conftest import loss_fn_of, make_policy, small_config
+
+from dapo import algo, tiny
+from dapo.batch import RolloutBatch
+from dapo.metrics import step_metrics
+from dapo.rollout.base import Generation, SamplingParams
+from dapo.rollout.multi_turn import ToolRollout
+from dapo.tools.python_tool import call_in
+from dapo.tools.sandbox import Limits, Sandbox
+from dapo.training import importance_weights
+
+needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+TOK = tiny.build_tokenizer()  # one token per byte: a text's ids are its bytes + 2
+EOS = TOK.eos_token_id
+
+
+def ids(text: str) -> list[int]:
+    return TOK.encode(text, add_special_tokens=False)
+
+
+class ScriptedEngine:
+    """Writes each row's next scripted turn, followed by what a real engine may add past a stop (the rest of a
+    token, other text): the wrapper must cut it. Logs every request; log-prob of the k-th token sampled: -k/1000."""
+
+    backend = "scripted"
+
+    def __init__(self, script):
+        self.script, self.requests, self.sampled = script, [], 0
+
+    def generate(self, prompt_ids, params):
+        self.requests.append(([list(p) for p in prompt_ids], params))
+        rows = [p for p in prompt_ids for _ in range(params.n)]
+        responses, logps = [], []
+        for i, prompt in enumerate(rows):
+            text = self.script(prompt, i, len(self.requests) - 1)
+            out = ids(text) if not text.endswith("<eos>") else ids(text[:-5]) + [EOS]
+            if not text.endswith("<eos>"):
+                out += ids("JUNK")  # past the stop: must not be kept
+            out = out[: params.max_new_tokens]
+            responses.append(out)
+            logps.append([-(self.sampled + k) / 1000 for k in range(len(out))])
+            self.sampled += len(out)
+        truncated = torch.tensor([len(r) >= params.max_new_tokens and r[-1] != EOS for r in responses])
+        texts = TOK.batch_decode(responses, skip_special_tokens=True)
+        return Generation(rows, responses, truncated, texts, logps)
+
+
+CALL = "Let me compute.\n```python\nprint(6 * 7)\n```\n"
+OUT = "```output\n42\n```\n"
+
+
+def tool_rollout(script, **kw):
+    kw = {"max_turns": 4, "max_calls": 3, **kw}
+    engine = ScriptedEngine(script)
+    return ToolRollout(engine, TOK, Sandbox(Limits(wall_s=5.0, output_chars=64)), **kw), engine
+
+
+def test_call_in_finds_the_block_the_text_ends_with():
+    assert call_in(CALL) == "print(6 * 7)"
+    assert call_in("```python\na = 1\nprint(a)\n```") == "a = 1\nprint(a)"
+    assert call_in(CALL + "and then") is None  # the block is not the end: no call
+    assert call_in("```text\nprint(1)\n```\n") is None  # not a python block
+    assert call_in("```python\nprint(1)\n```\n" + OUT + "```python\nprint(2)\n```\n") == "print(2)"
+
+
+@needs_bwrap
+def test_a_call_runs_and_its_output_is_appended_as_tool_tokens_token_in_token_out():
+    def script(prompt, row, call):
+        return CALL if call == 0 else "So it is 42.<eos>"
+
+    rollout, engine = tool_rollout(script)
+    prompt = ids("Q: 6*7? ")
+    gen = rollout.generate([prompt], SamplingParams(n=2, max_new_tokens=200, seed=3))
+    expected = ids(CALL) + ids(OUT) + ids("So it is 42.") + [EOS]
+    assert gen.response_ids == [expected, expected]
+    assert gen.texts[0] == CALL + OUT + "So it is 42."
+    assert gen.tool_mask[0] == [0] * len(ids(CALL)) + [1] * len(ids(OUT)) + [0] * (len(ids("So it is 42.")) + 1)
+    assert not gen.truncated.any()
+    # the second turn's prompts: the prompt ids + the response ids so far, exactly (never re-encoded text), n=1 each
+    (first, p0), (second, p1) = engine.requests
+    assert first == [prompt] and p0.n == 2 and p0.stop == ("\n```\n",)
+    assert second == [prompt + ids(CALL) + ids(OUT)] * 2 and p1.n == 1
+    assert p1.max_new_tokens == 200 - len(ids(CALL) + ids(OUT)) and p1.seed != p0.seed
+    # the engine's log-probs kept on the model's tokens, in place; 0 (never read) on the tool's
+    lp = gen.logprobs[0]
+    n_call = len(ids(CALL))
+    assert lp[:n_call] == [-k / 1000 for k in range(n_call)]
+    assert lp[n_call : n_call + len(ids(OUT))] == [0.0] * len(ids(OUT))
+    log = gen.tool_logs[0]
+    assert (log.turns, log.calls, log.errors, log.timeouts, log.tool_tokens) == (2, 1, 0, 0, len(ids(OUT)))
+
+
+@needs_bwrap
+def test_errors_limits_and_blocks_that_are_not_calls():
+    scripts = {
+        0: ["```python\nprint(1 / 0)\n```\n", "Oops.<eos>"],
+        1: ["```text\nnot code\n```\n", "Done.<eos>"],  # a closed non-python block: no call, no output
+        2: [CALL, CALL, "x<eos>"],  # max_calls=1: the second call is told no calls are left
+    }
+
+    seen = {}
+
+    def script(prompt, row, call):  # each row's next scripted turn, by its prompt ("P0: " ...)
+        key = TOK.decode(prompt[:4])
+        turn = seen[key] = seen.get(key, -1) + 1
+        return scripts[int(key[1])][turn]
+
+    prompts = [ids("P0: "), ids("P1: "), ids("P2: ")]
+    rollout, _ = tool_rollout(script, max_calls=1)
+    gen = rollout.generate(prompts, SamplingParams(n=1, max_new_tokens=300))
+    assert gen.texts[0] == "```python\nprint(1 / 0)\n```\n```output\nZeroDivisionError: division by zero\n```\nOops."
+    assert (gen.tool_logs[0].calls, gen.tool_logs[0].errors) == (1, 1)
+    assert gen.texts[1] == "```text\nnot code\n```\nDone." and not any(gen.tool_mask[1])
+    assert gen.tool_logs[1].calls == 0 and gen.tool_logs[1].turns == 2
+    limit = "```output\nToolLimit: no tool calls left (1 per response)\n```\n"
+    assert gen.texts[2] == CALL + OUT + CALL + limit + "x"
+    assert gen.tool_logs[2].calls == 1
+
+
+@needs_bwrap
+def test_the_budget_counts_tool_tokens_and_the_last_turn_has_no_stop():
+    def script(prompt, row, call):
+        return CALL
+
+    budget = len(ids(CALL)) + 5  # the output block does not fit: cut, and the response is truncated
+    rollout, engine = tool_rollout(script)
+    gen = rollout.generate([ids("Q")], SamplingParams(n=1, max_new_tokens=budget))
+    assert gen.response_ids[0] == ids(CALL) + ids(OUT)[:5] and gen.truncated[0]
+    assert gen.tool_mask[0][-5:] == [1] * 5
+    rollout, engine = tool_rollout(script, max_turns=2)
+    gen = rollout.generate([ids("Q")], SamplingParams(n=1, max_new_tokens=400))
+    assert engine.requests[1][1].stop == ()  # the last turn: nothing stops it but EOS and the budget
+    assert gen.response_ids[0] == ids(CALL) + ids(OUT) + ids(CALL) + ids("JUNK")  # kept as sampled
+
+
+def masked_batch(policy):
+    """Three groups sampled from the tiny policy, with tokens 2-4 of every odd row marked as a tool's output."""
+    from test_train import sampled_batch
+
+    batch = sampled_batch(policy)
+    batch.tool_mask = [[int(i % 2 == 1 and 2 <= t <= 4) for t in range(len(r))] for i, r in enumerate(batch.response_ids)]
+    return batch
+
+
+def hand_mask(batch) -> torch.Tensor:
+    """The same mask built by hand: valid response tokens, minus tokens 2-4 of odd rows."""
+    T = batch.max_response_len
+    mask = torch.zeros(len(batch), T)
+    for i, r in enumerate(batch.response_ids):
+        for t in range(len(r)):
+            mask[i, t] = 0.0 if (i % 2 == 1 and 2 <= t <= 4) else 1.0
+    return mask
+
+
+def test_tool_tokens_are_context_only_loss_and_gradient_equal_the_hand_masked_ones(tiny_model_dir, tmp_path):
+    from dapo.policy import make_micro_batch, token_logprobs
+
+    cfg = small_config(
+        tmp_path, tiny_model_dir, "train.prompts_per_step=3", "train.mini_batch_prompts=3", "train.grad_clip=1e9"
+    )
+    torch.manual_seed(0)
+    policy = make_policy(cfg)
+    policy.optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)
+    policy.scheduler = torch.optim.lr_scheduler.LambdaLR(policy.optimizer, lambda step: 1.0)
+    batch = masked_batch(policy)
+    mask = hand_mask(batch)
+    assert torch.equal(batch.response_mask(), mask)
+    assert mask.sum() < batch.response_lengths.sum()  # some tokens are the tool's
+    # old log-probs are computed over the whole sequence: the tool's tokens too (they are the model's context)
+    mb = make_micro_batch(batch, list(range(len(batch))), policy.pad_id, "cpu")
+    full, _ = token_logprobs(policy.model.eval(), mb, temperature=cfg.rollout.temperature)
+    assert torch.allclose(batch.old_logp, full.detach(), atol=1e-6)
+    assert batch.old_logp[1, 2:5].abs().min() > 0
+    # expected: DAPO's loss on the hand-masked batch in one pass, and its gradient
+    logp, _ = token_logprobs(policy.model.train(), mb, temperature=cfg.rollout.temperature)
+    loss, _ = algo.policy_loss(logp, batch.old_logp, batch.adv, mask, eps_low=0.2, eps_high=0.28, dual_clip=10.0)
+    loss.backward()
+    expected = [p.grad.clone() for p in policy.model.parameters()]
+    policy.model.zero_grad(set_to_none=True)
+    before = [p.detach().clone() for p in policy.model.parameters()]
+    stats = policy.update(batch, loss_fn_of(cfg))
+    assert stats["pg_loss"].item() == pytest.approx(loss.item(), rel=1e-5)
+    for p, b, g in zip(policy.model.parameters(), before, expected):
+        assert torch.allclose(b - p.detach(), g, atol=1e-6)
+    assert max(g.abs().max() for g in expected) > 1e-3
+    # the entropy metric averages the model's tokens only
+    cstats = __import__("dapo.dynamic_sampling", fromlist=["CollectStats"]).CollectStats()
+    m = step_metrics(batch, cstats, {}, {"update": 1.0, "old_logprob": 1.0})
+    assert m["actor/entropy"].item() == pytest.approx(float((batch.entropy * mask).sum() / mask.sum()), rel=1e-6)
+
+
+def test_no_tool_tokens_engine_log_prob_enters_a_ratio(tiny_model_dir, tmp_path):
+    cfg = small_config(tmp_path, tiny_model_dir)
+    torch.manual_seed(0)
+    batch = masked_batch(make_policy(cfg))
+    mask = hand_mask(batch)
+    engine = (batch.old_logp - 0.01 * torch.rand_like(batch.old_logp)).tolist()  # the engine's, close to the trainer
+    results = []
+    for garbage in (0.0, 40.0, -40.0):  # what the rollout wrote on the tool's tokens: must change nothing
+        batch.rollout_logp = [
+            [garbage if tool else lp for lp, tool in zip(row[: len(tm)], tm)] for row, tm in zip(engine, batch.tool_mask)
+        ]
+        per_mode = {}
+        for mode in ("token_truncate", "sequence_truncate", "sequence_mask"):
+            stats = importance_weights(batch, 2.0, mode)
+            per_mode[mode] = (batch.is_weights * mask, {k: float(v) for k, v in stats.items()})
+        cstats = __import__("dapo.dynamic_sampling", fromlist=["CollectStats"]).CollectStats()
+        m = step_metrics(batch, cstats, {}, {"update": 1.0, "old_logprob": 1.0})
+        results.append((per_mode, float(m["rollout/logprob_abs_diff_max"])))
+    for per_mode, diff_max in results[1:]:
+        assert diff_max == results[0][1] < 0.011
+        for mode, (weights, stats) in per_mode.items():
+            assert torch.equal(weights, results[0][0][mode][0]), mode
+            assert stats == results[0][0][mode][1], mode
+    # and the sequence ratio is the product over the model's tokens only: row 1, by hand
+    rho = math.exp(sum((batch.old_logp[1, t] - engine[1][t]).item() for t in range(len(batch.response_ids[1])) if mask[1, t]))
+    importance_weights(batch, 1e9, "sequence_truncate")
+    assert batch.is_weights[1, 0].item() == pytest.approx(rho, rel=1e-5)
+
+
+def test_concat_keeps_tool_masks_aligned_with_rows_that_have_none():
+    def rows(tool_mask):
+        return RolloutBatch(
+            group_size=1, prompt_ids=[[1]], response_ids=[[5, 6, 7]], truncated=torch.zeros(1, dtype=torch.bool),
+            texts=[""], example_uids=["a"], ground_truths=["0"], tool_mask=tool_mask,
+        )  # fmt: skip
+
+    joined = RolloutBatch.concat([rows([]), rows([[0, 1, 0]])])
+    assert joined.tool_mask == [[0, 0, 0], [0, 1, 0]]
+    assert joined.response_mask().tolist() == [[1, 1, 1], [1, 0, 1]]
+    assert joined.select_rows([1]).tool_mask == [[0, 1, 0]]
+    assert RolloutBatch.concat([rows([]), rows([])]).tool_mask == []
