@@ -145,7 +145,9 @@ def masked_batch(policy):
     from test_train import sampled_batch
 
     batch = sampled_batch(policy)
-    batch.tool_mask = [[int(i % 2 == 1 and 2 <= t <= 4) for t in range(len(r))] for i, r in enumerate(batch.response_ids)]
+    batch.tool_mask = [
+        [int(i % 2 == 1 and 2 <= t <= 4) for t in range(len(r))] for i, r in enumerate(batch.response_ids)
+    ]
     return batch
 
 
@@ -205,7 +207,8 @@ def test_no_tool_tokens_engine_log_prob_enters_a_ratio(tiny_model_dir, tmp_path)
     results = []
     for garbage in (0.0, 40.0, -40.0):  # what the rollout wrote on the tool's tokens: must change nothing
         batch.rollout_logp = [
-            [garbage if tool else lp for lp, tool in zip(row[: len(tm)], tm)] for row, tm in zip(engine, batch.tool_mask)
+            [garbage if tool else lp for lp, tool in zip(row[: len(tm)], tm)]
+            for row, tm in zip(engine, batch.tool_mask)
         ]
         per_mode = {}
         for mode in ("token_truncate", "sequence_truncate", "sequence_mask"):
@@ -220,7 +223,9 @@ def test_no_tool_tokens_engine_log_prob_enters_a_ratio(tiny_model_dir, tmp_path)
             assert torch.equal(weights, results[0][0][mode][0]), mode
             assert stats == results[0][0][mode][1], mode
     # and the sequence ratio is the product over the model's tokens only: row 1, by hand
-    rho = math.exp(sum((batch.old_logp[1, t] - engine[1][t]).item() for t in range(len(batch.response_ids[1])) if mask[1, t]))
+    rho = math.exp(
+        sum((batch.old_logp[1, t] - engine[1][t]).item() for t in range(len(batch.response_ids[1])) if mask[1, t])
+    )
     importance_weights(batch, 1e9, "sequence_truncate")
     assert batch.is_weights[1, 0].item() == pytest.approx(rho, rel=1e-5)
 
