@@ -51,6 +51,15 @@ class ScriptedEngine:
         texts = TOK.batch_decode(responses, skip_special_tokens=True)
         return Generation(rows, responses, truncated, texts, logps)
 
+    def update_weights(self, named_tensors):
+        pass
+
+    def sleep(self):
+        pass
+
+    def wake(self):
+        pass
+
 
 CALL = "Let me compute.\n```python\nprint(6 * 7)\n```\n"
 OUT = "```output\n42\n```\n"
@@ -242,3 +251,77 @@ def test_concat_keeps_tool_masks_aligned_with_rows_that_have_none():
     assert joined.response_mask().tolist() == [[1, 1, 1], [1, 0, 1]]
     assert joined.select_rows([1]).tool_mask == [[0, 1, 0]]
     assert RolloutBatch.concat([rows([]), rows([])]).tool_mask == []
+
+
+def greedy_in_turns(engine, tokenizer, prompts, monkeypatch, max_new_tokens=24):
+    """Greedy responses in one go, and again in turns cut at a stop text taken from them: with greedy decoding,
+    continuing from the kept ids must give the very same tokens (token in, token out)."""
+    from dapo.rollout import multi_turn
+
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)
+    whole = engine.generate(prompts, params)
+    stop = whole.texts[0][2:4]  # two characters the greedy response writes early
+    assert stop and all(stop in t for t in whole.texts[:1])
+    monkeypatch.setattr(multi_turn, "STOP", (stop,))
+    monkeypatch.setattr(multi_turn, "call_in", lambda text: None)  # no block is code: the rows just go on
+    turns = ToolRollout(engine, tokenizer, Sandbox(kind="none"), max_turns=4, max_calls=1).generate(prompts, params)
+    return whole, turns
+
+
+def test_hf_turns_continue_exactly_where_the_engine_stopped(monkeypatch):
+    from pathlib import Path
+
+    from dapo.models import load_model_and_tokenizer
+    from dapo.rollout.hf import HFRolloutEngine
+
+    model, tokenizer = load_model_and_tokenizer(
+        Path(__file__).resolve().parents[1] / "assets" / "arith-base", "float32", "cpu"
+    )
+    engine = HFRolloutEngine(model, tokenizer)
+    prompts = [tokenizer(p)["input_ids"] for p in ("2+7*4=", "9=", "7-")]
+    whole, turns = greedy_in_turns(engine, tokenizer, prompts, monkeypatch)
+    assert turns.response_ids == whole.response_ids
+    assert torch.equal(turns.truncated, whole.truncated)
+    assert turns.tool_logs[0].turns >= 2  # it did stop at the text and went on
+    assert not any(any(m) for m in turns.tool_mask)
+
+
+class ArithToolUser(ScriptedEngine):
+    """A 'model' that computes with the tool: turn 1 prints the problem's value, turn 2 answers with what the
+    tool said (rows of even index) or one more (odd): half of each group right, half wrong."""
+
+    def __init__(self):
+        super().__init__(self.write)
+
+    @staticmethod
+    def write(prompt, row, call):
+        text = TOK.decode(prompt)
+        if "```output" not in text:
+            return f"```python\nprint({text.split('=')[0]})\n```\n"
+        value = int(text.split("```output\n")[-1].split("\n")[0])
+        return f"Answer: {value + row % 2}<eos>"
+
+
+@needs_bwrap
+def test_a_training_run_with_the_tool_grades_the_final_answer_and_trains_the_models_tokens(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    import dapo.rollout
+    from dapo.log import read_metrics
+    from dapo.training import train
+
+    monkeypatch.setattr(dapo.rollout, "make_rollout", lambda *a, **k: ArithToolUser())
+    cfg = small_config(
+        tmp_path, tiny_model_dir, "tools.python=true", "rollout.max_response_tokens=64", "algo.dynamic_sampling=true"
+    )
+    train(cfg)
+    rows = read_metrics(cfg.run_dir)
+    assert len(rows) == 2
+    for m in rows:
+        assert m["tools/calls_per_response"] == 1.0 and m["tools/turns_per_response"] == 2.0
+        assert m["tools/errors_per_response"] == 0.0 and m["tools/tokens_masked"] > 0
+        assert m["reward/acc_mean"] == 0.5  # the grader read each response's final answer
+        assert m["sampling/tokens_trained"] == m["sampling/tokens_generated"] - m["tools/tokens_masked"]
+    sample = (cfg.run_dir / "samples").glob("*")
+    text = "".join(p.read_text() for p in sample)
+    assert "```output" in text and "Answer:" in text  # the samples show each turn
