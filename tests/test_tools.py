@@ -12,6 +12,7 @@ from dapo.batch import RolloutBatch
 from dapo.metrics import step_metrics
 from dapo.rollout.base import Generation, SamplingParams
 from dapo.rollout.multi_turn import ToolRollout
+from dapo.tools import PythonTool
 from dapo.tools.python_tool import call_in
 from dapo.tools.sandbox import Limits, Sandbox
 from dapo.training import importance_weights
@@ -68,7 +69,7 @@ OUT = "```output\n42\n```\n"
 def tool_rollout(script, **kw):
     kw = {"max_turns": 4, "max_calls": 3, **kw}
     engine = ScriptedEngine(script)
-    return ToolRollout(engine, TOK, Sandbox(Limits(wall_s=5.0, output_chars=64)), **kw), engine
+    return ToolRollout(engine, TOK, PythonTool(Sandbox(Limits(wall_s=5.0, output_chars=64))), **kw), engine
 
 
 def test_call_in_finds_the_block_the_text_ends_with():
@@ -256,15 +257,19 @@ def test_concat_keeps_tool_masks_aligned_with_rows_that_have_none():
 def greedy_in_turns(engine, tokenizer, prompts, monkeypatch, max_new_tokens=24):
     """Greedy responses in one go, and again in turns cut at a stop text taken from them: with greedy decoding,
     continuing from the kept ids must give the very same tokens (token in, token out)."""
-    from dapo.rollout import multi_turn
-
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)
     whole = engine.generate(prompts, params)
     stop = whole.texts[0][2:4]  # two characters the greedy response writes early
     assert stop and all(stop in t for t in whole.texts[:1])
-    monkeypatch.setattr(multi_turn, "STOP", (stop,))
-    monkeypatch.setattr(multi_turn, "call_in", lambda text: None)  # no block is code: the rows just go on
-    turns = ToolRollout(engine, tokenizer, Sandbox(kind="none"), max_turns=4, max_calls=1).generate(prompts, params)
+
+    class GoOn:  # turns end at the stop text, and the environment appends nothing: the rows just go on
+        def __init__(self):
+            self.stop = (stop,)
+
+        def step(self, response):
+            return None
+
+    turns = ToolRollout(engine, tokenizer, GoOn(), max_turns=4, max_calls=1).generate(prompts, params)
     return whole, turns
 
 
@@ -325,3 +330,98 @@ def test_a_training_run_with_the_tool_grades_the_final_answer_and_trains_the_mod
     sample = (cfg.run_dir / "samples").glob("*")
     text = "".join(p.read_text() for p in sample)
     assert "```output" in text and "Answer:" in text  # the samples show each turn
+
+
+@needs_bwrap
+def test_void_turns_are_counted_and_filtered_only_when_asked(tiny_model_dir, tmp_path, monkeypatch):
+    import dapo.rollout
+    from dapo.config import ConfigError
+    from dapo.log import read_metrics
+    from dapo.training import assign_advantages, train
+
+    class Voids(ArithToolUser):  # rows 0 mod 4 close a text block (void), rows 1 mod 4 stop without an answer
+        @staticmethod
+        def write(prompt, row, call):
+            text = TOK.decode(prompt)
+            if "```" not in text:
+                return "```text\nhmm\n```\n" if row % 4 == 0 else "I give up.<eos>" if row % 4 == 1 else (
+                    f"```python\nprint({text.split('=')[0]})\n```\n")  # fmt: skip
+            if "```output" not in text:
+                return "Answer: 0<eos>"
+            value = int(text.split("```output\n")[-1].split("\n")[0])
+            return f"Answer: {value + row % 2}<eos>"
+
+    monkeypatch.setattr(dapo.rollout, "make_rollout", lambda *a, **k: Voids())
+    for flag in ("false", "true"):
+        cfg = small_config(
+            tmp_path / flag, tiny_model_dir, "tools.python=true", "rollout.max_response_tokens=64",
+            f"tools.filter_void_turns={flag}", "train.total_steps=1",
+        )  # fmt: skip
+        train(cfg)
+        (m,) = read_metrics(cfg.run_dir)
+        assert m["tools/void_turn_frac"] == 0.5  # rows 0 and 1 of every 4
+        assert (m["sampling/tokens_trained"] < m["sampling/tokens_generated"] - m["tools/tokens_masked"]) == (
+            flag == "true"
+        )
+    batch = RolloutBatch(
+        group_size=2, prompt_ids=[[1]] * 2, response_ids=[[5, 6]] * 2, truncated=torch.zeros(2, dtype=torch.bool),
+        texts=["", ""], example_uids=["a"] * 2, ground_truths=["0"] * 2, reward=torch.tensor([1.0, -1.0]),
+        void_turn=[True, False],
+    )  # fmt: skip
+    assign_advantages(batch, cfg.algo, 2, filter_void_turns=True)
+    assert batch.trainable.tolist() == [False, True] and batch.adv.tolist() == pytest.approx(
+        [0.7071, -0.7071], abs=1e-4
+    )
+    with pytest.raises(ConfigError, match="tools.filter_void_turns=true: .* needs tools.python=true"):
+        small_config(tmp_path, tiny_model_dir, "tools.filter_void_turns=true")
+
+
+class Lookup:
+    """A user's own tool: a line ending in '?' is looked up in a table; 'bye' ends the response."""
+
+    stop = ("?\n", "bye")
+
+    def __init__(self, table):
+        self.table, self.asked = table, []
+
+    def step(self, response):
+        from dapo.tools import DONE
+
+        self.asked.append(response)
+        if response.endswith("bye"):
+            return DONE
+        key = response.rsplit("\n", 2)[-2].rstrip("?")
+        if key == "hang":
+            import time
+
+            time.sleep(3)
+        return f"[{self.table[key]}]\n"  # a KeyError is the model's to see
+
+
+def test_a_users_environment_gets_the_same_turns_masks_and_limits():
+    scripts = {
+        "A": ["x\nsize?\n", "it is 7 bye", "never written"],
+        "B": ["colour?\n", "ok<eos>"],
+        "C": ["weight?\n", "hm<eos>"],
+        "D": ["hang?\n", "late<eos>"],
+    }
+    seen = {}
+
+    def script(prompt, row, call):
+        key = TOK.decode(prompt[:1])
+        turn = seen[key] = seen.get(key, -1) + 1
+        return scripts[key][turn]
+
+    env = Lookup({"size": 7, "colour": "red and more"})  # cut to output_chars
+    engine = ScriptedEngine(script)
+    rollout = ToolRollout(engine, TOK, env, max_turns=3, max_calls=2, timeout_s=1.0, output_chars=6)
+    gen = rollout.generate([ids(k) for k in "ABCD"], SamplingParams(n=1, max_new_tokens=100))
+    assert gen.texts[0] == "x\nsize?\n[7]\nit is 7 bye" and not gen.truncated[0]  # DONE ends it, not truncated
+    assert gen.tool_mask[0] == [0] * 8 + [1] * 4 + [0] * 11
+    assert gen.texts[1] == "colour?\n[red a" + "ok"  # 6 characters of "[red and more]\n"
+    assert gen.texts[2] == "weight?\n```output\nKeyError: 'weight'\n```\nhm" and gen.tool_logs[2].errors == 1
+    assert (
+        gen.texts[3].startswith("hang?\n```output\nTimeoutError: the tool ran past 1 s") and gen.tool_logs[3].timeouts
+    )
+    assert engine.requests[1][0][0] == ids("A") + ids("x\nsize?\n[7]\n")  # token in: prompt + ids so far
+    rollout.close()

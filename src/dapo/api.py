@@ -69,7 +69,12 @@ def _eval_of(rows: list[dict]) -> dict:
 
 
 def train(
-    cfg: Config, *, reward_fn: RewardFn | None = None, train_data: Data | None = None, eval_data: Data | None = None
+    cfg: Config,
+    *,
+    reward_fn: RewardFn | None = None,
+    train_data: Data | None = None,
+    eval_data: Data | None = None,
+    tool_env=None,
 ) -> TrainResult:
     """Train (or resume) the run ``cfg`` describes; returns its run directory and metrics.
 
@@ -83,6 +88,12 @@ def train(
     train_data: instead of data.train_files / the built-in task: a .jsonl or .parquet file (the layouts
         ``dapo train`` reads), or a list of ``{"problem": ..., "answer": ...}`` dicts.
     eval_data: instead of eval.benchmarks: one benchmark name, file, or list of such dicts.
+    tool_env: your own tool, for multi-turn rollouts (``dapo.tools.Environment``): an object with ``stop``, the
+        texts after which a turn ends, and ``step(response_so_far)``, which returns the text to append (its
+        tokens are context, never trained on), ``dapo.tools.DONE`` to end the response, or None to let the model
+        write on. It gets the Python tool's token handling and limits (tools.max_turns, max_calls, output_chars,
+        timeout_s per step; docs/tools.md). It runs in this process, in threads: a step past tools.timeout_s is
+        answered with a time-out and left to finish.
 
     A run given lists or a reward function resumes when ``train`` is called again with the same ones
     (config.yaml records the config only).
@@ -91,7 +102,7 @@ def train(
     cfg = _checked(cfg)
     if reward_fn is not None:
         reward_pool.pickle_reward_fn(reward_pool.REWARD_FN, reward_fn)  # a lambda fails here, before any work
-    inputs = training.RunInputs(reward_fn=reward_fn)
+    inputs = training.RunInputs(reward_fn=reward_fn, tool_env=tool_env)
     if train_data is not None:
         inputs.train_examples = _examples(train_data, "train_data", cfg)
     if eval_data is not None:

@@ -36,6 +36,9 @@ class RolloutBatch:
     # per response token 1 where a tool wrote it (multi-turn rows): context the model reads, never trained on,
     # so it is 0 in response_mask; empty when no row called a tool
     tool_mask: list[list[int]] = field(default_factory=list)
+    # per row: a turn neither called the tool nor answered (tools.filter_void_turns masks such rows); empty when
+    # no row called a tool
+    void_turn: list[bool] = field(default_factory=list)
     # per token, under the weights that sampled the row, for groups held over in the surplus buffer: their
     # behaviour policy, so their old_logp (None for a row sampled this step, whose old_logp is recomputed)
     behaviour_logp: list[list[float] | None] = field(default_factory=list)
@@ -120,6 +123,10 @@ class RolloutBatch:
                     [m for b, v in zip(batches, values) for m in (v or [[0] * len(r) for r in b.response_ids])]
                     if any(values)
                     else []
+                )
+            elif f.name == "void_turn":
+                out[f.name] = (
+                    [x for b, v in zip(batches, values) for x in (v or [False] * len(b))] if any(values) else []
                 )
             elif f.name == "behaviour_logp":
                 out[f.name] = (

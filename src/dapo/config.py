@@ -306,6 +306,9 @@ class ToolsConfig:
     max_turns: int = field(4, ge=1)  # stretches of the model's own writing per response (so at most 3 calls)
     max_calls: int = field(3, ge=1)  # code runs per response; a call past it is answered "no tool calls left"
     workers: int = field(4, ge=1)  # sandboxed calls run at once (each its own process)
+    # mask out of the loss the responses with a void turn (SimpleTIR, arXiv 2509.02479): one that ended at a closed
+    # block that was not code, or a last turn that ended without an answer; they still count in their group's stats
+    filter_void_turns: bool = False
     # where code a model wrote runs (dapo.tools.sandbox): bwrap, a bubblewrap sandbox per call; none, a bare
     # process with the same limits (trusted setups only: it can read and write what the trainer can)
     sandbox: ToolSandbox = "bwrap"
@@ -706,6 +709,10 @@ def validate(cfg: Config) -> None:
         a.buffer_logp == "trainer" or r.backend == "vllm",
         f"algo.buffer_logp=engine: rollout.backend={r.backend} reports no log-probs; use "
         "rollout.backend=vllm or trainer",
+    )
+    _check(
+        not cfg.tools.filter_void_turns or cfg.tools.python,
+        "tools.filter_void_turns=true: filters multi-turn responses, so it needs tools.python=true",
     )
     _check(
         not a.prefilter or a.dynamic_sampling,

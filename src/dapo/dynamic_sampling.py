@@ -82,6 +82,9 @@ class Scorer:
         )
 
 
+NO_ANSWER = ("[INVALID]", "")  # what every grader predicts for a response without an answer
+
+
 @dataclass
 class CollectStats:
     rounds: int = 0
@@ -237,6 +240,13 @@ class BatchCollector:
             preds=scored.preds,
             rollout_logp=gen.logprobs or [],
             tool_mask=gen.tool_mask or [],
+            # a void turn: one that ended at a block that was not code, or a last turn that ended without an answer
+            void_turn=[
+                log.void_turns > 0 or (not bool(cut) and pred in NO_ANSWER)
+                for log, cut, pred in zip(gen.tool_logs, gen.truncated, scored.preds)
+            ]
+            if gen.tool_logs
+            else [],
         )
         return [round_batch.select_groups([i]) for i in torch.nonzero(keep).flatten().tolist()]
 

@@ -102,6 +102,8 @@ def step_metrics(
         m["tools/calls_per_response"], m["tools/errors_per_response"] = t.calls * per, t.errors * per
         m["tools/timeouts_per_response"], m["tools/turns_per_response"] = t.timeouts * per, t.turns * per
         m["tools/seconds"], m["tools/tokens_masked"] = t.seconds, float(t.tool_tokens)
+    if batch.void_turn:  # the trained batch's responses with a void turn (tools.filter_void_turns masks them)
+        m["tools/void_turn_frac"] = sum(batch.void_turn) / len(batch)
     old_tokens = float(lengths.sum()) if old_logprob_tokens is None else old_logprob_tokens
     if old_tokens:
         m["perf/old_logprob_tokens_per_s"] = old_tokens / max(times["old_logprob"], 1e-9)

@@ -165,6 +165,7 @@ class RunInputs:
     train_examples: list | None = None  # instead of data.train_files or the built-in task
     eval_sets: list | None = None  # (Benchmark, examples) pairs instead of eval.benchmarks
     reward_fn: Callable | None = None  # grades every response, in the grading pool, instead of reward.grader
+    tool_env: object | None = None  # a dapo.tools.Environment: multi-turn rollouts with the caller's own tool
 
 
 @contextlib.contextmanager
@@ -184,11 +185,14 @@ def grading_pool(cfg: Config, d: parallel.Dist, reward_fn: Callable | None = Non
         yield parallel.OnMain(pool, d) if d.sharded else pool
 
 
-def assign_advantages(batch: RolloutBatch, a, group_size: int) -> None:
-    """Overlong filtering (sec. 3.4: truncated answers carry no learning signal), then eq. 9's
-    group-normalised advantage, one value per response."""
+def assign_advantages(batch: RolloutBatch, a, group_size: int, *, filter_void_turns: bool = False) -> None:
+    """Overlong filtering (sec. 3.4: truncated answers carry no learning signal) and the void-turn filter
+    (tools.filter_void_turns), then eq. 9's group-normalised advantage, one value per response."""
     if a.overlong_filtering:
         batch.trainable = ~batch.truncated
+    if filter_void_turns and batch.void_turn:
+        keep = ~torch.tensor(batch.void_turn, dtype=torch.bool)
+        batch.trainable = keep if batch.trainable is None else batch.trainable & keep
     in_baseline = None if a.truncated_in_group_stats else ~batch.truncated  # the paper masks only the loss
     batch.adv = algo.group_advantages(
         batch.reward, group_size, scale_by_std=a.scale_adv_by_std, in_baseline=in_baseline
@@ -430,8 +434,9 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
         )
     max_model_len = cfg.data.max_prompt_tokens + max(r.max_response_tokens, cfg.eval.max_response_tokens or 0)
     engine = make_training_engine(
-        r, cfg.model, policy.model, policy.tokenizer, d, max_model_len=max_model_len, tools_cfg=cfg.tools
-    )
+        r, cfg.model, policy.model, policy.tokenizer, d, max_model_len=max_model_len, tools_cfg=cfg.tools,
+        tool_env=inputs.tool_env,
+    )  # fmt: skip
     # the saved config says which engine ran ("auto" resolved)
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(r, backend=engine.backend))
     if a.old_logp == "engine" and engine.backend != "vllm":
@@ -557,7 +562,7 @@ def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
             metrics |= prefilter_metrics(cstats)
         run.note_signal(batch, cstats, step)
         if batch is not None:
-            assign_advantages(batch, cfg.algo, cfg.rollout.group_size)
+            assign_advantages(batch, cfg.algo, cfg.rollout.group_size, filter_void_turns=cfg.tools.filter_void_turns)
             engine.sleep()  # a colocated engine frees its memory for the trainer; no-op for hf
             with phase("old_logprob"):
                 old = old_logprobs(batch, run)

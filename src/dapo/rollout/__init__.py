@@ -42,28 +42,32 @@ def make_rollout(cfg, model, tokenizer, *, max_model_len: int | None = None) -> 
     raise ValueError(f"rollout.backend={cfg.backend!r}: choose hf or vllm")
 
 
-def with_tools(engine: RolloutEngine, tokenizer, tools_cfg) -> RolloutEngine:
-    """The engine, multi-turn with the sandboxed Python tool where ``tools.python`` is on. The sandbox is started
-    once here, so a machine that cannot run it stops the run at start, in one line."""
-    if tools_cfg is None or not tools_cfg.python:
+def with_tools(engine: RolloutEngine, tokenizer, tools_cfg, env=None) -> RolloutEngine:
+    """The engine, multi-turn where ``tools.python`` is on (the sandboxed Python tool) or a user's environment
+    ``env`` is given. The sandbox is started once here, so a machine that cannot run it stops the run at start."""
+    if env is None and (tools_cfg is None or not tools_cfg.python):
         return engine
     from dapo.config import ConfigError
     from dapo.rollout.multi_turn import ToolRollout
+    from dapo.tools import PythonTool
     from dapo.tools.sandbox import Limits, Sandbox, SandboxUnavailable
 
-    sandbox = Sandbox(Limits.from_config(tools_cfg), kind=tools_cfg.sandbox)
-    try:
-        sandbox.check()
-    except SandboxUnavailable as err:
-        raise ConfigError(f"tools.python=true: {err}") from None
+    if env is None:
+        sandbox = Sandbox(Limits.from_config(tools_cfg), kind=tools_cfg.sandbox)
+        try:
+            sandbox.check()
+        except SandboxUnavailable as err:
+            raise ConfigError(f"tools.python=true: {err}") from None
+        env = PythonTool(sandbox)
+    t = tools_cfg
     return ToolRollout(
-        engine, tokenizer, sandbox, max_turns=tools_cfg.max_turns, max_calls=tools_cfg.max_calls,
-        workers=tools_cfg.workers,
+        engine, tokenizer, env, max_turns=t.max_turns, max_calls=t.max_calls, workers=t.workers,
+        timeout_s=t.timeout_s, output_chars=t.output_chars,
     )  # fmt: skip
 
 
 def make_training_engine(
-    rollout_cfg, model_cfg, policy_model, tokenizer, dist, *, max_model_len: int, tools_cfg=None
+    rollout_cfg, model_cfg, policy_model, tokenizer, dist, *, max_model_len: int, tools_cfg=None, tool_env=None
 ) -> RolloutEngine:
     """The rollout engine of a training run. Alone it shares the policy's model. Under FSDP every rank
     holds a full copy in model.dtype (rows finish at different lengths, so generating with the sharded
@@ -74,7 +78,10 @@ def make_training_engine(
     scheduler for this, not for the model's whole context."""
     if not dist.sharded:
         return with_tools(
-            make_rollout(rollout_cfg, policy_model, tokenizer, max_model_len=max_model_len), tokenizer, tools_cfg
+            make_rollout(rollout_cfg, policy_model, tokenizer, max_model_len=max_model_len),
+            tokenizer,
+            tools_cfg,
+            tool_env,
         )
     from dapo.config import ConfigError
     from dapo.models import load_model_and_tokenizer, weightless_model
@@ -91,7 +98,9 @@ def make_training_engine(
         model = weightless_model(model_cfg.path, model_cfg.dtype, trust_remote_code=trust)
     else:
         model, _ = load_model_and_tokenizer(model_cfg.path, model_cfg.dtype, dist.device, trust_remote_code=trust)
-    engine = with_tools(make_rollout(rollout_cfg, model, tokenizer, max_model_len=max_model_len), tokenizer, tools_cfg)
+    engine = with_tools(
+        make_rollout(rollout_cfg, model, tokenizer, max_model_len=max_model_len), tokenizer, tools_cfg, tool_env
+    )
     return ShardedRollout(engine, dist, tensor_parallel_size=k)  # each rank runs its own rows' tool calls
 
 

@@ -30,6 +30,7 @@ class ToolLog:
     timeouts: int = 0
     seconds: float = 0.0  # wall time of its calls
     tool_tokens: int = 0  # response tokens the tool wrote
+    void_turns: int = 0  # turns that ended at a closed block that was not code (neither a call nor the end)
 
     def add(self, other: ToolLog) -> None:
         self.turns += other.turns
@@ -38,6 +39,7 @@ class ToolLog:
         self.timeouts += other.timeouts
         self.seconds += other.seconds
         self.tool_tokens += other.tool_tokens
+        self.void_turns += other.void_turns
 
 
 @dataclass

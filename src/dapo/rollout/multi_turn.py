@@ -1,8 +1,8 @@
 """Multi-turn rollout with a Python tool, around any rollout engine (HF generate or vLLM).
 
-A response is generated in turns. A turn ends when the model closes a fenced block (``tools.STOP``); if that block
-is a ```python one, its code runs in the sandbox, the output block is appended to the response, and the next turn
-continues from there. The whole exchange is one response row.
+A response is generated in turns. A turn ends after one of the environment's stop texts (the Python tool's: a closed
+fenced block); the environment then says what to append (the Python tool: the output block of the ```python block's
+run in the sandbox), and the next turn continues from there. The whole exchange is one response row.
 
 Token in, token out: the engine's sampled ids are kept as sampled (a turn is cut after the token that closed the
 block: a prefix of a sample is a sample), only the appended output block is encoded, and the next turn's prompt is
@@ -17,14 +17,15 @@ writing (``docs/fidelity.md``).
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import concurrent.futures
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from dapo.rollout.base import Generation, RolloutEngine, SamplingParams, ToolLog
-from dapo.tools.python_tool import STOP, call_in, output_block
-from dapo.tools.sandbox import Sandbox
+from dapo.tools import DONE, Environment, ToolResult
+from dapo.tools.python_tool import output_block
 
 _TAIL_TOKENS = 8  # response tokens before a turn's new ones that a closing fence may have started in
 
@@ -41,12 +42,20 @@ class _Row:
 
 
 class ToolRollout:
-    """``generate`` as the wrapped engine's, with ``max_turns`` turns and ``max_calls`` sandboxed calls per row."""
+    """``generate`` as the wrapped engine's, with ``max_turns`` turns and ``max_calls`` environment steps per row
+    that append text. ``env``: the Python tool (``dapo.tools.PythonTool``) or a user's ``Environment``; its
+    ``step`` gets ``timeout_s`` (the Python tool: its sandbox's own limit) and ``output_chars`` of text back."""
 
-    def __init__(self, engine: RolloutEngine, tokenizer, sandbox: Sandbox, *, max_turns: int, max_calls: int,
-                 workers: int = 4):  # fmt: skip
-        self.engine, self.tokenizer, self.sandbox = engine, tokenizer, sandbox
-        self.max_turns, self.max_calls, self.workers = max_turns, max_calls, workers
+    def __init__(self, engine: RolloutEngine, tokenizer, env: Environment, *, max_turns: int, max_calls: int,
+                 workers: int = 4, timeout_s: float = 5.0, output_chars: int = 512):  # fmt: skip
+        self.engine, self.tokenizer, self.env = engine, tokenizer, env
+        self.max_turns, self.max_calls, self.output_chars = max_turns, max_calls, output_chars
+        # how long a step is waited for: a user's, timeout_s; the Python tool's sandbox ends its own calls at their
+        # limit, so past it (and the moment to reap the sandbox) something is wrong with the machine, not the code
+        self.timeout_s = env.timeout_s + 5.0 if hasattr(env, "timeout_s") else timeout_s
+        # threads, not processes: a Python tool call is a process of its own already; a step past its time limit
+        # is left to finish in the background (a thread cannot be killed), and the response goes on without it
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dapo-tool")
 
     @property
     def backend(self) -> str:
@@ -61,7 +70,7 @@ class ToolRollout:
             if not active:
                 break
             last = turn == self.max_turns - 1
-            stop = () if last else STOP
+            stop = () if last else tuple(self.env.stop)
             if turn == 0:
                 gen = self.engine.generate(prompt_ids, replace(params, stop=stop))
             else:  # one request per row, seeded apart from the first turn's and from each other turn's
@@ -87,10 +96,9 @@ class ToolRollout:
                 if cut is None:
                     row.done, row.truncated = True, not stopped_by_eos
                     continue
-                code = call_in(self.tokenizer.decode(row.ids))
-                if code is not None and len(row.ids) < budget:
-                    calls.append((row, code))
-            self._run(calls, budget)
+                if len(row.ids) < budget:
+                    calls.append(row)
+            self._step(calls, budget)
             for row in rows:
                 if not row.done and len(row.ids) >= budget:
                     row.done, row.truncated = True, True
@@ -114,7 +122,7 @@ class ToolRollout:
 
         def stops_within(k: int) -> bool:
             text = self.tokenizer.decode(tail + new[:k])
-            return any(text.find(s, max(0, start - len(s) + 1)) >= 0 for s in STOP)
+            return any(text.find(s, max(0, start - len(s) + 1)) >= 0 for s in self.env.stop)
 
         if not new or not stops_within(len(new)):
             return None
@@ -124,25 +132,38 @@ class ToolRollout:
             lo, hi = (lo, mid) if stops_within(mid) else (mid + 1, hi)
         return lo
 
-    def _run(self, calls: list[tuple[_Row, str]], budget: int) -> None:
-        """Run the turn's calls in parallel; append each output block (encoded alone) to its row."""
-        runs = [(row, code) for row, code in calls if row.log.calls < self.max_calls]
-        results = {}
-        if runs:
-            with ThreadPoolExecutor(max_workers=min(self.workers, len(runs))) as pool:
-                results = dict(zip(map(id, (r for r, _ in runs)), pool.map(self.sandbox.run, [c for _, c in runs])))
-        for row, _ in calls:
-            result = results.get(id(row))
-            if result is None:  # its calls are used up: it is told so, and nothing runs
-                text = f"ToolLimit: no tool calls left ({self.max_calls} per response)"
-                block = self.tokenizer.encode(f"```output\n{text}\n```\n", add_special_tokens=False)
-                self._append(row, block, budget)
+    def _step(self, rows: list[_Row], budget: int) -> None:
+        """Ask the environment about each row whose turn just ended, in parallel; append what it gives back."""
+        texts = [self.tokenizer.decode(row.ids) for row in rows]
+        futures = [self.pool.submit(_timed, self.env.step, text) for text in texts]
+        for row, future in zip(rows, futures):
+            try:
+                out, seconds = future.result(timeout=self.timeout_s)
+            except concurrent.futures.TimeoutError:
+                out, seconds = (
+                    ToolResult(f"TimeoutError: the tool ran past {self.timeout_s:g} s", None, True, "", 0.0),
+                    self.timeout_s,
+                )
+            except Exception as err:  # a user's environment failed on this response: the model is told, once
+                out, seconds = ToolResult(f"{type(err).__name__}: {err}", 1, False, str(err), 0.0), 0.0
+            if out is None:  # not a call (a closed block that was not code): the model writes on
+                row.log.void_turns += 1
                 continue
-            self._append(row, self.tokenizer.encode(output_block(result), add_special_tokens=False), budget)
-            row.log.calls += 1
-            row.log.errors += result.failed
-            row.log.timeouts += result.timed_out
-            row.log.seconds += result.seconds
+            if out is DONE:
+                row.done = True
+                continue
+            if row.log.calls >= self.max_calls:  # told so, and nothing it asked for is shown
+                text = f"```output\nToolLimit: no tool calls left ({self.max_calls} per response)\n```\n"
+            elif isinstance(out, ToolResult):
+                text = output_block(out)
+                row.log.errors += out.failed
+                row.log.timeouts += out.timed_out
+            else:
+                text = str(out)[: self.output_chars]
+            if row.log.calls < self.max_calls:
+                row.log.calls += 1
+                row.log.seconds += seconds
+            self._append(row, self.tokenizer.encode(text, add_special_tokens=False), budget)
 
     @staticmethod
     def _append(row: _Row, block: list[int], budget: int) -> None:
@@ -152,6 +173,9 @@ class ToolRollout:
         row.logp += [0.0] * len(block)  # never read: the tool mask keeps these out of every ratio
         row.log.tool_tokens += len(block)
 
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
     def update_weights(self, named_tensors) -> None:
         self.engine.update_weights(named_tensors)
 
@@ -160,3 +184,9 @@ class ToolRollout:
 
     def wake(self) -> None:
         self.engine.wake()
+
+
+def _timed(step, text: str):
+    t0 = time.monotonic()
+    out = step(text)
+    return out, time.monotonic() - t0
