@@ -96,6 +96,7 @@ FLOORS = [
     ("dapo.prefilter", lambda n: n.startswith("dapo.")),
     ("dapo.watchdog", lambda n: n.startswith("dapo.")),
     ("dapo.rewards", lambda n: not n.startswith("dapo.rewards")),
+    ("dapo.tools", lambda n: not n.startswith("dapo.tools")),
     ("dapo.batch", lambda n: n.startswith("dapo.")),
     ("dapo.data", lambda n: n not in ("dapo.tasks", "dapo.tasks.arith", "dapo.resources", "dapo.prefilter")),
     *[
@@ -126,6 +127,15 @@ def test_lower_floors_do_not_import_upper_ones(prefix, forbidden):
         if forbidden(n) and not n.startswith(prefix)
     }
     assert not bad, sorted(bad)
+
+
+def test_tools_never_import_torch():
+    """The sandboxed tool's side is the standard library: torch stays with the rollout that calls it."""
+    for path in (SRC / "tools").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not any(x.split(".")[0] in ("torch", "transformers", "vllm") for x in names), (path, names)
 
 
 def test_rewards_never_import_torch():
