@@ -425,3 +425,35 @@ def test_a_users_environment_gets_the_same_turns_masks_and_limits():
     )
     assert engine.requests[1][0][0] == ids("A") + ids("x\nsize?\n[7]\n")  # token in: prompt + ids so far
     rollout.close()
+
+
+@needs_bwrap
+def test_dapo_eval_with_the_tool_and_the_tool_template(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    import json
+
+    import dapo.rollout
+    from dapo.cli import main
+    from dapo.data import TOOL_PROMPT_SUFFIX
+
+    prompts = []
+
+    class Recorded(ArithToolUser):
+        @staticmethod
+        def write(prompt, row, call):
+            text = TOK.decode(prompt)
+            prompts.append(text)
+            return ArithToolUser.write(
+                TOK.encode(text.replace(TOOL_PROMPT_SUFFIX, ""), add_special_tokens=False), row, call
+            )
+
+    monkeypatch.setattr(dapo.rollout, "make_rollout", lambda *a, **k: Recorded())
+    bench = tmp_path / "mini.jsonl"
+    bench.write_text("".join(json.dumps({"problem": p, "answer": a}) + "\n" for p, a in (("2+3=", "5"), ("4*2=", "8"))))
+    out = tmp_path / "out"
+    args = ["eval", "--model", str(tiny_model_dir), f"eval.benchmarks=[{bench}]", "eval.n=2", "reward.grader=arith"]
+    args += ["data.template=tool", "tools.python=true", "eval.max_response_tokens=200", "--out", str(out)]
+    assert main(args) == 0
+    assert prompts[0] == "2+3=" + TOOL_PROMPT_SUFFIX
+    assert json.loads((out / "eval.json").read_text())["mini"]["avg"] == 0.5  # the even rows answer what it printed
+    responses = [json.loads(x) for x in (out / "mini.responses.jsonl").read_text().splitlines()]
+    assert responses[0]["response"] == "```python\nprint(2+3)\n```\n```output\n5\n```\nAnswer: 5"

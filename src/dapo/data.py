@@ -35,7 +35,13 @@ DAPO_PROMPT_PREFIX = (
 )
 DAPO_PROMPT_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
 
-Template = Literal["dapo", "raw"]  # prompt templates: the paper's, or the problem text as it is
+# how a problem says the Python tool is there (tools.python; docs/tools.md)
+TOOL_PROMPT_SUFFIX = (
+    "\n\nYou can run Python: write code in a ```python block and its output will be shown to you in an "
+    '```output block. Put your final answer on its own line after "Answer:".'
+)
+# prompt templates: the paper's, the problem text as it is, or the problem and how to call the Python tool
+Template = Literal["dapo", "raw", "tool"]
 # A row's size limit, in characters. The longest row of the data sets in data/ has about 10k; a
 # million keeps any real problem and stops a hostile or broken row before it costs memory and time.
 DEFAULT_MAX_ROW_CHARS = 1_000_000
@@ -95,6 +101,8 @@ def apply_template(problem: str, template: str) -> str:
     """Wrap ``problem`` in the named template. ``"dapo"`` leaves already-wrapped text alone."""
     if template == "raw":
         return problem
+    if template == "tool":
+        return problem if TOOL_PROMPT_SUFFIX in problem else problem + TOOL_PROMPT_SUFFIX
     if template == "dapo":
         if DAPO_PROMPT_PREFIX.strip() in problem:
             return problem

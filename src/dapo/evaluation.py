@@ -259,7 +259,7 @@ def evaluate_model(model_dir, benches: list, cfg, *, reward_fn=None, progress=No
     from dapo.data import make_encoder, render_prompt
     from dapo.models import load_model_and_tokenizer, pick_device
     from dapo.rewards import REWARD_FN, RewardPool
-    from dapo.rollout import make_rollout
+    from dapo.rollout import make_rollout, with_tools
 
     m, d, e = cfg.model, cfg.data, cfg.eval
     model, tokenizer = load_model_and_tokenizer(
@@ -269,6 +269,7 @@ def evaluate_model(model_dir, benches: list, cfg, *, reward_fn=None, progress=No
     engine = make_rollout(
         cfg.rollout, model, tokenizer, max_model_len=d.max_prompt_tokens + max(s["max_new_tokens"] for s in settings)
     )
+    engine = with_tools(engine, tokenizer, cfg.tools)  # tools.python: the model may run code while it answers
     encode = make_encoder(tokenizer, d.max_prompt_tokens)
     render = functools.partial(render_prompt, tokenizer=tokenizer)
     results = []
