@@ -33,6 +33,15 @@ sampled accuracy 26%, greedy 0.5%, since greedy decoding always takes the repeat
     python scripts/make_base_model.py --difficulty demo --init assets/arith-base --out assets/arith-loop-base \
         --steps 300 --lr 5e-4 --warmup 20 --clean-frac 0.0 --error-rate 0.35 --ramble-rate 0.7 \
         --max-new-tokens 32 --threads 1
+
+The tool demo's base model (assets/arith-tools-base/, configs/demo_tools.yaml) continues from the demo's model with
+some solutions that compute with the Python tool (``--tool-rate``): a ```python block that prints the problem's
+expression, the ```output block the sandbox prints (not a target: the tool writes it), and the answer read off
+it; some calls miscopy an operand (``--tool-error-rate``), so a call is not a sure answer:
+
+    python scripts/make_base_model.py --difficulty demo --init assets/arith-base --out assets/arith-tools-base \
+        --steps 300 --lr 5e-4 --warmup 20 --clean-frac 0.0 --error-rate 0.35 --tool-rate 0.25 \
+        --tool-error-rate 0.4 --max-new-tokens 64 --threads 1
 """
 
 from __future__ import annotations
@@ -75,6 +84,18 @@ def parse_args(argv=None):
         help="chance that the result line is written once more before the answer (repeatable)",
     )
     p.add_argument(
+        "--tool-rate",
+        type=float,
+        default=0.0,
+        help="chance that a solution computes with the Python tool (a ```python block, its ```output, the answer)",
+    )
+    p.add_argument(
+        "--tool-error-rate",
+        type=float,
+        default=0.0,
+        help="chance that a tool solution's code miscopies one operand of the problem",
+    )
+    p.add_argument(
         "--init", type=Path, default=None, help="continue from this model directory instead of a fresh model"
     )
     p.add_argument("--steps", type=int, default=1000)
@@ -101,8 +122,16 @@ def training_batch(rng: random.Random, tokenizer, args, error_rate: float):
             # Held-out problems must stay unseen, or the demo's accuracy would measure recall.
             if arith.split_of(problem) == "train":
                 break
-        response = ramble(arith.noisy_solution(problem, rng, error_rate), rng, args.ramble_rate)
         p_ids = tokenizer(problem, add_special_tokens=False)["input_ids"]
+        if rng.random() < args.tool_rate:
+            call, output, answer = tool_solution(problem, rng, args.tool_error_rate)
+            c_ids, o_ids = (tokenizer(t, add_special_tokens=False)["input_ids"] for t in (call, output))
+            a_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            seqs.append(p_ids + c_ids + o_ids + a_ids)
+            # the output block is the tool's: context to read, never a target (as in training, docs/tools.md)
+            labels.append([-100] * len(p_ids) + c_ids + [-100] * len(o_ids) + a_ids)
+            continue
+        response = ramble(arith.noisy_solution(problem, rng, error_rate), rng, args.ramble_rate)
         r_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         seqs.append(p_ids + r_ids)
         labels.append([-100] * len(p_ids) + r_ids)
@@ -112,6 +141,20 @@ def training_batch(rng: random.Random, tokenizer, args, error_rate: float):
     mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
     lab = torch.tensor([row + [-100] * (width - len(row)) for row in labels])
     return ids, mask, lab
+
+
+def tool_solution(problem: str, rng: random.Random, error_rate: float) -> tuple[str, str, str]:
+    """A solution that computes with the Python tool: the call, the output block the sandbox would print for it,
+    and the answer read off that output. With probability ``error_rate`` the code miscopies one operand (a slip
+    the tool cannot fix: it prints the value of the wrong expression)."""
+    nums, ops = arith.parse(problem)
+    if rng.random() < error_rate:
+        i = rng.randrange(len(nums))
+        nums[i] = rng.choice([d for d in range(1, 10) if d != nums[i]])
+    expr = "".join(f"{n}{o}" for n, o in zip(nums, [*ops, ""]))
+    value = arith.compute(expr + "=")
+    call = f"```python\nprint({expr})\n```\n"
+    return call, f"```output\n{value}\n```\n", f"Answer: {value}"
 
 
 def ramble(response: str, rng: random.Random, rate: float) -> str:
@@ -128,16 +171,26 @@ def ramble(response: str, rng: random.Random, rate: float) -> str:
     return "\n".join(working + [answer])
 
 
-def accuracy(model, tokenizer, examples, *, samples: int, do_sample: bool, max_new_tokens: int, seed: int) -> float:
+def accuracy(
+    model, tokenizer, examples, *, samples: int, do_sample: bool, max_new_tokens: int, seed: int, tools: bool = False
+) -> float:
     """Share of responses the `arith` grader scores right, sampled by the package's rollout engine
-    (the trainer's own sampling and grading path)."""
+    (the trainer's own sampling and grading path); with ``tools``, with the Python tool in its sandbox."""
     engine = HFRolloutEngine(model, tokenizer)
+    if tools:
+        from dapo.rollout.multi_turn import ToolRollout
+        from dapo.tools import PythonTool, Sandbox
+
+        engine = ToolRollout(engine, tokenizer, PythonTool(Sandbox()), max_turns=2, max_calls=1)
     prompt_ids = [tokenizer(e.prompt, add_special_tokens=False)["input_ids"] for e in examples]
     params = SamplingParams(
         n=samples, temperature=1.0 if do_sample else 0.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens, seed=seed
     )
     gen = engine.generate(prompt_ids, params)
     truths = [e.ground_truth for e in examples for _ in range(samples)]  # prompt-major, as gen's rows
+    if tools:
+        calls = sum(log.calls for log in gen.tool_logs) / len(truths)
+        print(f"tool calls per response ({'sampled' if do_sample else 'greedy'}): {calls:.3f}", flush=True)
     return sum(grade(text, truth, "arith").acc for text, truth in zip(gen.texts, truths)) / len(truths)
 
 
@@ -198,6 +251,7 @@ def main(argv=None) -> int:
         do_sample=True,
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
+        tools=args.tool_rate > 0,
     )
     greedy = accuracy(
         model,
@@ -207,6 +261,7 @@ def main(argv=None) -> int:
         do_sample=False,
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
+        tools=args.tool_rate > 0,
     )
 
     tiny.save(model, tokenizer, args.out)

@@ -32,24 +32,26 @@ class ScriptedEngine:
 
     backend = "scripted"
 
-    def __init__(self, script):
-        self.script, self.requests, self.sampled = script, [], 0
+    def __init__(self, script, tokenizer=TOK):
+        self.script, self.requests, self.sampled, self.tok = script, [], 0, tokenizer
 
     def generate(self, prompt_ids, params):
         self.requests.append(([list(p) for p in prompt_ids], params))
         rows = [p for p in prompt_ids for _ in range(params.n)]
         responses, logps = [], []
+        eos = self.tok.eos_token_id
         for i, prompt in enumerate(rows):
             text = self.script(prompt, i, len(self.requests) - 1)
-            out = ids(text) if not text.endswith("<eos>") else ids(text[:-5]) + [EOS]
-            if not text.endswith("<eos>"):
-                out += ids("JUNK")  # past the stop: must not be kept
+            if text.endswith("<eos>"):
+                out = self.tok.encode(text[:-5], add_special_tokens=False) + [eos]
+            else:  # with what a real engine may sample past the stop, encoded together: must not be kept
+                out = self.tok.encode(text + "JUNK", add_special_tokens=False)
             out = out[: params.max_new_tokens]
             responses.append(out)
             logps.append([-(self.sampled + k) / 1000 for k in range(len(out))])
             self.sampled += len(out)
-        truncated = torch.tensor([len(r) >= params.max_new_tokens and r[-1] != EOS for r in responses])
-        texts = TOK.batch_decode(responses, skip_special_tokens=True)
+        truncated = torch.tensor([len(r) >= params.max_new_tokens and r[-1] != eos for r in responses])
+        texts = self.tok.batch_decode(responses, skip_special_tokens=True)
         return Generation(rows, responses, truncated, texts, logps)
 
     def update_weights(self, named_tensors):
@@ -457,3 +459,35 @@ def test_dapo_eval_with_the_tool_and_the_tool_template(tiny_model_dir, tmp_path,
     assert json.loads((out / "eval.json").read_text())["mini"]["avg"] == 0.5  # the even rows answer what it printed
     responses = [json.loads(x) for x in (out / "mini.responses.jsonl").read_text().splitlines()]
     assert responses[0]["response"] == "```python\nprint(2+3)\n```\n```output\n5\n```\nAnswer: 5"
+
+
+@needs_bwrap
+def test_the_real_smollm2_tokenizer_cuts_at_the_fence_and_encodes_only_the_output_block():
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(Path(__file__).parent / "assets" / "smollm2-tokenizer")
+    call = "Let's compute it.\n```python\nx = 17 * 23 + 4\nprint(x)\n```\n"
+
+    def script(prompt, row, turn):
+        return call if turn == 0 else "So the answer is 395.\nAnswer: 395<eos>"
+
+    engine = ScriptedEngine(script, tok)
+    rollout = ToolRollout(engine, tok, PythonTool(Sandbox()), max_turns=3, max_calls=2)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "17*23+4?"}], add_generation_prompt=True, tokenize=False
+    )
+    prompt = tok.encode(text, add_special_tokens=False)
+    gen = rollout.generate([prompt], SamplingParams(n=1, max_new_tokens=200))
+    sampled = engine.requests  # what the engine was given back: the prompt and the ids it sampled, as sampled
+    first_turn = tok.encode(call + "JUNK", add_special_tokens=False)
+    kept = gen.response_ids[0][: gen.tool_mask[0].index(1)]  # the first turn, as the response holds it
+    assert kept == first_turn[: len(kept)] and tok.decode(kept) == call  # cut after the fence's token
+    block = tok.encode("```output\n395\n```\n", add_special_tokens=False)
+    assert gen.response_ids[0][len(kept) : len(kept) + len(block)] == block  # the output block, encoded alone
+    assert gen.tool_mask[0] == [0] * len(kept) + [1] * len(block) + [0] * (
+        len(gen.response_ids[0]) - len(kept) - len(block)
+    )
+    assert sampled[1][0] == [prompt + kept + block]  # the next turn: ids in, never re-encoded text
+    assert gen.texts[0] == call + "```output\n395\n```\nSo the answer is 395.\nAnswer: 395"
