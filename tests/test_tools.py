@@ -491,3 +491,16 @@ def test_the_real_smollm2_tokenizer_cuts_at_the_fence_and_encodes_only_the_outpu
     )
     assert sampled[1][0] == [prompt + kept + block]  # the next turn: ids in, never re-encoded text
     assert gen.texts[0] == call + "```output\n395\n```\nSo the answer is 395.\nAnswer: 395"
+
+
+def test_tools_with_a_tensor_parallel_engine_are_refused_in_one_line(tmp_path, tiny_model_dir):
+    from types import SimpleNamespace
+
+    from dapo.config import ConfigError
+    from dapo.rollout import make_training_engine
+
+    cfg = small_config(tmp_path, tiny_model_dir, "tools.python=true", "rollout.backend=vllm")
+    cfg.rollout.tensor_parallel_size = 2
+    dist = SimpleNamespace(sharded=True, world_size=2, rank=0)
+    with pytest.raises(ConfigError, match="rollout.tensor_parallel_size=2 with tools: .* use rollout.tensor_parallel"):
+        make_training_engine(cfg.rollout, cfg.model, None, TOK, dist, max_model_len=64, tools_cfg=cfg.tools)

@@ -93,6 +93,12 @@ def make_training_engine(
             f"rollout.tensor_parallel_size={k} does not divide the {dist.world_size} trainer ranks; "
             "pick a divisor (one vLLM engine per group of that many ranks)"
         )
+    if k > 1 and (tool_env is not None or (tools_cfg is not None and tools_cfg.python)):
+        raise ConfigError(
+            f"rollout.tensor_parallel_size={k} with tools: the ranks of one engine would each run a response's code "
+            "and must then send vLLM the same next turn, which a call that reads the clock or times out would break; "
+            "use rollout.tensor_parallel_size=1 with tools"
+        )
     trust = model_cfg.trust_remote_code
     if backend == "vllm":  # vLLM reads the checkpoint itself: a full copy here would cost every GPU the whole model
         model = weightless_model(model_cfg.path, model_cfg.dtype, trust_remote_code=trust)
