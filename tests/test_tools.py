@@ -174,6 +174,8 @@ def hand_mask(batch) -> torch.Tensor:
 
 
 def test_tool_tokens_are_context_only_loss_and_gradient_equal_the_hand_masked_ones(tiny_model_dir, tmp_path):
+    from test_train import sgd
+
     from dapo.policy import make_micro_batch, token_logprobs
 
     cfg = small_config(
@@ -181,8 +183,7 @@ def test_tool_tokens_are_context_only_loss_and_gradient_equal_the_hand_masked_on
     )
     torch.manual_seed(0)
     policy = make_policy(cfg)
-    policy.optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)
-    policy.scheduler = torch.optim.lr_scheduler.LambdaLR(policy.optimizer, lambda step: 1.0)
+    sgd(policy)  # plain SGD at lr 1: the step is minus the gradient
     batch = masked_batch(policy)
     mask = hand_mask(batch)
     assert torch.equal(batch.response_mask(), mask)
