@@ -104,6 +104,13 @@ def main() -> None:
     ap.add_argument("--backend", default="vllm", help="rollout.backend for --smollm2")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench_prefilter"))
     ap.add_argument("--json", default=None, help="also write every figure here")
+    ap.add_argument(
+        "--pf",
+        nargs="*",
+        default=[],
+        help="dotted overrides for the prefilter side only (e.g. algo.prefilter_floor=0.25); its runs get a folder "
+        "of their own, and the dynamic-sampling runs already in --out are read back, not trained again",
+    )
     ap.add_argument("overrides", nargs="*", help="extra dotted overrides for every run")
     args = ap.parse_args()
     out = Path(args.out) / ("smollm2" if args.smollm2 else "demo")
@@ -126,9 +133,14 @@ def main() -> None:
         order = list(SIDES) if seed % 2 == 0 else list(SIDES)[::-1]
         for side in order:
             seeds = [f"data.seed={seed}", f"rollout.seed={seed}", f"train.seed={seed}"]
-            run_dir = out / ("prefilter" if SIDES[side] else "ds") / f"seed{seed}"
+            extra = args.pf if SIDES[side] else []
+            name = "_".join(["prefilter", *(x.split(".")[-1].replace("=", "") for x in extra)]) if SIDES[side] else "ds"
+            run_dir = out / name / f"seed{seed}"
             t0 = time.perf_counter()
-            rows = train(preset, base + seeds + SIDES[side] + args.overrides, run_dir)
+            if (run_dir / "metrics.jsonl").exists() and (run_dir / "checkpoints").exists() and args.pf:
+                rows = read_metrics(run_dir)  # a finished run of an earlier invocation: its figures, read back
+            else:
+                rows = train(preset, base + seeds + SIDES[side] + extra + args.overrides, run_dir)
             r = summarise(rows, args.target) if not args.smollm2 else summarise_real(rows)
             r |= {"seed": seed, "wall_s": time.perf_counter() - t0}
             results[side].append(r)

@@ -13,7 +13,9 @@ Parts, each with its own time limit inside the whole budget (20 minutes by defau
   tests    tests/test_gpu.py by item (a-g and i, see its docstring) with DAPO_GPU_CHECK=1, and every other test
            marked gpu (tests/test_parallel.py, tests/test_vllm.py: those need 2 GPUs or vLLM and say so)
   demo     item h: `dapo demo model.device=cuda`; held-out accuracy must rise by at least 15 points; item j: the
-           same with algo.prefilter=true (the prompt pre-filter's run on a GPU, with its generation line)
+           same with algo.prefilter=true (the prompt pre-filter's run on a GPU, with its generation line); item k:
+           the tool demo's settings (configs/demo_tools.yaml: multi-turn rollouts with the Python tool; without
+           bubblewrap on the machine, tools.sandbox=none)
   bench    benchmarks/gpu.py (the figures for benchmarks/RESULTS.md)
 
 Results accumulate in runs/gpu_check/state.json, so the parts can run as separate commands (a device
@@ -70,6 +72,16 @@ DEMO_RISE_POINTS = 15.0
 
 def now() -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+
+
+# configs/demo_tools.yaml as overrides of `dapo demo` (item k)
+DEMO_TOOLS = [
+    "model.path=assets/arith-tools-base",
+    "rollout.max_response_tokens=64",
+    "tools.python=true",
+    "tools.max_turns=2",
+    "tools.max_calls=1",
+]
 
 
 class Check:
@@ -236,8 +248,12 @@ class Check:
 
     # ---- demo -------------------------------------------------------------------------------------
     def part_demo(self) -> None:
-        """Item h, the demo on CUDA; then item j, the same with algo.prefilter=true (the pre-filter's one short run)."""
-        for key, extra in (("demo", []), ("demo_prefilter", ["algo.prefilter=true"])):
+        """Item h, the demo on CUDA; then item j, the same with algo.prefilter=true (the pre-filter's one short run),
+        and item k, with the Python tool (configs/demo_tools.yaml's settings as overrides of the demo)."""
+        import shutil
+
+        tools = [*DEMO_TOOLS, *([] if shutil.which("bwrap") else ["tools.sandbox=none"])]
+        for key, extra in (("demo", []), ("demo_prefilter", ["algo.prefilter=true"]), ("demo_tools", tools)):
             self.state[key] = self.demo(key, extra)
             self.save()
 
@@ -449,6 +465,7 @@ def write_report(state: dict, paths: list[Path]) -> str:
     for item, key, what in (
         ("h", "demo", "held-out accuracy +15 points"),
         ("j", "demo_prefilter", "with algo.prefilter=true: held-out accuracy +15 points, prompts skipped"),
+        ("k", "demo_tools", "with the Python tool (configs/demo_tools.yaml): held-out accuracy +15 points"),
     ):
         lines.append(demo_line(item, state.get(key), what))
     lines += ["", "## Measured differences (tests/test_gpu.py, each beside the tolerance its test states)", ""]
@@ -487,7 +504,11 @@ def write_report(state: dict, paths: list[Path]) -> str:
                 f"`make gpu-check GPU_CHECK_PARTS=bench GPU_CHECK_BENCH_PARTS={','.join(left)}`",
             ]
     failures = [(k, r["tail"]) for k, r in tests.items() if r.get("tail")]
-    failures += [(key, state[key]["tail"]) for key in ("demo", "demo_prefilter") if (state.get(key) or {}).get("tail")]
+    failures += [
+        (key, state[key]["tail"])
+        for key in ("demo", "demo_prefilter", "demo_tools")
+        if (state.get(key) or {}).get("tail")
+    ]
     failures += [("bench", bench["tail"])] if bench and bench.get("tail") else []
     if failures:
         lines += ["", "## Output of what failed (last lines)"]

@@ -505,3 +505,34 @@ def test_tools_with_a_tensor_parallel_engine_are_refused_in_one_line(tmp_path, t
     dist = SimpleNamespace(sharded=True, world_size=2, rank=0)
     with pytest.raises(ConfigError, match="rollout.tensor_parallel_size=2 with tools: .* use rollout.tensor_parallel"):
         make_training_engine(cfg.rollout, cfg.model, None, TOK, dist, max_model_len=64, tools_cfg=cfg.tools)
+
+
+def test_the_python_api_trains_with_a_users_environment(tiny_model_dir, tmp_path, monkeypatch):
+    import dapo.rollout
+    from dapo import api
+
+    class AskOnce(ScriptedEngine):  # asks the table once, then answers with what it was told (or one more)
+        def __init__(self):
+            super().__init__(self.write)
+
+        @staticmethod
+        def write(prompt, row, call):
+            text = TOK.decode(prompt)
+            if "[" not in text:
+                return f"{text.split('=')[0]}?\n"
+            return f"Answer: {int(text.rsplit('[', 1)[1].split(']')[0]) + row % 2}<eos>"
+
+    class Calculator:  # a user's tool: the line before '?' is an arith expression of the built-in task
+        stop = ("?\n",)
+
+        def step(self, response):
+            from dapo.tasks import arith
+
+            return f"[{arith.compute(response.rsplit(chr(10), 2)[-2].rstrip('?') + '=')}]\n"
+
+    monkeypatch.setattr(dapo.rollout, "make_rollout", lambda *a, **k: AskOnce())
+    cfg = small_config(tmp_path, tiny_model_dir, "rollout.max_response_tokens=32", "train.total_steps=1")
+    result = api.train(cfg, tool_env=Calculator())
+    (m,) = [r for r in result.history if "tools/calls_per_response" in r]
+    assert m["tools/calls_per_response"] == 1.0 and m["tools/errors_per_response"] == 0.0
+    assert m["reward/acc_mean"] == 0.5 and m["tools/tokens_masked"] > 0

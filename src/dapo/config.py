@@ -226,7 +226,9 @@ class AlgoConfig:
     prefilter: bool = False
     # the share of generated groups that should be informative: the skip rate is steered towards it
     prefilter_target: float = field(0.9, gt=0, le=1)
-    # the least probability that a drawn prompt is generated, whatever its history: none is retired for good
+    # the least probability that a drawn prompt is generated, whatever its history: none is retired for good. Where
+    # each prompt is drawn more than about 10 times, 0.25 or more: at 0.05 a run on 200 problems lost held-out
+    # accuracy (benchmarks/RESULTS.md, "Prefilter")
     prefilter_floor: float = field(0.05, gt=0, le=1, why="0 would retire prompts for good")
     prefilter_step: float = field(0.05, gt=0, le=1)  # how far the exploration bases move after each step
     # how many surplus informative groups (beyond train.prompts_per_step) wait for the next step; a count, so
