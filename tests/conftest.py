@@ -79,3 +79,20 @@ def loss_fn_of(cfg):
     from dapo.training import make_loss_fn
 
     return make_loss_fn(cfg.algo, cfg.rollout.max_response_tokens)
+
+
+def sandbox_unavailable() -> str | None:
+    """Why the tool sandbox cannot start on this machine (bubblewrap missing, or namespaces refused), else None."""
+    global _SANDBOX_WHY
+    if _SANDBOX_WHY is None:
+        from dapo.tools.sandbox import Sandbox, SandboxUnavailable
+
+        try:
+            Sandbox().check()
+            _SANDBOX_WHY = ""
+        except SandboxUnavailable as err:
+            _SANDBOX_WHY = str(err)
+    return _SANDBOX_WHY or None
+
+
+_SANDBOX_WHY: str | None = None

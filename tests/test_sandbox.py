@@ -8,14 +8,13 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import sandbox_unavailable
 from sandbox_corpus import CORPUS
 
 from dapo.tools.sandbox import Limits, Sandbox, SandboxUnavailable
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("bwrap") is None or not sys.platform.startswith("linux"),
-    reason="bubblewrap is not installed (make test installs it: apt-get install bubblewrap)",
-)
+WHY = sandbox_unavailable() if sys.platform.startswith("linux") else "the sandbox is Linux-only"
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no tool sandbox here: {WHY}")
 
 LIMITS = Limits(wall_s=3.0, cpu_s=2, memory_mb=768, processes=16, file_mb=8, output_chars=512)
 SLACK_S = 2.0  # past the wall-clock limit: the kill, reaping the namespace, the pipes closing

@@ -1,11 +1,10 @@
 """Multi-turn rollouts with the Python tool: token in, token out; the tool's tokens masked out of training."""
 
 import math
-import shutil
 
 import pytest
 import torch
-from conftest import loss_fn_of, make_policy, small_config
+from conftest import loss_fn_of, make_policy, sandbox_unavailable, small_config
 
 from dapo import algo, tiny
 from dapo.batch import RolloutBatch
@@ -17,7 +16,8 @@ from dapo.tools.python_tool import call_in
 from dapo.tools.sandbox import Limits, Sandbox
 from dapo.training import importance_weights
 
-needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+WHY = sandbox_unavailable()
+needs_bwrap = pytest.mark.skipif(WHY is not None, reason=f"no tool sandbox here: {WHY}")
 TOK = tiny.build_tokenizer()  # one token per byte: a text's ids are its bytes + 2
 EOS = TOK.eos_token_id
 

@@ -173,6 +173,19 @@ def test_logprobs_agree_with_the_trainer(setup):
 
 
 @needs_vllm
+def test_multi_turn_greedy_continues_exactly_where_vllm_stopped(setup, monkeypatch):
+    from test_tools import greedy_in_turns
+
+    cfg, policy, engine, prompts = setup
+    whole, turns = greedy_in_turns(engine, policy.tokenizer, prompts, monkeypatch)
+    assert turns.response_ids == whole.response_ids  # token in, token out: the same greedy tokens
+    assert turns.tool_logs[0].turns >= 2
+    # each turn's log-probs are the engine's own for the kept tokens, in place
+    for a, b in zip(turns.logprobs, whole.logprobs):
+        assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+
+
+@needs_vllm
 def test_tensor_parallel_engine_over_two_ranks(setup, tmp_path):
     """Two FSDP ranks under torchrun share one engine (rollout.tensor_parallel_size=2, vLLM's
     external_launcher): both return the same samples, the samples a one-process engine draws with
@@ -408,16 +421,3 @@ def test_a_skipped_weight_push_is_said_in_one_line(tmp_path, monkeypatch):
     assert gaps[0] < LOGP_TOL_MEAN and min(gaps[1:]) > ENGINE_GAP_LIMIT["float32"]  # step 1: the weights it sampled
     said = [line for line in out.getvalue().splitlines() if "not sampling from the trained weights" in line]
     assert len(said) == 1 and said[0].startswith("step 2: the rollout engine's log-probs are ")
-
-
-@needs_vllm
-def test_multi_turn_greedy_continues_exactly_where_vllm_stopped(setup, monkeypatch):
-    from test_tools import greedy_in_turns
-
-    cfg, policy, engine, prompts = setup
-    whole, turns = greedy_in_turns(engine, policy.tokenizer, prompts, monkeypatch)
-    assert turns.response_ids == whole.response_ids  # token in, token out: the same greedy tokens
-    assert turns.tool_logs[0].turns >= 2
-    # each turn's log-probs are the engine's own for the kept tokens, in place
-    for a, b in zip(turns.logprobs, whole.logprobs):
-        assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-4
