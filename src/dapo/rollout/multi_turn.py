@@ -102,9 +102,6 @@ class ToolRollout:
             for row in rows:
                 if not row.done and len(row.ids) >= budget:
                     row.done, row.truncated = True, True
-        for row in rows:
-            if not row.done:  # the turns ran out right after a call: the output block is the response's end
-                row.truncated = True
         return Generation(
             prompt_ids=[r.prompt for r in rows],
             response_ids=[r.ids for r in rows],
@@ -153,7 +150,9 @@ class ToolRollout:
                 row.done = True
                 continue
             if row.log.calls >= self.max_calls:  # told so, and nothing it asked for is shown
-                text = f"```output\nToolLimit: no tool calls left ({self.max_calls} per response)\n```\n"
+                text = output_block(
+                    ToolResult(f"ToolLimit: no tool calls left ({self.max_calls} per response)", 0, False, "", 0.0)
+                )
             elif isinstance(out, ToolResult):
                 text = output_block(out)
                 row.log.errors += out.failed
