@@ -71,10 +71,13 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	@$(PY) scripts/architecture_lines.py scripts/architecture.in.md | diff -q - docs/architecture.md >/dev/null \
+		|| { echo "docs/architecture.md is stale: make format"; exit 1; }
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
+	$(PY) scripts/architecture_lines.py scripts/architecture.in.md > docs/architecture.md
 
 test: $(STAMP) $(VLLM_STAMP) lint sandbox
 	$(PY) -m pytest -q
