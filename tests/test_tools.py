@@ -460,6 +460,28 @@ def test_dapo_eval_with_the_tool_and_the_tool_template(tiny_model_dir, tmp_path,
     assert json.loads((out / "eval.json").read_text())["mini"]["avg"] == 0.5  # the even rows answer what it printed
     responses = [json.loads(x) for x in (out / "mini.responses.jsonl").read_text().splitlines()]
     assert responses[0]["response"] == "```python\nprint(2+3)\n```\n```output\n5\n```\nAnswer: 5"
+    assert [r["tool_calls"] for r in responses] == [1, 1, 1, 1]
+    tools = json.loads((out / "eval.json").read_text())["mini"]["tools"]  # every response called; the even ones helped
+    assert tools == {
+        "tool_call_frac": 1.0,
+        "tool_helped_frac": 0.5,
+        "tool_errors_per_call": 0.0,
+        "acc_with_tool_call": 0.5,
+    }
+
+
+def test_held_out_tool_use_figures_on_hand_counted_responses():
+    from dapo.evaluation import tool_use
+
+    # 5 responses: two called and were right, one called twice (one error) and was wrong, two did not call (one right)
+    calls, errors, accs = [1, 1, 2, 0, 0], [0, 0, 1, 0, 0], [True, True, False, True, False]
+    assert tool_use(calls, errors, accs) == {
+        "tool_call_frac": 3 / 5,
+        "tool_helped_frac": 2 / 5,
+        "tool_errors_per_call": 1 / 4,
+        "acc_with_tool_call": 2 / 3,
+        "acc_without_tool_call": 1 / 2,
+    }
 
 
 @needs_bwrap

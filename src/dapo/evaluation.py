@@ -147,6 +147,7 @@ class EvalResult:
     truncated_frac: float
     per_problem: list[dict] = field(default_factory=list)
     responses: list[dict] = field(default_factory=list)  # one per sample: what the model wrote and its verdict
+    tools: dict[str, float] = field(default_factory=dict)  # with tools.python: how the responses used the tool
 
     def metrics(self, prefix: str = "eval") -> dict[str, float]:
         avg = f"{prefix}/{self.name}/avg@{self.n}"
@@ -160,7 +161,24 @@ class EvalResult:
         }
         for k, v in self.pass_at.items():
             out[f"{prefix}/{self.name}/pass@{k}"] = v
+        for k, v in self.tools.items():
+            out[f"{prefix}/{self.name}/{k}"] = v
         return out
+
+
+def tool_use(calls: list[int], errors: list[int], accs: list[bool]) -> dict[str, float]:
+    """How responses used the tool: the share that called it, the share whose call helped (called and ended
+    right), the accuracy of those that called and of those that did not, and errors per call."""
+    called = [a for c, a in zip(calls, accs) if c]
+    not_called = [a for c, a in zip(calls, accs) if not c]
+    n = max(len(accs), 1)
+    out = {"tool_call_frac": len(called) / n, "tool_helped_frac": sum(called) / n}
+    out["tool_errors_per_call"] = sum(errors) / max(sum(calls), 1)
+    if called:
+        out["acc_with_tool_call"] = sum(called) / len(called)
+    if not_called:
+        out["acc_without_tool_call"] = sum(not_called) / len(not_called)
+    return out
 
 
 def evaluate(
@@ -189,6 +207,8 @@ def evaluate(
     lengths: list[int] = []
     truncated: list[bool] = []
     responses: list[dict] = []
+    calls: list[int] = []
+    errors: list[int] = []
     chunk = max(1, 4096 // n)  # problems per generate call, so progress moves and memory stays flat
     for start in range(0, len(examples), chunk):
         part = examples[start : start + chunk]
@@ -201,6 +221,9 @@ def evaluate(
         preds += [g.pred for g in result.grades]
         lengths += [len(r) for r in gen.response_ids]
         truncated += gen.truncated.tolist()
+        if gen.tool_logs is not None:
+            calls += [log.calls for log in gen.tool_logs]
+            errors += [log.errors for log in gen.tool_logs]
         prompts = {ex.uid: render(ex) if render is not None else ex.text() for ex in part}
         for j, (ex, text, g, ids, cut) in enumerate(
             zip(rows, gen.texts, result.grades, gen.response_ids, gen.truncated.tolist())
@@ -217,6 +240,7 @@ def evaluate(
                     "length_tokens": len(ids),
                     "truncated": cut,
                 }
+                | ({"tool_calls": gen.tool_logs[j].calls} if gen.tool_logs is not None else {})
             )
         if progress is not None:
             progress(len(rows))
@@ -247,6 +271,7 @@ def evaluate(
         truncated_frac=sum(truncated) / max(len(truncated), 1),
         per_problem=per_problem,
         responses=responses,
+        tools=tool_use(calls, errors, accs) if calls else {},
     )
 
 
