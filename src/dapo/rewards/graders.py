@@ -7,8 +7,9 @@ built by math-verify's LaTeX parser.
 
 from __future__ import annotations
 
+import importlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
 
 from dapo.rewards import math_equiv, minerva, numeric
@@ -78,6 +79,59 @@ def check_inputs(response: object, ground_truth: object, grader: str) -> None:
     check = _TRUTH_CHECKS.get(grader)
     if check is not None:
         check(ground_truth)
+
+
+def resolve_grader(path: str) -> Callable[[str, str], tuple[float, bool, str]]:
+    """The function an import path "package.module:function" names."""
+    module_name, _, attr = path.partition(":")
+    fn = getattr(importlib.import_module(module_name), attr, None)
+    if not callable(fn):
+        raise ValueError(f"extra grader {path!r}: {module_name} has no function {attr!r}")
+    return fn
+
+
+def check_extra_graders(extra_graders: Mapping[str, str] | None) -> dict[str, str]:
+    """Graders beyond the built-in ones, name -> "package.module:function", each imported once here to
+    fail in one line rather than in every worker."""
+    checked: dict[str, str] = {}
+    for name, path in (extra_graders or {}).items():
+        if not isinstance(name, str) or not name or name in RAW_GRADERS:
+            builtin = ", ".join(sorted(RAW_GRADERS))
+            raise ValueError(f"extra grader name {name!r}: must be a new, non-empty name (built-ins: {builtin})")
+        if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
+            raise ValueError(f"extra grader {name!r}: {path!r} is not an import path 'package.module:function'")
+        resolve_grader(path)
+        checked[name] = path
+    return checked
+
+
+def check_batch(
+    responses: Sequence, ground_truths: Sequence, graders: Sequence[str] | str, custom: Container[str]
+) -> Sequence[str]:
+    """Each item's grader name; a one-line TypeError/ValueError ("item 3: ...") for an item no grader can
+    score. custom: the names of extra graders and reward functions (any str ground truth)."""
+    n = len(responses)
+    if len(ground_truths) != n:
+        raise ValueError(f"{n} responses but {len(ground_truths)} ground truths")
+    graders = [graders] * n if isinstance(graders, str) else graders
+    if len(graders) != n:
+        raise ValueError(f"{n} responses but {len(graders)} grader names")
+    checked: set[tuple[str, str]] = set()  # each distinct (truth, grader) once: groups share truths
+    for i, (response, truth, name) in enumerate(zip(responses, ground_truths, graders)):
+        try:
+            if (truth, name) in checked:
+                pass
+            elif name in custom:
+                if not isinstance(truth, str):
+                    raise TypeError(f"ground_truth must be str, got {type(truth).__name__}")
+            else:
+                check_inputs("", truth, name)
+            if not isinstance(response, str):
+                raise TypeError(f"response must be str, got {type(response).__name__}")
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"item {i}: {err}") from None
+        checked.add((truth, name))
+    return graders
 
 
 def grade(response: str, ground_truth: str, grader: str = "dapo") -> Grade:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import importlib
 import logging
 import math
 import multiprocessing as mp
@@ -33,8 +32,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_for
 
-from dapo.rewards.graders import RAW_GRADERS, TAIL_CHARS, TIMEOUT_PRED, Grade, GradingTimeout, check_inputs
-from dapo.rewards.reward_fn import REWARD_FN, RewardFnError, load_reward_fns, pickle_reward_fn
+from dapo.rewards.graders import (
+    RAW_GRADERS,
+    TAIL_CHARS,
+    TIMEOUT_PRED,
+    Grade,
+    GradingTimeout,
+    check_batch,
+    check_extra_graders,
+    resolve_grader,
+)
+from dapo.rewards.reward_fn import REWARD_FN, RewardFnError, load_reward_fns, pickle_reward_fn, pickle_reward_fns
 
 CRASH_PRED = "[CRASH]"
 _FLUSH_S = 0.01  # a worker sends what it has graded at least this often
@@ -53,15 +61,6 @@ class PoolResult:
     num_timeouts: int
     num_crashes: int
     seconds: float
-
-
-def _resolve(path: str) -> Callable[[str, str], tuple[float, bool, str]]:
-    """The function an import path "package.module:function" names."""
-    module_name, _, attr = path.partition(":")
-    fn = getattr(importlib.import_module(module_name), attr, None)
-    if not callable(fn):
-        raise ValueError(f"extra grader {path!r}: {module_name} has no function {attr!r}")
-    return fn
 
 
 def _limit_memory(extra_mb: int | None) -> None:
@@ -91,7 +90,7 @@ def _worker_main(conn, progress, memory_limit_mb, extra_graders, reward_fns, mai
         conn.send(("failed", f"{type(err).__name__}: {err}"))
         return
     _limit_memory(memory_limit_mb)  # after the caller's module has loaded: the cap is on what grading adds
-    fns = {**RAW_GRADERS, **{name: _resolve(path) for name, path in extra_graders.items()}, **user_fns}
+    fns = {**RAW_GRADERS, **{name: resolve_grader(path) for name, path in extra_graders.items()}, **user_fns}
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # it logs every timeout with the text
     RAW_GRADERS["math"]("The answer is \\boxed{\\frac{1}{2}}", "0.5")  # warm up once, not on a real item
     RAW_GRADERS["dapo"]("Answer: 1", "1")
@@ -211,22 +210,8 @@ class RewardPool:
         if not (timeout_s > 0 and math.isfinite(timeout_s)):  # inf would let one answer hold a worker forever
             raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s}")
         self.num_workers, self.timeout_s = num_workers, float(timeout_s)
-        self.extra_graders: dict[str, str] = {}
-        for name, path in (extra_graders or {}).items():
-            if not isinstance(name, str) or not name or name in RAW_GRADERS:
-                builtin = ", ".join(sorted(RAW_GRADERS))
-                raise ValueError(f"extra grader name {name!r}: must be a new, non-empty name (built-ins: {builtin})")
-            if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
-                raise ValueError(f"extra grader {name!r}: {path!r} is not an import path 'package.module:function'")
-            _resolve(path)  # fail here, in one line, not in every worker
-            self.extra_graders[name] = path
-        self._reward_fns: dict[str, bytes] = {}
-        main: dict = {}
-        for name, fn in (reward_fns or {}).items():
-            if not isinstance(name, str) or not name or name in RAW_GRADERS or name in self.extra_graders:
-                raise ValueError(f"reward function name {name!r}: must be a new, non-empty name")
-            self._reward_fns[name], fn_main = pickle_reward_fn(name, fn)
-            main = fn_main if len(fn_main) > len(main) else main  # one that names the main script covers all
+        self.extra_graders = check_extra_graders(extra_graders)
+        self._reward_fns, main = pickle_reward_fns(reward_fns, {*RAW_GRADERS, *self.extra_graders})
         self._worker_args = (memory_limit_mb, self.extra_graders, self._reward_fns, main)
         self._warned: set[str] = set()  # reward functions whose exception was shown once
         self._ctx = _context()
@@ -239,13 +224,11 @@ class RewardPool:
     def score(self, responses: Sequence[str], ground_truths: Sequence[str], graders: Sequence[str] | str) -> PoolResult:
         """Grade responses[i] against ground_truths[i] with graders[i]; results in input order."""
         t0 = time.perf_counter()
-        n = len(responses)
-        if len(ground_truths) != n:
-            raise ValueError(f"{n} responses but {len(ground_truths)} ground truths")
-        graders = [graders] * n if isinstance(graders, str) else graders
-        if len(graders) != n:
-            raise ValueError(f"{n} responses but {len(graders)} grader names")
-        payload = self._payload(responses, ground_truths, graders)
+        graders = check_batch(responses, ground_truths, graders, {*self.extra_graders, *self._reward_fns})
+        payload = [  # only the tail a grader reads crosses the pipe
+            (response[-TAIL_CHARS[name] :] if name in TAIL_CHARS else response, truth, name)
+            for response, truth, name in zip(responses, ground_truths, graders)
+        ]
         with self._lock:
             if self._closed:
                 raise RuntimeError("RewardPool is closed")
@@ -264,27 +247,6 @@ class RewardPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def _payload(self, responses, ground_truths, graders) -> list[tuple[str, str, str]]:
-        checked: set[tuple[str, str]] = set()  # each distinct (truth, grader) once: groups share truths
-        payload = []
-        for i, (response, truth, name) in enumerate(zip(responses, ground_truths, graders)):
-            try:
-                if (truth, name) in checked:
-                    pass
-                elif name in self.extra_graders or name in self._reward_fns:
-                    if not isinstance(truth, str):
-                        raise TypeError(f"ground_truth must be str, got {type(truth).__name__}")
-                else:
-                    check_inputs("", truth, name)
-                if not isinstance(response, str):
-                    raise TypeError(f"response must be str, got {type(response).__name__}")
-            except (TypeError, ValueError) as err:
-                raise type(err)(f"item {i}: {err}") from None
-            checked.add((truth, name))
-            tail = TAIL_CHARS.get(name)  # only the tail a grader reads crosses the pipe
-            payload.append((response[-tail:] if tail else response, truth, name))
-        return payload
 
     def _new_worker(self) -> _Worker:
         return _Worker(self._ctx, self._worker_args)

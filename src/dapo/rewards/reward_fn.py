@@ -14,7 +14,7 @@ import numbers
 import pickle
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Container, Mapping
 from multiprocessing import spawn
 
 REWARD_FN = "reward_fn"  # the grader name of a reward function given to dapo.train or dapo.evaluate
@@ -65,6 +65,21 @@ def pickle_reward_fn(name: str, fn) -> tuple[bytes, dict]:
             "function)"
         ) from None
     return buffer.getvalue(), _main_script(name) if pickler.uses_main else {"sys_path": list(sys.path)}
+
+
+def pickle_reward_fns(
+    reward_fns: Mapping[str, Callable] | None, taken: Container[str]
+) -> tuple[dict[str, bytes], dict]:
+    """Each function pickled for the workers, and what they need to unpickle them all; `taken`: the
+    names of the other graders."""
+    blobs: dict[str, bytes] = {}
+    main: dict = {}
+    for name, fn in (reward_fns or {}).items():
+        if not isinstance(name, str) or not name or name in taken:
+            raise ValueError(f"reward function name {name!r}: must be a new, non-empty name")
+        blobs[name], fn_main = pickle_reward_fn(name, fn)
+        main = fn_main if len(fn_main) > len(main) else main  # one that names the main script covers all
+    return blobs, main
 
 
 def _check_score(name: str, out) -> tuple[float, bool]:
