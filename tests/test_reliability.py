@@ -273,15 +273,15 @@ def hang_worker(where: str, model_dir: str, run_dir: str) -> None:
 
         hf.HFRolloutEngine.generate = generate
     if where == "reward" and rank == 0:
-        real_execute = pool._Run.execute
+        real_execute = pool.RewardPool._run
 
-        def execute(self):
+        def execute(self, *args):
             calls["n"] += 1
             if calls["n"] == 2:
                 threading.Event().wait()  # never returns
-            return real_execute(self)
+            return real_execute(self, *args)
 
-        pool._Run.execute = execute
+        pool.RewardPool._run = execute
     train(small_config(run_dir, model_dir, *QUICK_WATCHDOG, "train.total_steps=3", "run.save_every=1"))
 
 

@@ -165,7 +165,7 @@ def test_call_interrupted_midway_leaves_no_stale_results(pool, monkeypatch):
 
     pool.score(["Answer: 1"], ["1"], "dapo")  # workers up, so the interrupted call dispatches
     with monkeypatch.context() as patch:
-        patch.setattr(pool_module._Run, "_receive", interrupted)
+        patch.setattr(pool_module.RewardPool, "_receive", interrupted)
         with pytest.raises(KeyboardInterrupt):
             pool.score(["x"] * 8, ["0.3"] * 8, "_test_sleep")  # each item reports "slept"
     result = pool.score([f"Answer: {i}" for i in range(8)], [str(i) for i in range(8)], "dapo")
@@ -204,14 +204,14 @@ def test_items_travel_in_chunks_not_one_round_trip_each(pool, monkeypatch):
     # 5000 items cost a few dozen pipe round trips, not 5000.
     n = 5000
     sent: list[int] = []
-    real_dispatch = pool_module._Run._dispatch
+    real_dispatch = pool_module.RewardPool._dispatch
 
     def counting_dispatch(self):
-        waiting = len(self.pending)
+        waiting = len(self._pending)
         real_dispatch(self)
-        sent.append(waiting - len(self.pending))
+        sent.append(waiting - len(self._pending))
 
-    monkeypatch.setattr(pool_module._Run, "_dispatch", counting_dispatch)
+    monkeypatch.setattr(pool_module.RewardPool, "_dispatch", counting_dispatch)
     result = pool.score([f"Reasoning...\nAnswer: {i % 97}" for i in range(n)], ["5"] * n, "dapo")
     assert [g.acc for g in result.grades] == [i % 97 == 5 for i in range(n)]
     # chunk size = min(_MAX_CHUNK=256, ceil(5000 / (2 workers * 4 chunks per worker)) = 625) = 256,

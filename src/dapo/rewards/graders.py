@@ -107,9 +107,10 @@ def check_extra_graders(extra_graders: Mapping[str, str] | None) -> dict[str, st
 
 def check_batch(
     responses: Sequence, ground_truths: Sequence, graders: Sequence[str] | str, custom: Container[str]
-) -> Sequence[str]:
-    """Each item's grader name; a one-line TypeError/ValueError ("item 3: ...") for an item no grader can
-    score. custom: the names of extra graders and reward functions (any str ground truth)."""
+) -> list[tuple[str, str, str]]:
+    """The items as the pool's workers get them: (the tail of the response its grader reads, truth, grader).
+    A one-line TypeError/ValueError ("item 3: ...") for an item no grader can score; custom: the names of
+    extra graders and reward functions (any str ground truth)."""
     n = len(responses)
     if len(ground_truths) != n:
         raise ValueError(f"{n} responses but {len(ground_truths)} ground truths")
@@ -117,6 +118,7 @@ def check_batch(
     if len(graders) != n:
         raise ValueError(f"{n} responses but {len(graders)} grader names")
     checked: set[tuple[str, str]] = set()  # each distinct (truth, grader) once: groups share truths
+    items = []
     for i, (response, truth, name) in enumerate(zip(responses, ground_truths, graders)):
         try:
             if (truth, name) in checked:
@@ -131,7 +133,9 @@ def check_batch(
         except (TypeError, ValueError) as err:
             raise type(err)(f"item {i}: {err}") from None
         checked.add((truth, name))
-    return graders
+        tail = TAIL_CHARS.get(name)  # only the tail a grader reads crosses the pipe
+        items.append((response[-tail:] if tail else response, truth, name))
+    return items
 
 
 def grade(response: str, ground_truth: str, grader: str = "dapo") -> Grade:

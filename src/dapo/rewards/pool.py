@@ -1,16 +1,9 @@
-"""RewardPool: grade untrusted responses in worker processes, with a time limit on every call.
+"""RewardPool: grade untrusted responses in worker processes, with a time limit on every response.
 
-- Workers start once (forkserver, else spawn; never fork: the trainer has torch threads), load the
-  graders, warm math-verify up, and are reused across `score` calls.
-- `score` hands chunks of items to idle workers, which stream results back. Before each item a
-  worker writes (index, start time) into a shared array, so the parent knows which item a worker
-  is on: one past `timeout_s` gets its worker SIGKILLed and scores "[TIMEOUT]"; one whose worker
-  dies (segfault, os._exit, MemoryError) scores "[CRASH]". A fresh worker takes the slot and the
-  rest of the chunk is sent again. The caller's process sets no signal handlers.
-- Not pebble: its time limit and ProcessExpired cover a whole task, and one task per response is
-  ~10x slower than chunks (benchmarks/RESULTS.md, docs/architecture.md).
-- Graders: the built-in ones, those named as import paths in `extra_graders`, and pickled reward
-  functions (reward_fn.py). Names in a `score` call are only looked up, never imported.
+Workers start once and are reused. `score` sends them chunks of items; before each item a worker writes
+(index, start time) into a shared array, so the parent can SIGKILL the worker of an item past `timeout_s`
+("[TIMEOUT]") or blame the item a dead worker was on ("[CRASH]"), start a replacement and resend the
+rest of the chunk. Why not pebble (limits per task, ~10x slower one task per response): docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -27,24 +20,17 @@ import time
 import types
 import warnings
 import weakref
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_for
 
-from dapo.rewards.graders import (
-    RAW_GRADERS,
-    TAIL_CHARS,
-    TIMEOUT_PRED,
-    Grade,
-    GradingTimeout,
-    check_batch,
-    check_extra_graders,
-    resolve_grader,
-)
+from dapo.rewards.graders import RAW_GRADERS, TIMEOUT_PRED, Grade, check_batch, check_extra_graders, resolve_grader
+from dapo.rewards.math_equiv import GradingTimeout
 from dapo.rewards.reward_fn import REWARD_FN, RewardFnError, load_reward_fns, pickle_reward_fn, pickle_reward_fns
 
 CRASH_PRED = "[CRASH]"
+_FAILED = {"timeout": (-1.0, False, TIMEOUT_PRED), "crash": (-1.0, False, CRASH_PRED)}
 _FLUSH_S = 0.01  # a worker sends what it has graded at least this often
 _MAX_CHUNK, _CHUNKS_PER_WORKER = 256, 4  # balance load, yet keep pipe round trips few
 _STARTUP_TIMEOUT_S = 60.0  # importing and warming up math-verify takes ~1-2 s under spawn
@@ -67,14 +53,12 @@ def _limit_memory(extra_mb: int | None) -> None:
     """Cap the address space at its size now plus `extra_mb`: runaway sympy fails fast with MemoryError."""
     if not extra_mb:
         return
-    try:
+    with contextlib.suppress(ImportError, ValueError, OSError):  # no cap on this platform: the time limit holds
         import resource
 
         with open("/proc/self/statm") as f:  # relative: a fork server that preloaded much still gets a cap
             current = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
         resource.setrlimit(resource.RLIMIT_AS, (current + (extra_mb << 20),) * 2)
-    except (ImportError, ValueError, OSError):
-        pass  # no cap on this platform: the time limit still holds
 
 
 def _worker_main(conn, progress, memory_limit_mb, extra_graders, reward_fns, main) -> None:
@@ -95,7 +79,11 @@ def _worker_main(conn, progress, memory_limit_mb, extra_graders, reward_fns, mai
     RAW_GRADERS["math"]("The answer is \\boxed{\\frac{1}{2}}", "0.5")  # warm up once, not on a real item
     RAW_GRADERS["dapo"]("Answer: 1", "1")
     conn.send(("ready", os.getpid()))
-    while task := _recv(conn):
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, OSError):  # the pool closed the pipe
+            return
         out, last_flush = [], time.monotonic()
         for i, response, truth, name in task:
             progress[1] = time.monotonic()  # start time first, index second: the parent reads index twice
@@ -103,14 +91,14 @@ def _worker_main(conn, progress, memory_limit_mb, extra_graders, reward_fns, mai
             try:
                 out.append((i, fns[name](response, truth), None, None))
             except GradingTimeout:  # the grader's own, softer limit: a time-out, worker stays
-                out.append((i, (-1.0, False, TIMEOUT_PRED), "timeout", None))
+                out.append((i, _FAILED["timeout"], "timeout", None))
             except MemoryError:  # the heap may be broken: report the item, then let a fresh worker take over
-                conn.send([*out, (i, (-1.0, False, CRASH_PRED), "crash", None)])
+                conn.send([*out, (i, _FAILED["crash"], "crash", None)])
                 os._exit(3)
             except RewardFnError as err:  # a reward function that returns the wrong thing: the caller must fix it
-                out.append((i, (-1.0, False, CRASH_PRED), "invalid", str(err)))
+                out.append((i, _FAILED["crash"], "invalid", str(err)))
             except Exception as err:  # a grader bug on this input: a crash, worker stays
-                out.append((i, (-1.0, False, CRASH_PRED), "crash", f"{type(err).__name__}: {err}"))
+                out.append((i, _FAILED["crash"], "crash", f"{type(err).__name__}: {err}"))
             if time.monotonic() - last_flush >= _FLUSH_S:
                 conn.send(out)
                 out, last_flush = [], time.monotonic()
@@ -118,14 +106,8 @@ def _worker_main(conn, progress, memory_limit_mb, extra_graders, reward_fns, mai
             conn.send(out)
 
 
-def _recv(conn):
-    try:
-        return conn.recv()
-    except (EOFError, OSError):
-        return None
-
-
 def _context():
+    """forkserver, else spawn; never fork (the trainer has torch threads)."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -161,10 +143,12 @@ class _Worker:
         self.started, self.ready = time.monotonic(), False
         self.remaining: deque[int] = deque()  # indices sent and not yet answered, in order
 
-    def in_progress(self) -> tuple[int, float] | None:
-        """(index, start time) of the item being graded; None while the worker moves between items."""
-        first, start = self.progress[0], self.progress[1]
-        return None if self.progress[0] != first else (int(first), start)
+    def deadline(self, timeout_s: float) -> float:
+        """When start-up or the item in progress runs out of time; inf when idle, or read between items."""
+        if not self.ready:
+            return self.started + _STARTUP_TIMEOUT_S
+        index, start = self.progress[0], self.progress[1]
+        return start + timeout_s if self.remaining and self.progress[0] == index else math.inf
 
     def stop(self) -> None:
         self.process.kill()
@@ -216,7 +200,7 @@ class RewardPool:
         self._warned: set[str] = set()  # reward functions whose exception was shown once
         self._ctx = _context()
         self._lock = threading.Lock()
-        self._workers: list[_Worker] = [self._new_worker() for _ in range(num_workers)]
+        self._workers: list[_Worker] = [_Worker(self._ctx, self._worker_args) for _ in range(num_workers)]
         self._startup_failures = 0
         self._closed = False
         self._finalizer = weakref.finalize(self, _stop_all, self._workers)
@@ -224,18 +208,13 @@ class RewardPool:
     def score(self, responses: Sequence[str], ground_truths: Sequence[str], graders: Sequence[str] | str) -> PoolResult:
         """Grade responses[i] against ground_truths[i] with graders[i]; results in input order."""
         t0 = time.perf_counter()
-        graders = check_batch(responses, ground_truths, graders, {*self.extra_graders, *self._reward_fns})
-        payload = [  # only the tail a grader reads crosses the pipe
-            (response[-TAIL_CHARS[name] :] if name in TAIL_CHARS else response, truth, name)
-            for response, truth, name in zip(responses, ground_truths, graders)
-        ]
+        items = check_batch(responses, ground_truths, graders, {*self.extra_graders, *self._reward_fns})
         with self._lock:
             if self._closed:
                 raise RuntimeError("RewardPool is closed")
-            run = _Run(self, payload)
-            run.execute()
-        grades = [Grade(*r) for r in run.results]
-        return PoolResult(grades, run.num_timeouts, run.num_crashes, time.perf_counter() - t0)
+            results, failures = self._run(items)
+        grades = [Grade(*r) for r in results]
+        return PoolResult(grades, failures["timeout"], failures["crash"], time.perf_counter() - t0)
 
     def close(self) -> None:
         with self._lock:
@@ -248,155 +227,106 @@ class RewardPool:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _new_worker(self) -> _Worker:
-        return _Worker(self._ctx, self._worker_args)
+    # One `score` call, under the lock: its items, the chunks not yet sent, the results so far.
 
-    def _replace(self, slot: int) -> None:
-        self._workers[slot].stop()
-        self._workers[slot] = self._new_worker()
-
-
-class _Run:
-    """One `score` call: chunks not yet sent, results, counters."""
-
-    def __init__(self, pool: RewardPool, payload: list[tuple[str, str, str]]):
-        self.pool, self.payload, n = pool, payload, len(payload)
-        size = max(1, min(_MAX_CHUNK, math.ceil(n / (pool.num_workers * _CHUNKS_PER_WORKER))))
-        self.pending: deque[list[int]] = deque(list(range(s, min(n, s + size))) for s in range(0, n, size))
-        self.results: list[tuple | None] = [None] * n
-        self.left, self.attempts = n, {}
-        self.num_timeouts = self.num_crashes = 0
-
-    def execute(self) -> None:
-        for slot, w in enumerate(self.pool._workers):
+    def _run(self, items: list[tuple[str, str, str]]) -> tuple[list, Counter]:
+        n = len(items)
+        size = max(1, min(_MAX_CHUNK, math.ceil(n / (self.num_workers * _CHUNKS_PER_WORKER))))
+        self._pending = deque(list(range(s, min(n, s + size))) for s in range(0, n, size))
+        self._items, self._results, self._left = items, [None] * n, n
+        self._failures, self._attempts = Counter(), Counter()
+        for slot, w in enumerate(self._workers):
             if w.remaining:  # still busy for a call that was interrupted: its results are stale
-                w.remaining.clear()
-                self.pool._replace(slot)
-        while self.left:
+                self._replace(slot)
+        while self._left:
             self._dispatch()
-            workers = list(self.pool._workers)
-            ready = wait_for([x for w in workers for x in (w.conn, w.process.sentinel)], timeout=self._wait_s())
+            workers, now = list(self._workers), time.monotonic()
+            deadline = min([now + 1.0] + [w.deadline(self.timeout_s) for w in workers])  # once a second at least
+            ready = wait_for([x for w in workers for x in (w.conn, w.process.sentinel)], max(0, deadline - now) + 1e-3)
             for slot, w in enumerate(workers):
                 if w.conn in ready or w.process.sentinel in ready:
                     self._receive(slot)
-            self._enforce_limits()
+            now = time.monotonic()
+            for slot, w in enumerate(self._workers):
+                if now > w.deadline(self.timeout_s):
+                    self._lost(slot, "timeout")
+        return self._results, self._failures
 
     def _dispatch(self) -> None:
-        for slot, w in enumerate(self.pool._workers):
-            if not self.pending:
-                return
-            if w.ready and not w.remaining:
-                chunk = self.pending.popleft()
+        for slot, w in enumerate(self._workers):
+            if self._pending and w.ready and not w.remaining:
+                chunk = self._pending.popleft()
                 w.remaining = deque(chunk)
                 w.progress[1], w.progress[0] = time.monotonic(), -1  # the clock runs from now: "not started"
                 try:
-                    w.conn.send([(i, *self.payload[i]) for i in chunk])
+                    w.conn.send([(i, *self._items[i]) for i in chunk])
                 except OSError:
-                    self._lost(slot, CRASH_PRED)
-
-    def _wait_s(self) -> float:
-        now = time.monotonic()
-        deadline = now + 1.0  # wake up at least once a second regardless
-        for w in self.pool._workers:
-            current = w.in_progress() if w.remaining else None
-            if not w.ready:
-                deadline = min(deadline, w.started + _STARTUP_TIMEOUT_S)
-            elif current is not None:
-                deadline = min(deadline, current[1] + self.pool.timeout_s)
-        return max(0.0, deadline - now) + 0.001
+                    self._lost(slot, "crash")
 
     def _receive(self, slot: int) -> None:
-        w = self.pool._workers[slot]
-        if not self._drain(w, quiet=False) or not w.process.is_alive():
-            self._lost(slot, CRASH_PRED)
+        w = self._workers[slot]
+        if not self._drain(w) or not w.process.is_alive():
+            self._lost(slot, "crash")
 
-    def _drain(self, w: _Worker, quiet: bool = True) -> bool:
-        """Handle what the worker sent; False once its pipe is closed (it died). quiet: after a kill."""
+    def _drain(self, w: _Worker) -> bool:
+        """Handle what the worker sent; False once its pipe is closed (it died; a message cut short too)."""
         try:
             while w.conn.poll():
-                self._on_message(w, w.conn.recv())
+                message = w.conn.recv()
+                if message[0] == "ready":
+                    w.ready, self._startup_failures = True, 0
+                elif message[0] == "failed":
+                    raise RuntimeError(f"a reward worker could not load the reward function: {message[1]}")
+                else:
+                    for i, result, failure, detail in message:
+                        self._settle(w, i, result, failure, detail)
         except (EOFError, OSError):
             return False
-        except Exception:  # a message cut short by the kill
-            if not quiet:
-                raise
         return True
 
-    def _on_message(self, w: _Worker, message) -> None:
-        if message[0] == "ready":
-            w.ready, self.pool._startup_failures = True, 0
-            return
-        if message[0] == "failed":
-            raise RuntimeError(f"a reward worker could not load the reward function: {message[1]}")
-        for i, result, failure, detail in message:
-            if not w.remaining or w.remaining[0] != i:
-                continue  # an item already settled (cannot happen with in-order workers)
-            if failure == "invalid":
-                raise RewardFnError(detail)
-            w.remaining.popleft()
-            self._settle(i, result)
-            self.num_crashes += failure == "crash"
-            self.num_timeouts += failure == "timeout"
-            name = self.payload[i][2]
-            if failure == "crash" and name in self.pool._reward_fns and name not in self.pool._warned:
-                self.pool._warned.add(name)
-                warnings.warn(
-                    f"{name} raised {detail}; the response scores as a crash ({CRASH_PRED}, -1, counted "
-                    "in reward/worker_crashes), here and in every later call that raises",
-                    stacklevel=2,
-                )
+    def _settle(self, w: _Worker, i: int, result: tuple, failure: str | None, detail: str | None = None) -> None:
+        if failure == "invalid":
+            raise RewardFnError(detail)
+        w.remaining.remove(i)  # the first one, unless it is a dead worker's item
+        self._results[i], self._left = result, self._left - 1
+        self._failures[failure] += 1
+        name = self._items[i][2]
+        if failure == "crash" and name in self._reward_fns and name not in self._warned:
+            self._warned.add(name)
+            warnings.warn(
+                f"{name} raised {detail}; the response scores as a crash ({CRASH_PRED}, -1, counted "
+                "in reward/worker_crashes), here and in every later call that raises",
+                stacklevel=2,
+            )
 
-    def _settle(self, i: int, result: tuple) -> None:
-        if self.results[i] is None:
-            self.results[i] = result
-            self.left -= 1
-
-    def _enforce_limits(self) -> None:
-        now = time.monotonic()
-        for slot, w in enumerate(self.pool._workers):
-            current = w.in_progress() if w.remaining else None
-            if not w.ready and now - w.started > _STARTUP_TIMEOUT_S:
-                self._startup_failed(slot, "did not start in time")
-            elif w.ready and current is not None and now - current[1] > self.pool.timeout_s:
-                self._lost(slot, TIMEOUT_PRED)
-
-    def _lost(self, slot: int, pred: str) -> None:
-        """A worker dead or past the limit: stop it, blame its item as `pred`, replace it, resend the rest."""
-        w = self.pool._workers[slot]
+    def _lost(self, slot: int, failure: str) -> None:
+        """A worker dead or past its limit (start-up included): stop it, blame its item, replace it, resend the
+        rest of its chunk."""
+        w = self._workers[slot]
         w.process.kill()
         w.process.join(timeout=5)
         self._drain(w)  # results it sent before it died are still in the pipe
+        i = int(w.progress[0])  # the worker is dead: this value no longer moves
         if not w.ready:
-            self._startup_failed(slot, f"exited with code {w.process.exitcode} during startup")
-            return
-        if self._charge(w, pred):
-            self.num_timeouts += pred == TIMEOUT_PRED
-            self.num_crashes += pred == CRASH_PRED
+            self._startup_failures += 1
+            if self._startup_failures >= _MAX_STARTUP_FAILURES:
+                code = w.process.exitcode
+                why = "did not start in time" if failure == "timeout" else f"exited with code {code} during startup"
+                raise RuntimeError(f"reward worker {why}; {_MAX_STARTUP_FAILURES} workers in a row failed to start")
+        elif w.remaining and i not in w.remaining:  # stopped between items: blame the next one only if that
+            i = w.remaining[0]  # keeps happening (not for a kill from outside)
+            self._attempts[i] += 1
+            if self._attempts[i] < _MAX_ATTEMPTS:
+                i = None
+        if i in w.remaining:
+            self._settle(w, i, _FAILED[failure], failure)
         if w.remaining:
-            self.pending.appendleft(list(w.remaining))
-            w.remaining.clear()
-        self.pool._replace(slot)
+            self._pending.appendleft(list(w.remaining))
+        self._replace(slot)
 
-    def _charge(self, w: _Worker, pred: str) -> bool:
-        """Settle the item a dead worker was grading as `pred`; False if none can be blamed."""
-        if not w.remaining:
-            return False
-        index = int(w.progress[0])  # the worker is dead: this value no longer moves
-        if index not in w.remaining:
-            # stopped between items: blame the next one only if that keeps happening (not for an outside kill)
-            index = w.remaining[0]
-            self.attempts[index] = self.attempts.get(index, 0) + 1
-            if self.attempts[index] < _MAX_ATTEMPTS:
-                return False
-        w.remaining.remove(index)
-        self._settle(index, (-1.0, False, pred))
-        return True
-
-    def _startup_failed(self, slot: int, why: str) -> None:
-        self.pool._startup_failures += 1
-        if self.pool._startup_failures >= _MAX_STARTUP_FAILURES:
-            raise RuntimeError(f"reward worker {why}; {_MAX_STARTUP_FAILURES} workers in a row failed to start")
-        self.pool._replace(slot)
+    def _replace(self, slot: int) -> None:
+        self._workers[slot].stop()
+        self._workers[slot] = _Worker(self._ctx, self._worker_args)
 
 
 __all__ = ["PoolResult", "REWARD_FN", "RewardFnError", "RewardPool", "TIMEOUT_PRED", "CRASH_PRED", "pickle_reward_fn"]
