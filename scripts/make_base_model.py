@@ -37,11 +37,13 @@ sampled accuracy 26%, greedy 0.5%, since greedy decoding always takes the repeat
 The tool demo's base model (assets/arith-tools-base/, configs/demo_tools.yaml) continues from the demo's model with
 some solutions that compute with the Python tool (``--tool-rate``): a ```python block that prints the problem's
 expression, the ```output block the sandbox prints (not a target: the tool writes it), and the answer read off
-it; some calls miscopy an operand (``--tool-error-rate``), so a call is not a sure answer:
+it; some calls miscopy an operand (``--tool-error-rate``), so a call is not a sure answer. Half of its solutions
+call the tool: a base that calls in only a minority of its samples (``--tool-rate 0.25``: 16%) stops calling within
+ten DAPO steps, as the text path's updates outweigh the calls' (docs/tools.md, "The demo with a tool"):
 
     python scripts/make_base_model.py --difficulty demo --init assets/arith-base --out assets/arith-tools-base \
-        --steps 300 --lr 5e-4 --warmup 20 --clean-frac 0.0 --error-rate 0.35 --tool-rate 0.25 \
-        --tool-error-rate 0.4 --max-new-tokens 64 --threads 1
+        --steps 300 --lr 5e-4 --warmup 20 --clean-frac 0.0 --error-rate 0.35 --tool-rate 0.5 \
+        --tool-error-rate 0.1 --max-new-tokens 64 --threads 1
 """
 
 from __future__ import annotations
