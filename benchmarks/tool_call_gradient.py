@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 
-class Collected(Exception):
+class Collected(BaseException):  # not an Exception: the loop turns those into a StepError
     pass
 
 
