@@ -278,3 +278,33 @@ def test_actor_loss_is_policy_loss_plus_the_weighted_kl_term():
     assert loss.item() == pytest.approx(pg.item() + 0.5 * stats["kl_loss"].value.item(), rel=1e-6)
     with pytest.raises(ValueError, match="ref_logp"):
         algo.actor_loss(logp, old, adv, mask, kl_coef=0.5)
+
+
+def test_a_stale_behaviour_policy_biases_the_gradient_and_the_truncated_weight_removes_the_bias():
+    """Asynchronous rollout's correction (decoupled PPO): responses sampled by weights k versions old (mu), the
+    clip anchored at the proximal policy (the trainer's weights at the start of the step, whose log-probs the
+    loop recomputes as old_logp), and w = min(pi_prox / mu, cap) on each token. Exact expectations over a
+    4-action policy: without w the expected gradient is mu's, not the policy's; with it, the on-policy one."""
+    theta = torch.tensor([0.5, -0.3, 1.2, 0.1], requires_grad=True)  # the trainer's logits at the step's start
+    stale = torch.tensor([1.5, 0.4, -0.8, 0.0])  # the behaviour policy's: the engine's weights, k versions old
+    adv = torch.tensor([1.0, -0.5, 0.8, -1.2])
+    logp, mu = torch.log_softmax(theta, -1), torch.softmax(stale, -1)
+    prox = logp.detach()  # the proximal policy: the trainer's own log-probs, before any update
+
+    def expected_grad(corrected: bool) -> torch.Tensor:
+        total = torch.zeros(4)
+        for a in range(4):  # E over a ~ mu of one sampled token's loss gradient
+            one = torch.ones(1, 1)
+            w = None
+            if corrected:
+                w, _ = algo.truncated_is_weights(prox[a].view(1, 1), mu[a].log().view(1, 1), one, cap=10.0)
+            loss, _ = algo.policy_loss(logp[a].view(1, 1), prox[a].view(1, 1), adv[a].view(1), one, is_weights=w)
+            (g,) = torch.autograd.grad(loss, theta, retain_graph=True)
+            total += mu[a] * g
+        return total
+
+    # the on-policy gradient of -E_pi[A]: -sum_a pi(a) A(a) grad log pi(a)
+    (on_policy,) = torch.autograd.grad(-(logp.exp().detach() * adv * logp).sum(), theta, retain_graph=True)
+    assert torch.allclose(expected_grad(corrected=True), on_policy, atol=1e-6)
+    stale_bias = (expected_grad(corrected=False) - on_policy).norm()
+    assert stale_bias > on_policy.norm()  # ignoring the staleness trains towards mu's gradient
