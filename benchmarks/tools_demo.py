@@ -9,7 +9,7 @@ data.seed, rollout.seed and train.seed). Held-out: the demo's 200 arithmetic pro
 every --eval-every steps. Per run: held-out accuracy before and after, and for the tool side the share of held-out
 responses that ran code and the share that ran code and ended right (eval/arith/tool_call_frac, tool_helped_frac),
 before and after. Printed: every run, then each side's mean with a 95% t-interval over seeds, and the difference of
-the final accuracies (tool - text) with its paired 95% t-interval.
+the final accuracies (tool - text) and of the gains over each side's own base model, with paired 95% t-intervals.
 """
 
 from __future__ import annotations
@@ -93,6 +93,9 @@ def main() -> None:
     diff = [y["avg@4_after"] - x["avg@4_after"] for x, y in zip(a, b)]
     m, h = mean_ci(diff)
     print(f"  final held-out, tool - text (paired by seed): {m:+.3f} [{m - h:+.3f}, {m + h:+.3f}]")
+    gain = [(y["avg@4_after"] - y["avg@4_before"]) - (x["avg@4_after"] - x["avg@4_before"]) for x, y in zip(a, b)]
+    m, h = mean_ci(gain)  # the two sides start from different base models: what each added, compared
+    print(f"  gain over its own base, tool - text (paired by seed): {m:+.3f} [{m - h:+.3f}, {m + h:+.3f}]")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
