@@ -73,6 +73,23 @@ def test_the_none_sandbox_keeps_the_limits_but_not_the_isolation(tmp_path):
     assert box.run("import time\ntime.sleep(60)").timed_out
 
 
+@pytest.mark.parametrize("through", ["prlimit", "preexec"])
+def test_the_limits_reach_the_code_with_or_without_prlimit(sandbox, through):
+    """With prlimit the call starts by vfork (the trainer is never forked); without it, the limits are set in a
+    forked child. Either way the code runs under the same limits."""
+    box = Sandbox(LIMITS)
+    if through == "preexec":
+        box._prlimit = None
+    elif box._prlimit is None:
+        pytest.skip("no prlimit (util-linux) here")
+    assert (box._limited(["true"])[1] is None) == (through == "prlimit")
+    names = ("CPU", "AS", "FSIZE", "CORE")
+    r = box.run("import resource\n" + "".join(f"print(resource.getrlimit(resource.RLIMIT_{n}))\n" for n in names))
+    mb = 1 << 20
+    assert r.output.splitlines() == ["(2, 3)", f"({768 * mb}, {768 * mb})", f"({8 * mb}, {8 * mb})", "(0, 0)"]
+    assert box.run("x = bytearray(1024 << 20)").error == "MemoryError"
+
+
 def test_a_missing_bubblewrap_is_one_line(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(SandboxUnavailable, match="apt-get install bubblewrap.*tools.sandbox=none"):

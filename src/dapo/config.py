@@ -307,7 +307,8 @@ class ToolsConfig:
     python: bool = False
     max_turns: int = field(4, ge=1)  # stretches of the model's own writing per response (so at most 3 calls)
     max_calls: int = field(3, ge=1)  # code runs per response; a call past it is answered "no tool calls left"
-    workers: int = field(4, ge=1)  # sandboxed calls run at once (each its own process)
+    # sandboxed calls run at once (each its own process, most of it interpreter start-up: CPU-bound)
+    workers: int | None = field(None, ge=1, null="one per CPU core, at most 32")
     # mask out of the loss the responses with a void turn (SimpleTIR, arXiv 2509.02479): one that ended at a closed
     # block that was not code, or a last turn that ended without an answer; they still count in their group's stats
     filter_void_turns: bool = False

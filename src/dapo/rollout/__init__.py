@@ -3,6 +3,8 @@ decides how a training run's ranks share the engines (``make_training_engine``).
 
 from __future__ import annotations
 
+import os
+
 from dapo import lora
 from dapo.rollout.base import Generation, RolloutEngine, SamplingParams, ShardedRollout
 
@@ -61,8 +63,8 @@ def with_tools(engine: RolloutEngine, tokenizer, tools_cfg, env=None) -> Rollout
         env = PythonTool(sandbox)
     t = tools_cfg
     return ToolRollout(
-        engine, tokenizer, env, max_turns=t.max_turns, max_calls=t.max_calls, workers=t.workers,
-        timeout_s=t.timeout_s, output_chars=t.output_chars,
+        engine, tokenizer, env, max_turns=t.max_turns, max_calls=t.max_calls, timeout_s=t.timeout_s,
+        output_chars=t.output_chars, workers=t.workers or min(32, os.cpu_count() or 4),
     )  # fmt: skip
 
 
