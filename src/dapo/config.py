@@ -178,6 +178,12 @@ class RolloutConfig:
     tensor_parallel_size: int = field(1, ge=1)  # vllm: GPUs one engine's weights are split over
     # vllm: KV-cache size in GiB; null: what gpu_memory_utilization leaves on a GPU, 1 GiB on CPU
     kv_cache_gib: float | None = field(None, gt=0, null="sized from rollout.gpu_memory_utilization")
+    # k > 0: the engine runs in a process of its own and collects the next steps' batches while the trainer updates;
+    # step t's responses are sampled with the weights of k updates before (dapo.async_rollout); 0: the synchronous
+    # loop (the paper's)
+    max_staleness: int = field(0, ge=0, le=8)
+    # with max_staleness > 0: threads of the rollout process (torch); null: half the cores, the trainer the rest
+    engine_threads: int | None = field(None, ge=1, null="half the cores")
 
 
 @dataclass
@@ -731,10 +737,28 @@ def validate(cfg: Config) -> None:
         f"algo.rollout_is_cap={a.rollout_is_cap}: algo.rollout_is_mode=sequence_mask keeps responses whose ratio is "
         "in [1/cap, cap]; a cap of 1 masks every one, use > 1",
     )
+    k = r.max_staleness
+    if k:
+        why = f"rollout.max_staleness={k}: "
+        _check(
+            a.rollout_is_cap is not None,
+            why + "responses sampled by older weights need the importance weight to the engine's log-probs; set "
+            "algo.rollout_is_cap (2 is a common cap)",
+        )
+        _check(
+            a.old_logp == "recompute",
+            why + "the clip is anchored at the trainer's weights at the step's start (recomputed log-probs); "
+            "use algo.old_logp=recompute",
+        )
+        _check(
+            a.buffer_max_groups == 0,
+            why + f"algo.buffer_max_groups={a.buffer_max_groups} would train held-over groups one version older "
+            "than the bound; set algo.buffer_max_groups=0",
+        )
     _check(
-        a.rollout_is_cap is None or r.backend == "vllm",
+        a.rollout_is_cap is None or r.backend == "vllm" or k > 0,
         f"algo.rollout_is_cap={a.rollout_is_cap}: needs the engine's log-probs; "
-        f"rollout.backend={r.backend} has none (use vllm)",
+        f"rollout.backend={r.backend} has none (use vllm, or rollout.max_staleness > 0: its engine reports them)",
     )
     _check(
         a.old_logp != "engine" or r.backend in ("vllm", "auto"),

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dapo import algo, checkpoint, lora, parallel, preemption, watchdog
+from dapo.async_rollout import AsyncRollout, start_rollout_process
 from dapo.batch import RolloutBatch
 from dapo.config import AlgoConfig, Config, ConfigError, dump_yaml, load_config
 from dapo.data import PromptSampler, make_encoder, render_prompt
@@ -277,6 +278,8 @@ class Run:
     engine_gap_said: bool = False  # the engine-vs-trainer gap has been reported (once a run)
     memory: PhaseMemory | None = None  # each phase's peak memory (perf/peak_*_gb)
     signals: preemption.Signals | None = None  # SIGTERM, SIGUSR1, SIGINT: a checkpoint on the way out
+    rollout_ahead: AsyncRollout | None = None  # rollout.max_staleness > 0: the engine collects the next steps
+    resumed_async: dict | None = None  # the checkpoint's collection ahead (rollout.max_staleness > 0)
 
     def evaluate(self, step: int) -> dict:
         """The held-out metrics; every sampled response goes to samples/step_NNNNNN.<benchmark>.responses.jsonl."""
@@ -300,13 +303,17 @@ class Run:
 
     def small_state(self) -> dict:
         """The trainer state a step changes before its update (sampler, counters, held-over groups, RNG), copied."""
-        state = {"sampler": self.sampler.state_dict(), **self.state.state_dict(), "rng": checkpoint.rng_state()}
+        sampler = {} if self.rollout_ahead is not None else self.sampler.state_dict()  # the collection's: in save
+        state = {"sampler": sampler, **self.state.state_dict(), "rng": checkpoint.rng_state()}
         return copy.deepcopy(state)
 
     def save(self, small: dict | None = None) -> None:
         """Checkpoint the run as it is, or (``small``, from ``small_state``) as it was before an abandoned step."""
         cfg, policy, d = self.cfg, self.policy, self.dist
         small = small or {"sampler": self.sampler.state_dict(), **self.state.state_dict()}
+        if self.rollout_ahead is not None:  # the sampler is the collection's, ahead of the trainer: as it is saved
+            ahead = self.rollout_ahead.checkpoint_state(small["step"])
+            small = {**small, "sampler": ahead["state"]["sampler"], "async": ahead}
         trainer_state = {"policy": policy.trainer_state(), **small, "world_size": d.world_size}
         checkpoint.save_checkpoint(
             cfg.run_dir,
@@ -344,6 +351,12 @@ class Run:
         self.sampler.load_state_dict(saved["sampler"])
         self.state = TrainState.from_state_dict(saved)
         checkpoint.set_rng_state(saved["rng"])
+        self.resumed_async = saved.get("async")
+        if self.resumed_async is not None and self.resumed_async["in_flight"] and self.rollout_ahead is None:
+            raise ConfigError(
+                f"the checkpoint holds batches collected ahead at rollout.max_staleness="
+                f"{self.resumed_async['max_staleness']}; resume with that setting"
+            )
         return saved.get("world_size")
 
     def boundary(self, where: str) -> None:
@@ -355,8 +368,8 @@ class Run:
         """Say once when the engine samples from other weights than the trainer's (``engine_gap_warning``).
         Only where the engine's log-probs are of the full distribution: top-p and top-k renormalise them."""
         r = self.cfg.rollout
-        if self.engine_gap_said or r.top_p < 1.0 or r.top_k is not None:
-            return
+        if self.engine_gap_said or r.top_p < 1.0 or r.top_k is not None or metrics.get("async/staleness_max"):
+            return  # sampled by older weights (rollout.max_staleness): the gap is the staleness, not a fault
         if line := engine_gap_warning(metrics, dtype=self.cfg.model.dtype, step=step):
             self.logger.warn(line)
             self.engine_gap_said = True
@@ -483,6 +496,15 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
     collector = BatchCollector(
         engine=engine, sampler=sampler, scorer=scorer, encode=encode, sampling=sampling, algo_cfg=a
     )
+    rollout_ahead = None
+    if r.max_staleness:  # the same collection, with the engine in a process of its own
+        rollout_ahead = start_rollout_process(
+            cfg, d, policy.tokenizer, device, max_model_len=max_model_len, tool_env=inputs.tool_env,
+            collector=lambda remote: BatchCollector(
+                engine=remote, sampler=sampler, scorer=scorer, encode=encode, sampling=sampling, algo_cfg=a
+            ),
+        )  # fmt: skip
+        stack.callback(rollout_ahead.close)
     run = Run(
         cfg,
         d,
@@ -500,6 +522,7 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
         checkpoint.CheckpointWriter(asynchronous=cfg.run.async_checkpoint and not d.sharded),
         grader=grader,
         memory=PhaseMemory(cuda=device.type == "cuda"),
+        rollout_ahead=rollout_ahead,
     )
     stack.callback(run.memory.close)
     resume_from, passed_over = (
@@ -508,6 +531,11 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
         else (None, [])
     )
     saved_world_size = run.resume(resume_from) if resume_from is not None else None
+    if rollout_ahead is not None:  # from the step resumed (its weights are version state.step), or the start
+        st = run.state
+        rollout_ahead.start(
+            st.step, policy.named_weights(), gen_rounds=st.gen_rounds, keep_rate=st.keep_rate, saved=run.resumed_async
+        )
     if d.is_main:
         (cfg.run_dir / "config.yaml").write_text(dump_yaml(cfg))
         run.logger = RunLogger(
@@ -549,15 +577,18 @@ def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
             run.logger.warnings_of(step),
             phase("collect"),
         ):  # generation and grading, every round (perf/time_generate_s, _reward_s)
-            batch, cstats = run.collector.collect(
-                cfg.train.prompts_per_step,
-                state.buffer,
-                round_seed=state.round_seed(cfg.rollout.seed),
-                keep_rate_estimate=state.keep_rate if cfg.algo.adaptive_oversample else 1.0,
-            )
+            if run.rollout_ahead is not None:  # collected ahead, while the trainer updated (rollout.max_staleness)
+                batch, cstats, ahead = run.rollout_ahead.take(step)
+            else:
+                batch, cstats, ahead = run.collector.collect(
+                    cfg.train.prompts_per_step,
+                    state.buffer,
+                    round_seed=state.round_seed(cfg.rollout.seed),
+                    keep_rate_estimate=state.keep_rate if cfg.algo.adaptive_oversample else 1.0,
+                ) + ({},)
         run.boundary("collect")
         state.observe(cstats)
-        metrics = sampling_metrics(cstats, buffer_groups=len(state.buffer), gen_rounds_total=state.gen_rounds)
+        metrics = ahead | sampling_metrics(cstats, buffer_groups=len(state.buffer), gen_rounds_total=state.gen_rounds)
         if cfg.algo.prefilter:
             metrics |= prefilter_metrics(cstats)
         run.note_signal(batch, cstats, step)
@@ -577,6 +608,8 @@ def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
             with phase("weight_sync"):
                 engine.wake()
                 engine.update_weights(policy.named_weights())
+                if run.rollout_ahead is not None:
+                    run.rollout_ahead.publish(step, policy.named_weights())
             metrics |= old.metrics | step_metrics(
                 batch,
                 cstats,

@@ -15,12 +15,15 @@ from transformers import GenerationConfig
 from dapo import lora
 from dapo.rollout.base import Generation, SamplingParams, eos_token_ids, split_response
 
+LOGPROB_CHUNK_FLOATS = 1 << 27  # logits held at once when computing log-probs (512 MiB in float32)
+
 
 class HFRolloutEngine:
     backend = "hf"
 
-    def __init__(self, model, tokenizer, *, max_batch_size: int = 512):
+    def __init__(self, model, tokenizer, *, max_batch_size: int = 512, logprobs: bool = False):
         self.model = model
+        self.logprobs = logprobs  # report each sampled token's log-prob (an engine apart from the trainer's weights)
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -54,9 +57,36 @@ class HFRolloutEngine:
                 new_tokens = out[:, input_ids.shape[1] :].tolist()
                 for row, tokens in zip(chunk, new_tokens):
                     responses[row], truncated[row] = split_response(tokens, self.eos_ids, params.max_new_tokens)
+        logprobs = self._logprobs(rows, responses, params.temperature) if self.logprobs else None
         self.model.train(was_training)
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
-        return Generation(prompt_ids=rows, response_ids=responses, truncated=truncated, texts=texts)
+        return Generation(prompt_ids=rows, response_ids=responses, truncated=truncated, texts=texts, logprobs=logprobs)
+
+    def _logprobs(self, rows: list[list[int]], responses: list[list[int]], temperature: float) -> list[list[float]]:
+        """Each response token's log-prob under the sampling distribution (softmax of logits / temperature, before
+        top-p and top-k), from one forward pass over prompt + response per chunk of rows. Left-padded, every row
+        ends at the last column, so the last R + 1 positions' logits cover every response (R: the longest)."""
+        out: list[list[float]] = [[] for _ in rows]
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i]) + len(responses[i]), reverse=True)  # longest first
+        start = 0
+        while start < len(order):
+            longest = max(len(rows[i]) + len(responses[i]) for i in order[start : start + 1])
+            per_chunk = max(1, LOGPROB_CHUNK_FLOATS // (longest * vocab))  # rows whose logits fit the chunk's floats
+            chunk = [i for i in order[start : start + per_chunk] if responses[i]]
+            start += per_chunk
+            if not chunk:
+                continue
+            ids, mask = self._left_pad([rows[i] + responses[i] for i in chunk], self.device)
+            R = max(len(responses[i]) for i in chunk)
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=R + 1).logits
+            logp = torch.log_softmax(logits[:, :-1].float() / max(temperature, 1e-6), dim=-1)  # (B, R, V)
+            for b, i in enumerate(chunk):
+                r = len(responses[i])
+                tokens = torch.tensor(responses[i], device=logp.device)
+                out[i] = logp[b, R - r :].gather(-1, tokens[:, None]).squeeze(-1).tolist()
+        return out
 
     def _left_pad(self, rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(r) for r in rows)

@@ -1,0 +1,286 @@
+"""Collect the next steps' batches while the trainer updates on this one (``rollout.max_staleness`` = k > 0).
+
+The schedule: the batch of step t is collected (generated, graded, filtered and refilled by dynamic sampling, as
+in the synchronous loop) with the weights of version max(0, t - 1 - k), where version v is the policy after v
+updates and step t updates version t - 1. So every response of step t is exactly min(k, t - 1) versions older
+than the weights it trains, and k = 0 would be the synchronous loop. Admission holds the bound: collecting step t
+waits until version t - 1 - k exists; nothing is dropped for being stale. Because the version follows from the
+step alone, not from which side was faster, the run samples the same tokens however the two sides' timings go,
+and a resumed run samples what an uninterrupted one would.
+
+A thread of the trainer's process runs the collection (its generation is in the rollout process,
+``dapo.rollout.remote``; grading in the grading pool's workers), one step after the other, at most k + 1 steps
+ahead of the trainer. After each step it copies its state (prompt sampler, round count, keep-rate estimate), so
+that a checkpoint after step s holds the state at the end of step s + k's collection together with the batches
+of steps s + 1 .. s + k, collected and not yet trained: what is in flight is kept, not regenerated.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass
+class Collected:
+    """One step's batch as the collecting thread left it."""
+
+    step: int
+    version: int  # the weights version it was sampled with
+    batch: object  # RolloutBatch or None
+    stats: object  # CollectStats
+    state: dict  # the collection state after this step (sampler, rounds, keep rate)
+    waited_s: float  # how long the collecting thread waited for the weights version (the engine on the trainer)
+    seconds: float  # how long the collection itself took
+
+
+class AheadCollector:
+    """Runs ``collect(step, version)`` for steps ``first``..``last`` in a thread, each once weights ``version`` are
+    published; ``take(step)`` hands the trainer each step's result in order.
+
+    ``collect(step, version) -> (batch, stats, state)`` does one step's collection with the given weights version
+    and returns the collection state after it. ``published`` is the newest version the trainer has handed out."""
+
+    def __init__(self, collect: Callable[[int, int], tuple], *, max_staleness: int, first: int, last: int,
+                 published: int, ahead: list[Collected] | None = None):  # fmt: skip
+        if max_staleness < 1:
+            raise ValueError("AheadCollector is for max_staleness >= 1 (0 is the synchronous loop)")
+        self.collect_fn, self.k, self.last = collect, max_staleness, last
+        self._done: dict[int, Collected] = {c.step: c for c in ahead or []}
+        self._next = max([first - 1, *self._done]) + 1  # the next step to collect
+        self._published = self.floor = published
+        self._error: BaseException | None = None
+        self._stopping = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name="dapo-collect", daemon=True)
+
+    def version_for(self, step: int) -> int:
+        """Step - 1 - k; never older than the weights it started with (a run resumed past its last collected step,
+        e.g. with more train.total_steps, has no older version to sample with)."""
+        return max(self.floor, step - 1 - self.k)
+
+    def start(self) -> AheadCollector:
+        self._thread.start()
+        return self
+
+    def publish(self, version: int) -> None:
+        """Weights ``version`` exist (the trainer has sent them to the engine): collections waiting on them go."""
+        with self._cond:
+            self._published = max(self._published, version)
+            self._cond.notify_all()
+
+    def take(self, step: int) -> tuple[Collected, float]:
+        """Step ``step``'s collection, and how long the trainer waited for it."""
+        t0 = time.perf_counter()
+        with self._cond:
+            while step not in self._done and self._error is None:
+                self._cond.wait(1.0)
+            if self._error is not None:
+                raise self._error
+            return self._done[step], time.perf_counter() - t0
+
+    def release(self, step: int) -> None:
+        """Step ``step`` is trained: its batch need not be kept for a checkpoint any more."""
+        with self._cond:
+            self._done.pop(step, None)
+
+    def in_flight(self, step: int) -> list[Collected]:
+        """For a checkpoint as of after step ``step``: the collected, untrained steps step + 1 .. step + k (one taken
+        by a step that was then abandoned included), waiting for those the thread has not finished (their weights
+        exist: nothing else is waited on)."""
+        wanted = range(step + 1, min(step + self.k, self.last) + 1)
+        with self._cond:
+            while any(s not in self._done for s in wanted) and self._error is None:
+                self._cond.wait(1.0)
+            if self._error is not None:
+                raise self._error
+            return [self._done[s] for s in wanted]
+
+    def stop(self, timeout: float = 1.0) -> None:
+        """Stop collecting: the thread ends at once when waiting, or when its collection in flight returns (it
+        fails once the rollout process is stopped); this waits ``timeout`` seconds for it."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        try:
+            while self._next <= self.last:
+                step, version = self._next, self.version_for(self._next)
+                t0 = time.perf_counter()
+                with self._cond:
+                    while not self._stopping and self._published < version:
+                        self._cond.wait(1.0)  # admission: the weights it must use (so at most k + 1 steps ahead)
+                    if self._stopping:
+                        return
+                t1 = time.perf_counter()
+                batch, stats, state = self.collect_fn(step, version)
+                collected = Collected(step, version, batch, stats, state, t1 - t0, time.perf_counter() - t1)
+                with self._cond:
+                    self._done[step] = collected
+                    self._next += 1
+                    self._cond.notify_all()
+        except BaseException as err:  # handed to the trainer at its next take
+            with self._cond:
+                self._error = err
+                self._cond.notify_all()
+
+
+def start_rollout_process(cfg, dist, tokenizer, device, *, max_model_len: int, tool_env, collector) -> AsyncRollout:
+    """The rollout process and the collection around it; ``collector(engine)`` builds the ``BatchCollector`` that
+    samples with ``engine`` (the rollout process, multi-turn where tools are on). The cores are split: the rollout
+    process gets ``rollout.engine_threads`` (half by default), the trainer the rest."""
+    import os
+
+    import torch
+
+    from dapo.config import ConfigError
+    from dapo.rollout import with_tools
+    from dapo.rollout.remote import RemoteEngine
+
+    k = cfg.rollout.max_staleness
+    if dist.sharded:
+        raise ConfigError(
+            f"rollout.max_staleness={k}: the rollout process runs beside one trainer process for now; with "
+            f"{dist.world_size} ranks use rollout.max_staleness=0"
+        )
+    cores = os.cpu_count() or 2
+    threads = cfg.rollout.engine_threads or max(1, cores // 2)
+    torch.set_num_threads(max(1, cores - threads))
+    remote = RemoteEngine(
+        cfg.rollout, cfg.model, tokenizer, max_model_len=max_model_len, threads=threads, device=str(device)
+    )
+    engine = with_tools(remote, tokenizer, cfg.tools, tool_env)
+    return AsyncRollout(cfg, remote, collector(engine))
+
+
+class AsyncRollout:
+    """The trainer's side of ``rollout.max_staleness`` > 0: the rollout process (``remote``), the collecting
+    thread, and the collection's own state (prompt sampler, round count, keep-rate estimate), which runs ahead of
+    the trainer's. ``collector`` is a ``BatchCollector`` whose engine is ``remote`` (wrapped for tools if on)."""
+
+    def __init__(self, cfg, remote, collector):
+        self.cfg, self.remote, self.collector, self.sampler = cfg, remote, collector, collector.sampler
+        self.k = cfg.rollout.max_staleness
+        self.rounds = 0  # generation rounds the collection has done
+        self.keep_rate = 1.0
+        self.ahead: AheadCollector | None = None
+        self.last_state: dict | None = None  # the collection state after the last step the trainer took
+
+    def start(self, step: int, weights, *, gen_rounds: int, keep_rate: float, saved: dict | None) -> None:
+        """Collect from step ``step`` + 1 on, the engine holding ``weights`` (version ``step``); ``saved``: a
+        checkpoint's ``async`` entry (its collection state and in-flight steps), or None."""
+        from dapo.config import ConfigError
+
+        in_flight: list[Collected] = []
+        if saved is not None:
+            if saved["max_staleness"] != self.k and saved["in_flight"]:
+                raise ConfigError(
+                    f"rollout.max_staleness={self.k}: the checkpoint holds the batches of steps collected at "
+                    f"rollout.max_staleness={saved['max_staleness']}; resume with that setting"
+                )
+            self._restore(saved["state"])
+            in_flight = [_collected_from(c) for c in saved["in_flight"]]
+        else:
+            self.rounds, self.keep_rate = gen_rounds, keep_rate
+        self.last_state = self._state()
+        self.remote.update_weights(weights, version=step)
+        self.ahead = AheadCollector(
+            self._collect, max_staleness=self.k, first=step + 1, last=self.cfg.train.total_steps, published=step,
+            ahead=in_flight,
+        ).start()  # fmt: skip
+
+    def _collect(self, step: int, version: int):
+        """One step's collection, in the collecting thread: as the synchronous loop's, with weights ``version``."""
+        from dapo.training import KEEP_RATE_MOMENTUM
+
+        self.remote.use_version(version)
+        a = self.cfg.algo
+        seed, done = self.cfg.rollout.seed, self.rounds
+        batch, stats = self.collector.collect(
+            self.cfg.train.prompts_per_step,
+            [],
+            round_seed=lambda r: seed * 1_000_003 + done + r,  # as TrainState.round_seed
+            keep_rate_estimate=self.keep_rate if a.adaptive_oversample else 1.0,
+        )
+        self.rounds += stats.rounds
+        if stats.keep_rates:
+            measured = sum(stats.keep_rates) / len(stats.keep_rates)
+            self.keep_rate = KEEP_RATE_MOMENTUM * self.keep_rate + (1 - KEEP_RATE_MOMENTUM) * measured
+        return batch, stats, self._state()
+
+    def _state(self) -> dict:
+        return copy.deepcopy(
+            {"sampler": self.sampler.state_dict(), "gen_rounds": self.rounds, "keep_rate": self.keep_rate}
+        )
+
+    def _restore(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+        self.rounds, self.keep_rate = state["gen_rounds"], state["keep_rate"]
+
+    def take(self, step: int) -> tuple[object, object, dict]:
+        """Step ``step``'s batch, its collection statistics, and the async/* metrics."""
+        collected, waited = self.ahead.take(step)
+        self.last_state = collected.state
+        staleness = float(step - 1 - collected.version)  # every response of the step: one version (no partial rollout)
+        return (
+            collected.batch,
+            collected.stats,
+            {
+                "async/staleness_mean": staleness,
+                "async/staleness_max": staleness,
+                "async/trainer_wait_s": waited,
+                "async/engine_wait_s": collected.waited_s,
+                "async/collect_s": collected.seconds,
+            },
+        )
+
+    def publish(self, step: int, weights) -> None:
+        """Step ``step`` is trained: its weights (version ``step``) go to the engine, and the collections that
+        wait on them may start."""
+        self.ahead.release(step)
+        self.remote.update_weights(weights, version=step)
+        self.ahead.publish(step)
+
+    def checkpoint_state(self, step: int) -> dict:
+        """What a checkpoint as of after step ``step`` holds of the collection: its state at the end of the last
+        in-flight step, and those steps' batches."""
+        in_flight = self.ahead.in_flight(step)
+        state = in_flight[-1].state if in_flight else self.last_state
+        return {"max_staleness": self.k, "state": state, "in_flight": [_collected_state(c) for c in in_flight]}
+
+    def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead.stop()
+        self.remote.close()
+
+
+def _collected_state(c: Collected) -> dict:
+    """Plain types and tensors only (the checkpoint's trainer_state is read with weights_only=True)."""
+    return {
+        "step": c.step,
+        "version": c.version,
+        "batch": None if c.batch is None else c.batch.state(),
+        "stats": dataclasses.asdict(c.stats),
+        "state": c.state,
+        "waited_s": c.waited_s,
+        "seconds": c.seconds,
+    }
+
+
+def _collected_from(d: dict) -> Collected:
+    from dapo.batch import RolloutBatch
+    from dapo.dynamic_sampling import CollectStats
+    from dapo.prefilter import SkipCounts
+    from dapo.rollout.base import ToolLog
+
+    s = d["stats"]
+    stats = CollectStats(**{**s, "prefilter": SkipCounts(**s["prefilter"]), "tools": ToolLog(**s["tools"])})
+    batch = None if d["batch"] is None else RolloutBatch.from_state(d["batch"])
+    return Collected(d["step"], d["version"], batch, stats, d["state"], d["waited_s"], d["seconds"])

@@ -1,0 +1,187 @@
+"""A rollout engine in a process of its own (``rollout.max_staleness`` > 0): it samples while the trainer updates.
+
+The process holds its own copy of the model (HF ``generate``, or vLLM) and answers ``generate`` requests over a
+pipe. Weights come as numbered versions (``update_weights(tensors, version)``): the process keeps each version
+until a request names it, and loads it between requests, never during one. Which version a request uses is the
+caller's choice (``use_version``), so the weights each response was sampled with follow from the schedule alone,
+not from how fast either side ran: two runs of the same config sample the same tokens, and a resumed run the
+tokens an uninterrupted one would have.
+
+Tensors cross the pipe through shared memory (torch.multiprocessing), not as pickled bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import traceback
+from collections.abc import Iterable
+
+import torch
+import torch.multiprocessing as mp
+
+from dapo.rollout.base import Generation, SamplingParams
+
+START_TIMEOUT_S = 600.0  # loading the model (and vLLM's start-up) in the new process
+
+
+class RemoteEngineError(RuntimeError):
+    """The rollout process failed; the message carries its traceback's last line and where the rest went."""
+
+
+class RemoteEngine:
+    """``generate`` / ``update_weights`` as an in-process engine's, answered by the rollout process. Requests and
+    weights go over two pipes: a push is received (by a thread of the rollout process) while a request is being
+    generated, so the trainer never waits on generation to hand over weights."""
+
+    def __init__(self, rollout_cfg, model_cfg, tokenizer, *, max_model_len: int, threads: int, device: str = "cpu"):
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._weights, child_weights = ctx.Pipe()
+        self.version = 0  # the weights version the next request samples with
+        self._lock = threading.Lock()  # one request and its answer at a time
+        self._weights_lock = threading.Lock()
+        self._proc = ctx.Process(
+            target=_serve,
+            args=(child, child_weights, rollout_cfg, model_cfg, tokenizer, max_model_len, threads, device),
+            name="dapo-rollout",
+            daemon=False,  # it may start processes of its own (vLLM's)
+        )
+        self._proc.start()
+        child.close()
+        child_weights.close()
+        self.backend = self._receive(self._conn, START_TIMEOUT_S, "starting")
+
+    def use_version(self, version: int) -> None:
+        self.version = version
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generation:
+        with self._lock:
+            self._conn.send(("generate", self.version, prompt_ids, params))
+            return self._receive(self._conn, None, "generating")
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int = 0) -> None:
+        """Hand the process weights ``version``; it loads them when a request first names that version. The
+        tensors are copied here, so the trainer may go on changing its own."""
+        tensors = {name: t.detach().to("cpu", copy=True) for name, t in named_tensors}
+        with self._weights_lock:
+            self._weights.send((version, tensors))
+            self._receive(self._weights, None, "receiving weights")
+
+    def _receive(self, conn, timeout: float | None, doing: str):
+        while not conn.poll(5.0 if timeout is None else timeout):
+            if not self._proc.is_alive() or timeout is not None:
+                raise RemoteEngineError(
+                    f"the rollout process {'died' if not self._proc.is_alive() else 'did not answer'} while {doing}"
+                    f" (exit code {self._proc.exitcode})"
+                )
+        kind, payload = conn.recv()
+        if kind == "error":
+            raise RemoteEngineError(f"the rollout process failed while {doing}: {payload}")
+        return payload
+
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+    def close(self) -> None:
+        """Stop the process: asked to when no request is in flight, killed when one is (the run is ending; what
+        it was generating is not needed)."""
+        if self._proc.is_alive():
+            if self._lock.acquire(timeout=1.0):
+                try:
+                    self._conn.send(("stop",))
+                except (BrokenPipeError, OSError):
+                    pass
+                finally:
+                    self._lock.release()
+                self._proc.join(timeout=30)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join()
+        self._conn.close()
+        self._weights.close()
+
+
+class _Versions:
+    """The weights versions received and not yet loaded, filled by a thread of the rollout process."""
+
+    def __init__(self, conn):
+        self.conn, self.pending, self.cond, self.closed = conn, {}, threading.Condition(), False
+        threading.Thread(target=self._receive, name="dapo-weights", daemon=True).start()
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                version, tensors = self.conn.recv()
+            except (EOFError, OSError):
+                with self.cond:
+                    self.closed = True
+                    self.cond.notify_all()
+                return
+            with self.cond:
+                self.pending[version] = tensors
+                self.cond.notify_all()
+            self.conn.send(("ok", None))
+
+    def take(self, version: int) -> dict:
+        """Version ``version``'s tensors, waiting for them; older versions are dropped (versions only go forward)."""
+        with self.cond:
+            while version not in self.pending:
+                if self.closed:
+                    raise RuntimeError(f"weights version {version} was asked for but never sent")
+                self.cond.wait(1.0)
+            tensors = self.pending[version]
+            for old in [v for v in self.pending if v <= version]:
+                del self.pending[old]
+            return tensors
+
+
+def _serve(conn, weights_conn, rollout_cfg, model_cfg, tokenizer, max_model_len: int, threads: int, device: str):
+    """The rollout process: build the engine, then answer requests until told to stop."""
+    torch.set_num_threads(threads)
+    try:
+        engine = _build(rollout_cfg, model_cfg, tokenizer, max_model_len, device)
+        conn.send(("ok", engine.backend))
+    except Exception as err:
+        conn.send(("error", _describe(err)))
+        return
+    versions = _Versions(weights_conn)
+    loaded = None  # the version the engine's weights are (None: as built; the trainer's version replaces them)
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:  # the trainer is gone
+            return
+        if message[0] == "stop":
+            return
+        try:
+            _, version, prompt_ids, params = message
+            if version != loaded:
+                engine.update_weights(versions.take(version).items())
+                loaded = version
+            conn.send(("ok", engine.generate(prompt_ids, params)))
+        except Exception as err:
+            conn.send(("error", _describe(err)))
+
+
+def _build(rollout_cfg, model_cfg, tokenizer, max_model_len: int, device: str):
+    from dapo.models import load_model_and_tokenizer, weightless_model
+    from dapo.rollout import make_rollout, resolve_backend
+
+    backend = resolve_backend(rollout_cfg.backend)
+    trust = model_cfg.trust_remote_code
+    if backend == "hf":
+        from dapo.rollout.hf import HFRolloutEngine
+
+        model, _ = load_model_and_tokenizer(model_cfg.path, model_cfg.dtype, device, trust_remote_code=trust)
+        return HFRolloutEngine(model, tokenizer, logprobs=True)
+    model = weightless_model(model_cfg.path, model_cfg.dtype, trust_remote_code=trust)
+    return make_rollout(rollout_cfg, model, tokenizer, max_model_len=max_model_len)
+
+
+def _describe(err: BaseException) -> str:
+    lines = traceback.format_exception(err)
+    return f"{type(err).__name__}: {err} (in {os.getpid()}: {lines[-2].strip() if len(lines) > 1 else ''})"

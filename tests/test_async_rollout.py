@@ -1,0 +1,241 @@
+"""rollout.max_staleness: the engine in a process of its own, collecting the next steps while the trainer updates.
+
+The schedule (step t sampled by weights version max(0, t - 1 - k)), admission, what a checkpoint keeps in flight,
+the rollout process's log-probs against the model's own forward, and whole runs at k = 1 and 2: the staleness each
+step reports, and a run killed with SIGKILL and resumed ends on the weights of an uninterrupted one, bit for bit.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SMALL_OVERRIDES
+from safetensors.torch import load_file
+
+from dapo.async_rollout import AheadCollector
+from dapo.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- the schedule -----------------------------------------------------------------------------------------------
+class FakeTrainer:
+    """Publishes version t after 'training' step t; records which version each collection used and when."""
+
+    def __init__(self, k: int, last: int, **kwargs):
+        self.log: list[tuple[int, int, int]] = []  # (step, version, versions published when it started)
+        self.ahead = AheadCollector(self.collect, max_staleness=k, first=1, last=last, published=0, **kwargs)
+
+    def collect(self, step: int, version: int):
+        self.log.append((step, version, self.ahead._published))
+        return f"batch {step}", None, {"after": step}
+
+    def run(self, steps: range) -> list[str]:
+        self.ahead.start()
+        out = []
+        for t in steps:
+            collected, _ = self.ahead.take(t)
+            out.append(collected.batch)
+            time.sleep(0.01)  # the update
+            self.ahead.release(t)
+            self.ahead.publish(t)
+        self.ahead.stop()
+        return out
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_step_t_is_sampled_by_version_t_minus_1_minus_k_and_waits_for_it(k):
+    trainer = FakeTrainer(k, last=8)
+    assert trainer.run(range(1, 9)) == [f"batch {t}" for t in range(1, 9)]
+    assert [(s, v) for s, v, _ in trainer.log] == [(t, max(0, t - 1 - k)) for t in range(1, 9)]
+    assert all(published >= v for _, v, published in trainer.log)  # admission: never before its weights exist
+    # never more than k + 1 steps ahead of the trainer: step t starts only once t - 1 - k is trained
+    assert all(published >= s - 1 - k for s, _, published in trainer.log)
+
+
+def test_a_checkpoint_keeps_the_collected_untrained_steps_and_a_resume_goes_on_from_them():
+    k = 2
+    first = FakeTrainer(k, last=6)
+    first.ahead.start()
+    for t in (1, 2):
+        first.ahead.take(t)
+        first.ahead.release(t)
+        first.ahead.publish(t)
+    in_flight = first.ahead.in_flight(2)
+    assert [c.step for c in in_flight] == [3, 4] and [c.version for c in in_flight] == [0, 1]
+    assert in_flight[-1].state == {"after": 4}
+    first.ahead.stop()
+    # a step taken, then abandoned before its update (a signal): it is in flight again for the checkpoint before it
+    first_abandoned = FakeTrainer(k, last=6)
+    first_abandoned.ahead.start()
+    first_abandoned.ahead.take(1)
+    assert [c.step for c in first_abandoned.ahead.in_flight(0)] == [1, 2]
+    first_abandoned.ahead.stop()
+    # resumed after step 2 with steps 3, 4 in flight: 5 and 6 are collected by versions 2 and 3, as uninterrupted
+    resumed = FakeTrainer(k, last=6, ahead=in_flight)
+    resumed.ahead._published = resumed.ahead.floor = 2
+    assert resumed.run(range(3, 7)) == [f"batch {t}" for t in range(3, 7)]
+    assert [(s, v) for s, v, _ in resumed.log] == [(5, 2), (6, 3)]
+
+
+def test_a_failed_collection_reaches_the_trainer():
+    def collect(step, version):
+        raise RuntimeError(f"engine broke at step {step}")
+
+    ahead = AheadCollector(collect, max_staleness=1, first=1, last=3, published=0).start()
+    with pytest.raises(RuntimeError, match="engine broke at step 1"):
+        ahead.take(1)
+
+
+def test_a_stop_ends_a_waiting_thread():
+    ahead = FakeTrainer(1, last=5).ahead.start()
+    ahead.take(1)  # steps 1, 2 collected; 3 waits for version 1, never published
+    ahead.stop(timeout=5.0)
+    assert not ahead._thread.is_alive()
+
+
+# ---- the rollout process's log-probs ----------------------------------------------------------------------------
+def test_the_hf_engine_reports_the_models_own_log_probs(tiny_model_dir):
+    from dapo.models import load_model_and_tokenizer
+    from dapo.rollout.base import SamplingParams
+    from dapo.rollout.hf import HFRolloutEngine
+
+    model, tok = load_model_and_tokenizer(tiny_model_dir)
+    engine = HFRolloutEngine(model, tok, logprobs=True)
+    prompts = [tok.encode("12+3="), tok.encode("what is 7*8 ? say it")]  # two lengths: the short one is padded
+    gen = engine.generate(prompts, SamplingParams(n=3, temperature=0.7, max_new_tokens=12, seed=1))
+    assert [len(lp) for lp in gen.logprobs] == [len(r) for r in gen.response_ids]
+    for p, r, lp in zip(gen.prompt_ids, gen.response_ids, gen.logprobs):
+        with torch.no_grad():
+            logits = model(torch.tensor([p + r])).logits[0, len(p) - 1 : -1].float() / 0.7  # alone, unpadded
+        own = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
+        assert torch.allclose(torch.tensor(lp), own, atol=1e-5), (lp, own.tolist())
+    assert min(min(lp) for lp in gen.logprobs) < -0.1  # sampled tokens, not all near-certain
+
+
+def test_the_rollout_process_samples_what_the_engine_in_process_does(tiny_model_dir):
+    """Same weights, same seed: the same tokens, whichever process samples them; a version it was never sent
+    is refused in one line rather than waited for forever."""
+    from dapo.models import load_model_and_tokenizer
+    from dapo.rollout.base import SamplingParams
+    from dapo.rollout.hf import HFRolloutEngine
+    from dapo.rollout.remote import RemoteEngine
+
+    cfg = load_config("configs/demo.yaml", [f"model.path={tiny_model_dir}"])
+    model, tok = load_model_and_tokenizer(tiny_model_dir)
+    with torch.no_grad():  # weights other than the directory's: version 3 must be what samples
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=10, seed=7)
+    prompts = [tok.encode("1+2="), tok.encode("9*9=")]
+    here = HFRolloutEngine(model, tok, logprobs=True).generate(prompts, params)
+    remote = RemoteEngine(cfg.rollout, cfg.model, tok, max_model_len=64, threads=torch.get_num_threads())
+    try:
+        remote.update_weights(model.named_parameters(), version=3)
+        remote.use_version(3)
+        there = remote.generate(prompts, params)
+        assert there.response_ids == here.response_ids and there.texts == here.texts
+        assert there.logprobs == here.logprobs
+    finally:
+        remote.close()
+
+
+# ---- whole runs -------------------------------------------------------------------------------------------------
+def overrides(model_dir, run_dir, k, steps, *extra) -> list[str]:
+    return [
+        *SMALL_OVERRIDES,
+        f"model.path={model_dir}",
+        *([f"run.dir={run_dir}"] if run_dir else []),
+        f"train.total_steps={steps}",
+        f"rollout.max_staleness={k}",
+        "algo.rollout_is_cap=2",
+        *extra,
+    ]
+
+
+def rows_of(run_dir: Path) -> list[dict]:
+    path = next(run_dir.glob("*/metrics.jsonl"))
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    last = sorted(run_dir.glob("*/checkpoints/step_*"))[-1]
+    return load_file(next(last.rglob("model*.safetensors")))
+
+
+def test_staleness_by_step_and_a_run_killed_with_sigkill_resumes_onto_the_uninterrupted_runs_weights(
+    tiny_model_dir, tmp_path
+):
+    """k = 2: step t trains on responses exactly min(2, t - 1) versions old; killed anywhere (here after a
+    checkpoint with steps in flight), the resumed run ends on the uninterrupted run's weights, bit for bit."""
+    k, steps = 2, 6
+    args = overrides(tiny_model_dir, None, k, steps, "run.save_every=1", "run.keep_checkpoints=100")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+
+    def command(run_dir: Path) -> list[str]:
+        return [sys.executable, "-m", "dapo.training", "configs/demo.yaml", *args, f"run.dir={run_dir}"]
+
+    whole = tmp_path / "whole"
+    subprocess.run(command(whole), cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(command(killed), cwd=ROOT, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not list(killed.glob("*/checkpoints/step_000003")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its rollout process, wherever they were
+    proc.wait()
+    done = sorted(p.name for p in killed.glob("*/checkpoints/step_*"))
+    assert done and done[-1] < f"step_{steps:06d}", f"the run finished before the kill: {done}"
+    subprocess.run(command(killed), cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
+    rows = [r for r in rows_of(whole) if "async/staleness_max" in r]
+    assert [r["async/staleness_max"] for r in rows] == [min(k, t - 1) for t in range(1, steps + 1)]
+    # step 1 is sampled by the weights it trains: the rollout process's log-probs are the trainer's
+    assert rows[0]["rollout/logprob_abs_diff_mean"] < 1e-6
+    # later steps by older weights: the importance weights correct for it, and are reported
+    assert all(r["rollout/logprob_abs_diff_mean"] > 1e-4 and "rollout/is_weight_mean" in r for r in rows[1:])
+    assert all(r["async/trainer_wait_s"] >= 0 and r["async/engine_wait_s"] >= 0 for r in rows)
+    a, b = final_weights(whole), final_weights(killed)
+    print(f"\nkilled after {done[-1]}; resumed to step {steps}")
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    whole_rows = {r["step"]: r for r in rows_of(whole) if "async/staleness_max" in r}
+    killed_rows = {r["step"]: r for r in rows_of(killed) if "async/staleness_max" in r}
+    for step in range(int(done[-1][5:]) + 1, steps + 1):  # the steps trained after the resume: the same batches
+        assert killed_rows[step]["rollout/response_length_mean"] == whole_rows[step]["rollout/response_length_mean"]
+        assert killed_rows[step]["async/staleness_max"] == min(k, step - 1)
+
+
+# ---- refusals ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["algo.rollout_is_cap=null"], "rollout.max_staleness=1: .*set algo.rollout_is_cap"),
+        (["algo.buffer_max_groups=4"], "rollout.max_staleness=1: algo.buffer_max_groups=4 .*set algo.buffer_max"),
+        (["algo.old_logp=engine"], "rollout.max_staleness=1: .*use algo.old_logp=recompute"),
+    ],
+)
+def test_settings_that_cannot_bound_or_correct_the_staleness_are_refused_in_one_line(extra, message):
+    from dapo.config import validate
+
+    with pytest.raises(ConfigError, match=message):
+        validate(load_config("configs/demo.yaml", ["rollout.max_staleness=1", "algo.rollout_is_cap=2", *extra]))
+
+
+def test_a_checkpoint_with_batches_in_flight_resumes_only_at_its_staleness(tiny_model_dir, tmp_path):
+    """k = 1: steps 1, 2, 3 train on responses 0, 1, 1 versions old; its checkpoint after step 2 holds step 3's
+    batch, which a run at k = 0 would not train: refused."""
+    from dapo.training import train
+
+    train(load_config("configs/demo.yaml", overrides(tiny_model_dir, tmp_path, 1, 3, "run.save_every=1")))
+    assert [r["async/staleness_max"] for r in rows_of(tmp_path) if "async/staleness_max" in r] == [0, 1, 1]
+    shutil.rmtree(next(tmp_path.glob("*/checkpoints/step_000003")))  # as if stopped after step 2: step 3 in flight
+    again = overrides(tiny_model_dir, tmp_path, 0, 3, "algo.rollout_is_cap=null")
+    with pytest.raises(ConfigError, match="rollout.max_staleness=1; resume with that setting"):
+        train(load_config("configs/demo.yaml", again))
