@@ -1,0 +1,196 @@
+"""What `rollout.max_staleness` buys: step time, and what staleness does to learning.
+
+    python benchmarks/async_rollout.py --simulate          # the pipeline with controlled latencies (seconds, no model)
+    python benchmarks/async_rollout.py                     # the demo at k = 0, 1, 2, 5 seeds each (~35 min on 2 cores)
+    python benchmarks/async_rollout.py --smollm2 --steps 3 # SmolLM2's preset, k = 0 against k = 1 (make smollm2)
+
+--simulate runs the real scheduling (``dapo.async_rollout.AheadCollector``) with a collection that takes G seconds,
+an update that takes U and a weight push that takes W, both sides sleeping (so two cores do not limit it), and
+prints each mode's step time against the synchronous G + U + W and the ideal max(G, U) + W, at G/U = 0.5, 1, 2, 4.
+Partial rollout (requests carried across a weight push) is not implemented, so it has no row.
+
+The other modes train `python -m dapo.training` in a process per run (seed s sets data, rollout and train seeds) and
+read its metrics.jsonl: held-out avg@n before and after, the step time with evaluation left out, the staleness, the
+importance weights' statistics and how long each side waited on the other. Printed: each run, then per k the mean
+with a 95% t-interval over seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+from dapo.async_rollout import AheadCollector  # noqa: E402
+from dapo.log import held_out_keys, read_metrics  # noqa: E402
+
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def mean_ci(xs: list[float]) -> tuple[float, float]:
+    m = statistics.fmean(xs)
+    if len(xs) < 2:
+        return m, 0.0
+    return m, T975.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
+
+
+# ---- the pipeline with controlled latencies ---------------------------------------------------------------------
+def simulated_step_s(k: int, g: float, u: float, w: float, steps: int) -> float:
+    """Mean step time over ``steps`` after the first (the pipeline filled), with the schedule of max_staleness=k."""
+    if k == 0:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            time.sleep(g + u + w)
+        return (time.perf_counter() - t0) / steps
+
+    def collect(step, version):
+        time.sleep(g)
+        return None, None, {}
+
+    ahead = AheadCollector(collect, max_staleness=k, first=1, last=steps + 1, published=0).start()
+    ahead.take(1)
+    time.sleep(u)
+    ahead.release(1)
+    time.sleep(w)
+    ahead.publish(1)
+    t0 = time.perf_counter()
+    for step in range(2, steps + 2):
+        ahead.take(step)
+        time.sleep(u)  # the update
+        ahead.release(step)
+        time.sleep(w)  # the push: the trainer's, before the collections waiting on it may start
+        ahead.publish(step)
+    ahead.stop()
+    return (time.perf_counter() - t0) / steps
+
+
+def simulate(args) -> None:
+    u, w = args.update_s, args.push_s
+    print(f"update U = {u} s, weight push W = {w} s, {args.sim_steps} steps per figure (after the first)")
+    print("| G/U | synchronous G+U+W | k=1 | k=2 | ideal max(G,U)+W | k=1 / ideal | speed-up of k=1 |")
+    print("|---|---|---|---|---|---|---|")
+    for ratio in (0.5, 1, 2, 4):
+        g = ratio * u
+        sync = simulated_step_s(0, g, u, w, args.sim_steps)
+        k1 = simulated_step_s(1, g, u, w, args.sim_steps)
+        k2 = simulated_step_s(2, g, u, w, args.sim_steps)
+        ideal = max(g, u) + w
+        cells = [f"{ratio:g}", *(f"{x:.3f} s" for x in (sync, k1, k2, ideal)), f"{k1 / ideal:.2f}", f"{sync / k1:.2f}x"]
+        print("| " + " | ".join(cells) + " |")
+
+
+# ---- real runs --------------------------------------------------------------------------------------------------
+def train(preset: str, overrides: list[str], run_dir: Path) -> list[dict]:
+    cmd = [sys.executable, "-m", "dapo.training", str(ROOT / preset), *overrides, f"run.dir={run_dir.parent}"]
+    cmd += [f"run.name={run_dir.name}", "run.progress=false", "run.loggers=console", "run.save_every=null"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    return read_metrics(run_dir)
+
+
+def summarise(rows: list[dict]) -> dict:
+    steps = [r for r in rows if "perf/time_step_s" in r and r.get("step", 0) >= 1]
+    keys = held_out_keys(rows)
+    evals = [r[keys[0]] for r in rows if keys and keys[0] in r]
+
+    def mean(key, default=0.0):
+        xs = [r[key] for r in steps if key in r]
+        return statistics.fmean(xs) if xs else default
+
+    # a step's time less its evaluation (held-out runs only every few steps; the step is what overlaps)
+    step_s = [r["perf/time_step_s"] - r.get("perf/time_eval_s", 0.0) for r in steps]
+    return {
+        "first_acc": evals[0] if evals else None,
+        "final_acc": evals[-1] if evals else None,
+        "step_s": statistics.fmean(step_s[1:] or step_s),  # the first step fills the pipeline
+        "staleness": mean("async/staleness_mean"),
+        "is_weight_mean": mean("rollout/is_weight_mean", 1.0),
+        "is_truncated_frac": mean("rollout/is_truncated_frac"),
+        "logprob_gap": mean("rollout/logprob_abs_diff_mean"),
+        "trainer_wait_s": mean("async/trainer_wait_s"),
+        "engine_wait_s": mean("async/engine_wait_s"),
+        "train_acc": mean("rollout/acc_mean"),
+    }
+
+
+def line(r: dict) -> str:
+    acc = "" if r["final_acc"] is None else f"held-out {r['first_acc']:.3f} -> {r['final_acc']:.3f}  "
+    return (
+        f"{acc}step {r['step_s']:.2f} s  staleness {r['staleness']:.2f}  is weight {r['is_weight_mean']:.4f} "
+        f"(truncated {r['is_truncated_frac']:.4f})  |logp gap| {r['logprob_gap']:.4f}  waits: trainer "
+        f"{r['trainer_wait_s']:.2f} s, engine {r['engine_wait_s']:.2f} s  train acc {r['train_acc']:.3f}"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--simulate", action="store_true")
+    ap.add_argument("--update-s", type=float, default=0.2)
+    ap.add_argument("--push-s", type=float, default=0.02)
+    ap.add_argument("--sim-steps", type=int, default=10)
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--ks", default="0,1,2")
+    ap.add_argument("--smollm2", action="store_true", help="the SmolLM2 preset (one seed, no held-out curve)")
+    ap.add_argument("--backend", default="hf", help="rollout.backend for --smollm2")
+    ap.add_argument("--out", default=str(ROOT / "runs" / "bench_async"))
+    ap.add_argument("--json", default=None)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    if args.simulate:
+        simulate(args)
+        return
+    ks = [int(k) for k in args.ks.split(",")]
+    if args.smollm2:
+        preset, seeds = "configs/smollm2_135m.yaml", 1
+        base = [f"train.total_steps={args.steps}", f"rollout.backend={args.backend}", "eval.every_steps=null"]
+        base += ["eval.before_train=false", "train.prompts_per_step=4", "train.mini_batch_prompts=2"]
+        base += ["algo.max_gen_rounds=2"]
+    else:
+        preset, seeds = "configs/demo.yaml", args.seeds
+        base = [f"train.total_steps={args.steps}"]
+    out = Path(args.out) / ("smollm2" if args.smollm2 else "demo")
+    print(f"{preset} {' '.join(base + args.overrides)}; {os.cpu_count()} cores", flush=True)
+    results: dict[int, list[dict]] = {k: [] for k in ks}
+    for seed in range(seeds):
+        for k in ks if seed % 2 == 0 else ks[::-1]:
+            extra = [f"rollout.max_staleness={k}"] + (["algo.rollout_is_cap=2"] if k else [])
+            seeded = [f"data.seed={seed}", f"rollout.seed={seed}", f"train.seed={seed}"]
+            run_dir = out / f"k{k}" / f"seed{seed}"
+            t0 = time.perf_counter()
+            r = summarise(train(preset, base + seeded + extra + args.overrides, run_dir))
+            r |= {"seed": seed, "wall_s": time.perf_counter() - t0}
+            results[k].append(r)
+            print(f"  seed {seed} k={k}  " + line(r) + f"  wall {r['wall_s']:.0f} s", flush=True)
+    print("\nmean [95% CI] over seeds")
+    for k, runs in results.items():
+        cells = []
+        for key in ("final_acc", "step_s", "staleness", "is_weight_mean", "is_truncated_frac", "logprob_gap"):
+            xs = [r[key] for r in runs if r.get(key) is not None]
+            if xs:
+                m, h = mean_ci(xs)
+                cells.append(f"{key} {m:.4g} [{m - h:.4g}, {m + h:.4g}]")
+        print(f"  k={k}  " + "  ".join(cells))
+    if 0 in results:
+        base_s = statistics.fmean(r["step_s"] for r in results[0])
+        for k in ks:
+            if k:
+                print(
+                    f"  step time k={k} against k=0: {base_s / statistics.fmean(r['step_s'] for r in results[k]):.2f}x"
+                )
+    if args.json:
+        Path(args.json).write_text(json.dumps({str(k): v for k, v in results.items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
