@@ -15,7 +15,8 @@ Parts, each with its own time limit inside the whole budget (20 minutes by defau
   demo     item h: `dapo demo model.device=cuda`; held-out accuracy must rise by at least 15 points; item j: the
            same with algo.prefilter=true (the prompt pre-filter's run on a GPU, with its generation line); item k:
            the tool demo's settings (configs/demo_tools.yaml: multi-turn rollouts with the Python tool; without
-           bubblewrap on the machine, tools.sandbox=none)
+           bubblewrap on the machine, tools.sandbox=none); item l: the demo with rollout.max_staleness=1 (the engine
+           in a process of its own, collecting ahead; docs/async.md)
   bench    benchmarks/gpu.py (the figures for benchmarks/RESULTS.md)
 
 Results accumulate in runs/gpu_check/state.json, so the parts can run as separate commands (a device
@@ -65,6 +66,11 @@ ITEMS = {
         "each_objective",
         120,
     ),
+    "m": (
+        "the rollout process (rollout.max_staleness): its tokens and log-probs vs the in-process engine's",
+        "rollout_process",
+        120,
+    ),
 }
 OTHER_GPU_TESTS = ["tests/test_parallel.py", "tests/test_vllm.py"]
 DEMO_RISE_POINTS = 15.0
@@ -74,6 +80,8 @@ def now() -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
 
 
+# item l: generation ahead of training (docs/async.md)
+ASYNC = ["rollout.max_staleness=1", "algo.rollout_is_cap=2"]
 # configs/demo_tools.yaml as overrides of `dapo demo` (item k)
 DEMO_TOOLS = [
     "model.path=assets/arith-tools-base",
@@ -249,11 +257,13 @@ class Check:
     # ---- demo -------------------------------------------------------------------------------------
     def part_demo(self) -> None:
         """Item h, the demo on CUDA; then item j, the same with algo.prefilter=true (the pre-filter's one short run),
-        and item k, with the Python tool (configs/demo_tools.yaml's settings as overrides of the demo)."""
+        item k, with the Python tool (configs/demo_tools.yaml's settings as overrides of the demo), and item l, with
+        the engine collecting ahead (rollout.max_staleness=1)."""
         import shutil
 
         tools = [*DEMO_TOOLS, *([] if shutil.which("bwrap") else ["tools.sandbox=none"])]
-        for key, extra in (("demo", []), ("demo_prefilter", ["algo.prefilter=true"]), ("demo_tools", tools)):
+        demos = {"demo": [], "demo_prefilter": ["algo.prefilter=true"], "demo_tools": tools, "demo_async": ASYNC}
+        for key, extra in demos.items():
             self.state[key] = self.demo(key, extra)
             self.save()
 
@@ -466,6 +476,7 @@ def write_report(state: dict, paths: list[Path]) -> str:
         ("h", "demo", "held-out accuracy +15 points"),
         ("j", "demo_prefilter", "with algo.prefilter=true: held-out accuracy +15 points, prompts skipped"),
         ("k", "demo_tools", "with the Python tool (configs/demo_tools.yaml): held-out accuracy +15 points"),
+        ("l", "demo_async", "with rollout.max_staleness=1 (docs/async.md): held-out accuracy +15 points"),
     ):
         lines.append(demo_line(item, state.get(key), what))
     lines += ["", "## Measured differences (tests/test_gpu.py, each beside the tolerance its test states)", ""]
@@ -506,7 +517,7 @@ def write_report(state: dict, paths: list[Path]) -> str:
     failures = [(k, r["tail"]) for k, r in tests.items() if r.get("tail")]
     failures += [
         (key, state[key]["tail"])
-        for key in ("demo", "demo_prefilter", "demo_tools")
+        for key in ("demo", "demo_prefilter", "demo_tools", "demo_async")
         if (state.get(key) or {}).get("tail")
     ]
     failures += [("bench", bench["tail"])] if bench and bench.get("tail") else []

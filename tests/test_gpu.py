@@ -18,6 +18,7 @@ tests/test_train.py already check on CPU; they run only under ``DAPO_GPU_CHECK=1
   f  a run stopped hard after checkpoint k resumes to the final weights of an uninterrupted run
   g  perf/peak_cuda_<phase>_gb against torch.cuda.max_memory_allocated
   i  GSPO and CISPO (algo.objective): one update in float32 and bf16 against the CPU float32 one
+  m  the rollout process of rollout.max_staleness on the device: the in-process engine's tokens and log-probs
 """
 
 import copy
@@ -704,3 +705,35 @@ def load_weights(model_dir):
 if __name__ == "__main__":  # the torchrun worker
     mode, *rest = sys.argv[1:]
     {"fsdp": fsdp_worker}[mode](*rest)
+
+
+@pytest.mark.parametrize("device", HEAVY_DEVICES)  # the CPU side: tests/test_async_rollout.py
+def test_the_rollout_process_samples_on_the_device_what_the_engine_in_process_does(tiny_model_dir, device):
+    """Item m: with the same weights (version 1, pushed) and seed, the rollout process gives the in-process engine's
+    tokens, and log-probs within 1e-5 (the same kernels in another process; the model's own forward)."""
+    from dapo.config import load_config
+    from dapo.models import load_model_and_tokenizer
+    from dapo.rollout.base import SamplingParams
+    from dapo.rollout.hf import HFRolloutEngine
+    from dapo.rollout.remote import RemoteEngine
+
+    cfg = load_config("configs/demo.yaml", [f"model.path={tiny_model_dir}"])
+    model, tok = load_model_and_tokenizer(tiny_model_dir, device=device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=16, seed=3)
+    prompts = [tok.encode("12+30="), tok.encode("7*8=")]
+    here = HFRolloutEngine(model, tok, logprobs=True).generate(prompts, params)
+    remote = RemoteEngine(cfg.rollout, cfg.model, tok, max_model_len=64, threads=1, device=device)
+    try:
+        remote.update_weights(model.named_parameters(), version=1)
+        remote.use_version(1)
+        there = remote.generate(prompts, params)
+    finally:
+        remote.close()
+    gap = max(abs(a - b) for x, y in zip(here.logprobs, there.logprobs) for a, b in zip(x, y))
+    report("m", device=device, same_tokens=there.response_ids == here.response_ids, logprob_gap=gap, bound=1e-5)
+    assert there.response_ids == here.response_ids
+    assert gap <= 1e-5
