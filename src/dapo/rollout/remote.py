@@ -12,6 +12,7 @@ Tensors cross the pipe through shared memory (torch.multiprocessing), not as pic
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import traceback
@@ -63,9 +64,8 @@ class RemoteEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int = 0) -> None:
         """Hand the process weights ``version``; it loads them when a request first names that version. The
         tensors are copied here, so the trainer may go on changing its own."""
-        tensors = {name: t.detach().to("cpu", copy=True) for name, t in named_tensors}
         with self._weights_lock:
-            self._weights.send((version, tensors))
+            self._weights.send((version, pack(named_tensors)))
             self._receive(self._weights, None, "receiving weights")
 
     def _receive(self, conn, timeout: float | None, doing: str):
@@ -105,6 +105,28 @@ class RemoteEngine:
         self._weights.close()
 
 
+def pack(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[dict, list]:
+    """The tensors copied into one flat CPU buffer per dtype (shared memory passes one file descriptor per buffer,
+    not one per tensor: a model's hundreds, times the versions pending, would exhaust the process's limit), and
+    where each tensor lies in it."""
+    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in named_tensors:
+        by_dtype.setdefault(t.dtype, []).append((name, t.detach()))
+    flat, index = {}, []
+    for dtype, items in by_dtype.items():
+        flat[dtype] = torch.cat([t.reshape(-1).to("cpu") for _, t in items])
+        offset = 0
+        for name, t in items:
+            index.append((name, dtype, tuple(t.shape), offset))
+            offset += t.numel()
+    return flat, index
+
+
+def unpack(packed: tuple[dict, list]) -> list[tuple[str, torch.Tensor]]:
+    flat, index = packed
+    return [(name, flat[dtype][offset : offset + math.prod(shape)].view(shape)) for name, dtype, shape, offset in index]
+
+
 class _Versions:
     """The weights versions received and not yet loaded, filled by a thread of the rollout process."""
 
@@ -126,7 +148,7 @@ class _Versions:
                 self.cond.notify_all()
             self.conn.send(("ok", None))
 
-    def take(self, version: int) -> dict:
+    def take(self, version: int) -> tuple[dict, list]:
         """Version ``version``'s tensors, waiting for them; older versions are dropped (versions only go forward)."""
         with self.cond:
             while version not in self.pending:
@@ -160,7 +182,7 @@ def _serve(conn, weights_conn, rollout_cfg, model_cfg, tokenizer, max_model_len:
         try:
             _, version, prompt_ids, params = message
             if version != loaded:
-                engine.update_weights(versions.take(version).items())
+                engine.update_weights(unpack(versions.take(version)))
                 loaded = version
             conn.send(("ok", engine.generate(prompt_ids, params)))
         except Exception as err:
