@@ -226,7 +226,10 @@ class AsyncRollout:
 
     def take(self, step: int) -> tuple[object, object, dict]:
         """Step ``step``'s batch, its collection statistics, and the async/* metrics."""
-        collected, waited = self.ahead.take(step)
+        from dapo import watchdog
+
+        with watchdog.phase("rollout_wait"):  # watched: a rollout process that hangs is named, its stacks dumped
+            collected, waited = self.ahead.take(step)
         self.last_state = collected.state
         staleness = float(step - 1 - collected.version)  # every response of the step: one version (no partial rollout)
         return (
