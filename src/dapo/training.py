@@ -310,10 +310,11 @@ class Run:
     def save(self, small: dict | None = None) -> None:
         """Checkpoint the run as it is, or (``small``, from ``small_state``) as it was before an abandoned step."""
         cfg, policy, d = self.cfg, self.policy, self.dist
-        small = small or {"sampler": self.sampler.state_dict(), **self.state.state_dict()}
         if self.rollout_ahead is not None:  # the sampler is the collection's, ahead of the trainer: as it is saved
+            small = small or self.state.state_dict()
             ahead = self.rollout_ahead.checkpoint_state(small["step"])
             small = {**small, "sampler": ahead["state"]["sampler"], "async": ahead}
+        small = small or {"sampler": self.sampler.state_dict(), **self.state.state_dict()}
         trainer_state = {"policy": policy.trainer_state(), **small, "world_size": d.world_size}
         checkpoint.save_checkpoint(
             cfg.run_dir,
