@@ -52,7 +52,7 @@ from dapo.models import pick_device
 from dapo.policy import BaseReference, LossFn, Policy, ReferenceModel
 from dapo.prefilter import Prefilter
 from dapo.rewards.pool import REWARD_FN
-from dapo.rollout import SamplingParams, make_training_engine
+from dapo.rollout import SamplingParams, make_training_engine, resolve_backend
 from dapo.tasks import load_train_examples
 from dapo.trackers import check_installed, open_trackers, run_status
 
@@ -447,12 +447,15 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
             )
         )
     max_model_len = cfg.data.max_prompt_tokens + max(r.max_response_tokens, cfg.eval.max_response_tokens or 0)
-    engine = make_training_engine(
-        r, cfg.model, policy.model, policy.tokenizer, d, max_model_len=max_model_len, tools_cfg=cfg.tools,
-        tool_env=inputs.tool_env,
-    )  # fmt: skip
     # the saved config says which engine ran ("auto" resolved)
-    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(r, backend=engine.backend))
+    r = dataclasses.replace(r, backend=resolve_backend(r.backend))
+    cfg = dataclasses.replace(cfg, rollout=r)
+    # with rollout.max_staleness the training rollouts are the rollout process's; this engine evaluates, the HF one
+    # sharing the policy's model (a second vLLM beside the rollout process's would need its memory again)
+    engine = make_training_engine(
+        dataclasses.replace(r, backend="hf") if r.max_staleness else r, cfg.model, policy.model, policy.tokenizer, d,
+        max_model_len=max_model_len, tools_cfg=cfg.tools, tool_env=inputs.tool_env,
+    )  # fmt: skip
     if a.old_logp == "engine" and engine.backend != "vllm":
         raise ConfigError(
             f"algo.old_logp=engine: rollout.backend=auto chose {engine.backend}, which reports no "
