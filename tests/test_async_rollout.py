@@ -229,13 +229,45 @@ def test_settings_that_cannot_bound_or_correct_the_staleness_are_refused_in_one_
 
 
 def test_a_checkpoint_with_batches_in_flight_resumes_only_at_its_staleness(tiny_model_dir, tmp_path):
-    """k = 1: steps 1, 2, 3 train on responses 0, 1, 1 versions old; its checkpoint after step 2 holds step 3's
-    batch, which a run at k = 0 would not train: refused."""
+    """k = 1: steps 1, 2, 3 are sampled 0, 1, 1 versions old, steps without a batch included; the checkpoint after
+    step 2 holds step 3's batch, which a run at k = 0 would not train: refused."""
     from dapo.training import train
 
-    train(load_config("configs/demo.yaml", overrides(tiny_model_dir, tmp_path, 1, 3, "run.save_every=1")))
-    assert [r["async/staleness_max"] for r in rows_of(tmp_path) if "async/staleness_max" in r] == [0, 1, 1]
+    # with dynamic sampling the tiny random model gets no group right: steps train nothing, and the run goes on
+    # (each such step still hands the engine its version, the weights unchanged, which the next collection awaits)
+    run = overrides(tiny_model_dir, tmp_path, 1, 3, "run.save_every=1", "algo.dynamic_sampling=true")
+    train(load_config("configs/demo.yaml", run))
+    rows = [r for r in rows_of(tmp_path) if "async/staleness_max" in r]
+    assert [r["async/staleness_max"] for r in rows] == [0, 1, 1]
+    assert any("actor/pg_loss" not in r for r in rows), "every step trained: the no-batch case was not reached"
     shutil.rmtree(next(tmp_path.glob("*/checkpoints/step_000003")))  # as if stopped after step 2: step 3 in flight
     again = overrides(tiny_model_dir, tmp_path, 0, 3, "algo.rollout_is_cap=null")
     with pytest.raises(ConfigError, match="rollout.max_staleness=1; resume with that setting"):
         train(load_config("configs/demo.yaml", again))
+
+
+def test_the_pipeline_at_zero_staleness_samples_and_trains_as_the_synchronous_loop(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """The machinery alone: the rollout process, the collecting thread and the checkpointed collection state, with
+    each step sampled by the weights it trains (version t - 1, as k = 0), give the synchronous run's samples step
+    by step and its final weights up to float noise (the importance weight is then pi_old / pi_engine, two
+    forwards of the same weights: 1 within 1e-6). So what k > 0 changes is the staleness, and nothing else."""
+    from dapo.async_rollout import AheadCollector
+    from dapo.training import train
+
+    torch.set_num_threads(1)  # each side one thread, as the rollout process and the trainer get on 2 cores
+    common = ["rollout.engine_threads=1", "train.total_steps=3"]
+    sync = tmp_path / "sync"
+    train(load_config("configs/demo.yaml", overrides(tiny_model_dir, sync, 0, 3, *common, "algo.rollout_is_cap=null")))
+    torch.set_num_threads(1)
+    monkeypatch.setattr(AheadCollector, "version_for", lambda self, step: step - 1)
+    piped = tmp_path / "piped"
+    train(load_config("configs/demo.yaml", overrides(tiny_model_dir, piped, 1, 3, *common)))
+    a, b = rows_of(sync), rows_of(piped)
+    for ra, rb in zip(a, b):  # the same responses, graded the same, every step
+        for key in ("rollout/response_length_mean", "rollout/acc_mean", "sampling/tokens_generated"):
+            assert ra[key] == rb[key], (ra["step"], key)
+    assert all(abs(r["rollout/is_weight_mean"] - 1) < 1e-6 and r["async/staleness_max"] == 0 for r in b)
+    wa, wb = final_weights(sync), final_weights(piped)
+    assert max((wa[n] - wb[n]).abs().max().item() for n in wa) < 1e-5

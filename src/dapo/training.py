@@ -625,6 +625,9 @@ def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
                 engine_vs_trainer=cfg.algo.old_logp != "engine",
             )
             run.note_engine_gap(metrics, step)
+        elif run.rollout_ahead is not None:  # nothing trained: version t is version t - 1's weights, and is waited on
+            with phase("weight_sync"):
+                run.rollout_ahead.publish(step, policy.named_weights())
         if step == cfg.train.total_steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0):
             with phase("eval"):
                 metrics |= run.evaluate(step)
