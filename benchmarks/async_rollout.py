@@ -19,27 +19,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+from prefilter import mean_ci, train  # noqa: E402  (the same runs and intervals as the pre-filter's benchmark)
+
 from dapo.async_rollout import AheadCollector  # noqa: E402
-from dapo.log import held_out_keys, read_metrics  # noqa: E402
-
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
-
-
-def mean_ci(xs: list[float]) -> tuple[float, float]:
-    m = statistics.fmean(xs)
-    if len(xs) < 2:
-        return m, 0.0
-    return m, T975.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
+from dapo.log import held_out_keys  # noqa: E402
 
 
 # ---- the pipeline with controlled latencies ---------------------------------------------------------------------
@@ -88,16 +79,6 @@ def simulate(args) -> None:
 
 
 # ---- real runs --------------------------------------------------------------------------------------------------
-def train(preset: str, overrides: list[str], run_dir: Path) -> list[dict]:
-    cmd = [sys.executable, "-m", "dapo.training", str(ROOT / preset), *overrides, f"run.dir={run_dir.parent}"]
-    cmd += [f"run.name={run_dir.name}", "run.progress=false", "run.loggers=console", "run.save_every=null"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    return read_metrics(run_dir)
-
-
 def summarise(rows: list[dict]) -> dict:
     steps = [r for r in rows if "perf/time_step_s" in r and r.get("step", 0) >= 1]
     keys = held_out_keys(rows)
