@@ -110,7 +110,15 @@ FLOORS = [
     ],
     *[
         (m, lambda n: n in ("dapo.training", "dapo.cli", "dapo.ablate", "dapo.cluster", "dapo.api"))
-        for m in ("dapo.dynamic_sampling", "dapo.evaluation", "dapo.metrics", "dapo.log", "dapo.plots", "dapo.trackers")
+        for m in (
+            "dapo.dynamic_sampling",
+            "dapo.async_rollout",
+            "dapo.evaluation",
+            "dapo.metrics",
+            "dapo.log",
+            "dapo.plots",
+            "dapo.trackers",
+        )
     ],
     ("dapo.training", lambda n: n in ("dapo.cli", "dapo.ablate", "dapo.cluster", "dapo.api")),
 ]

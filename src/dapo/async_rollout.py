@@ -198,7 +198,7 @@ class AsyncRollout:
 
     def _collect(self, step: int, version: int):
         """One step's collection, in the collecting thread: as the synchronous loop's, with weights ``version``."""
-        from dapo.training import KEEP_RATE_MOMENTUM
+        from dapo.dynamic_sampling import next_keep_rate
 
         self.remote.use_version(version)
         a = self.cfg.algo
@@ -210,9 +210,7 @@ class AsyncRollout:
             keep_rate_estimate=self.keep_rate if a.adaptive_oversample else 1.0,
         )
         self.rounds += stats.rounds
-        if stats.keep_rates:
-            measured = sum(stats.keep_rates) / len(stats.keep_rates)
-            self.keep_rate = KEEP_RATE_MOMENTUM * self.keep_rate + (1 - KEEP_RATE_MOMENTUM) * measured
+        self.keep_rate = next_keep_rate(self.keep_rate, stats)
         return batch, stats, self._state()
 
     def _state(self) -> dict:

@@ -83,6 +83,10 @@ class Scorer:
 
 
 NO_ANSWER = ("[INVALID]", "")  # what every grader predicts for a response without an answer
+# The keep-rate estimate that sizes each round's over-sampling (algo.adaptive_oversample) follows the
+# measured rate with this momentum: one unlucky round does not double the next step's generation, and
+# a run whose problems get easier is followed within a few steps.
+KEEP_RATE_MOMENTUM = 0.7
 
 
 @dataclass
@@ -107,6 +111,14 @@ class CollectStats:
     prefilter: SkipCounts = field(default_factory=SkipCounts)  # prompts skipped, groups dropped (algo.prefilter)
     tools: ToolLog = field(default_factory=lambda: ToolLog(turns=0))  # summed over the generated responses
     keep_rates: list[float] = field(default_factory=list)
+
+
+def next_keep_rate(estimate: float, stats: CollectStats) -> float:
+    """The running estimate of the share of groups dynamic sampling keeps, after a step's collection."""
+    if not stats.keep_rates:
+        return estimate
+    measured = sum(stats.keep_rates) / len(stats.keep_rates)
+    return KEEP_RATE_MOMENTUM * estimate + (1 - KEEP_RATE_MOMENTUM) * measured
 
 
 class BatchCollector:

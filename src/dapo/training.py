@@ -36,7 +36,7 @@ from dapo.async_rollout import AsyncRollout, start_rollout_process
 from dapo.batch import RolloutBatch
 from dapo.config import AlgoConfig, Config, ConfigError, dump_yaml, load_config
 from dapo.data import PromptSampler, make_encoder, render_prompt
-from dapo.dynamic_sampling import BatchCollector, CollectStats, Scorer, record_behaviour_logp
+from dapo.dynamic_sampling import BatchCollector, CollectStats, Scorer, next_keep_rate, record_behaviour_logp
 from dapo.evaluation import evaluate, load_benchmark, sampling_settings
 from dapo.log import RunLogger, raised_outside, rank_log_path, setup_library_logging
 from dapo.memory import PhaseMemory
@@ -56,10 +56,6 @@ from dapo.rollout import SamplingParams, make_training_engine, resolve_backend
 from dapo.tasks import load_train_examples
 from dapo.trackers import check_installed, open_trackers, run_status
 
-# The keep-rate estimate that sizes each round's over-sampling (algo.adaptive_oversample) follows the
-# measured rate with this momentum: one unlucky round does not double the next step's generation, and
-# a run whose problems get easier is followed within a few steps.
-KEEP_RATE_MOMENTUM = 0.7
 NO_SIGNAL_STREAK = 3  # steps in a row without an informative group before the run says what to change
 
 
@@ -83,9 +79,7 @@ class TrainState:
 
     def observe(self, cstats: CollectStats) -> None:
         self.gen_rounds += cstats.rounds
-        if cstats.keep_rates:
-            measured = sum(cstats.keep_rates) / len(cstats.keep_rates)
-            self.keep_rate = KEEP_RATE_MOMENTUM * self.keep_rate + (1 - KEEP_RATE_MOMENTUM) * measured
+        self.keep_rate = next_keep_rate(self.keep_rate, cstats)
 
     def round_seed(self, base_seed: int):
         """The sampling seed of this step's k-th generation round: distinct across the whole run."""
