@@ -246,10 +246,17 @@ class Check:
 
     def part_tests(self) -> None:
         results = self.state.setdefault("tests", {})
+        chosen = [i for i in os.environ.get("GPU_CHECK_ITEMS", "").split(",") if i]  # a rerun of a few items
+        if unknown := sorted(set(chosen) - set(ITEMS) - {"gpu-marked"}):
+            sys.exit(f"GPU_CHECK_ITEMS: unknown {unknown}; choose from {','.join([*ITEMS, 'gpu-marked'])}")
         for item, (_, selection, timeout) in ITEMS.items():
+            if chosen and item not in chosen:
+                continue
             print(f"gpu-check: item {item} ...", flush=True)
             results[item] = self.pytest(item, ["tests/test_gpu.py", "-k", selection], timeout)
             self.save()
+        if chosen and "gpu-marked" not in chosen:
+            return
         print("gpu-check: other tests marked gpu ...", flush=True)
         results["gpu-marked"] = self.pytest("gpu_marked", ["-m", "gpu", *OTHER_GPU_TESTS], 120)
         self.save()
@@ -263,7 +270,12 @@ class Check:
 
         tools = [*DEMO_TOOLS, *([] if shutil.which("bwrap") else ["tools.sandbox=none"])]
         demos = {"demo": [], "demo_prefilter": ["algo.prefilter=true"], "demo_tools": tools, "demo_async": ASYNC}
+        chosen = [d for d in os.environ.get("GPU_CHECK_DEMOS", "").split(",") if d]  # a rerun of a few demos
+        if unknown := sorted(set(chosen) - set(demos)):
+            sys.exit(f"GPU_CHECK_DEMOS: unknown {unknown}; choose from {','.join(demos)}")
         for key, extra in demos.items():
+            if chosen and key not in chosen:
+                continue
             self.state[key] = self.demo(key, extra)
             self.save()
 
