@@ -132,32 +132,44 @@ class AheadCollector:
                 self._cond.notify_all()
 
 
-def start_rollout_process(cfg, dist, tokenizer, device, *, max_model_len: int, tool_env, collector) -> AsyncRollout:
-    """The rollout process and the collection around it; ``collector(engine)`` builds the ``BatchCollector`` that
-    samples with ``engine`` (the rollout process, multi-turn where tools are on). The cores are split: the rollout
-    process gets ``rollout.engine_threads`` (half by default), the trainer the rest."""
+def start_rollout_process(cfg, dist, tokenizer, device, *, max_model_len: int, tool_env, collector):
+    """The rollout side and the collection around it; ``collector(engine)`` builds the ``BatchCollector`` that
+    samples with ``engine`` (wrapped here for tools where they are on).
+
+    With ``rollout.ranks`` = 0: a rollout process beside the one trainer; the cores are split, the rollout process
+    getting ``rollout.engine_threads`` (half by default) and the trainer the rest. With rollout ranks
+    (``dapo.rollout.ranks``): trainer rank 0 collects with them as its engine and hands each step's batch to the
+    other training ranks, which follow (``FollowingRollout``)."""
     import os
 
     import torch
 
     from dapo.config import ConfigError
     from dapo.rollout import with_tools
-    from dapo.rollout.remote import RemoteEngine
 
     k = cfg.rollout.max_staleness
+    if cfg.rollout.ranks:
+        if not dist.is_main:
+            return FollowingRollout(cfg, dist)
+        from dapo.rollout.ranks import RankEngines
+
+        remote = RankEngines(cfg.rollout.ranks)
+        return AsyncRollout(cfg, remote, collector(with_tools(remote, tokenizer, cfg.tools, tool_env)), dist=dist)
     if dist.sharded:
         raise ConfigError(
-            f"rollout.max_staleness={k}: the rollout process runs beside one trainer process for now; with "
-            f"{dist.world_size} ranks use rollout.max_staleness=0"
+            f"rollout.max_staleness={k} with {dist.world_size} training ranks: give the rollout ranks of its own, "
+            f"rollout.ranks=1 or more (the job's last ranks generate, the others train), or use "
+            "rollout.max_staleness=0"
         )
+    from dapo.rollout.remote import RemoteEngine
+
     cores = os.cpu_count() or 2
     threads = cfg.rollout.engine_threads or max(1, cores // 2)
     torch.set_num_threads(max(1, cores - threads))
     remote = RemoteEngine(
         cfg.rollout, cfg.model, tokenizer, max_model_len=max_model_len, threads=threads, device=str(device)
     )
-    engine = with_tools(remote, tokenizer, cfg.tools, tool_env)
-    return AsyncRollout(cfg, remote, collector(engine))
+    return AsyncRollout(cfg, remote, collector(with_tools(remote, tokenizer, cfg.tools, tool_env)))
 
 
 class AsyncRollout:
@@ -165,8 +177,9 @@ class AsyncRollout:
     thread, and the collection's own state (prompt sampler, round count, keep-rate estimate), which runs ahead of
     the trainer's. ``collector`` is a ``BatchCollector`` whose engine is ``remote`` (wrapped for tools if on)."""
 
-    def __init__(self, cfg, remote, collector):
+    def __init__(self, cfg, remote, collector, dist=None):
         self.cfg, self.remote, self.collector, self.sampler = cfg, remote, collector, collector.sampler
+        self.dist = dist  # training ranks beside rank 0 (rollout ranks): each step's batch is handed to them
         self.k = cfg.rollout.max_staleness
         self.rounds = 0  # generation rounds the collection has done
         self.keep_rate = 1.0
@@ -198,15 +211,14 @@ class AsyncRollout:
 
     def _collect(self, step: int, version: int):
         """One step's collection, in the collecting thread: as the synchronous loop's, with weights ``version``."""
-        from dapo.dynamic_sampling import next_keep_rate
+        from dapo.dynamic_sampling import next_keep_rate, round_seeds
 
         self.remote.use_version(version)
         a = self.cfg.algo
-        seed, done = self.cfg.rollout.seed, self.rounds
         batch, stats = self.collector.collect(
             self.cfg.train.prompts_per_step,
             [],
-            round_seed=lambda r: seed * 1_000_003 + done + r,  # as TrainState.round_seed
+            round_seed=round_seeds(self.cfg.rollout.seed, self.rounds),
             keep_rate_estimate=self.keep_rate if a.adaptive_oversample else 1.0,
         )
         self.rounds += stats.rounds
@@ -230,7 +242,7 @@ class AsyncRollout:
             collected, waited = self.ahead.take(step)
         self.last_state = collected.state
         staleness = float(step - 1 - collected.version)  # every response of the step: one version (no partial rollout)
-        return (
+        taken = (
             collected.batch,
             collected.stats,
             {
@@ -241,6 +253,11 @@ class AsyncRollout:
                 "async/collect_s": collected.seconds,
             },
         )
+        if self.dist is not None and self.dist.sharded:
+            from dapo import parallel
+
+            parallel.broadcast_object(taken, self.dist)
+        return taken
 
     def publish(self, step: int, weights) -> None:
         """Step ``step`` is trained: its weights (version ``step``) go to the engine, and the collections that
@@ -260,6 +277,35 @@ class AsyncRollout:
         if self.ahead is not None:
             self.ahead.stop()
         self.remote.close()
+
+
+class FollowingRollout:
+    """A training rank other than 0 beside rollout ranks: it trains on the batches rank 0 collects, received step
+    by step, and takes its part in gathering the weights rank 0 pushes (FSDP). The collection's state and what is
+    in flight are rank 0's, which alone writes them into checkpoints."""
+
+    def __init__(self, cfg, dist):
+        self.cfg, self.dist, self.k = cfg, dist, cfg.rollout.max_staleness
+
+    def start(self, step: int, weights, **_) -> None:
+        for _ in weights:  # rank 0 pushes the first version: every rank gathers (FSDP)
+            pass
+
+    def take(self, step: int) -> tuple[object, object, dict]:
+        from dapo import parallel, watchdog
+
+        with watchdog.phase("rollout_wait"):
+            return parallel.broadcast_object(None, self.dist)
+
+    def publish(self, step: int, weights) -> None:
+        for _ in weights:
+            pass
+
+    def checkpoint_state(self, step: int) -> dict:
+        return {"max_staleness": self.k, "state": {"sampler": {}}, "in_flight": []}  # rank 0's is written
+
+    def close(self) -> None:
+        pass
 
 
 def _collected_state(c: Collected) -> dict:

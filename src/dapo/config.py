@@ -184,6 +184,10 @@ class RolloutConfig:
     max_staleness: int = field(0, ge=0, le=8)
     # with max_staleness > 0: threads of the rollout process (torch); null: half the cores, the trainer the rest
     engine_threads: int | None = field(None, ge=1, null="half the cores")
+    # with max_staleness > 0 under torchrun or `dapo launch-ray`: the last `ranks` ranks of the job (one GPU each)
+    # only generate, each with a full copy of the weights; the others train. 0: the rollout process beside a
+    # single trainer (several training ranks and no rollout ranks are refused)
+    ranks: int = field(0, ge=0)
 
 
 @dataclass
@@ -755,6 +759,16 @@ def validate(cfg: Config) -> None:
             why + f"algo.buffer_max_groups={a.buffer_max_groups} would train held-over groups one version older "
             "than the bound; set algo.buffer_max_groups=0",
         )
+    _check(
+        r.ranks == 0 or k > 0,
+        f"rollout.ranks={r.ranks}: rollout ranks generate the next steps while the others train; set "
+        "rollout.max_staleness (1 or 2), or rollout.ranks=0 for the synchronous loop",
+    )
+    _check(
+        r.ranks == 0 or r.tensor_parallel_size == 1,
+        f"rollout.ranks={r.ranks}: each rollout rank holds a whole engine; rollout.tensor_parallel_size="
+        f"{r.tensor_parallel_size} across rollout ranks is not supported, use 1",
+    )
     _check(
         a.rollout_is_cap is None or r.backend == "vllm" or k > 0,
         f"algo.rollout_is_cap={a.rollout_is_cap}: needs the engine's log-probs; "

@@ -113,6 +113,11 @@ class CollectStats:
     keep_rates: list[float] = field(default_factory=list)
 
 
+def round_seeds(base_seed: int, rounds_done: int):
+    """The sampling seed of a step's k-th generation round, after ``rounds_done`` rounds: distinct across the run."""
+    return lambda k: base_seed * 1_000_003 + rounds_done + k
+
+
 def next_keep_rate(estimate: float, stats: CollectStats) -> float:
     """The running estimate of the share of groups dynamic sampling keeps, after a step's collection."""
     if not stats.keep_rates:

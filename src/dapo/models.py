@@ -31,6 +31,22 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False):
+    """A model directory's tokenizer, padding with EOS where it has no pad token (as every part of a run sees it)."""
+    from transformers import AutoTokenizer
+
+    path = shipped(path)  # assets/arith-base: the package's copy outside the repository
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"model.path={str(path)!r} is not a Hugging Face model directory (no config.json); "
+            "give a local directory (nothing is downloaded)"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def load_model_and_tokenizer(
     path: str | Path,
     dtype: str = "float32",
@@ -43,17 +59,10 @@ def load_model_and_tokenizer(
     only with ``trust_remote_code``; said explicitly, because left unset transformers asks on the
     terminal, where a stray 'y' (or a pipe) runs them. Dropout is switched off (``disable_dropout``)
     unless ``keep_dropout``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    path = shipped(path)  # assets/arith-base: the package's copy outside the repository
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(
-            f"model.path={str(path)!r} is not a Hugging Face model directory (no config.json); "
-            "give a local directory (nothing is downloaded)"
-        )
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
+    path = shipped(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
     if not keep_dropout:
         disable_dropout(model)

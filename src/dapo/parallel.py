@@ -55,12 +55,18 @@ def backend_for(use_cuda: bool) -> str:
     return "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
 
 
-def init(device_name: str = "auto", env: dict | None = None) -> Dist:
-    """Join the process group the launcher set up (nccl on GPUs, gloo on CPU); Dist() when alone."""
+def init(device_name: str = "auto", env: dict | None = None, rollout_ranks: int = 0) -> Dist:
+    """Join the process group the launcher set up (nccl on GPUs, gloo on CPU); Dist() when alone.
+
+    ``rollout_ranks`` = r (rollout.ranks): the last r ranks of the job only generate (``dapo.rollout.ranks``) and
+    stay out of this group: the training group is the first WORLD_SIZE - r ranks, met through a prefix of the
+    job's store."""
     env = os.environ if env is None else env
-    world_size = int(env.get("WORLD_SIZE", "1"))
+    job_size = int(env.get("WORLD_SIZE", "1"))
+    check_rollout_split(rollout_ranks, job_size)
+    world_size = job_size - rollout_ranks
     use_cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
-    if world_size <= 1:
+    if job_size <= 1:
         return Dist(device=torch.device("cuda" if use_cuda else "cpu"))
     rank, local_rank = int(env["RANK"]), int(env.get("LOCAL_RANK", "0"))
     if use_cuda and not torch.cuda.is_available():
@@ -71,18 +77,56 @@ def init(device_name: str = "auto", env: dict | None = None) -> Dist:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    if world_size == 1:  # one trainer beside rollout ranks: no training group; the job's store meets the rollout
+        job_store(env)
+        return Dist(device=device)
     if not dist.is_initialized():
         # ranks wait for the slowest generation and for grading; which rank hangs, and where, the step watchdog
         # (watchdog.py) says sooner, from each phase's own history
-        timeout = timedelta(hours=1)
+        store = _rendezvous_store(env, rank, job_size, STORE_TIMEOUT) if not rollout_ranks else job_store(env)
+        if rollout_ranks:
+            store = dist.PrefixStore("dapo-train/", store)
         dist.init_process_group(
-            backend_for(use_cuda),
-            rank=rank,
-            world_size=world_size,
-            timeout=timeout,
-            store=_rendezvous_store(env, rank, world_size, timeout),
+            backend_for(use_cuda), rank=rank, world_size=world_size, timeout=STORE_TIMEOUT, store=store
         )
     return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+STORE_TIMEOUT = timedelta(hours=1)
+_JOB_STORE: list = []  # the job's store, made once (rank 0's serves it for the process's life)
+
+
+def check_rollout_split(rollout_ranks: int, job_size: int) -> None:
+    """One line for a split of the job's ranks that leaves no rank to train, or asks for rollout ranks alone."""
+    if rollout_ranks and job_size <= rollout_ranks:
+        from dapo.config import ConfigError
+
+        raise ConfigError(
+            f"rollout.ranks={rollout_ranks}: the job has {job_size} rank{'s' * (job_size > 1)} (WORLD_SIZE), which "
+            f"leaves none to train; launch at least {rollout_ranks + 1} (torchrun --nproc_per_node, launch-ray "
+            "--num-workers) or lower rollout.ranks"
+        )
+
+
+def is_rollout_rank(rollout_ranks: int, env: dict | None = None) -> bool:
+    """This process is one of the job's last ``rollout_ranks`` ranks (rollout.ranks): it generates, and trains not."""
+    env = os.environ if env is None else env
+    job_size = int(env.get("WORLD_SIZE", "1"))
+    check_rollout_split(rollout_ranks, job_size)
+    return rollout_ranks > 0 and int(env.get("RANK", "0")) >= job_size - rollout_ranks
+
+
+def job_store(env: dict | None = None):
+    """The store every rank of the job reaches (torchrun's agent's, or the one rank 0 serves), under a prefix of
+    this attempt: the training group meets in it, and rollout ranks publish where they listen."""
+    if not _JOB_STORE:
+        env = os.environ if env is None else env
+        rank, size = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
+        store = _rendezvous_store(env, rank, size, STORE_TIMEOUT)
+        if store is None:  # torchrun's agent serves it
+            store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=STORE_TIMEOUT)
+        _JOB_STORE.append(dist.PrefixStore(f"dapo/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store))
+    return _JOB_STORE[0]
 
 
 def _rendezvous_store(env, rank: int, world_size: int, timeout: timedelta):
@@ -234,6 +278,11 @@ class OnMain:
 
     def __init__(self, obj, d: Dist):
         self._obj, self._d = obj, d
+
+    @property
+    def local(self):
+        """The object itself, for calls rank 0 makes alone (its collecting thread beside rollout ranks)."""
+        return self._obj
 
     def __getattr__(self, name):
         def call(*args, **kwargs):

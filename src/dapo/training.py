@@ -36,7 +36,14 @@ from dapo.async_rollout import AsyncRollout, start_rollout_process
 from dapo.batch import RolloutBatch
 from dapo.config import AlgoConfig, Config, ConfigError, dump_yaml, load_config
 from dapo.data import PromptSampler, make_encoder, render_prompt
-from dapo.dynamic_sampling import BatchCollector, CollectStats, Scorer, next_keep_rate, record_behaviour_logp
+from dapo.dynamic_sampling import (
+    BatchCollector,
+    CollectStats,
+    Scorer,
+    next_keep_rate,
+    record_behaviour_logp,
+    round_seeds,
+)
 from dapo.evaluation import evaluate, load_benchmark, sampling_settings
 from dapo.log import RunLogger, raised_outside, rank_log_path, setup_library_logging
 from dapo.memory import PhaseMemory
@@ -83,7 +90,7 @@ class TrainState:
 
     def round_seed(self, base_seed: int):
         """The sampling seed of this step's k-th generation round: distinct across the whole run."""
-        return lambda k, done=self.gen_rounds: base_seed * 1_000_003 + done + k
+        return round_seeds(base_seed, self.gen_rounds)
 
     def state_dict(self) -> dict:
         return {
@@ -415,7 +422,7 @@ def start(cfg: Config, stack: contextlib.ExitStack, console=None, inputs: RunInp
     check_installed(cfg.run.loggers)  # before anything is built
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
-    d = parallel.init(cfg.model.device)  # WORLD_SIZE > 1 (torchrun, Ray): FSDP over the ranks
+    d = parallel.init(cfg.model.device, rollout_ranks=cfg.rollout.ranks)  # torchrun, Ray: FSDP over the ranks
     checkpoint.prepare_run_dir(cfg.run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite, dist=d)
     log_path = setup_library_logging(cfg.run_dir, cfg.run.log_level, rank=d.rank)  # vLLM, Ray, transformers: train.log
     watchdog.PHASES.slowest.clear()  # a new run, a new history (a process may run several)
@@ -481,13 +488,14 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
     )
     pool = stack.enter_context(grading_pool(cfg, d, inputs.reward_fn))
     grader = REWARD_FN if inputs.reward_fn is not None else None
-    scorer = Scorer(
-        pool,
+    scorer_of = functools.partial(
+        Scorer,
         grader=grader or cfg.reward.grader,
         algo_cfg=a,
         max_response_tokens=r.max_response_tokens,
         reward_from_score=grader is not None,
     )
+    scorer = scorer_of(pool)
     sampling = SamplingParams(
         n=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_response_tokens
     )
@@ -498,8 +506,9 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
     if r.max_staleness:  # the same collection, with the engine in a process of its own
         rollout_ahead = start_rollout_process(
             cfg, d, policy.tokenizer, device, max_model_len=max_model_len, tool_env=inputs.tool_env,
-            collector=lambda remote: BatchCollector(
-                engine=remote, sampler=sampler, scorer=scorer, encode=encode, sampling=sampling, algo_cfg=a
+            collector=lambda remote: BatchCollector(  # rank 0 grades alone there: its own pool, no broadcast
+                engine=remote, sampler=sampler, scorer=scorer_of(pool.local if d.sharded else pool), encode=encode,
+                sampling=sampling, algo_cfg=a,
             ),
         )  # fmt: skip
         stack.callback(rollout_ahead.close)
@@ -656,7 +665,13 @@ def checked_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
 
 
 def train(cfg: Config, *, console=None, inputs: RunInputs | None = None) -> dict:
-    """Run (or resume) training; returns the last logged row (with eval/* before and after)."""
+    """Run (or resume) training; returns the last logged row (with eval/* before and after). On a rollout rank
+    (rollout.ranks) it serves generation to trainer rank 0 until the run ends, and returns {}."""
+    if parallel.is_rollout_rank(cfg.rollout.ranks):
+        from dapo.rollout.ranks import serve
+
+        serve(cfg)
+        return {}
     with contextlib.ExitStack() as stack:
         run = start(cfg, stack, console, inputs)
         stack.enter_context(preemption.on_signals(run))  # from here a signal stops the run with a checkpoint

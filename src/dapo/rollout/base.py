@@ -94,6 +94,21 @@ def split_response(tokens: list[int], eos_ids: set[int], max_new_tokens: int) ->
     return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
 
 
+def concat_generations(parts: list[Generation]) -> Generation:
+    """Generations of consecutive shares of the prompts as one, in prompt order."""
+    with_logprobs = all(g.logprobs is not None or not g.response_ids for g in parts)
+    with_tools = any(g.tool_mask is not None for g in parts)
+    return Generation(
+        prompt_ids=[x for g in parts for x in g.prompt_ids],
+        response_ids=[x for g in parts for x in g.response_ids],
+        truncated=torch.cat([g.truncated for g in parts]) if parts else torch.zeros(0, dtype=torch.bool),
+        texts=[x for g in parts for x in g.texts],
+        logprobs=[x for g in parts for x in (g.logprobs or [])] if with_logprobs else None,
+        tool_mask=[x for g in parts for x in (g.tool_mask or [])] if with_tools else None,
+        tool_logs=[x for g in parts for x in (g.tool_logs or [])] if with_tools else None,
+    )
+
+
 class ShardedRollout:
     """Data-parallel sampling under FSDP: each engine samples a contiguous share of the prompts and
     every rank gets the whole Generation, in prompt order. ``generate`` is collective: every rank
@@ -119,17 +134,7 @@ class ShardedRollout:
         if hi > lo:  # each engine its own seed: shares must not repeat each other's samples
             mine = self.engine.generate(prompt_ids[lo:hi], replace(params, seed=params.seed * w + r))
         parts = parallel.all_gather_object(mine if self.d.rank % self.k == 0 else None, self.d)[:: self.k]
-        with_logprobs = all(g.logprobs is not None or not g.response_ids for g in parts)
-        with_tools = any(g.tool_mask is not None for g in parts)
-        return Generation(
-            prompt_ids=[x for g in parts for x in g.prompt_ids],
-            response_ids=[x for g in parts for x in g.response_ids],
-            truncated=torch.cat([g.truncated for g in parts]),
-            texts=[x for g in parts for x in g.texts],
-            logprobs=[x for g in parts for x in (g.logprobs or [])] if with_logprobs else None,
-            tool_mask=[x for g in parts for x in (g.tool_mask or [])] if with_tools else None,
-            tool_logs=[x for g in parts for x in (g.tool_logs or [])] if with_tools else None,
-        )
+        return concat_generations(parts)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.engine.update_weights(named_tensors)
