@@ -71,6 +71,11 @@ ITEMS = {
         "rollout_process",
         120,
     ),
+    "n": (
+        "a rollout rank (rollout.ranks=1, torchrun, 2 ranks on the device) vs the rollout process: samples, weights",
+        "rollout_rank_on_the_device",
+        240,
+    ),
 }
 OTHER_GPU_TESTS = ["tests/test_parallel.py", "tests/test_vllm.py"]
 DEMO_RISE_POINTS = 15.0

@@ -737,3 +737,22 @@ def test_the_rollout_process_samples_on_the_device_what_the_engine_in_process_do
     report("m", device=device, same_tokens=there.response_ids == here.response_ids, logprob_gap=gap, bound=1e-5)
     assert there.response_ids == here.response_ids
     assert gap <= 1e-5
+
+
+@pytest.mark.parametrize("device", HEAVY_DEVICES)  # the CPU side: tests/test_rollout_ranks.py
+def test_a_rollout_rank_on_the_device_trains_as_the_rollout_process_does(tiny_model_dir, tmp_path, device):
+    """Item n: torchrun, 2 ranks on the device (one GPU: both on it), the second a rollout rank (rollout.ranks=1), at
+    rollout.max_staleness=1, against one trainer with its rollout process: the same samples every step, and final
+    weights within 1e-5 (CUDA's backward may sum in another order from run to run)."""
+    from test_rollout_ranks import ASYNC, rows, run, weights
+
+    on = [*ASYNC, f"model.device={device}", "run.save_every=3"]
+    run(tiny_model_dir, tmp_path / "process", *on)
+    run(tiny_model_dir, tmp_path / "ranks", *on, "rollout.ranks=1", nproc=2)
+    ref, got = rows(tmp_path / "process"), rows(tmp_path / "ranks")
+    same = all(got[t]["rollout/response_length_mean"] == ref[t]["rollout/response_length_mean"] for t in (1, 2, 3))
+    a, b = weights(tmp_path / "process", 3), weights(tmp_path / "ranks", 3)
+    gap = max((a[n] - b[n]).abs().max().item() for n in a)
+    report("n", device=device, same_samples=same, weight_gap=gap, bound=1e-5)
+    assert same and [got[t]["async/staleness_max"] for t in (1, 2, 3)] == [0, 1, 1]
+    assert gap <= 1e-5

@@ -53,10 +53,16 @@ def weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def one_process(tiny_model_dir, tmp_path_factory):
-    """The reference: one trainer with its rollout process, k = 1."""
-    out = tmp_path_factory.mktemp("one-process")
-    run(tiny_model_dir, out, *ASYNC, "run.save_every=1")
-    return out
+    """The reference at staleness k: one trainer with its rollout process (each k run once for the module)."""
+    made: dict[int, Path] = {}
+
+    def at(k: int) -> Path:
+        if k not in made:
+            made[k] = tmp_path_factory.mktemp(f"one-process-k{k}")
+            run(tiny_model_dir, made[k], *ASYNC, f"rollout.max_staleness={k}", "run.save_every=1")
+        return made[k]
+
+    return at
 
 
 @pytest.mark.slow
@@ -66,14 +72,14 @@ def test_a_trainer_and_a_rollout_rank_train_as_the_rollout_process_does_and_resu
     """2 ranks, 1 of them generating: the same samples step by step and the same final weights, bit for bit, as
     the trainer with its rollout process; stopped after step 2 (step 3's batch in flight) and started again, the
     same weights again."""
-    a = tmp_path / "ranks"
+    a, reference = tmp_path / "ranks", one_process(1)
     run(tiny_model_dir, a, *ASYNC, "rollout.ranks=1", "run.save_every=1", nproc=2)
-    ref, got = rows(one_process), rows(a)
+    ref, got = rows(reference), rows(a)
     assert [got[t]["async/staleness_max"] for t in (1, 2, 3)] == [0, 1, 1]
     for t in (1, 2, 3):  # the same tokens: the same lengths, rewards and losses to the bit
         for key in ("rollout/response_length_mean", "critic/rewards/mean", "actor/pg_loss"):
             assert got[t][key] == ref[t][key], (t, key)
-    w_ref, w = weights(one_process, 3), weights(a, 3)
+    w_ref, w = weights(reference, 3), weights(a, 3)
     assert all(torch.equal(w_ref[n], w[n]) for n in w_ref)
     shutil.rmtree(next(a.glob("*/checkpoints/step_000003")))  # as if killed after step 2's checkpoint
     run(tiny_model_dir, a, *ASYNC, "rollout.ranks=1", "run.save_every=1", nproc=2)
@@ -83,15 +89,16 @@ def test_a_trainer_and_a_rollout_rank_train_as_the_rollout_process_does_and_resu
 
 @pytest.mark.slow
 def test_two_training_ranks_beside_a_rollout_rank_train_on_the_same_samples(one_process, tiny_model_dir, tmp_path):
-    """3 ranks, 2 training with FSDP on the batches rank 0 collects through the third: the samples of the one-process
-    run, and its weights up to the float noise of summing gradients over two ranks."""
-    run(tiny_model_dir, tmp_path, *ASYNC, "rollout.ranks=1", "run.save_every=3", nproc=3)
-    ref, got = rows(one_process), rows(tmp_path)
+    """3 ranks at k = 2, 2 training with FSDP on the batches rank 0 collects through the third: the samples of the
+    one-process run, and its weights up to the float noise of summing gradients over two ranks."""
+    k, reference = 2, one_process(2)
+    run(tiny_model_dir, tmp_path, *ASYNC, f"rollout.max_staleness={k}", "rollout.ranks=1", "run.save_every=3", nproc=3)
+    ref, got = rows(reference), rows(tmp_path)
     for t in (1, 2, 3):
         assert got[t]["rollout/response_length_mean"] == ref[t]["rollout/response_length_mean"]
-        assert got[t]["async/staleness_max"] == min(1, t - 1)
+        assert got[t]["async/staleness_max"] == min(k, t - 1)
         assert abs(got[t]["actor/pg_loss"] - ref[t]["actor/pg_loss"]) < 1e-6
-    w_ref, w = weights(one_process, 3), weights(tmp_path, 3)
+    w_ref, w = weights(reference, 3), weights(tmp_path, 3)
     gap = max((w_ref[n] - w[n]).abs().max().item() for n in w_ref)
     moved = max((w_ref[n] - load_file(next(tiny_model_dir.glob("model*.safetensors")))[n]).abs().max().item()
                 for n in w_ref)  # fmt: skip
