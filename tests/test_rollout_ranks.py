@@ -79,6 +79,9 @@ def test_a_trainer_and_a_rollout_rank_train_as_the_rollout_process_does_and_resu
     for t in (1, 2, 3):  # the same tokens: the same lengths, rewards and losses to the bit
         for key in ("rollout/response_length_mean", "critic/rewards/mean", "actor/pg_loss"):
             assert got[t][key] == ref[t][key], (t, key)
+    for t in (1, 2, 3):  # each sample says which weights sampled it: version t - 1 - k, at least 0
+        text = next(a.glob(f"*/samples/step_{t:06d}.md")).read_text()
+        assert text.count(f"sampled by weights version {max(0, t - 2)})") == text.count("## sample") > 0
     w_ref, w = weights(reference, 3), weights(a, 3)
     assert all(torch.equal(w_ref[n], w[n]) for n in w_ref)
     shutil.rmtree(next(a.glob("*/checkpoints/step_000003")))  # as if killed after step 2's checkpoint

@@ -223,6 +223,8 @@ class AsyncRollout:
         )
         self.rounds += stats.rounds
         self.keep_rate = next_keep_rate(self.keep_rate, stats)
+        if batch is not None:
+            batch.policy_version = [version] * len(batch)
         return batch, stats, self._state()
 
     def _state(self) -> dict:
@@ -241,13 +243,15 @@ class AsyncRollout:
         with watchdog.phase("rollout_wait"):  # watched: a rollout process that hangs is named, its stacks dumped
             collected, waited = self.ahead.take(step)
         self.last_state = collected.state
-        staleness = float(step - 1 - collected.version)  # every response of the step: one version (no partial rollout)
+        # each response's version (one per step here: no partial rollout), the step's own where nothing was trained
+        versions = (collected.batch.policy_version if collected.batch is not None else None) or [collected.version]
+        staleness = [step - 1 - v for v in versions]
         taken = (
             collected.batch,
             collected.stats,
             {
-                "async/staleness_mean": staleness,
-                "async/staleness_max": staleness,
+                "async/staleness_mean": sum(staleness) / len(staleness),
+                "async/staleness_max": float(max(staleness)),
                 "async/trainer_wait_s": waited,
                 "async/engine_wait_s": collected.waited_s,
                 "async/collect_s": collected.seconds,

@@ -42,6 +42,9 @@ class RolloutBatch:
     # per token, under the weights that sampled the row, for groups held over in the surplus buffer: their
     # behaviour policy, so their old_logp (None for a row sampled this step, whose old_logp is recomputed)
     behaviour_logp: list[list[float] | None] = field(default_factory=list)
+    # per row: the weights version that sampled it (rollout.max_staleness > 0: the policy after that many updates);
+    # empty in the synchronous loop, where every row is sampled by the weights it trains
+    policy_version: list[int] = field(default_factory=list)
     trainable: torch.Tensor | None = None  # (N,) bool: False rows are masked out (overlong filtering)
     adv: torch.Tensor | None = None  # (N,)
     old_logp: torch.Tensor | None = None  # (N, T) under the policy before this step's updates
@@ -116,7 +119,7 @@ class RolloutBatch:
             values = [getattr(b, f.name) for b in batches]
             if f.name == "group_size":
                 out[f.name] = values[0]
-            elif f.name == "rollout_logp" and not all(values):
+            elif f.name in ("rollout_logp", "policy_version") and not all(values):
                 out[f.name] = []  # rows without them would misalign the rest
             elif f.name == "tool_mask":  # rows of a batch without tools: no tool token
                 out[f.name] = (

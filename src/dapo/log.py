@@ -492,7 +492,9 @@ class RunLogger:
         for i, r in enumerate(records):
             lines.append(
                 f"## sample {i}  (reward {r['reward']:+.3f}, acc {r['acc']:.0f}, pred {r['pred']!r}, "
-                f"ground truth {r['ground_truth']!r}, {r['length']} tokens{', truncated' if r['truncated'] else ''})\n"
+                f"ground truth {r['ground_truth']!r}, {r['length']} tokens{', truncated' if r['truncated'] else ''}"
+                + (f", sampled by weights version {r['policy_version']}" if "policy_version" in r else "")
+                + ")\n"
             )
             lines.append("```text\n" + r["prompt"] + "\n```\n")
             lines.append("```text\n" + r["response"] + "\n```\n")

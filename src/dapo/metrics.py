@@ -147,6 +147,7 @@ def sample_records(batch: RolloutBatch, tokenizer, k: int) -> list[dict]:
             "ground_truth": batch.ground_truths[i],
             "length": len(batch.response_ids[i]),
             "truncated": bool(batch.truncated[i]),
+            **({"policy_version": batch.policy_version[i]} if batch.policy_version else {}),
         }
         for i in rows
     ]
