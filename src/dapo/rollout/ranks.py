@@ -30,7 +30,7 @@ from multiprocessing.connection import Client, Listener
 import torch
 
 from dapo.rollout.base import Generation, SamplingParams, concat_generations
-from dapo.rollout.remote import START_TIMEOUT_S, RemoteEngineError, pack
+from dapo.rollout.remote import START_TIMEOUT_S, Apart, RemoteEngineError, pack, payload_of
 
 
 class Channel:
@@ -96,7 +96,7 @@ def serve(cfg, env: dict | None = None) -> None:
     weights.close()
 
 
-class RankEngines:
+class RankEngines(Apart):
     """Trainer rank 0's engine when the rollout runs on rollout ranks: ``generate`` splits the prompts among them
     and puts their answers back in order; ``update_weights`` sends each the numbered version."""
 
@@ -146,21 +146,13 @@ class RankEngines:
         try:
             if timeout is not None and not channel.poll(timeout):
                 raise RemoteEngineError(f"rollout rank {rank_index} did not answer in {timeout:.0f} s while {doing}")
-            kind, payload = channel.recv()
+            answer = channel.recv()
         except (EOFError, OSError) as err:
             raise RemoteEngineError(
                 f"rollout rank {rank_index} closed its connection while {doing} ({type(err).__name__}); its own "
                 "log says why"
             ) from err
-        if kind == "error":
-            raise RemoteEngineError(f"rollout rank {rank_index} failed while {doing}: {payload}")
-        return payload
-
-    def sleep(self) -> None:
-        pass
-
-    def wake(self) -> None:
-        pass
+        return payload_of(answer, f"rollout rank {rank_index}", doing)
 
     def close(self) -> None:
         """Tell every rollout rank to stop (each ends its process's run); a rank in the middle of a request is not

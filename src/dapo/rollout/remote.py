@@ -30,7 +30,25 @@ class RemoteEngineError(RuntimeError):
     """The rollout process failed; the message carries its traceback's last line and where the rest went."""
 
 
-class RemoteEngine:
+def payload_of(answer: tuple, who: str, doing: str):
+    """An answer of the rollout side, ("ok", payload) or ("error", what), as its payload or the error raised."""
+    kind, payload = answer
+    if kind == "error":
+        raise RemoteEngineError(f"{who} failed while {doing}: {payload}")
+    return payload
+
+
+class Apart:
+    """``sleep``/``wake`` of an engine apart from the trainer: its memory is its own, nothing to give back."""
+
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+
+class RemoteEngine(Apart):
     """``generate`` / ``update_weights`` as an in-process engine's, answered by the rollout process. Requests and
     weights go over two pipes: a push is received (by a thread of the rollout process) while a request is being
     generated, so the trainer never waits on generation to hand over weights."""
@@ -75,16 +93,7 @@ class RemoteEngine:
                     f"the rollout process {'died' if not self._proc.is_alive() else 'did not answer'} while {doing}"
                     f" (exit code {self._proc.exitcode})"
                 )
-        kind, payload = conn.recv()
-        if kind == "error":
-            raise RemoteEngineError(f"the rollout process failed while {doing}: {payload}")
-        return payload
-
-    def sleep(self) -> None:
-        pass
-
-    def wake(self) -> None:
-        pass
+        return payload_of(conn.recv(), "the rollout process", doing)
 
     def close(self) -> None:
         """Stop the process: asked to when no request is in flight, killed when one is (the run is ending; what
