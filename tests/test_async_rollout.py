@@ -121,8 +121,9 @@ def test_the_hf_engine_reports_the_models_own_log_probs(tiny_model_dir):
 
 
 def test_the_rollout_process_samples_what_the_engine_in_process_does(tiny_model_dir):
-    """Same weights, same seed: the same tokens, whichever process samples them; a version it was never sent
-    is refused in one line rather than waited for forever."""
+    """Same weights, same seed: the same tokens, whichever process samples them. A SIGTERM or SIGINT sent to the
+    whole job does not end the rollout process (the trainer's checkpoint waits on its collections in flight): it
+    still answers."""
     from dapo.models import load_model_and_tokenizer
     from dapo.rollout.base import SamplingParams
     from dapo.rollout.hf import HFRolloutEngine
@@ -140,6 +141,10 @@ def test_the_rollout_process_samples_what_the_engine_in_process_does(tiny_model_
     try:
         remote.update_weights(model.named_parameters(), version=3)
         remote.use_version(3)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            os.kill(remote._proc.pid, sig)
+        time.sleep(0.2)
+        assert remote._proc.is_alive()
         there = remote.generate(prompts, params)
         assert there.response_ids == here.response_ids and there.texts == here.texts
         assert there.logprobs == here.logprobs

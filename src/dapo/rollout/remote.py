@@ -171,7 +171,8 @@ class _Versions:
 
 
 def _serve(conn, weights_conn, rollout_cfg, model_cfg, tokenizer, max_model_len: int, threads: int, device: str):
-    """The rollout process: build the engine, then answer requests until told to stop."""
+    """The rollout process (or a rollout rank): build the engine, then answer requests until told to stop."""
+    ignore_stop_signals()
     torch.set_num_threads(threads)
     try:
         engine = _build(rollout_cfg, model_cfg, tokenizer, max_model_len, device)
@@ -196,6 +197,17 @@ def _serve(conn, weights_conn, rollout_cfg, model_cfg, tokenizer, max_model_len:
             conn.send(("ok", engine.generate(prompt_ids, params)))
         except Exception as err:
             conn.send(("error", _describe(err)))
+
+
+def ignore_stop_signals() -> None:
+    """The trainer says when the rollout side stops. A SIGTERM, SIGINT or SIGUSR1 sent to the whole job (a scheduler's
+    preemption, Ctrl-C in a terminal) also reaches the trainer, whose checkpoint then waits for the collections in
+    flight (docs/async.md): a rollout side that died of the signal would fail them. When the trainer is gone its
+    pipe or connection closes and the rollout side ends; SIGKILL still ends it at once."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _build(rollout_cfg, model_cfg, tokenizer, max_model_len: int, device: str):
