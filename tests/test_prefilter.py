@@ -49,6 +49,23 @@ def test_a_prompt_that_just_had_an_informative_group_or_none_yet_is_never_skippe
         assert all(pf.keep(0) for _ in range(500)) and pf.skipped[0] == 0
 
 
+def test_with_the_level_rule_a_last_group_near_one_side_counts_as_a_fractional_run():
+    """algo.prefilter_level: after an informative group at accuracy a the keep probability is base ** (a^G + (1-a)^G):
+    7/8 right at G = 8 is 0.5 ** 0.3436 = 0.788 (skipped as all-correct), 1/2 right 0.5 ** 0.0078 = 0.9946; without
+    the switch both are always generated, and a run of all-correct groups follows the usual rule."""
+    g = 8
+    for acc, expected in [(7 / 8, 0.5 ** ((7 / 8) ** 8 + (1 / 8) ** 8)), (0.5, 0.5 ** (2 * 0.5**8))]:
+        assert with_history([acc], group_size=g, level=True).keep_probability(0) == pytest.approx(expected)
+        assert with_history([acc], group_size=g).keep_probability(0) == 1.0
+    assert with_history([7 / 8], group_size=g, level=True).keep_probability(0) == pytest.approx(0.7880, abs=1e-4)
+    assert with_history([7 / 8, 1.0], group_size=g, level=True).keep_probability(0) == 0.5
+    pf = with_history([1 / 8], group_size=g, level=True, floor=0.05)
+    pf.explore["all_wrong"] = 0.05  # at the floor: (7/8)^8 of a run, still never below the floor
+    assert pf.keep_probability(0) == pytest.approx(max(0.05, 0.05 ** ((7 / 8) ** 8 + (1 / 8) ** 8)))
+    skipped = sum(not pf.keep(0) for _ in range(2000))
+    assert pf.take_counts().all_wrong == skipped > 0  # counted by the side it leans to
+
+
 def test_streaks_count_one_kind_in_a_row_and_a_flip_starts_over():
     assert with_history([0.0, 0.0, 0.0]).streak[0] == -3
     assert with_history([0.0, 0.0, 1.0]).streak[0] == 1  # all-wrong then all-correct: no run of either yet

@@ -241,6 +241,9 @@ class AlgoConfig:
     # accuracy (benchmarks/RESULTS.md, "Prefilter")
     prefilter_floor: float = field(0.05, gt=0, le=1, why="0 would retire prompts for good")
     prefilter_step: float = field(0.05, gt=0, le=1)  # how far the exploration bases move after each step
+    # with prefilter: a prompt whose last group was informative at accuracy a counts as a fractional run,
+    # a^G + (1-a)^G (the chance its next group is uninformative if it stayed at a), so 7/8 right is skipped at times
+    prefilter_level: bool = False
     # how many surplus informative groups (beyond train.prompts_per_step) wait for the next step; a count, so
     # 0 keeps none and discards every surplus group, as the reference does
     buffer_max_groups: int = field(0, ge=0, why="0 keeps no surplus groups")

@@ -66,6 +66,8 @@ class Prefilter:
     target: float = 0.9
     floor: float = 0.05
     step_size: float = 0.05
+    group_size: int = 8  # G, for the level rule
+    level: bool = False  # algo.prefilter_level: a last informative group's accuracy is partial evidence
     drawn: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
@@ -91,7 +93,12 @@ class Prefilter:
         """The probability that the next draw of prompt ``index`` is generated."""
         run = self.streak[index]
         if run == 0:
-            return 1.0
+            if not (self.level and self.recent[index]):
+                return 1.0
+            a, g = self.recent[index][-1], self.group_size  # the last group: informative, a in (0, 1)
+            evidence = a**g + (1 - a) ** g  # how likely, at accuracy a, the next group is all one way
+            base = self.explore["all_correct" if a >= 0.5 else "all_wrong"]
+            return max(self.floor, base**evidence)
         base = self.explore["all_correct" if run > 0 else "all_wrong"]
         return max(self.floor, base ** abs(run))
 
@@ -102,7 +109,7 @@ class Prefilter:
         if _uniform(self.seed, index, draw) < self.keep_probability(index):
             return True
         self.skipped[index] += 1
-        if self.streak[index] > 0:
+        if self.streak[index] > 0 or (self.streak[index] == 0 and self.recent[index][-1] >= 0.5):
             self.counts.all_correct += 1
         else:
             self.counts.all_wrong += 1

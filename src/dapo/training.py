@@ -471,6 +471,8 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
             target=a.prefilter_target,
             floor=a.prefilter_floor,
             step_size=a.prefilter_step,
+            group_size=r.group_size,
+            level=a.prefilter_level,
         )
         if a.prefilter
         else None
