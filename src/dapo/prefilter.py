@@ -10,6 +10,8 @@ one that came back uninformative the last k times it was drawn is likely to do s
 * **Skip.** A drawn prompt with a streak of k of one kind is generated with probability
   ``max(floor, explore[kind] ** k)`` and skipped otherwise. A prompt whose last group was informative (or that
   was never generated) is always generated. The probability falls geometrically with the evidence, as GRESO's.
+  With ``algo.prefilter_level`` a last informative group at accuracy a is partial evidence: a run of
+  a^G + (1 - a)^G, the chance that a prompt staying at a comes back all one way (7/8 right at G = 8: 0.34).
 * **Floor.** Never below ``algo.prefilter_floor``: no prompt is retired for good, so one the policy has
   unlearned (all-correct turning mixed) or become able to learn (all-wrong turning mixed) comes back; the
   first informative group resets its streak. Unlike a retirement pool (prime-rl), the floor bounds how long
