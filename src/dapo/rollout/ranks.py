@@ -22,6 +22,7 @@ import json
 import os
 import pickle
 import socket
+import sys
 import threading
 from collections.abc import Iterable
 from dataclasses import replace
@@ -94,6 +95,13 @@ def serve(cfg, env: dict | None = None) -> None:
     _serve(requests, weights, r, cfg.model, tokenizer, max_model_len, threads, device)
     requests.close()
     weights.close()
+    if "TORCHELASTIC_RUN_ID" in env:  # a torchrun worker: its process has nothing left to do
+        # end as the rollout process (a multiprocessing child) does, without the interpreter's teardown, in which a
+        # rollout rank aborted now and then ("terminate called without an active exception": a C++ thread of
+        # torch's still joinable); a Ray worker returns instead, its actor living on until the job ends
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 class RankEngines(Apart):
