@@ -69,14 +69,9 @@ def init(device_name: str = "auto", env: dict | None = None, rollout_ranks: int 
     if job_size <= 1:
         return Dist(device=torch.device("cuda" if use_cuda else "cpu"))
     rank, local_rank = int(env["RANK"]), int(env.get("LOCAL_RANK", "0"))
-    if use_cuda and not torch.cuda.is_available():
-        raise RuntimeError("model.device=cuda but no CUDA device is visible; use model.device=cpu (gloo)")
-    if use_cuda:
-        # torchrun shows a process every GPU of its node; a Ray worker sees only its own (index 0)
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    device = rank_device(device_name, env)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     if world_size == 1:  # one trainer beside rollout ranks: no training group; the job's store meets the rollout
         job_store(env)
         return Dist(device=device)
@@ -90,6 +85,17 @@ def init(device_name: str = "auto", env: dict | None = None, rollout_ranks: int 
             backend_for(use_cuda), rank=rank, world_size=world_size, timeout=STORE_TIMEOUT, store=store
         )
     return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def rank_device(device_name: str, env: dict) -> torch.device:
+    """The device of a rank of a job: its LOCAL_RANK's GPU (torchrun shows a process every GPU of its node; a Ray
+    worker sees only its own, index 0), or the CPU."""
+    use_cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise RuntimeError("model.device=cuda but no CUDA device is visible; use model.device=cpu (gloo)")
+    if not use_cuda:
+        return torch.device("cpu")
+    return torch.device("cuda", int(env.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
 
 
 STORE_TIMEOUT = timedelta(hours=1)

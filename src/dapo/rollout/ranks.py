@@ -79,8 +79,7 @@ def serve(cfg, env: dict | None = None) -> None:
     env = os.environ if env is None else env
     rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
     index = rank - (size - cfg.rollout.ranks)
-    use_cuda = cfg.model.device == "cuda" or (cfg.model.device == "auto" and torch.cuda.is_available())
-    device = f"cuda:{int(env.get('LOCAL_RANK', '0')) % torch.cuda.device_count()}" if use_cuda else "cpu"
+    device = str(parallel.rank_device(cfg.model.device, env))
     store = parallel.job_store(env)
     authkey = os.urandom(32)  # the store is the job's trust boundary (docs/security.md); this keeps strays out
     listener = Listener((_reachable_host(env["MASTER_ADDR"]), 0), authkey=authkey)
