@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from dapo.log import held_out_keys, read_metrics  # noqa: E402
 
 SIDES = {"dynamic sampling": [], "+ prefilter": ["algo.prefilter=true"]}
+RECORD = ["algo.prefilter=true", "algo.prefilter_floor=1.0"]  # keeps the record, skips nothing
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
@@ -69,6 +70,14 @@ def generation(steps: list[dict]) -> dict:
         "drawn": total("sampling/prompts_generated") + skipped,
         "informative": statistics.fmean(r["sampling/informative_frac"] for r in steps),
         "step_s": total("perf/time_step_s"),
+        # what the prompt's record knew when each group was drawn, and how many of those groups were informative
+        "record": {
+            k.removeprefix("prefilter/"): total(k)
+            for k in steps[0]
+            if k.startswith(("prefilter/groups/", "prefilter/informative/"))
+        }
+        if steps
+        else {},
     }
 
 
@@ -111,6 +120,12 @@ def main() -> None:
         help="dotted overrides for the prefilter side only (e.g. algo.prefilter_floor=0.25); its runs get a folder "
         "of their own, and the dynamic-sampling runs already in --out are read back, not trained again",
     )
+    ap.add_argument(
+        "--record",
+        action="store_true",
+        help="the dynamic-sampling side keeps the prefilter's record without skipping (algo.prefilter_floor=1: the "
+        "same draws, samples and weights as the switch off), to print how well the record predicts on it",
+    )
     ap.add_argument("overrides", nargs="*", help="extra dotted overrides for every run")
     args = ap.parse_args()
     out = Path(args.out) / ("smollm2" if args.smollm2 else "demo")
@@ -133,7 +148,7 @@ def main() -> None:
         order = list(SIDES) if seed % 2 == 0 else list(SIDES)[::-1]
         for side in order:
             seeds = [f"data.seed={seed}", f"rollout.seed={seed}", f"train.seed={seed}"]
-            extra = args.pf if SIDES[side] else []
+            extra = args.pf if SIDES[side] else (RECORD if args.record else [])
             name = "_".join(["prefilter", *(x.split(".")[-1].replace("=", "") for x in extra)]) if SIDES[side] else "ds"
             run_dir = out / name / f"seed{seed}"
             t0 = time.perf_counter()
@@ -146,6 +161,8 @@ def main() -> None:
             results[side].append(r)
             print(f"  seed {seed} {side:<17} " + line(r, args), flush=True)
     report(results, args)
+    for side, runs in results.items():
+        predictability(side, runs)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
@@ -206,6 +223,38 @@ def report(results: dict[str, list[dict]], args) -> None:
         print(
             f"  final held-out: {mb:.3f} with the prefilter, {'inside' if inside else 'outside'} dynamic "
             f"sampling's 95% CI [{ma - ha:.3f}, {ma + ha:.3f}]"
+        )
+
+
+def predictability(side: str, runs: list[dict]) -> None:
+    """How well the prompts' record predicts, over a side's runs: the groups generated in each state the record can
+    be in when a prompt is drawn, and the share of them that were informative. Then the most any rule on that record
+    could save: skip whole states, least informative first (a prompt never generated cannot be skipped), and the
+    informative share of what is left, the informative groups it would lose, and the generated groups per trained
+    group against generating every draw."""
+    from dapo.prefilter import STATES
+
+    groups = {s: sum(r["record"].get(f"groups/{s}", 0) for r in runs) for s in STATES}
+    informative = {s: sum(r["record"].get(f"informative/{s}", 0) for r in runs) for s in STATES}
+    total, total_inf = sum(groups.values()), sum(informative.values())
+    if not total:
+        return
+    print(f"\n{side}: the prompts' record when each group was drawn ({len(runs)} runs, {total:,.0f} groups)")
+    for s in STATES:
+        if groups[s]:
+            rate = informative[s] / groups[s]
+            print(f"  {s:<18} {groups[s]:>7,.0f} groups ({groups[s] / total:.2f})  informative {rate:.2f}")
+    print(f"  skipping whole states, least informative first (all generated: {total / total_inf:.2f} per trained):")
+    kept, kept_inf = total, total_inf
+    order = sorted((s for s in STATES if s != "unseen" and groups[s]), key=lambda s: informative[s] / groups[s])
+    for s in order:
+        kept, kept_inf = kept - groups[s], kept_inf - informative[s]
+        if not kept_inf:
+            break
+        print(
+            f"    + {s:<18} informative share {kept_inf / kept:.2f}  "
+            f"informative groups lost {1 - kept_inf / total_inf:.2f}"
+            f"  generated per trained {kept / kept_inf:.2f} ({total / total_inf / (kept / kept_inf):.2f}x fewer)"
         )
 
 

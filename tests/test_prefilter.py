@@ -75,12 +75,31 @@ def test_streaks_count_one_kind_in_a_row_and_a_flip_starts_over():
     assert pf.generated[0] == 5
 
 
-def test_each_dropped_group_is_counted_by_what_the_record_knew_of_its_prompt():
-    pf = Prefilter(1, seed=0)
-    for acc in (1.0, 0.5, 1.0, 1.0, 0.0):  # unseen; informative; after an informative one; with a streak; again
+def test_each_generated_group_is_counted_by_what_the_record_knew_of_its_prompt():
+    pf = Prefilter(1, seed=0, group_size=8)
+    # the state each is drawn in: unseen, correct_run_1, after_mixed, after_one_wrong, correct_run_1, _2, _3plus,
+    # _3plus, after_one_right, wrong_run_1
+    for acc in (1.0, 0.5, 7 / 8, 1.0, 1.0, 1.0, 1.0, 1 / 8, 0.0, 0.0):
         pf.observe(0, acc)
     c = pf.take_counts()
-    assert (c.dropped_unseen, c.dropped_after_informative, c.dropped_despite_streak) == (1, 1, 2)
+    groups = {k: n for k, n in c.groups.items() if n}
+    assert groups == {
+        "unseen": 1,
+        "correct_run_1": 2,
+        "after_mixed": 1,
+        "after_one_wrong": 1,
+        "correct_run_2": 1,
+        "correct_run_3plus": 2,
+        "after_one_right": 1,
+        "wrong_run_1": 1,
+    }
+    informative = {k: n for k, n in c.informative.items() if n}
+    assert informative == {"correct_run_1": 1, "after_mixed": 1, "correct_run_3plus": 1}
+    assert pf.take_counts().groups["unseen"] == 0  # taken: the next step starts from zero
+    with_reward = Prefilter(1, seed=0)
+    with_reward.observe(0, 1.0, informative=True)  # kept by filter_metric=reward: informative, not a run
+    with_reward.observe(0, 1.0, informative=False)
+    assert with_reward.take_counts().groups["after_mixed"] == 1
 
 
 def test_skips_are_counted_by_kind():
@@ -175,6 +194,19 @@ def test_with_the_switch_off_the_sampler_draws_the_seeded_permutations_as_before
     sampler.observe([1.0] * 4)  # no record to keep: nothing happens, and nothing is saved
     assert sampler.end_step(informative=0, all_correct=4, all_wrong=0).all_correct == 0
     assert "prefilter" not in sampler.state_dict()
+
+
+def test_at_a_floor_of_one_the_record_is_kept_and_nothing_is_skipped():
+    """algo.prefilter_floor=1 (what benchmarks/prefilter.py --record runs): the draws of the switch off, however
+    uninformative the groups, and every generated group counted in its record's state."""
+    exs = examples(10)
+    off, recording = PromptSampler(exs, seed=5), PromptSampler(exs, seed=5, prefilter=Prefilter(10, seed=5, floor=1.0))
+    for n in (7, 9, 4, 10):
+        assert [e.uid for e in recording.next(n)] == [e.uid for e in off.next(n)]
+        recording.observe([1.0] * n)  # all-correct every time: runs of 1, 2, 3 and more
+        counts = recording.end_step(informative=0, all_correct=n, all_wrong=0)
+        assert counts.all_correct == 0 and sum(counts.groups.values()) == n
+    assert recording.prefilter.streak == [3] * 10 and sum(recording.prefilter.skipped) == 0
 
 
 def test_observe_refuses_accuracies_that_do_not_match_the_draw():
@@ -322,6 +354,14 @@ def test_the_run_summary_prices_the_whole_runs_generation(tmp_path):
         "generation: 2.50 tokens generated per token trained; 6 s of 20 s generating went to dropped groups (30%); "
         "the prefilter skipped 7 prompts (5 all-correct, 2 all-wrong)"
     ) in lines
+    assert not any(x.startswith("prefilter record") for x in lines)  # no record counted: no line
+    rows[0] |= {"prefilter/groups/unseen": 8, "prefilter/informative/unseen": 6, "prefilter/groups/correct_run_1": 0}
+    rows[1] |= {"prefilter/groups/unseen": 2, "prefilter/informative/unseen": 1, "prefilter/groups/correct_run_1": 4}
+    rows[1] |= {"prefilter/informative/correct_run_1": 1, "prefilter/informative/correct_run_2": 0}
+    assert (
+        "prefilter record: informative share of the groups generated, by the prompt's state when drawn: "
+        "unseen 0.70 (10), correct_run_1 0.25 (4)"
+    ) in run_summary(rows, wall_s=30, run_dir=tmp_path)
     for r in rows:
         r["sampling/skipped_all_correct"] = r["sampling/skipped_all_wrong"] = 0
     assert any(x.endswith("went to dropped groups (30%)") for x in run_summary(rows, wall_s=30, run_dir=tmp_path))

@@ -238,7 +238,7 @@ class AlgoConfig:
     prefilter_target: float = field(0.9, gt=0, le=1)
     # the least probability that a drawn prompt is generated, whatever its history: none is retired for good. Where
     # each prompt is drawn more than about 10 times, 0.25 or more: at 0.05 a run on 200 problems lost held-out
-    # accuracy (benchmarks/RESULTS.md, "Prefilter")
+    # accuracy (benchmarks/RESULTS.md, "Prefilter"). 1 skips nothing: the record and its prefilter/* counts alone
     prefilter_floor: float = field(0.05, gt=0, le=1, why="0 would retire prompts for good")
     prefilter_step: float = field(0.05, gt=0, le=1)  # how far the exploration bases move after each step
     # with prefilter: a prompt whose last group was informative at accuracy a counts as a fractional run,

@@ -108,7 +108,7 @@ class CollectStats:
     seconds_generate: float = 0.0
     seconds_reward: float = 0.0
     seconds_dropped: float = 0.0  # generation time attributed to dropped groups (by token share)
-    prefilter: SkipCounts = field(default_factory=SkipCounts)  # prompts skipped, groups dropped (algo.prefilter)
+    prefilter: SkipCounts = field(default_factory=SkipCounts)  # prompts skipped, groups by record state (prefilter)
     tools: ToolLog = field(default_factory=lambda: ToolLog(turns=0))  # summed over the generated responses
     keep_rates: list[float] = field(default_factory=list)
 

@@ -300,6 +300,25 @@ def _generation_line(rows: list[dict]) -> str | None:
     return line
 
 
+def _record_line(rows: list[dict]) -> str | None:
+    """With algo.prefilter: the share of the run's generated groups that came back informative, by what the prompt's
+    record knew when it was drawn: whether skipping on that record pays on this data (docs/metrics.md)."""
+    totals: dict[str, float] = {}
+    for r in rows:
+        for k, v in r.items():
+            if k.startswith(("prefilter/groups/", "prefilter/informative/")):
+                totals[k] = totals.get(k, 0) + v
+    states = [k.removeprefix("prefilter/groups/") for k in totals if k.startswith("prefilter/groups/") and totals[k]]
+    if not states:
+        return None
+    shares = ", ".join(
+        f"{s} {totals[f'prefilter/informative/{s}'] / totals[f'prefilter/groups/{s}']:.2f} "
+        f"({totals[f'prefilter/groups/{s}']:.0f})"
+        for s in states
+    )
+    return f"prefilter record: informative share of the groups generated, by the prompt's state when drawn: {shares}"
+
+
 _GENERATION_KEYS = (
     "sampling/tokens_generated",
     "sampling/tokens_trained",
@@ -324,6 +343,8 @@ def run_summary(rows: list[dict], *, wall_s: float, run_dir: Path, plot: Path | 
         lines.append(f"plot: {plot}")
     lines.append(f"wall time: {wall_s:.0f} s")
     if line := _generation_line(rows):
+        lines.append(line)
+    if line := _record_line(rows):
         lines.append(line)
     if not evals:
         lines.append("held-out accuracy: not measured (eval.benchmarks is empty)")

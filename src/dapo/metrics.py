@@ -41,12 +41,11 @@ def sampling_metrics(cstats: CollectStats, *, buffer_groups: int, gen_rounds_tot
 
 
 def prefilter_metrics(cstats: CollectStats) -> dict:
-    """algo.prefilter's record of the step's dropped groups: what it knew of their prompts when they were drawn."""
+    """algo.prefilter's record of the step's generated groups: how many, and how many informative, by what the record
+    knew of their prompt when it was drawn (prefilter.STATES): how well the record predicts, on this run's data."""
     p = cstats.prefilter
-    return {
-        "prefilter/dropped_unseen": p.dropped_unseen,
-        "prefilter/dropped_after_informative": p.dropped_after_informative,
-        "prefilter/dropped_despite_streak": p.dropped_despite_streak,
+    return {f"prefilter/groups/{k}": n for k, n in p.groups.items()} | {
+        f"prefilter/informative/{k}": n for k, n in p.informative.items()
     }
 
 

@@ -21,6 +21,9 @@ one that came back uninformative the last k times it was drawn is likely to do s
   dropped lose ``algo.prefilter_step`` in proportion to their share of the dropped groups (skip more of what
   was wasted); above it both regain the step (skip less: the target is met, explore). All-correct prompts
   grow and all-wrong ones shrink as the policy learns, so one shared base would skip the wrong kind.
+* **Its own evidence.** Every generated group is counted under the state its prompt's record was in when drawn
+  (``STATES``), informative or not, so each run logs how well the record predicts on its own data: the share of
+  groups that came back informative after a run of k all-correct ones, after a 7/8, and so on.
 * **Determinism.** Whether a draw is skipped is a hash of (seed, prompt, how many times it was drawn), not a
   random stream: the record and the two bases are the whole state, so a resumed run skips exactly as an
   uninterrupted one, at any world size (every rank holds the same sampler and sees every group's outcome).
@@ -34,7 +37,7 @@ import hashlib
 import struct
 from dataclasses import dataclass, field
 
-RECENT = 4  # group accuracies kept per prompt (for inspection; the rule uses the streak)
+RECENT = 4  # group accuracies kept per prompt (the rule uses the streak and, with level, the last one)
 START_EXPLORE = 0.5  # each base's value before any steering: a prompt uninformative once is generated half the time
 
 
@@ -44,17 +47,32 @@ def _uniform(seed: int, index: int, draw: int) -> float:
     return (struct.unpack("<Q", digest)[0] >> 11) / float(1 << 53)
 
 
+# What the record can know of a prompt when it is drawn: every generated group is counted under one of these, with
+# whether it was informative, so a run shows how well its own record predicts (``prefilter_floor=1`` records without
+# skipping). "one_wrong"/"one_right": the last group was informative, one answer from all right / all wrong.
+STATES = (
+    "unseen",
+    "after_mixed",
+    "after_one_wrong",
+    "after_one_right",
+    "correct_run_1",
+    "correct_run_2",
+    "correct_run_3plus",
+    "wrong_run_1",
+    "wrong_run_2",
+    "wrong_run_3plus",
+)
+
+
 @dataclass
 class SkipCounts:
-    """Prompts skipped since the last ``take``, by the kind of their streak; and the uninformative groups generated,
-    by what the record knew of their prompt when it was drawn (what no rule on this record could have skipped:
-    a prompt never generated before, or one whose last group was informative)."""
+    """Prompts skipped since the last ``take``, by the kind of their streak; and the groups generated, and how many
+    of them were informative, by the state of their prompt's record when it was drawn (``STATES``)."""
 
     all_correct: int = 0
     all_wrong: int = 0
-    dropped_unseen: int = 0
-    dropped_after_informative: int = 0
-    dropped_despite_streak: int = 0  # drawn with a streak, generated all the same (the floor, or exploration)
+    groups: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STATES, 0))
+    informative: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STATES, 0))
 
 
 @dataclass
@@ -104,6 +122,17 @@ class Prefilter:
         base = self.explore["all_correct" if run > 0 else "all_wrong"]
         return max(self.floor, base ** abs(run))
 
+    def state(self, index: int) -> str:
+        """What the record knows of prompt ``index`` now: one of ``STATES``."""
+        run = self.streak[index]
+        if run:
+            kind = "correct" if run > 0 else "wrong"
+            return f"{kind}_run_{abs(run)}" if abs(run) < 3 else f"{kind}_run_3plus"
+        if not self.recent[index]:
+            return "unseen"
+        right = round(self.recent[index][-1] * self.group_size)
+        return {self.group_size - 1: "after_one_wrong", 1: "after_one_right"}.get(right, "after_mixed")
+
     def keep(self, index: int) -> bool:
         """Decide a draw of prompt ``index``: True to generate it, False to skip it (counted)."""
         draw = self.drawn[index]
@@ -121,19 +150,15 @@ class Prefilter:
         """Record prompt ``index``'s generated group: its mean accuracy, and whether dynamic sampling kept it
         (None: kept unless all-correct or all-wrong; with algo.filter_metric=reward a group of equal accuracies
         may still be kept, and a kept group is informative whatever its accuracies)."""
+        state = self.state(index)
+        if informative is None:
+            informative = 0.0 < group_acc < 1.0
+        self.counts.groups[state] += 1
+        self.counts.informative[state] += bool(informative)
         self.generated[index] += 1
         self.last_step[index] = self.steps
         self.recent[index] = [*self.recent[index], float(group_acc)][-RECENT:]
-        if informative is None:
-            informative = 0.0 < group_acc < 1.0
         run = self.streak[index]
-        if not informative:
-            if self.generated[index] == 1:
-                self.counts.dropped_unseen += 1
-            elif run == 0:
-                self.counts.dropped_after_informative += 1
-            else:
-                self.counts.dropped_despite_streak += 1
         if informative:
             self.streak[index] = 0
         elif group_acc >= 1.0:
