@@ -3,6 +3,7 @@
     python benchmarks/prefilter.py                       # the demo, 5 seeds per side, about 25 minutes on 2 cores
     python benchmarks/prefilter.py --seeds 2 --steps 20  # shorter
     python benchmarks/prefilter.py --smollm2 --steps 6   # the SmolLM2 preset on its word problems (make smollm2)
+    python benchmarks/prefilter.py --record --steps 100 --eval-every 10 --target 0.7  # and how the record predicts
 
 Each run is `python -m dapo.training <preset>` in its own process, the sides alternating seed by seed (seed k sets
 data.seed, rollout.seed and train.seed). The demo trains on a finite set of --train-size problems, so a run draws
@@ -11,7 +12,9 @@ each prompt several times (the prefilter can only skip a prompt it has seen); he
 generation seconds until held-out avg@n first reaches --target, the step time (collect + update, evaluation
 excluded) until then, generated tokens per trained token over the run, the generation time spent on groups
 dynamic sampling dropped, prompts skipped, and the final held-out accuracy. Printed: every run, then each side's
-mean with a 95% t-interval over seeds, and the ratios dynamic sampling / prefilter.
+mean with a 95% t-interval over seeds, and the ratios dynamic sampling / prefilter; then, per side, the share of
+groups that came back informative by the state of their prompt's record when drawn, and what skipping whole states
+would have saved and lost (with --record the dynamic-sampling side keeps the record too, skipping nothing).
 """
 
 from __future__ import annotations
