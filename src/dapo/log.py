@@ -308,11 +308,13 @@ def _record_line(rows: list[dict]) -> str | None:
         for k, v in r.items():
             if k.startswith(("prefilter/groups/", "prefilter/informative/")):
                 totals[k] = totals.get(k, 0) + v
-    states = [k.removeprefix("prefilter/groups/") for k in totals if k.startswith("prefilter/groups/") and totals[k]]
+    from dapo.prefilter import STATES
+
+    states = [s for s in STATES if totals.get(f"prefilter/groups/{s}")]
     if not states:
         return None
     shares = ", ".join(
-        f"{s} {totals[f'prefilter/informative/{s}'] / totals[f'prefilter/groups/{s}']:.2f} "
+        f"{s} {totals.get(f'prefilter/informative/{s}', 0) / totals[f'prefilter/groups/{s}']:.2f} "
         f"({totals[f'prefilter/groups/{s}']:.0f})"
         for s in states
     )
