@@ -31,7 +31,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-from dapo.log import held_out_keys, read_metrics  # noqa: E402
+from dapo.log import held_out_keys, read_metrics, record_totals  # noqa: E402
+from dapo.prefilter import STATES  # noqa: E402
 
 SIDES = {"dynamic sampling": [], "+ prefilter": ["algo.prefilter=true"]}
 RECORD = ["algo.prefilter=true", "algo.prefilter_floor=1.0"]  # keeps the record, skips nothing
@@ -74,13 +75,7 @@ def generation(steps: list[dict]) -> dict:
         "informative": statistics.fmean(r["sampling/informative_frac"] for r in steps),
         "step_s": total("perf/time_step_s"),
         # what the prompt's record knew when each group was drawn, and how many of those groups were informative
-        "record": {
-            k.removeprefix("prefilter/"): total(k)
-            for k in steps[0]
-            if k.startswith(("prefilter/groups/", "prefilter/informative/"))
-        }
-        if steps
-        else {},
+        "record": record_totals(steps),
     }
 
 
@@ -235,10 +230,8 @@ def predictability(side: str, runs: list[dict]) -> None:
     could save: skip whole states, least informative first (a prompt never generated cannot be skipped), and the
     informative share of what is left, the informative groups it would lose, and the generated groups per trained
     group against generating every draw."""
-    from dapo.prefilter import STATES
-
-    groups = {s: sum(r["record"].get(f"groups/{s}", 0) for r in runs) for s in STATES}
-    informative = {s: sum(r["record"].get(f"informative/{s}", 0) for r in runs) for s in STATES}
+    groups = {s: sum(r["record"][0].get(s, 0) for r in runs) for s in STATES}
+    informative = {s: sum(r["record"][1].get(s, 0) for r in runs) for s in STATES}
     total, total_inf = sum(groups.values()), sum(informative.values())
     if not total:
         return

@@ -300,24 +300,23 @@ def _generation_line(rows: list[dict]) -> str | None:
     return line
 
 
-def _record_line(rows: list[dict]) -> str | None:
-    """With algo.prefilter: the share of the run's generated groups that came back informative, by what the prompt's
-    record knew when it was drawn: whether skipping on that record pays on this data (docs/metrics.md)."""
-    totals: dict[str, float] = {}
-    for r in rows:
-        for k, v in r.items():
-            if k.startswith(("prefilter/groups/", "prefilter/informative/")):
-                totals[k] = totals.get(k, 0) + v
+def record_totals(rows: list[dict]) -> tuple[dict[str, float], dict[str, float]]:
+    """With algo.prefilter: the groups generated and the informative ones among them, added up over the rows, per
+    state of the prompt's record when drawn (prefilter.STATES; states never met are left out)."""
     from dapo.prefilter import STATES
 
-    states = [s for s in STATES if totals.get(f"prefilter/groups/{s}")]
-    if not states:
+    groups = {s: sum(r.get(f"prefilter/groups/{s}", 0) for r in rows) for s in STATES}
+    informative = {s: sum(r.get(f"prefilter/informative/{s}", 0) for r in rows) for s in STATES}
+    return {s: n for s, n in groups.items() if n}, {s: informative[s] for s, n in groups.items() if n}
+
+
+def _record_line(rows: list[dict]) -> str | None:
+    """The share of the run's generated groups that came back informative, by what the prompt's record knew when it
+    was drawn: whether skipping on that record pays on this data (docs/metrics.md)."""
+    groups, informative = record_totals(rows)
+    if not groups:
         return None
-    shares = ", ".join(
-        f"{s} {totals.get(f'prefilter/informative/{s}', 0) / totals[f'prefilter/groups/{s}']:.2f} "
-        f"({totals[f'prefilter/groups/{s}']:.0f})"
-        for s in states
-    )
+    shares = ", ".join(f"{s} {informative[s] / n:.2f} ({n:.0f})" for s, n in groups.items())
     return f"prefilter record: informative share of the groups generated, by the prompt's state when drawn: {shares}"
 
 
