@@ -81,13 +81,20 @@ def loss_fn_of(cfg):
     return make_loss_fn(cfg.algo, cfg.rollout.max_response_tokens)
 
 
+SKIP_SANDBOX_ENV = "DAPO_SKIP_SANDBOX_TESTS"  # =1: skip the sandbox tests on a machine that cannot run them
+
+
 def sandbox_unavailable() -> str | None:
-    """Why the tool sandbox cannot start on this machine (bubblewrap missing, or namespaces refused), else None."""
+    """Why the tool sandbox cannot start on this machine (the check's one line), else None."""
     global _SANDBOX_WHY
     if _SANDBOX_WHY is None:
+        import sys
+
         from dapo.tools.sandbox import Sandbox, SandboxUnavailable
 
         try:
+            if not sys.platform.startswith("linux"):
+                raise SandboxUnavailable("the tool sandbox (bubblewrap) is Linux-only")
             Sandbox().check()
             _SANDBOX_WHY = ""
         except SandboxUnavailable as err:
@@ -96,3 +103,40 @@ def sandbox_unavailable() -> str | None:
 
 
 _SANDBOX_WHY: str | None = None
+_SANDBOX_SKIPPED: set[str] = set()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``sandbox`` run code in the tool sandbox (the hostile-program suite among them). Where
+    bubblewrap is installed and no sandbox starts, each fails with the check's line (``pytest_runtest_setup``): a
+    green run means they ran. They skip only without bubblewrap (``make test`` installs it where it can) or when
+    DAPO_SKIP_SANDBOX_TESTS=1 says so, and the summary then counts them."""
+    import os
+    import shutil
+
+    marked = [item for item in items if item.get_closest_marker("sandbox")]
+    why = sandbox_unavailable() if marked else None
+    if why is None or (shutil.which("bwrap") and os.environ.get(SKIP_SANDBOX_ENV) != "1"):
+        return
+    reason = why if shutil.which("bwrap") is None else f"{SKIP_SANDBOX_ENV}=1 ({why})"
+    for item in marked:
+        item.add_marker(pytest.mark.skip(reason=f"no tool sandbox here: {reason}"))
+        _SANDBOX_SKIPPED.add(item.nodeid)
+
+
+def pytest_runtest_setup(item):
+    """Runs before the test's fixtures, so before a module's own sandbox fixture tries to start one."""
+    if item.get_closest_marker("sandbox") and item.nodeid not in _SANDBOX_SKIPPED and sandbox_unavailable():
+        pytest.fail(
+            f"{sandbox_unavailable()} (to skip the sandbox tests on this machine instead: {SKIP_SANDBOX_ENV}=1)",
+            pytrace=False,
+        )
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _SANDBOX_SKIPPED:
+        terminalreporter.write_line(
+            f"sandbox tests: {len(_SANDBOX_SKIPPED)} did not run (the hostile-program suite among them): "
+            f"{sandbox_unavailable()}",
+            yellow=True,
+        )

@@ -7,6 +7,7 @@ step reports, and a run killed with SIGKILL and resumed ends on the weights of a
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -127,7 +128,7 @@ def test_the_rollout_process_samples_what_the_engine_in_process_does(tiny_model_
     from dapo.models import load_model_and_tokenizer
     from dapo.rollout.base import SamplingParams
     from dapo.rollout.hf import HFRolloutEngine
-    from dapo.rollout.remote import RemoteEngine
+    from dapo.rollout.remote import RemoteEngine, RemoteEngineError
 
     cfg = load_config("configs/demo.yaml", [f"model.path={tiny_model_dir}"])
     model, tok = load_model_and_tokenizer(tiny_model_dir)
@@ -148,6 +149,13 @@ def test_the_rollout_process_samples_what_the_engine_in_process_does(tiny_model_
         there = remote.generate(prompts, params)
         assert there.response_ids == here.response_ids and there.texts == here.texts
         assert there.logprobs == here.logprobs
+        pid = remote._proc.pid  # a rollout process that dies says so, whichever pipe finds it first
+        os.kill(pid, signal.SIGKILL)
+        gone = f"the rollout process (pid {pid}) was killed by SIGKILL while receiving weights; the run stops here: "
+        with pytest.raises(RemoteEngineError, match=re.escape(gone) + "run the same command again to resume"):
+            remote.update_weights(model.named_parameters(), version=4)
+        with pytest.raises(RemoteEngineError, match=re.escape(f"(pid {pid}) was killed by SIGKILL while generating")):
+            remote.generate(prompts, params)
     finally:
         remote.close()
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import loss_fn_of, make_policy, sandbox_unavailable, small_config
+from conftest import loss_fn_of, make_policy, small_config
 
 from dapo import algo, tiny
 from dapo.batch import RolloutBatch
@@ -16,8 +16,7 @@ from dapo.tools.python_tool import call_in
 from dapo.tools.sandbox import Limits, Sandbox
 from dapo.training import importance_weights
 
-WHY = sandbox_unavailable()
-needs_bwrap = pytest.mark.skipif(WHY is not None, reason=f"no tool sandbox here: {WHY}")
+needs_bwrap = pytest.mark.sandbox
 TOK = tiny.build_tokenizer()  # one token per byte: a text's ids are its bytes + 2
 EOS = TOK.eos_token_id
 

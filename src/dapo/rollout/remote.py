@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import threading
 import traceback
 from collections.abc import Iterable
@@ -76,24 +77,48 @@ class RemoteEngine(Apart):
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generation:
         with self._lock:
-            self._conn.send(("generate", self.version, prompt_ids, params))
+            self._send(self._conn, ("generate", self.version, prompt_ids, params), "generating")
             return self._receive(self._conn, None, "generating")
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int = 0) -> None:
         """Hand the process weights ``version``; it loads them when a request first names that version. The
         tensors are copied here, so the trainer may go on changing its own."""
         with self._weights_lock:
-            self._weights.send((version, pack(named_tensors)))
+            self._send(self._weights, (version, pack(named_tensors)), "receiving weights")
             self._receive(self._weights, None, "receiving weights")
 
+    def _send(self, conn, message, doing: str) -> None:
+        try:
+            conn.send(message)
+        except OSError as err:  # BrokenPipeError, ConnectionResetError: the other end is gone
+            raise RemoteEngineError(self._gone(doing)) from err
+
     def _receive(self, conn, timeout: float | None, doing: str):
-        while not conn.poll(5.0 if timeout is None else timeout):
-            if not self._proc.is_alive() or timeout is not None:
-                raise RemoteEngineError(
-                    f"the rollout process {'died' if not self._proc.is_alive() else 'did not answer'} while {doing}"
-                    f" (exit code {self._proc.exitcode})"
-                )
-        return payload_of(conn.recv(), "the rollout process", doing)
+        try:
+            while not conn.poll(5.0 if timeout is None else timeout):
+                if not self._proc.is_alive():
+                    raise RemoteEngineError(self._gone(doing))
+                if timeout is not None:
+                    raise RemoteEngineError(f"the rollout process (pid {self._proc.pid}) did not answer while {doing}")
+            answer = conn.recv()
+        except (EOFError, OSError) as err:
+            raise RemoteEngineError(self._gone(doing)) from err
+        return payload_of(answer, "the rollout process", doing)
+
+    def _gone(self, doing: str) -> str:
+        """The line for a rollout process that died: its pid, how it ended, and how the run goes on."""
+        self._proc.join(timeout=5.0)  # its pipe closes as it dies; its exit status comes a moment later
+        code = self._proc.exitcode
+        if code is None:
+            how = "closed its pipes"
+        elif code < 0:
+            how = f"was killed by {signal.Signals(-code).name}" if -code in signal.valid_signals() else f"died ({code})"
+        else:
+            how = f"exited with code {code}"
+        return (
+            f"the rollout process (pid {self._proc.pid}) {how} while {doing}; the run stops here: run the same "
+            "command again to resume from its last checkpoint"
+        )
 
     def close(self) -> None:
         """Stop the process: asked to when no request is in flight, killed when one is (the run is ending; what
@@ -204,8 +229,6 @@ def ignore_stop_signals() -> None:
     preemption, Ctrl-C in a terminal) also reaches the trainer, whose checkpoint then waits for the collections in
     flight (docs/async.md): a rollout side that died of the signal would fail them. When the trainer is gone its
     pipe or connection closes and the rollout side ends; SIGKILL still ends it at once."""
-    import signal
-
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
 

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 SANDBOXES = ("bwrap", "none")
 _UIDS = itertools.count()  # calls started as root take uids 61000.. in turn: each call's process count is its own
 _UID_BASE, _UID_SPAN = 61000, 1000
+MOUNTED = (Path("/"), Path("/tmp"))  # the sandbox's own root and private /tmp: never re-made as bind parents
 
 
 class SandboxUnavailable(RuntimeError):
@@ -103,7 +104,8 @@ class Sandbox:
         self._prlimit = shutil.which("prlimit")
 
     def check(self) -> None:
-        """Start one sandbox, or raise SandboxUnavailable with one line saying why and what to do."""
+        """Start one sandbox, or raise SandboxUnavailable with one line saying what failed and how to fix it: no
+        bubblewrap, setpriv missing (as root), namespaces refused, or the interpreter not runnable inside."""
         if self.kind == "none":
             log.warning(
                 "tools.sandbox=none: the model's code runs unisolated, with the trainer's user, files and network "
@@ -116,43 +118,53 @@ class Sandbox:
                 "system's package), or tools.sandbox=none on a trusted machine"
             )
         if self._root and self._setpriv is None:
-            raise SandboxUnavailable("tools run as root need setpriv (util-linux) to drop to a user of their own")
-        result = self.run("print(6 * 7)")
-        if result.output.strip() != "42":
             raise SandboxUnavailable(
-                f"bubblewrap is installed but a sandbox did not start ({result.error or result.output!r}); "
-                "unprivileged user namespaces may be off (sysctl kernel.unprivileged_userns_clone=1), "
-                "or set tools.sandbox=none on a trusted machine"
+                "tools run as root need setpriv to drop to a user of their own and it is not installed: "
+                "`apt-get install util-linux` (or your system's package), or run the trainer as another user"
             )
+        exposed = [p for p in _interpreter_paths() if p in (Path("/"), Path("/tmp"))]
+        if exposed:
+            raise SandboxUnavailable(
+                f"the interpreter lives at {exposed[0]}: binding it would show the host's {exposed[0]} inside the "
+                "sandbox; put the Python environment in a directory of its own (e.g. python -m venv /opt/dapo-env)"
+            )
+        started = self._run(self.command(program=["/bin/sh", "-c", "exit 0"]), b"")
+        if started.exit_code != 0:
+            raise SandboxUnavailable(_namespaces_refused(started.error, self._root))
+        result = self.run("print(6 * 7)")
+        if result.output.strip() == "42":
+            return
+        if "No such file or directory" in result.error or result.exit_code == 127:
+            raise SandboxUnavailable(
+                f"a sandbox starts but the interpreter {sys.executable} is not visible inside it ({result.error}); "
+                f"it binds read-only {', '.join(map(str, _interpreter_paths()))} and /usr: a Python that needs "
+                "files elsewhere cannot run there, so use one installed under a single prefix (a venv of it works "
+                "anywhere), or tools.sandbox=none on a trusted machine"
+            )
+        raise SandboxUnavailable(
+            f"a sandbox starts but Python fails inside it ({result.error or result.output.strip()!r}); "
+            "`dapo tool-run FILE` shows the same call, or set tools.sandbox=none on a trusted machine"
+        )
 
-    def command(self) -> list[str]:
-        python = [sys.executable, "-I", "-"]
+    def command(self, program: list[str] | None = None) -> list[str]:
+        """The command line of one call, running ``program`` (the interpreter reading its code on stdin)."""
+        program = program or [sys.executable, "-I", "-"]
         if self.kind == "none":
-            return python
+            return program
         mb = self.limits.file_mb << 20
         cmd = [self._bwrap, "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-net"]
         cmd += ["--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox"]
         cmd += _system_binds()
+        # the private /tmp first, the interpreter after: bubblewrap mounts in order, so an environment that lives
+        # under /tmp (a CI checkout's .venv) is bound over the empty tmpfs and stays visible, the host's /tmp not
+        cmd += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(mb), "--tmpfs", "/tmp"]
         for path in _interpreter_paths():
             for parent in reversed(path.parents[:-1]):  # bubblewrap would make them root-only (0700)
-                cmd += ["--perms", "0755", "--dir", str(parent)]
+                if parent not in MOUNTED:
+                    cmd += ["--perms", "0755", "--dir", str(parent)]
             cmd += ["--ro-bind", str(path), str(path)]
-        cmd += [
-            "--proc",
-            "/proc",
-            "--dev",
-            "/dev",
-            "--perms",
-            "1777",
-            "--size",
-            str(mb),
-            "--tmpfs",
-            "/tmp",
-            "--chdir",
-            "/tmp",
-        ]
-        cmd += ["--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp"]
-        cmd += ["--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONDONTWRITEBYTECODE", "1"]
+        cmd += ["--chdir", "/tmp", "--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin"]
+        cmd += ["--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONDONTWRITEBYTECODE", "1"]
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             cmd += ["--setenv", var, "1"]  # one thread each: a thread pool would use up the process limit
         if self._root:
@@ -162,7 +174,7 @@ class Sandbox:
             cmd += ["--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
         else:
             cmd += ["--unshare-user", "--"]
-        return cmd + python
+        return cmd + program
 
     def _rlimits(self) -> dict[int, tuple[int, int]]:
         lim = self.limits
@@ -199,11 +211,14 @@ class Sandbox:
         return f"exit code {returncode}"
 
     def run(self, code: str) -> ToolResult:
+        return self._run(self.command(), code.encode())
+
+    def _run(self, command: list[str], stdin: bytes) -> ToolResult:
         lim = self.limits
         cap = 4 * lim.output_chars + 4096  # bytes read from each stream; more kills the call
         start = time.monotonic()
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-        cmd, preexec = self._limited(self.command())
+        cmd, preexec = self._limited(command)
         proc = subprocess.Popen(
             cmd,
             stdin=subprocess.PIPE,
@@ -214,7 +229,7 @@ class Sandbox:
             start_new_session=True,  # its own process group: a time-out kills everything it started
             preexec_fn=preexec,
         )
-        out, err, killed = _communicate(proc, code.encode(), start + lim.wall_s, cap)
+        out, err, killed = _communicate(proc, stdin, start + lim.wall_s, cap)
         seconds = time.monotonic() - start
         stdout = out.decode("utf-8", "replace")
         error = ""
@@ -273,6 +288,22 @@ def _communicate(proc: subprocess.Popen, data: bytes, deadline: float, cap: int)
     proc.stdout.close()
     proc.stderr.close()
     return b"".join(chunks[out_fd])[:cap], b"".join(chunks[err_fd])[:cap], killed
+
+
+def _namespaces_refused(error: str, root: bool) -> str:
+    """The line for a bubblewrap that could not set up its namespaces, from what it printed."""
+    said = f"bwrap said {error!r}" if error else "bwrap gave no reason"
+    if root:
+        return (
+            f"bubblewrap is installed but could not create a sandbox as root ({said}); a container must allow new "
+            "namespaces (e.g. docker run --security-opt seccomp=unconfined --cap-add SYS_ADMIN), or set "
+            "tools.sandbox=none on a trusted machine"
+        )
+    return (
+        f"bubblewrap is installed but could not create a sandbox ({said}): unprivileged user namespaces are off; "
+        "enable them (sysctl -w kernel.unprivileged_userns_clone=1, or on Ubuntu 24.04+ "
+        "kernel.apparmor_restrict_unprivileged_userns=0), or set tools.sandbox=none on a trusted machine"
+    )
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
