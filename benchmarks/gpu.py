@@ -112,14 +112,14 @@ class Bench:
     @contextlib.contextmanager
     def handed(self, model, tok):
         """Policy built on ``model`` itself: its loader returns the model instead of reading a directory."""
-        import dapo.policy
+        import dapo.logprobs
 
-        real = dapo.policy.load_model_and_tokenizer
-        dapo.policy.load_model_and_tokenizer = lambda *a, **k: (model, tok)
+        real = dapo.logprobs.load_model_and_tokenizer
+        dapo.logprobs.load_model_and_tokenizer = lambda *a, **k: (model, tok)
         try:
             yield
         finally:
-            dapo.policy.load_model_and_tokenizer = real
+            dapo.logprobs.load_model_and_tokenizer = real
 
     def policy(self, model, tok, overrides: list[str]):
         from dapo.config import load_config

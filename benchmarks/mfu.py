@@ -39,8 +39,10 @@ import torch
 from dapo import algo
 from dapo.batch import RolloutBatch
 from dapo.config import load_config
-from dapo.data import load_examples, make_encoder
-from dapo.policy import Policy, head_chunk_rows
+from dapo.data import make_encoder
+from dapo.data_files import load_examples
+from dapo.logprobs import head_chunk_rows
+from dapo.policy import Policy
 from dapo.rewards import grade
 from dapo.rollout.base import SamplingParams
 from dapo.rollout.hf import HFRolloutEngine
@@ -419,16 +421,16 @@ def main() -> None:
         "--head-chunk",
         type=int,
         default=None,
-        help="response rows per LM-head chunk (default: the trainer's, dapo.policy.head_chunk_rows)",
+        help="response rows per LM-head chunk (default: the trainer's, dapo.logprobs.head_chunk_rows)",
     )
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = parser.parse_args()
     if args.head_chunk:  # measuring only: the trainer picks its chunk by vocabulary and device
         import functools
 
-        import dapo.policy
+        import dapo.logprobs
 
-        dapo.policy.token_logprobs = functools.partial(dapo.policy.token_logprobs, chunk_tokens=args.head_chunk)
+        dapo.logprobs.token_logprobs = functools.partial(dapo.logprobs.token_logprobs, chunk_tokens=args.head_chunk)
     if args.real:
         args.updates = args.updates or 3
         real_main(args)

@@ -39,7 +39,8 @@ G, MAX_NEW, TEMPERATURE, KV_GIB = 8, 96, 0.7, 0.5
 
 
 def prompts(tokenizer, k: int) -> list[list[int]]:
-    from dapo.data import load_examples, make_encoder
+    from dapo.data import make_encoder
+    from dapo.data_files import load_examples
 
     encode = make_encoder(tokenizer, 256)
     return [encode(ex) for ex in load_examples(ROOT / "data/word_problems/train.jsonl", template="raw")[:k]]

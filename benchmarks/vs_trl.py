@@ -227,7 +227,8 @@ def run_trl(args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from dapo.data import load_examples, make_encoder
+    from dapo.data import make_encoder
+    from dapo.data_files import load_examples
     from dapo.evaluation import evaluate, load_benchmark
     from dapo.rewards import RewardPool, grade
     from dapo.rollout.base import SamplingParams

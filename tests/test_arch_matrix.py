@@ -22,7 +22,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from dapo.batch import RolloutBatch
 from dapo.config import ConfigError
-from dapo.policy import Policy, ResponseLogProbs, logit_transform, make_micro_batch, token_logprobs
+from dapo.logprobs import ResponseLogProbs, logit_transform, token_logprobs
+from dapo.micro_batch import make_micro_batch
+from dapo.policy import Policy
 from dapo.prefix import unsupported
 
 TEMPERATURE = 0.7

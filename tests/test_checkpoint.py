@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import make_policy, small_config
 
-from dapo import checkpoint, cli, parallel
+from dapo import checkpoint, checkpoint_weights, cli, parallel
 
 
 class RunsCommand:
@@ -58,7 +58,7 @@ def test_export_of_a_genuine_sharded_checkpoint_still_works(tiny_model_dir, tmp_
     from safetensors.torch import load_file
 
     step = sharded_checkpoint(tiny_model_dir, tmp_path / "step_000001")
-    out = checkpoint.export_hf(step, tmp_path / "out")
+    out = checkpoint_weights.export_hf(step, tmp_path / "out")
     exported, original = load_file(out / "model.safetensors"), load_file(tiny_model_dir / "model.safetensors")
     assert exported.keys() == original.keys() and all(torch.equal(exported[k], original[k]) for k in original)
 
@@ -96,7 +96,7 @@ def test_an_index_pointing_outside_the_shards_directory_is_refused(tiny_model_di
         info.relative_path = "../../secret.pt"
     index.write_bytes(pickle.dumps(metadata))
     with pytest.raises(parallel.CheckpointError, match=r"points an entry at '../../secret.pt', outside the shards"):
-        checkpoint.export_hf(step, tmp_path / "out")
+        checkpoint_weights.export_hf(step, tmp_path / "out")
 
 
 def test_export_refuses_a_link_to_a_file_outside_the_checkpoint(tiny_model_dir, tmp_path, capsys):
@@ -119,7 +119,7 @@ def test_export_refuses_a_linked_directory_in_a_sharded_checkpoint(tiny_model_di
     (step / "model_meta").rename(elsewhere)
     (step / "model_meta").symlink_to(elsewhere, target_is_directory=True)
     with pytest.raises(parallel.CheckpointError, match=r"model_meta is a symbolic link"):
-        checkpoint.export_hf(step, tmp_path / "out")
+        checkpoint_weights.export_hf(step, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
@@ -304,7 +304,7 @@ def test_async_and_sync_checkpoints_are_the_same_files(tiny_model_dir, tmp_path)
     assert len(sa["policy"]["master_weights"]) > 0 and sa["policy"]["optimizer"]["state"]
     # what the model directory holds loads as the model was: tied embeddings saved once, as save_pretrained does
     restored = make_policy(small_config(tmp_path, tiny_model_dir, "model.dtype=bfloat16"))
-    checkpoint.load_model_weights(restored.model, asynchronous)
+    checkpoint_weights.load_model_weights(restored.model, asynchronous)
     assert all(torch.equal(p, q) for p, q in zip(restored.model.parameters(), policy.model.parameters()))
 
 
@@ -393,7 +393,7 @@ def test_a_failed_background_write_is_raised_and_the_previous_checkpoint_kept(ti
         save(policy, run_dir, 3, writer)  # ... and the next save raises it, before writing anything
     assert checkpoint.list_checkpoints(run_dir) == [first]  # the previous checkpoint is whole and still there
     assert not (run_dir / "checkpoints" / ".tmp_step_000002").exists()  # the partial one, removed by the failed write
-    checkpoint.load_model_weights(make_policy(small_config(tmp_path, tiny_model_dir)).model, first)
+    checkpoint_weights.load_model_weights(make_policy(small_config(tmp_path, tiny_model_dir)).model, first)
     monkeypatch.setattr(checkpoint.torch, "save", real_save)
     writer.wait()  # raised once
     third = save(policy, run_dir, 3, writer)
@@ -477,7 +477,7 @@ def test_a_full_disk_during_a_checkpoint_stops_the_run_in_one_line_and_a_restart
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == ([1, 2] if asynchronous else [1])  # asynchronous: step 3 stopped at its save, before logging
     assert checkpoint.load_trainer_state(first)["step"] == 1
-    checkpoint.load_model_weights(make_policy(small_config(tmp_path, tiny_model_dir)).model, first)
+    checkpoint_weights.load_model_weights(make_policy(small_config(tmp_path, tiny_model_dir)).model, first)
     monkeypatch.setattr(checkpoint.torch, "save", real_save)  # space freed
     assert cli.main(command) == 0
     assert f"resumed from {first} (step 1)" in capsys.readouterr().out

@@ -12,10 +12,10 @@ import pytest
 import torch
 from conftest import SMALL_OVERRIDES
 
-from dapo import ablate, checkpoint, cli
+from dapo import ablate, checkpoint, checkpoint_weights, cli
 from dapo.cluster import Placement, check_fits
 from dapo.config import ConfigError, load_config
-from dapo.log import close_library_logging, setup_library_logging
+from dapo.library_logging import close_library_logging, setup_library_logging
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -80,7 +80,7 @@ def test_a_library_that_prints_through_its_own_handler_is_routed_too(tmp_path, c
 def test_a_console_sent_to_train_log_gets_each_warning_once(tmp_path):
     """`dapo ablate` sends a run's console to its train.log, where the library log goes too."""
     code = (
-        "import logging, sys; from pathlib import Path; from dapo.log import setup_library_logging\n"
+        "import logging, sys; from pathlib import Path; from dapo.library_logging import setup_library_logging\n"
         "setup_library_logging(Path(sys.argv[1]), 'warning')\n"
         "logging.getLogger('vllm.x').warning('the GPU ran out of memory')\n"
     )
@@ -311,7 +311,7 @@ def _mode(p: Path) -> int:
 
 
 def test_checkpoints_and_exports_follow_the_umask(tiny_model_dir, tmp_path, umask_022):
-    from dapo.policy import load_model_and_tokenizer
+    from dapo.models import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(tiny_model_dir)
     step = checkpoint.save_checkpoint(
@@ -320,7 +320,7 @@ def test_checkpoints_and_exports_follow_the_umask(tiny_model_dir, tmp_path, umas
     assert _mode(step) == 0o755 and _mode(step / "model") == 0o755
     assert _mode(step / "model" / "model.safetensors") == 0o644
     assert {_mode(p) for p in step.rglob("*") if p.is_file()} == {0o644}
-    out = checkpoint.export_hf(step, tmp_path / "exported")
+    out = checkpoint_weights.export_hf(step, tmp_path / "exported")
     assert _mode(out) == 0o755 and _mode(out / "model.safetensors") == 0o644
     # into a directory of the user's: what was written follows the umask, the rest keeps its mode
     mine = tmp_path / "mine"
@@ -328,7 +328,7 @@ def test_checkpoints_and_exports_follow_the_umask(tiny_model_dir, tmp_path, umas
     mine.chmod(0o700)
     (mine / "secret.txt").write_text("x")
     (mine / "secret.txt").chmod(0o600)
-    checkpoint.export_hf(step, mine)
+    checkpoint_weights.export_hf(step, mine)
     assert _mode(mine) == 0o700 and _mode(mine / "secret.txt") == 0o600
     assert _mode(mine / "model.safetensors") == 0o644
 

@@ -294,7 +294,7 @@ def test_a_kept_surplus_of_zero_groups_is_a_count():
 
 def test_code_that_acts_on_a_choice_knows_exactly_its_choices():
     from dapo import algo, cli, data
-    from dapo.policy import DTYPES
+    from dapo.models import DTYPES
     from dapo.rewards.graders import GRADERS
     from dapo.tasks.arith import DIFFICULTIES
 

@@ -8,14 +8,13 @@ import pytest
 from dapo.data import (
     DAPO_PROMPT_PREFIX,
     DAPO_PROMPT_SUFFIX,
-    DataError,
     Example,
     Message,
     PromptSampler,
     apply_template,
-    load_examples,
     render_prompt,
 )
+from dapo.data_files import DataError, load_examples
 
 REPO = Path(__file__).resolve().parent.parent
 AIME_DAPO = REPO / "data" / "aime2024" / "aime-2024.dapo.parquet"

@@ -23,6 +23,7 @@ from conftest import make_policy, small_config  # noqa: E402
 from test_parallel import REPO, env_for_children  # noqa: E402
 
 from dapo import checkpoint, cli, parallel  # noqa: E402
+from dapo.checkpoint_weights import is_lora  # noqa: E402
 
 # dynamic sampling with a buffer: held-over groups (and their behaviour log-probs) cross the world-size change, and
 # the prompt pre-filter's per-prompt record (part of the sampler's state) on 12 problems, so prompts recur
@@ -75,7 +76,7 @@ def weights(step: Path, tmp: Path) -> dict:
     from safetensors.torch import load_file
 
     run = step.parent.parent.parent.name
-    lora = checkpoint.is_lora(step)
+    lora = is_lora(step)
     assert cli.main(["export", str(step), str(tmp / f"{run}-{step.name}"), *(["--adapter"] if lora else [])]) == 0
     return load_file(str(tmp / f"{run}-{step.name}" / ("adapter_model.safetensors" if lora else "model.safetensors")))
 
@@ -129,7 +130,7 @@ def test_a_checkpoint_resumes_at_another_world_size_as_the_run_would_have_gone_o
     for run, ref, before, after in MATRIX:
         resumed_at = 1 if run.endswith("up") else 2
         final, want = step_dir(root / run, 3), step_dir(root / ref, 3)
-        assert checkpoint.is_sharded(final) == (after > 1) and checkpoint.is_lora(final) == run.startswith("lora")
+        assert checkpoint.is_sharded(final) == (after > 1) and is_lora(final) == run.startswith("lora")
         # what is identical: the prompts drawn, the held-over groups, the counters, AdamW's step count
         a, b = checkpoint.load_trainer_state(want), checkpoint.load_trainer_state(final)
         assert b["sampler"] == a["sampler"] and b["gen_rounds"] == a["gen_rounds"] and b["step"] == a["step"] == 3

@@ -328,7 +328,8 @@ def logp_and_grads(lm, batch, rows, device, *, share: bool, backends, equal_leng
     from torch.nn.attention import sdpa_kernel
     from torch.profiler import ProfilerActivity, profile
 
-    from dapo.policy import make_micro_batch, token_logprobs
+    from dapo.logprobs import token_logprobs
+    from dapo.micro_batch import make_micro_batch
 
     lm.zero_grad(set_to_none=True)
     mb = make_micro_batch(batch, rows, 0, device, share_prompts=share)
@@ -411,7 +412,8 @@ def test_a_batch_without_padding_reaches_sdpa_without_a_mask_so_flash_can_take_i
     import torch.nn.functional as F
     from test_prefix import synthetic_batch, tiny_lm
 
-    from dapo.policy import make_micro_batch, token_logprobs
+    from dapo.logprobs import token_logprobs
+    from dapo.micro_batch import make_micro_batch
 
     calls, sdpa = [], F.scaled_dot_product_attention
 
@@ -455,7 +457,7 @@ def test_head_log_probs_against_full_logits_across_chunks(device, dtype):
     in the log-sum-exp. Gradients within 2% of their largest entry (bf16 products of float32 coefficients)."""
     from test_train import _head_reference
 
-    from dapo.policy import CUDA_HEAD_CHUNK_ROWS, HeadLogProbs, head_chunk_rows
+    from dapo.logprobs import CUDA_HEAD_CHUNK_ROWS, HeadLogProbs, head_chunk_rows
 
     V, H, T = 3000, 64, 0.8
     chunk = head_chunk_rows(V, torch.device(device)) if device == "cuda" else 300

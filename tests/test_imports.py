@@ -83,6 +83,7 @@ ENGINES_AND_UP = (
     "dapo.evaluation",
     "dapo.metrics",
     "dapo.training",
+    "dapo.run_setup",
     "dapo.cli",
     "dapo.ablate",
     "dapo.cluster",
@@ -95,31 +96,45 @@ FLOORS = [
     ("dapo.memory", lambda n: n.startswith("dapo.")),
     ("dapo.prefilter", lambda n: n.startswith("dapo.")),
     ("dapo.watchdog", lambda n: n.startswith("dapo.")),
+    ("dapo.checkpoint_files", lambda n: n.startswith("dapo.")),
     ("dapo.rewards", lambda n: not n.startswith("dapo.rewards")),
     ("dapo.tools", lambda n: not n.startswith("dapo.tools")),
     ("dapo.batch", lambda n: n.startswith("dapo.")),
+    ("dapo.micro_batch", lambda n: n.startswith("dapo.") and n != "dapo.batch"),
     ("dapo.data", lambda n: n not in ("dapo.tasks", "dapo.tasks.arith", "dapo.resources", "dapo.prefilter")),
+    ("dapo.data_files", lambda n: n not in ("dapo.data", "dapo.resources")),
     *[
         (m, lambda n: n in ("dapo.training", "dapo.dynamic_sampling", "dapo.rollout", "dapo.evaluation", "dapo.algo"))
-        for m in ("dapo.policy", "dapo.prefix")
+        for m in ("dapo.policy", "dapo.logprobs", "dapo.prefix")
     ],
     ("dapo.rollout", lambda n: n in ("dapo.training", "dapo.policy", "dapo.dynamic_sampling", "dapo.evaluation")),
     *[
         (m, lambda n: n in ENGINES_AND_UP)
-        for m in ("dapo.config", "dapo.parallel", "dapo.models", "dapo.checkpoint", "dapo.lora", "dapo.logits")
+        for m in (
+            "dapo.config",
+            "dapo.config_read",
+            "dapo.parallel",
+            "dapo.models",
+            "dapo.checkpoint",
+            "dapo.checkpoint_weights",
+            "dapo.lora",
+            "dapo.logits",
+        )
     ],
     *[
-        (m, lambda n: n in ("dapo.training", "dapo.cli", "dapo.ablate", "dapo.cluster", "dapo.api"))
+        (m, lambda n: n in ("dapo.training", "dapo.run_setup", "dapo.cli", "dapo.ablate", "dapo.cluster", "dapo.api"))
         for m in (
             "dapo.dynamic_sampling",
             "dapo.async_rollout",
             "dapo.evaluation",
             "dapo.metrics",
             "dapo.log",
+            "dapo.library_logging",
             "dapo.plots",
             "dapo.trackers",
         )
     ],
+    ("dapo.run_setup", lambda n: n in ("dapo.training", "dapo.cli", "dapo.ablate", "dapo.cluster", "dapo.api")),
     ("dapo.training", lambda n: n in ("dapo.cli", "dapo.ablate", "dapo.cluster", "dapo.api")),
 ]
 

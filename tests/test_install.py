@@ -91,7 +91,7 @@ def test_presets_models_and_benchmarks_resolve_from_the_installed_package(instal
         """
 from dapo.config import load_config, resolve_preset
 from dapo.evaluation import load_benchmark
-from dapo.data import load_examples
+from dapo.data_files import load_examples
 from dapo.resources import shipped
 for name in ("demo", "smollm2_135m", "configs/dapo_qwen2.5_7b.yaml", "ablation/base"):
     print(resolve_preset(name))

@@ -21,8 +21,9 @@ from transformers import (
 from dapo import tiny as tiny_tokenizers
 from dapo.config import ConfigError
 from dapo.logits import LogitTransform, UnsupportedModel, find_logit_transform
+from dapo.logprobs import HeadLogProbs, ResponseLogProbs, token_logprobs
+from dapo.micro_batch import make_micro_batch
 from dapo.models import load_model_and_tokenizer
-from dapo.policy import HeadLogProbs, ResponseLogProbs, make_micro_batch, token_logprobs
 from dapo.prefix import unsupported
 
 COMMON = dict(
@@ -161,7 +162,7 @@ def test_policy_refuses_at_start_with_one_line(tmp_path, tiny_model_dir, monkeyp
     def refuse(lm, **_):
         raise UnsupportedModel("its forward changes the logits after the LM head in a way the trainer cannot reproduce")
 
-    monkeypatch.setattr("dapo.policy.find_logit_transform", refuse)
+    monkeypatch.setattr("dapo.logprobs.find_logit_transform", refuse)
     assert logits.find_logit_transform is not refuse
     cfg = small_config(tmp_path, tiny_model_dir)
     with pytest.raises(ConfigError) as err:

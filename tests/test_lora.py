@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import SMALL_OVERRIDES, loss_fn_of, make_policy, small_config  # noqa: E402
 
 from dapo import checkpoint, cli, lora, parallel  # noqa: E402
+from dapo.checkpoint_weights import export_hf, is_lora  # noqa: E402
 from dapo.config import ConfigError, load_config  # noqa: E402
 from dapo.log import read_metrics  # noqa: E402
 from dapo.models import load_model_and_tokenizer  # noqa: E402
@@ -547,18 +548,16 @@ def test_sharded_lora_checkpoints_hold_the_adapters_reload_and_export(two_rank_l
 
     single, two, tmp = two_rank_lora
     step = tmp / "run" / "checkpoints" / "step_000001"
-    assert (
-        checkpoint.is_sharded(step) and checkpoint.is_lora(step) and not (step / "adapter" / lora.WEIGHTS_FILE).exists()
-    )
+    assert checkpoint.is_sharded(step) and is_lora(step) and not (step / "adapter" / lora.WEIGHTS_FILE).exists()
     assert all(torch.equal(two["reloaded"][k], v) for k, v in two["after"].items())  # adapters from the shards
     index = parallel._safe_dcp_loaders(step / "shards")[0].read_metadata()
     saved = sorted(k.removeprefix("model.") for k in index.state_dict_metadata if k.startswith("model."))
     assert saved == sorted(k for k in two["after"] if ".lora_" in k)  # the adapters alone (not even the tied head)
 
-    merged = AutoModelForCausalLM.from_pretrained(checkpoint.export_hf(step, tmp / "merged"))
+    merged = AutoModelForCausalLM.from_pretrained(export_hf(step, tmp / "merged"))
     got = dict(merged.named_parameters())
     assert max((got[k] - v).abs().max().item() for k, v in two["merged"].items()) < 1e-6
-    adapter = checkpoint.export_hf(step, tmp / "adapter", adapter=True)
+    adapter = export_hf(step, tmp / "adapter", adapter=True)
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), adapter)
     ours = {f"base_model.model.{k}" if not k.startswith("base_model.") else k: v for k, v in two["after"].items()}
     loaded = dict(peft_model.named_parameters())

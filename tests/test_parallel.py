@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import SMALL_OVERRIDES, loss_fn_of, make_policy, small_config  # noqa: E402
 
-from dapo import checkpoint, cli, parallel  # noqa: E402
+from dapo import checkpoint, checkpoint_weights, cli, parallel  # noqa: E402
 from dapo.rollout import SamplingParams  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -360,7 +360,7 @@ def test_sharded_checkpoint_exports_to_a_model_directory(two_rank_update, tmp_pa
     assert ckpt is not None and checkpoint.is_sharded(ckpt) and not (ckpt / "model").exists()
     assert sorted(p.name for p in (ckpt / "shards").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     with pytest.raises(RuntimeError, match="dapo export"):
-        checkpoint.load_model_weights(None, ckpt)
+        checkpoint_weights.load_model_weights(None, ckpt)
     assert cli.main(["export", str(ckpt), str(tmp_path / "hf")]) == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     exported = dict(model.named_parameters())
@@ -398,8 +398,8 @@ def test_torchrun_training_resumes_exactly_from_shards(tiny_model_dir, tmp_path)
     shutil.copytree(full / "checkpoints" / "step_000002", resumed / "checkpoints" / "step_000002")
     out = torchrun(*args, f"run.dir={tmp_path / 'resumed'}")
     assert "resumed from" in out.stdout
-    a = checkpoint.export_hf(full / "checkpoints" / "step_000003", tmp_path / "a")
-    b = checkpoint.export_hf(resumed / "checkpoints" / "step_000003", tmp_path / "b")
+    a = checkpoint_weights.export_hf(full / "checkpoints" / "step_000003", tmp_path / "a")
+    b = checkpoint_weights.export_hf(resumed / "checkpoints" / "step_000003", tmp_path / "b")
     from safetensors.torch import load_file
 
     wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")

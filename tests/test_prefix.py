@@ -9,9 +9,10 @@ import torch
 from conftest import loss_fn_of, make_policy, small_config
 
 from dapo import algo, tiny
-from dapo.batch import RolloutBatch, plan_shared_prompt_micro_batches, response_passes
+from dapo.batch import RolloutBatch
 from dapo.config import ConfigError
-from dapo.policy import make_micro_batch, token_logprobs
+from dapo.logprobs import token_logprobs
+from dapo.micro_batch import make_micro_batch, plan_shared_prompt_micro_batches, response_passes
 from dapo.prefix import unsupported
 
 PROMPT_LENGTHS = (57, 143, 96, 71)  # one group each

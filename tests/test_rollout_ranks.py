@@ -15,7 +15,7 @@ import torch
 from conftest import SMALL_OVERRIDES
 from safetensors.torch import load_file
 
-from dapo import checkpoint, parallel
+from dapo import checkpoint_weights, parallel
 from dapo.config import ConfigError, load_config, validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     """Step ``step``'s weights, from its model directory or, written by several ranks, its shards exported."""
     ckpt = next(run_dir.glob(f"*/checkpoints/step_{step:06d}"))
     if not any(ckpt.rglob("model*.safetensors")):
-        ckpt = checkpoint.export_hf(ckpt, run_dir / f"export_{step}")
+        ckpt = checkpoint_weights.export_hf(ckpt, run_dir / f"export_{step}")
     return load_file(next(ckpt.rglob("model*.safetensors")))
 
 

@@ -11,8 +11,7 @@ from dapo.batch import RolloutBatch
 from dapo.metrics import step_metrics
 from dapo.rollout.base import Generation, SamplingParams
 from dapo.rollout.multi_turn import ToolRollout
-from dapo.tools import PythonTool
-from dapo.tools.python_tool import call_in
+from dapo.tools import PythonTool, call_in
 from dapo.tools.sandbox import Limits, Sandbox
 from dapo.training import importance_weights
 
@@ -175,7 +174,8 @@ def hand_mask(batch) -> torch.Tensor:
 def test_tool_tokens_are_context_only_loss_and_gradient_equal_the_hand_masked_ones(tiny_model_dir, tmp_path):
     from test_train import sgd
 
-    from dapo.policy import make_micro_batch, token_logprobs
+    from dapo.logprobs import token_logprobs
+    from dapo.micro_batch import make_micro_batch
 
     cfg = small_config(
         tmp_path, tiny_model_dir, "train.prompts_per_step=3", "train.mini_batch_prompts=3", "train.grad_clip=1e9"

@@ -12,10 +12,11 @@ import torch
 from conftest import loss_fn_of, make_policy, small_config
 
 from dapo import algo, checkpoint
-from dapo.batch import RolloutBatch, plan_micro_batches
+from dapo.batch import RolloutBatch
 from dapo.dynamic_sampling import record_behaviour_logp
 from dapo.log import read_metrics
-from dapo.policy import make_micro_batch, token_logprobs
+from dapo.logprobs import token_logprobs
+from dapo.micro_batch import make_micro_batch, plan_micro_batches
 from dapo.rollout import SamplingParams
 from dapo.rollout.hf import HFRolloutEngine
 from dapo.training import importance_weights, train
@@ -115,7 +116,7 @@ def _head_reference(h, weight, targets, temperature):
 
 @pytest.mark.parametrize("chunk", [1, 7, 64])
 def test_head_logprobs_equal_full_logits_values_and_gradients(chunk):
-    from dapo.policy import HeadLogProbs
+    from dapo.logprobs import HeadLogProbs
 
     torch.manual_seed(0)
     n, H, V, T = 23, 16, 50, 0.7
@@ -141,7 +142,7 @@ def test_head_logprobs_equal_full_logits_values_and_gradients(chunk):
 
 
 def test_head_logprobs_leave_a_frozen_head_without_gradient_and_keep_its_dtype():
-    from dapo.policy import HeadLogProbs
+    from dapo.logprobs import HeadLogProbs
 
     torch.manual_seed(0)
     h, targets = torch.randn(9, 8, requires_grad=True), torch.randint(0, 30, (9,))
@@ -159,7 +160,7 @@ def test_head_logprobs_leave_a_frozen_head_without_gradient_and_keep_its_dtype()
 
 
 def test_head_chunk_keeps_cpu_logits_under_glibcs_mmap_ceiling():
-    from dapo.policy import head_chunk_rows
+    from dapo.logprobs import head_chunk_rows
 
     assert head_chunk_rows(49152, torch.device("cpu")) == 128  # SmolLM2: 128 x 49152 x 4 B = 24 MiB
     assert head_chunk_rows(151936, torch.device("cpu")) == 64  # Qwen2.5: 41 rows would slow the matmuls

@@ -124,7 +124,8 @@ def test_train_eval_export_with_vllm(tmp_path, arch):
     from conftest import small_config
     from transformers import AutoModelForCausalLM
 
-    from dapo.checkpoint import export_hf, latest_checkpoint
+    from dapo.checkpoint import latest_checkpoint
+    from dapo.checkpoint_weights import export_hf
     from dapo.log import read_metrics
     from dapo.training import train
 

@@ -235,8 +235,7 @@ def mean_ci(values: list[float]) -> tuple[float, float, float]:
 
 
 def _eval_key(rows: list[dict]) -> str | None:
-    keys = held_out_keys(rows)
-    return keys[0] if keys else None
+    return next(iter(held_out_keys(rows)), None)
 
 
 def collect(out: Path, runs: list[Run]) -> dict:

@@ -179,6 +179,20 @@ def aggregate(
     raise ValueError(f"loss_agg must be one of {LOSS_AGG_MODES}, got {loss_agg!r}")
 
 
+def _clipped_surrogate(
+    ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float, dual_clip: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """max(-adv * r, -adv * clip(r)), then the dual clip: (N, T) per-token losses and where the dual clip bound."""
+    # pessimistic bound: the min of the objectives (the loss is the objective negated)
+    per_token = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high))
+    dual_clipped = torch.zeros_like(per_token, dtype=torch.bool)  # (N, T)
+    if dual_clip is not None:
+        bound = -adv * dual_clip
+        dual_clipped = (adv < 0) & (per_token > bound)
+        per_token = torch.where(adv < 0, torch.minimum(per_token, bound), per_token)
+    return per_token, dual_clipped
+
+
 def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -215,14 +229,7 @@ def policy_loss(
     mask = response_mask.to(logp.dtype)
     log_ratio = (logp - old_logp).clamp(-20.0, 20.0)  # (N, T); exp of a huge value is inf
     ratio = log_ratio.exp()
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    per_token = torch.maximum(unclipped, clipped)  # pessimistic bound: the min of the objectives
-    dual_clipped = torch.zeros_like(per_token, dtype=torch.bool)  # (N, T)
-    if dual_clip is not None:
-        bound = -adv * dual_clip
-        dual_clipped = (adv < 0) & (per_token > bound)
-        per_token = torch.where(adv < 0, torch.minimum(per_token, bound), per_token)
+    per_token, dual_clipped = _clipped_surrogate(ratio, adv, eps_low, eps_high, dual_clip)  # (N, T)
     if is_weights is not None:
         per_token = per_token * is_weights.detach()  # (N, T)
     loss = aggregate(
@@ -356,16 +363,13 @@ def gspo_loss(
         s = seq_log_ratio.clamp(-20.0, 20.0).exp()  # (N,)
         seq_adv = adv[:, 0]  # (N,) an outcome advantage is one value per response
         n_seqs = valid.sum().to(logp.dtype)
+        seq_mean = lambda x: mean_stat((x * valid).sum() / n_seqs.clamp(min=1), n_seqs)  # noqa: E731
         stats = {
             **_token_stats(logp, old_logp, mask),
-            "seq_clipfrac_high": mean_stat(
-                ((seq_adv > 0) & (s > 1.0 + eps_high) & valid).sum() / n_seqs.clamp(min=1), n_seqs
-            ),
-            "seq_clipfrac_low": mean_stat(
-                ((seq_adv < 0) & (s < 1.0 - eps_low) & valid).sum() / n_seqs.clamp(min=1), n_seqs
-            ),
-            "seq_clipfrac_dual": mean_stat((dual_clipped[:, 0] & valid).sum() / n_seqs.clamp(min=1), n_seqs),
-            "seq_ratio_mean": mean_stat((s * valid).sum() / n_seqs.clamp(min=1), n_seqs),
+            "seq_clipfrac_high": seq_mean((seq_adv > 0) & (s > 1.0 + eps_high)),
+            "seq_clipfrac_low": seq_mean((seq_adv < 0) & (s < 1.0 - eps_low)),
+            "seq_clipfrac_dual": seq_mean(dual_clipped[:, 0]),
+            "seq_ratio_mean": seq_mean(s),
             "seq_ratio_max": max_stat(torch.where(valid, s, torch.zeros_like(s)).max()),
             "seq_ratio_min": min_stat(torch.where(valid, s, torch.full_like(s, float("inf"))).min(), n_seqs),
         }
@@ -434,19 +438,6 @@ def objective_loss(objective: str):
     if objective not in losses:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     return losses[objective]
-
-
-def _clipped_surrogate(
-    ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float, dual_clip: float | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """max(-adv * r, -adv * clip(r)), then the dual clip: (N, T) per-token losses and where the dual clip bound."""
-    per_token = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high))
-    dual_clipped = torch.zeros_like(per_token, dtype=torch.bool)  # (N, T)
-    if dual_clip is not None:
-        bound = -adv * dual_clip
-        dual_clipped = (adv < 0) & (per_token > bound)
-        per_token = torch.where(adv < 0, torch.minimum(per_token, bound), per_token)
-    return per_token, dual_clipped
 
 
 def _token_stats(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, Stat]:

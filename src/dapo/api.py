@@ -29,7 +29,7 @@ from pathlib import Path
 from dapo import training
 from dapo.checkpoint import CheckpointError, latest_checkpoint, removed_if_start_fails
 from dapo.config import Config, ConfigError, config_from_dict, load_config, to_dict
-from dapo.data import examples_from_rows, load_examples
+from dapo.data_files import examples_from_rows, load_examples
 from dapo.evaluation import Benchmark, EvalResult, evaluate_model, load_benchmark, write_report
 from dapo.log import read_metrics, run_summary
 from dapo.resources import shipped

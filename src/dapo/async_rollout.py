@@ -314,15 +314,7 @@ class FollowingRollout:
 
 def _collected_state(c: Collected) -> dict:
     """Plain types and tensors only (the checkpoint's trainer_state is read with weights_only=True)."""
-    return {
-        "step": c.step,
-        "version": c.version,
-        "batch": None if c.batch is None else c.batch.state(),
-        "stats": dataclasses.asdict(c.stats),
-        "state": c.state,
-        "waited_s": c.waited_s,
-        "seconds": c.seconds,
-    }
+    return {**vars(c), "batch": None if c.batch is None else c.batch.state(), "stats": dataclasses.asdict(c.stats)}
 
 
 def _collected_from(d: dict) -> Collected:

@@ -58,15 +58,10 @@ OVERRIDES = _arg("overrides", nargs="*", metavar="key=value", help="settings, e.
 )
 def cmd_train(args) -> int:
     from dapo import preemption
-    from dapo.checkpoint import removed_if_start_fails
-    from dapo.training import train
 
     preemption.PROCESS_ENDS_WITH_RUN = True
     cfg = load_config(resolve_preset(args.config), args.overrides)
-    t0 = time.perf_counter()
-    with removed_if_start_fails(cfg.run_dir):
-        train(cfg)
-    closing_summary(cfg, time.perf_counter() - t0, title=cfg.run.name)
+    train_and_summarise(cfg, title=cfg.run.name)
     return 0
 
 
@@ -79,20 +74,22 @@ def cmd_train(args) -> int:
     "held-out accuracy before and after.",
 )
 def cmd_demo(args) -> int:
-    from dapo.checkpoint import removed_if_start_fails
-    from dapo.training import train
-
     cfg = load_config(resolve_preset("configs/demo.yaml"), args.overrides)
-    t0 = time.perf_counter()
-    with removed_if_start_fails(cfg.run_dir):
-        train(cfg)
-    closing_summary(cfg, time.perf_counter() - t0, title="DAPO on the built-in arithmetic task")
+    train_and_summarise(cfg, title="DAPO on the built-in arithmetic task")
     print(f"(delete {cfg.run_dir} to train from scratch again)")
     return 0
 
 
-def closing_summary(cfg, wall_s: float, *, title: str) -> None:
-    """The run's figure (plots/training.png) and the lines it ends with; rank 0 only under torchrun."""
+def train_and_summarise(cfg, *, title: str) -> None:
+    """Train (or resume) ``cfg``'s run, its directory removed again if the start fails; then the run's figure
+    (plots/training.png) and the lines it ends with, rank 0 only under torchrun."""
+    from dapo.checkpoint import removed_if_start_fails
+    from dapo.training import train
+
+    t0 = time.perf_counter()
+    with removed_if_start_fails(cfg.run_dir):
+        train(cfg)
+    wall_s = time.perf_counter() - t0
     if os.environ.get("RANK", "0") != "0":
         return
     from dapo.log import read_metrics, run_summary
@@ -124,7 +121,8 @@ def closing_summary(cfg, wall_s: float, *, title: str) -> None:
     "alone (peft: PeftModel.from_pretrained(base, OUT_DIR)).",
 )
 def cmd_export(args) -> int:
-    from dapo.checkpoint import check_whole, export_hf
+    from dapo.checkpoint import check_whole
+    from dapo.checkpoint_weights import export_hf
 
     if note := check_whole(Path(args.checkpoint)):
         print(note)
@@ -170,7 +168,7 @@ def cmd_import_model(args) -> int:
     "model would be given, then one line on how the call ended. Checks that this machine can sandbox tools.",
 )
 def cmd_tool_run(args) -> int:
-    from dapo.tools.python_tool import output_block
+    from dapo.tools import output_block
     from dapo.tools.sandbox import Limits, Sandbox
 
     cfg = load_config(resolve_preset(args.config) if args.config else None, args.overrides)
@@ -309,10 +307,8 @@ def cmd_eval(args) -> int:
     else:
         raise SystemExit("error: give --model DIR (a Hugging Face model directory) or --run RUN_DIR")
     d, e = cfg.data, cfg.eval
-    benches = [
-        load_benchmark(name, template=d.template, num_problems=e.num_problems, max_row_chars=d.max_row_chars)
-        for name in e.benchmarks
-    ]
+    read_as = {"template": d.template, "num_problems": e.num_problems, "max_row_chars": d.max_row_chars}
+    benches = [load_benchmark(name, **read_as) for name in e.benchmarks]
     with Progress() as progress:
         results = evaluate_model(
             model_dir,
@@ -418,12 +414,9 @@ def user_error(err: BaseException) -> str | None:
     A ValueError, RuntimeError or ImportError counts when this package raised it (its messages name
     the setting and the fix); from inside a library it is a fault."""
     known = any(t.__name__ in ONE_LINE for t in type(err).__mro__)
-    if (
-        not known
-        and isinstance(err, (ValueError, RuntimeError, ImportError))
-        and not isinstance(err, NotImplementedError)
-    ):
-        from dapo.log import raised_outside
+    maybe_ours = isinstance(err, (ValueError, RuntimeError, ImportError)) and not isinstance(err, NotImplementedError)
+    if not known and maybe_ours:
+        from dapo.library_logging import raised_outside
 
         known = not raised_outside(err)
     if not known:
@@ -444,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["DAPO_VERBOSE"] = "1"  # worker processes (ablate, Ray) inherit it
     from transformers.utils import logging as hf_logging
 
-    from dapo.log import setup_library_logging
+    from dapo.library_logging import setup_library_logging
 
     setup_library_logging()  # library messages: warnings only on the console, until a run adds its train.log
     hf_logging.disable_progress_bar()  # per-file load/save bars would drown the per-step lines

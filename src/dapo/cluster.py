@@ -38,9 +38,8 @@ class Placement:
     nodes: int = 1  # machines
     workers_per_node: int = 8  # ranks per machine
     gpus_per_worker: float = 1.0  # 0: CPU-only workers (gloo), as in the tests
-    cpus_per_worker: float = (
-        4.0  # CPU slots reserved per rank (tokenising, grading on rank 0); the CLI: 1 for CPU workers
-    )
+    # CPU slots reserved per rank (tokenising, grading on rank 0); the CLI: 1 for CPU workers
+    cpus_per_worker: float = 4.0
 
     @property
     def world_size(self) -> int:
@@ -165,32 +164,11 @@ def launch(
     from dapo.config import dump_yaml
 
     if not ray.is_initialized():
-        try:
-            from dapo.log import verbose
-
-            quiet = {} if verbose() else {"logging_level": "warning"}  # Ray's INFO lines on the driver's console
-            ray.init(address=None if address == "local" else address, **{**quiet, **(ray_init or {})})
-        except (ray.exceptions.AuthenticationError, ConnectionError) as err:  # a token cluster refuses one without
-            why = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else type(err).__name__
-            if "Could not find any running Ray instance" in str(err):
-                raise ConfigError(
-                    f"launch-ray: no Ray cluster is running at --address {address}; start one with "
-                    "`ray start --head` (token authentication: docs/security.md), or try on this "
-                    "machine alone with --address local"
-                ) from None
-            raise ConfigError(
-                f"launch-ray: cannot join the Ray cluster at {address} ({why}); with token authentication "
-                "export RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH=<the cluster's token file> first "
-                "(docs/security.md)"
-            ) from None
-    if not insecure:
-        try:
-            require_token_auth(ray.get_runtime_context().gcs_address)
-        except ConfigError:
-            ray.shutdown()
-            raise
+        join_cluster(address, ray_init)
     p = placement
     try:
+        if not insecure:
+            require_token_auth(ray.get_runtime_context().gcs_address)
         check_fits(p, [n["Resources"] for n in ray.nodes() if n.get("Alive")], local=address == "local")
     except ConfigError:
         ray.shutdown()
@@ -237,6 +215,31 @@ def launch(
             forward.close()
     finally:
         remove_placement_group(pg)
+
+
+def join_cluster(address: str, ray_init: dict | None) -> None:
+    """Connect to the Ray cluster at ``address`` ("local": start a private one), or stop with one line saying why
+    not and what to do."""
+    import ray
+
+    try:
+        from dapo.library_logging import verbose
+
+        quiet = {} if verbose() else {"logging_level": "warning"}  # Ray's INFO lines on the driver's console
+        ray.init(address=None if address == "local" else address, **{**quiet, **(ray_init or {})})
+    except (ray.exceptions.AuthenticationError, ConnectionError) as err:  # a token cluster refuses one without
+        why = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else type(err).__name__
+        if "Could not find any running Ray instance" in str(err):
+            raise ConfigError(
+                f"launch-ray: no Ray cluster is running at --address {address}; start one with "
+                "`ray start --head` (token authentication: docs/security.md), or try on this "
+                "machine alone with --address local"
+            ) from None
+        raise ConfigError(
+            f"launch-ray: cannot join the Ray cluster at {address} ({why}); with token authentication "
+            "export RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH=<the cluster's token file> first "
+            "(docs/security.md)"
+        ) from None
 
 
 def _signaller_class():

@@ -13,17 +13,15 @@ place); ``None`` (YAML null) means unset. What else one setting accepts is decla
     eps_low: float = field(0.2, gt=0, lt=1, why="the paper uses 0.2")  # "must be in (0, 1); the paper ..."
     top_k: int | None = field(None, gt=0, null="no top-k")  # "must be > 0, or null (no top-k)"
 
-and checked by one routine (``_check_fields``); ``validate`` holds the rules between settings.
+and checked by one routine (``dapo.config_read.check_fields``); the rules between settings are there too
+(``RULES``), and the reading of presets and overrides into this tree.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import operator
-import os
-import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,13 +30,12 @@ from typing import Literal
 
 import yaml
 
-from dapo.data import DEFAULT_MAX_ROW_CHARS, Template
-from dapo.resources import SHARE
-
-
-class ConfigError(ValueError):
-    """A bad config value; the message names the key and the fix."""
-
+from dapo.config_read import PRESET_DIR as PRESET_DIR
+from dapo.config_read import RULES, check_fields, dotted_to_nested, merge, read_preset, resolve_preset
+from dapo.config_read import ConfigError as ConfigError
+from dapo.config_read import preset_names as preset_names
+from dapo.data import Template
+from dapo.data_files import DEFAULT_MAX_ROW_CHARS
 
 Dtype = Literal["float32", "bfloat16"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -80,18 +77,25 @@ class Rule:
         """The one-line error for ``value``, or None where it is fine."""
         if self.check is not None and not self.check(value):
             return f"{key}={value!r}: {self.must}"
-        bounds = [
+        if all(OPS[op](value, b) for op, b in self.bounds()):
+            return None
+        return f"{key}={value!r}: must be {self.allowed()}"
+
+    def bounds(self) -> list[tuple[str, float]]:
+        return [
             (op, b) for op, b in ((">", self.gt), (">=", self.ge), ("<", self.lt), ("<=", self.le)) if b is not None
         ]
-        if all(OPS[op](value, b) for op, b in bounds):
-            return None
+
+    def allowed(self) -> str:
+        """The bounds as an error says them: "in (0, 1] seconds, or null (no cap); the paper uses 0.2"."""
+        bounds = self.bounds()
         if len(bounds) == 2:  # an interval: (0, 1]
             (lo, a), (hi, b) = bounds
             text = f"in {'(' if lo == '>' else '['}{a:g}, {b:g}{')' if hi == '<' else ']'}"
         else:
             text = f"{bounds[0][0]} {bounds[0][1]:g}"
         unit, null = f" {self.unit}" if self.unit else "", f", or null ({self.null})" if self.null else ""
-        return f"{key}={value!r}: must be {text}{unit}{null}" + (f"; {self.why}" if self.why else "")
+        return f"{text}{unit}{null}" + (f"; {self.why}" if self.why else "")
 
 
 OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
@@ -112,9 +116,8 @@ class LoraConfig:
     # LoRA rank r: train low-rank adapters (peft) on the target layers and freeze every base weight; null: off
     # (every weight trains). LoRA usually wants a learning rate about 10x the full fine-tuning one (train.lr).
     rank: int | None = field(None, gt=0, null="off: every weight trains")
-    alpha: float | None = field(
-        None, gt=0, null="2 x rank"
-    )  # the adapters' output is scaled by alpha / rank; null: 2 x rank (scale 2)
+    # the adapters' output is scaled by alpha / rank; null: 2 x rank (scale 2)
+    alpha: float | None = field(None, gt=0, null="2 x rank")
     # dropout on the adapters' input in the update's forward passes only; 0 keeps the trained policy the one that
     # sampled (log-probs are computed without dropout), so the first update's ratio is exactly 1
     dropout: float = field(0.0, ge=0, lt=1)
@@ -158,9 +161,8 @@ class DataConfig:
     template: Template = "dapo"  # prompt template for dataset files: dapo (the paper's) or raw
     # longer prompts are cut from the left, as the reference does (ids[-0:] would keep them whole: 0 is refused)
     max_prompt_tokens: int = field(2048, gt=0)
-    max_row_chars: int = field(
-        DEFAULT_MAX_ROW_CHARS, gt=0
-    )  # a data-file row longer than this (1M characters) stops the run at load
+    # a data-file row longer than this (1M characters) stops the run at load
+    max_row_chars: int = field(DEFAULT_MAX_ROW_CHARS, gt=0)
     seed: int = 0  # prompt order
 
 
@@ -171,8 +173,8 @@ class RolloutConfig:
     max_response_tokens: int = field(48, gt=0)  # L_max: generation limit per response
     # sampling temperature; log-probs are computed at the same temperature
     temperature: float = field(1.0, gt=0, why="log-probs divide by it")
-    top_p: float = field(1.0, gt=0, le=1)
-    top_k: int | None = field(None, gt=0, null="no top-k")
+    top_p: float = field(1.0, gt=0, le=1)  # nucleus sampling: only the likeliest tokens holding top_p of the mass
+    top_k: int | None = field(None, gt=0, null="no top-k")  # sample among the k likeliest tokens only
     seed: int = 0  # base seed; each generation round derives its own
     gpu_memory_utilization: float = field(0.6, gt=0, le=1)  # vllm: share of GPU memory for weights + KV cache
     tensor_parallel_size: int = field(1, ge=1)  # vllm: GPUs one engine's weights are split over
@@ -206,9 +208,8 @@ class AlgoConfig:
     eps_high: float = field(0.28, gt=0, le=10, why="the paper uses 0.28")  # upper clip: ratio <= 1 + eps_high
     # bound on the loss of negative-advantage tokens (reference recipe); null disables
     dual_clip: float | None = field(10.0, gt=1, null="off")
-    loss_agg: LossAgg = (
-        "token-mean"  # token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum-norm (Dr. GRPO)
-    )
+    # token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum-norm (Dr. GRPO)
+    loss_agg: LossAgg = "token-mean"
     # the surrogate: dapo (the clipped token ratio: the paper's and the reference's), gspo (the clipped sequence
     # ratio, arXiv 2507.18071; configs/gspo.yaml) or cispo (the clipped, detached token weight, arXiv 2506.13585;
     # configs/cispo.yaml). eps_low / eps_high are each one's clip range; docs/fidelity.md lists them
@@ -247,9 +248,8 @@ class AlgoConfig:
     # how many surplus informative groups (beyond train.prompts_per_step) wait for the next step; a count, so
     # 0 keeps none and discards every surplus group, as the reference does
     buffer_max_groups: int = field(0, ge=0, why="0 keeps no surplus groups")
-    buffer_logp: BufferLogp = (
-        "trainer"  # a buffered group's behaviour log-probs: trainer (computed when buffered) or engine (vllm's)
-    )
+    # a buffered group's behaviour log-probs: trainer (computed when buffered) or engine (vllm's)
+    buffer_logp: BufferLogp = "trainer"
     # where old_logp comes from: recompute (a forward pass over the batch before the update, the reference)
     # or engine (vLLM's sampling log-probs, no pass; float32 only)
     old_logp: OldLogp = "recompute"
@@ -271,9 +271,8 @@ class TrainConfig:
     max_tokens_per_micro_batch: int = field(8192, gt=0, why="tokens per forward pass")
     # optional cap on responses per forward/backward pass; null: the token budget alone
     micro_batch_size: int | None = field(None, gt=0, null="no cap on rows")
-    pack_sequences: PackSequences = (
-        "auto"  # auto (pack when the model uses flash-attention varlen kernels), true or false
-    )
+    # auto (pack when the model uses flash-attention varlen kernels), true or false
+    pack_sequences: PackSequences = "auto"
     # run each distinct prompt of a micro-batch once and let its responses attend to that one copy of its keys and
     # values (the G rows of a group share it) instead of recomputing the prompt per row; padded rows only (eager or
     # sdpa attention, full-attention models). Off: the reference recomputes the prompt for every row
@@ -281,7 +280,8 @@ class TrainConfig:
     ppo_epochs: int = field(1, ge=1)  # passes over the rollout batch
     lr: float = field(1e-6, gt=0)  # AdamW learning rate after warmup (constant)
     warmup_steps: int = field(20, ge=0)  # linear warmup, in training steps
-    weight_decay: float = field(0.1, ge=0)
+    weight_decay: float = field(0.1, ge=0)  # AdamW's decoupled weight decay, on every trained weight
+    # AdamW's (beta1, beta2): the decay rates of its gradient and squared-gradient averages
     betas: list[float] = field(
         default_factory=lambda: [0.9, 0.999],
         check=lambda b: len(b) == 2 and all(0 <= x < 1 for x in b),
@@ -289,9 +289,8 @@ class TrainConfig:
     )
     grad_clip: float = field(1.0, gt=0)  # max gradient norm; a step with a non-finite norm is skipped
     seed: int = 0  # model init / dropout / everything not seeded elsewhere
-    cpu_offload: bool = (
-        False  # FSDP (several ranks) only: keep parameter shards, gradients and AdamW state in CPU memory
-    )
+    # FSDP (several ranks) only: keep parameter shards, gradients and AdamW state in CPU memory
+    cpu_offload: bool = False
 
 
 @dataclass
@@ -299,18 +298,18 @@ class EvalConfig:
     every_steps: int | None = field(None, gt=0, null="only at the end")  # evaluate every N training steps
     before_train: bool = True  # evaluate the initial model
     benchmarks: list[str] = field(default_factory=lambda: ["arith"])  # built-in task name, benchmark name or file
-    num_problems: int | None = field(
-        None, gt=0, null="all problems"
-    )  # the first N problems of each benchmark; null: all (the built-in task: 200)
+    # the first N problems of each benchmark; null: all (the built-in task: 200)
+    num_problems: int | None = field(None, gt=0, null="all problems")
     # sampling; null: the benchmark's own setting (dapo.evaluation.BENCHMARKS: AIME n=32, top_p 0.7, 20,480 tokens;
     # arith n=4, top_p 1.0), and for a data file n=4, temperature 1.0, top_p 1.0
     n: int | None = field(None, gt=0, null="the benchmark's own")  # samples per problem (avg@n)
+    # sampling temperature; 0: greedy decoding
     temperature: float | None = field(None, ge=0, null="the benchmark's own", why="0 = greedy")
-    top_p: float | None = field(None, gt=0, le=1, null="the benchmark's own")
+    top_p: float | None = field(None, gt=0, le=1, null="the benchmark's own")  # nucleus sampling's top-p
     # null: the benchmark's own limit in `dapo eval`, and rollout.max_response_tokens during training (the
     # rollout engine is sized for the run's lengths) and for a data file
     max_response_tokens: int | None = field(None, gt=0, null="the benchmark's own or the rollout's")
-    seed: int = 1234
+    seed: int = 1234  # seed of the evaluation's sampling and of its bootstrap intervals
 
 
 @dataclass
@@ -399,12 +398,14 @@ class RunConfig:
     # the phase; past watchdog_exit_factor x that limit the process ends with exit code 124, to be restarted into a
     # resume
     watchdog: bool = True
+    # a phase's late limit: this many times its slowest completed run (at least watchdog_floor_s)
     watchdog_factor: float = field(
         5.0, ge=1, why=f"a phase is late past this multiple of its slowest completed run; {WATCHDOG_OFF}"
     )
     watchdog_floor_s: float = field(600.0, gt=0, unit="seconds", why=WATCHDOG_OFF)  # no phase is late sooner
     # the limit of a phase that has not completed once yet (first generation, evaluation)
     watchdog_first_s: float = field(1800.0, gt=0, unit="seconds", why=WATCHDOG_OFF)
+    # a phase's exit limit: this many times its late limit; past it the process ends with exit code 124
     watchdog_exit_factor: float = field(
         3.0,
         gt=1,
@@ -432,209 +433,22 @@ class Config:
         return Path(self.run.dir) / self.run.name
 
 
-# ---------------------------------------------------------------------------------------------
-# building, merging and checking
-
-
-def _resolve_type(tp):
-    """(base type, allows None) for the annotations used above."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _resolve_type(args[0])[0], True
-    return tp, False
-
-
-class _Plain(str):
-    """A plain (unquoted) YAML scalar as written, until its setting's type says how to read it."""
-
-
-class _TextLoader(yaml.SafeLoader):
-    """YAML whose plain scalars stay text: ``name: off`` is 'off' until ``_read`` knows the setting is a
-    bool (then false); quoted scalars, lists and mappings load as usual."""
-
-    yaml_implicit_resolvers: typing.ClassVar[dict] = {}
-
-
-_TextLoader.add_constructor(
-    "tag:yaml.org,2002:str", lambda loader, node: (_Plain if node.style is None else str)(loader.construct_scalar(node))
-)
-
-
-def _as_yaml(value):
-    """What plain YAML reads from ``value``: a _Plain resolved (off -> False, 3 -> 3, null -> None), lists too."""
-    if isinstance(value, list):
-        return [_as_yaml(v) for v in value]
-    if not isinstance(value, _Plain):
-        return value
-    try:
-        read = yaml.safe_load(value)
-    except yaml.YAMLError:
-        return str(value)
-    return str(value) if isinstance(read, (list, dict)) else read
-
-
-def _number(value) -> int | float | None:
-    """A value read as a number; booleans are not numbers here."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        return value
-    if isinstance(value, str):
-        for parse in (int, float):
-            try:
-                return parse(value)
-            except ValueError:
-                pass
-    return None
-
-
-BOOLS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
-
-
-def _read(key: str, value, tp):
-    """``value`` (from a preset, an override or Python) as the setting's type ``tp``; a ConfigError naming
-    the key, the type and the value where it is not one."""
-    base, optional = _resolve_type(tp)
-    origin = typing.get_origin(base)
-    value = None if isinstance(value, _Plain) and _as_yaml(value) is None else value
-    if value is None:
-        if optional:
-            return None
-        raise ConfigError(f"{key}: null is not allowed; give a {getattr(base, '__name__', base)}")
-    if origin is list:
-        (item_tp,) = typing.get_args(base)
-        if isinstance(value, str):  # an override's a,b (or a quoted [a,b])
-            value = (
-                yaml.load(value, _TextLoader) if value.startswith("[") else [_Plain(v) for v in value.split(",") if v]
-            )
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {_as_yaml(value)!r}")
-        return [_read(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
-    if origin is Literal:  # a choice spelt as a YAML boolean (true, False, yes) is its lower-case spelling
-        as_yaml = _as_yaml(value)
-        return str(as_yaml).lower() if isinstance(as_yaml, bool) else str(value) if isinstance(value, str) else value
-    if base is str:  # the text as written: run.name=off is 'off'
-        if isinstance(value, (str, os.PathLike)):
-            return str(value)
-        raise ConfigError(f"{key}: expected a string, got {value!r}")
-    if base is bool:
-        if isinstance(value, bool) or (isinstance(value, str) and value.lower() in BOOLS):
-            return BOOLS.get(str(value).lower(), value)
-        raise ConfigError(f"{key}: expected true or false, got {_as_yaml(value)!r}")
-    if base in (int, float):
-        number = _number(_as_yaml(value))
-        if number is not None and (base is float or float(number).is_integer()):
-            return base(number)
-        raise ConfigError(f"{key}: expected {'an integer' if base is int else 'a number'}, got {_as_yaml(value)!r}")
-    raise ConfigError(f"{key}: unsupported type {base}")
-
-
-# keys of earlier versions -> what replaced them (a preset or override still naming one is told the fix)
-REPLACED = {
-    "run.tensorboard": "run.loggers lists the loggers: leave tensorboard out to write none, e.g. run.loggers=console"
-}
-
-
-def _merge(obj, overrides: dict, prefix: str = ""):
-    hints = typing.get_type_hints(type(obj))
-    names = {f.name for f in dataclasses.fields(obj)}
-    for key, value in overrides.items():
-        full = f"{prefix}{key}"
-        if full in REPLACED:
-            raise ConfigError(f"{full}: no longer a setting; {REPLACED[full]}")
-        if key not in names:
-            raise ConfigError(f"{full}: unknown key; valid keys here: {', '.join(sorted(names))}")
-        current = getattr(obj, key)
-        if dataclasses.is_dataclass(current):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{full}: expected a section (mapping), got {_as_yaml(value)!r}")
-            _merge(current, value, prefix=f"{full}.")
-        else:
-            setattr(obj, key, _read(full, value, hints[key]))
-
-
-def _dotted_to_nested(items: list[str]) -> dict:
-    nested: dict = {}
-    for item in items:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected key=value, e.g. algo.eps_high=0.28")
-        key, raw = item.split("=", 1)
-        try:
-            value = yaml.load(raw, _TextLoader) if raw != "" else ""
-        except yaml.YAMLError as err:
-            raise ConfigError(f"override {item!r}: not a valid value ({str(err).splitlines()[0]})") from None
-        node = nested
-        parts = key.strip().split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: {part} is not a section")
-        node[parts[-1]] = raw if isinstance(value, (dict,)) else value
-    return nested
-
-
-def _read_preset(path: Path, seen: tuple = ()) -> list[dict]:
-    """The preset and the presets it names with ``base:`` (a path or a list, relative to it), bases first, in order."""
-    if not path.exists():
-        raise ConfigError(
-            f"config file {path} does not exist; give a YAML file or a shipped preset's name "
-            f"({', '.join(preset_names())})"
-        )
-    if path.resolve() in seen:
-        raise ConfigError(f"{path}: 'base' presets form a cycle")
-    try:
-        data = yaml.load(path.read_text(), _TextLoader) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from err
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
-    base = _as_yaml(data.pop("base", None))
-    bases = [] if base is None else base if isinstance(base, list) else [base]
-    if not all(isinstance(b, str) and b for b in bases):
-        raise ConfigError(f"{path}: base: expected a preset path or a list of them, got {base!r}")
-    chain = [d for b in bases for d in _read_preset(path.parent / b, seen + (path.resolve(),))]
-    return chain + [data]
-
-
-PRESET_DIR = SHARE / "configs"  # the shipped presets: the repository's configs/, or the installed package's copy
-
-
-def preset_names() -> list[str]:
-    """The shipped presets, as ``load_config`` and ``dapo train`` accept them by name."""
-    return sorted(str(p.relative_to(PRESET_DIR).with_suffix("")) for p in PRESET_DIR.rglob("*.yaml"))
-
-
-def resolve_preset(path: str | Path) -> Path:
-    """A preset path as given when it exists; else the shipped preset it names, from any directory and
-    installed or not: ``configs/ablation/base.yaml``, ``ablation/base.yaml``, ``demo.yaml`` or ``demo``
-    (and, as before, any path whose file name is a shipped preset's)."""
-    p = Path(path).expanduser()
-    if p.exists():
-        return p
-    inside = Path(*p.parts[1:]) if p.parts[:1] == ("configs",) and len(p.parts) > 1 else p
-    for name in (inside, inside.with_name(inside.name + ".yaml"), Path(p.name)):
-        if not name.is_absolute() and (PRESET_DIR / name).is_file():
-            return PRESET_DIR / name
-    return p
-
-
 def load_config(path: str | Path | list | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults, then the preset(s) in order (a later one overrides an earlier), then dotted overrides.
     A preset is a YAML file or a shipped preset's name (``"demo"``, see ``resolve_preset``)."""
     cfg = Config()
     for preset in [] if path is None else path if isinstance(path, (list, tuple)) else [path]:
-        for data in _read_preset(resolve_preset(preset)):
-            _merge(cfg, data)
+        for data in read_preset(resolve_preset(preset)):
+            merge(cfg, data)
     if overrides:
-        _merge(cfg, _dotted_to_nested(overrides))
+        merge(cfg, dotted_to_nested(overrides))
     validate(cfg)
     return cfg
 
 
 def config_from_dict(data: dict) -> Config:
     cfg = Config()
-    _merge(cfg, data)
+    merge(cfg, data)
     validate(cfg)
     return cfg
 
@@ -645,31 +459,6 @@ def to_dict(cfg: Config) -> dict:
 
 def dump_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
-
-
-def _check(cond: bool, msg: str):
-    if not cond:
-        raise ConfigError(msg)
-
-
-def _or_list(items) -> str:
-    items = [str(i) for i in items]
-    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
-
-
-def _spelled(value) -> str:
-    """A list value as a dotted override spells it (a,b)."""
-    return ",".join(map(str, value)) if isinstance(value, list) else repr(value)
-
-
-# values a user may well try that are not choices, with why and what to use instead
-REFUSED_CHOICES = {
-    "model.dtype": {
-        # float16's 5 exponent bits underflow most small gradients to 0 without a loss scaler, which dapo does not have
-        "float16": "training in float16 needs loss scaling, which dapo does not do (most small gradients underflow "
-        "to 0); use model.dtype=bfloat16 (the same memory, float32's range) or float32",
-    },
-}
 
 
 @functools.cache
@@ -685,140 +474,9 @@ def settings(cls: type | None = None, prefix: str = "") -> tuple[tuple[str, typi
     return tuple(out)
 
 
-def _check_fields(cfg: Config) -> None:
-    """What each setting's declaration says: a Literal setting holds one of its choices; no float setting
-    takes inf or nan (each bounds something: a time limit, the gradient norm, a clip; inf would switch it
-    off without saying so, and nan fails every comparison but !=); and its Rule. The settings that can be
-    switched off say how (null)."""
-    for key, tp, rule in settings():
-        value = functools.reduce(getattr, key.split("."), cfg)
-        base, optional = _resolve_type(tp)
-        if value is None and optional:
-            continue
-        is_list = typing.get_origin(base) is list
-        item_tp = typing.get_args(base)[0] if is_list else base
-        if typing.get_origin(item_tp) is Literal:
-            choices = typing.get_args(item_tp)
-            if is_list:
-                bad = [v for v in value if v not in choices]
-                _check(not bad, bad and f"{key}={_spelled(value)}: {bad[0]!r} is not one of {', '.join(choices)}")
-            else:
-                refused = REFUSED_CHOICES.get(key, {})
-                _check(value not in refused, f"{key}={value}: {refused.get(value)}")
-                _check(value in choices, f"{key}={value!r}: choose {_or_list(choices)}")
-        for v in value if isinstance(value, list) else [value]:
-            _check(
-                not isinstance(v, float) or math.isfinite(v),
-                f"{key}={value}: must be a finite number (inf or nan would switch its limit off)",
-            )
-        if rule is not None:
-            error = rule.broken(key, value)
-            _check(error is None, error)
-
-
 def validate(cfg: Config) -> None:
     """Raise ConfigError for the first bad setting; the config is left as it is. Each setting's own range is
-    declared on it (``field``); here are the rules between settings."""
-    _check_fields(cfg)
-    a, r, t = cfg.algo, cfg.rollout, cfg.train
-    _check(
-        a.buffer_logp == "trainer" or r.backend == "vllm",
-        f"algo.buffer_logp=engine: rollout.backend={r.backend} reports no log-probs; use "
-        "rollout.backend=vllm or trainer",
-    )
-    _check(
-        not cfg.tools.filter_void_turns or cfg.tools.python,
-        "tools.filter_void_turns=true: filters multi-turn responses, so it needs tools.python=true",
-    )
-    _check(
-        not a.prefilter or a.dynamic_sampling,
-        "algo.prefilter=true: skips the prompts dynamic sampling would drop, so it needs algo.dynamic_sampling=true",
-    )
-    _check(
-        a.rollout_is_mode == "token_truncate" or a.rollout_is_cap is not None,
-        f"algo.rollout_is_mode={a.rollout_is_mode}: corrects nothing without algo.rollout_is_cap; set the cap "
-        "(e.g. algo.rollout_is_cap=2) or leave the mode at token_truncate",
-    )
-    _check(
-        a.rollout_is_mode != "sequence_mask" or a.rollout_is_cap is None or a.rollout_is_cap > 1.0,
-        f"algo.rollout_is_cap={a.rollout_is_cap}: algo.rollout_is_mode=sequence_mask keeps responses whose ratio is "
-        "in [1/cap, cap]; a cap of 1 masks every one, use > 1",
-    )
-    k = r.max_staleness
-    if k:
-        why = f"rollout.max_staleness={k}: "
-        _check(
-            a.rollout_is_cap is not None,
-            why + "responses sampled by older weights need the importance weight to the engine's log-probs; set "
-            "algo.rollout_is_cap (2 is a common cap)",
-        )
-        _check(
-            a.old_logp == "recompute",
-            why + "the clip is anchored at the trainer's weights at the step's start (recomputed log-probs); "
-            "use algo.old_logp=recompute",
-        )
-        _check(
-            a.buffer_max_groups == 0,
-            why + f"algo.buffer_max_groups={a.buffer_max_groups} would train held-over groups one version older "
-            "than the bound; set algo.buffer_max_groups=0",
-        )
-    _check(
-        r.ranks == 0 or k > 0,
-        f"rollout.ranks={r.ranks}: rollout ranks generate the next steps while the others train; set "
-        "rollout.max_staleness (1 or 2), or rollout.ranks=0 for the synchronous loop",
-    )
-    _check(
-        r.ranks == 0 or r.tensor_parallel_size == 1,
-        f"rollout.ranks={r.ranks}: each rollout rank holds a whole engine; rollout.tensor_parallel_size="
-        f"{r.tensor_parallel_size} across rollout ranks is not supported, use 1",
-    )
-    _check(
-        a.rollout_is_cap is None or r.backend == "vllm" or k > 0,
-        f"algo.rollout_is_cap={a.rollout_is_cap}: needs the engine's log-probs; "
-        f"rollout.backend={r.backend} has none (use vllm, or rollout.max_staleness > 0: its engine reports them)",
-    )
-    _check(
-        a.old_logp != "engine" or r.backend in ("vllm", "auto"),
-        f"algo.old_logp=engine: rollout.backend={r.backend} reports no log-probs; use rollout.backend=vllm",
-    )
-    _check(
-        a.old_logp != "engine" or cfg.model.dtype == "float32",
-        f"algo.old_logp=engine: model.dtype={cfg.model.dtype} makes vLLM's log-probs differ from the "
-        "trainer's; use float32",
-    )
-    _check(
-        a.old_logp != "engine" or (r.top_p == 1.0 and r.top_k is None),
-        "algo.old_logp=engine: vLLM's log-probs are of the top-p/top-k truncated distribution "
-        f"(rollout.top_p={r.top_p}, "
-        f"rollout.top_k={r.top_k}), the trainer's of the full one; use top_p 1.0 and no top_k, or recompute",
-    )
-    _check(
-        a.old_logp == "recompute" or a.rollout_is_cap is None,
-        f"algo.old_logp={a.old_logp}: algo.rollout_is_cap weighs by pi_old / pi_rollout from the "
-        "recomputed pass; use recompute",
-    )
-    _check(
-        a.truncated_in_group_stats or a.overlong_filtering,
-        "algo.truncated_in_group_stats=false only applies with algo.overlong_filtering=true (masked "
-        "rows need no advantage)",
-    )
-    _check(a.correct_reward > a.wrong_reward, "algo.correct_reward must be greater than algo.wrong_reward")
-    _check(
-        not a.soft_overlong_punishment or 0 < a.overlong_buffer_tokens <= r.max_response_tokens,
-        f"algo.overlong_buffer_tokens={a.overlong_buffer_tokens}: must be in (0, rollout.max_response_tokens="
-        f"{r.max_response_tokens}]; the buffer cannot be longer than the maximum length",
-    )
-    _check(
-        t.prompts_per_step % t.mini_batch_prompts == 0,
-        f"train.prompts_per_step={t.prompts_per_step} is not divisible by train.mini_batch_prompts="
-        f"{t.mini_batch_prompts}; pick a divisor so every optimizer update sees the same number of prompts",
-    )
-    _check(
-        not (t.share_prompt_prefix and t.pack_sequences == "true"),
-        "train.share_prompt_prefix=true shares a prompt across padded rows; packed rows (train.pack_sequences=true) "
-        "have none: set train.pack_sequences=auto or false, or train.share_prompt_prefix=false",
-    )
-    _check(
-        not (cfg.run.overwrite and cfg.run.resume),
-        "run.overwrite=true moves an earlier run aside to start afresh: set run.resume=false with it",
-    )
+    declared on it (``field``); the rules between settings are ``dapo.config_read.RULES``."""
+    check_fields(cfg, settings())
+    for rules in RULES:
+        rules(cfg)

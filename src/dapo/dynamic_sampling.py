@@ -243,6 +243,11 @@ class BatchCollector:
         stats.groups_all_wrong += int((group_acc == 0).sum())
         stats.groups_dropped += int((~keep).sum())
         stats.keep_rates.append(float(keep.float().mean()))
+        # a void turn: one that ended at a block that was not code, or a last turn that ended without an answer
+        void_turn = [
+            log.void_turns > 0 or (not bool(cut) and pred in NO_ANSWER)
+            for log, cut, pred in zip(gen.tool_logs or [], gen.truncated, scored.preds)
+        ]
         round_batch = RolloutBatch(
             group_size=G,
             prompt_ids=gen.prompt_ids,
@@ -257,13 +262,7 @@ class BatchCollector:
             preds=scored.preds,
             rollout_logp=gen.logprobs or [],
             tool_mask=gen.tool_mask or [],
-            # a void turn: one that ended at a block that was not code, or a last turn that ended without an answer
-            void_turn=[
-                log.void_turns > 0 or (not bool(cut) and pred in NO_ANSWER)
-                for log, cut, pred in zip(gen.tool_logs, gen.truncated, scored.preds)
-            ]
-            if gen.tool_logs
-            else [],
+            void_turn=void_turn,
         )
         return [round_batch.select_groups([i]) for i in torch.nonzero(keep).flatten().tolist()]
 

@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from dapo.data import DEFAULT_MAX_ROW_CHARS
+from dapo.data_files import DEFAULT_MAX_ROW_CHARS
 from dapo.resources import SHARE
 from dapo.rollout.base import SamplingParams
 
@@ -55,7 +55,7 @@ def load_benchmark(
     max_row_chars: int = DEFAULT_MAX_ROW_CHARS,
 ):
     """(Benchmark, examples) for a registered name, the built-in task, or a .jsonl/.parquet file."""
-    from dapo.data import load_examples
+    from dapo.data_files import load_examples
 
     if name_or_path in ("arith", "arith-hard", "arith-long"):
         from dapo.tasks import arith
@@ -151,19 +151,16 @@ class EvalResult:
 
     def metrics(self, prefix: str = "eval") -> dict[str, float]:
         avg = f"{prefix}/{self.name}/avg@{self.n}"
-        out = {
+        return {
             avg: self.avg,
             f"{avg}_ci_low": self.ci[0],
             f"{avg}_ci_high": self.ci[1],
             f"{prefix}/{self.name}/maj@{self.n}": self.maj,
             f"{prefix}/{self.name}/response_length_mean": self.mean_length,
             f"{prefix}/{self.name}/truncated_frac": self.truncated_frac,
+            **{f"{prefix}/{self.name}/pass@{k}": v for k, v in self.pass_at.items()},
+            **{f"{prefix}/{self.name}/{k}": v for k, v in self.tools.items()},
         }
-        for k, v in self.pass_at.items():
-            out[f"{prefix}/{self.name}/pass@{k}"] = v
-        for k, v in self.tools.items():
-            out[f"{prefix}/{self.name}/{k}"] = v
-        return out
 
 
 def tool_use(calls: list[int], errors: list[int], accs: list[bool]) -> dict[str, float]:
@@ -198,16 +195,42 @@ def evaluate(
     ``encode(example)`` gives the prompt ids; ``progress(k)``, if given, hears of every k samples graded;
     ``render(example)`` is the prompt text the responses record (the chat template applied), else the
     example's own text."""
+    n = sampling.n
+    ks = [k for k in (2**i for i in range(20)) if k <= n]
+    responses, tool_errors = sample_and_grade(
+        engine, encode, examples, pool, sampling, grader=grader, progress=progress, render=render
+    )
+    accs = [r["correct"] for r in responses]
+    lengths = [r["length_tokens"] for r in responses]
+    truncated = [r["truncated"] for r in responses]
+    calls = [r["tool_calls"] for r in responses if "tool_calls" in r]
+    per_problem = [problem_summary(ex, responses[i * n : (i + 1) * n]) for i, ex in enumerate(examples)]
+    problem_acc = [r["accuracy"] for r in per_problem]
+    return EvalResult(
+        name=name,
+        n=n,
+        num_problems=len(examples),
+        avg=sum(accs) / max(len(accs), 1),
+        ci=bootstrap_ci(problem_acc, seed=sampling.seed),
+        pass_at={k: sum(pass_at_k(n, r["num_correct"], k) for r in per_problem) / max(len(per_problem), 1) for k in ks},
+        maj=sum(r["maj_correct"] for r in per_problem) / max(len(per_problem), 1),
+        mean_length=sum(lengths) / max(len(lengths), 1),
+        truncated_frac=sum(truncated) / max(len(truncated), 1),
+        per_problem=per_problem,
+        responses=responses,
+        tools=tool_use(calls, tool_errors, accs) if calls else {},
+    )
+
+
+def sample_and_grade(
+    engine, encode, examples, pool, sampling: SamplingParams, *, grader: str, progress, render
+) -> tuple[list[dict], list[int]]:
+    """Every sample's record (a line of <benchmark>.responses.jsonl), problem by problem, and with tools each
+    sample's failed calls (none without)."""
     from dapo.rewards import graders_for
 
     n, seed = sampling.n, sampling.seed
-    ks = [k for k in (2**i for i in range(20)) if k <= n]
-    accs: list[bool] = []
-    preds: list[str] = []
-    lengths: list[int] = []
-    truncated: list[bool] = []
     responses: list[dict] = []
-    calls: list[int] = []
     errors: list[int] = []
     chunk = max(1, 4096 // n)  # problems per generate call, so progress moves and memory stays flat
     for start in range(0, len(examples), chunk):
@@ -217,12 +240,7 @@ def evaluate(
         result = pool.score(
             gen.texts, [ex.ground_truth for ex in rows], graders_for([ex.data_source for ex in rows], grader)
         )
-        accs += [g.acc for g in result.grades]
-        preds += [g.pred for g in result.grades]
-        lengths += [len(r) for r in gen.response_ids]
-        truncated += gen.truncated.tolist()
         if gen.tool_logs is not None:
-            calls += [log.calls for log in gen.tool_logs]
             errors += [log.errors for log in gen.tool_logs]
         prompts = {ex.uid: render(ex) if render is not None else ex.text() for ex in part}
         for j, (ex, text, g, ids, cut) in enumerate(
@@ -244,35 +262,21 @@ def evaluate(
             )
         if progress is not None:
             progress(len(rows))
-    per_problem = []
-    for i, ex in enumerate(examples):
-        a, p = accs[i * n : (i + 1) * n], preds[i * n : (i + 1) * n]
-        votes = Counter(x for x in p if x not in INVALID_PREDS)
-        per_problem.append(
-            {
-                "id": ex.uid,
-                "ground_truth": ex.ground_truth,
-                "accuracy": sum(a) / n,
-                "num_correct": sum(a),
-                "majority_answer": votes.most_common(1)[0][0] if votes else None,
-                "maj_correct": majority_accuracy(p, a),
-            }
-        )
-    problem_acc = [r["accuracy"] for r in per_problem]
-    return EvalResult(
-        name=name,
-        n=n,
-        num_problems=len(examples),
-        avg=sum(accs) / max(len(accs), 1),
-        ci=bootstrap_ci(problem_acc, seed=seed),
-        pass_at={k: sum(pass_at_k(n, r["num_correct"], k) for r in per_problem) / max(len(per_problem), 1) for k in ks},
-        maj=sum(r["maj_correct"] for r in per_problem) / max(len(per_problem), 1),
-        mean_length=sum(lengths) / max(len(lengths), 1),
-        truncated_frac=sum(truncated) / max(len(truncated), 1),
-        per_problem=per_problem,
-        responses=responses,
-        tools=tool_use(calls, errors, accs) if calls else {},
-    )
+    return responses, errors
+
+
+def problem_summary(example, responses: list[dict]) -> dict:
+    """A line of <benchmark>.problems.jsonl: how the problem's samples (``responses``, their records) did."""
+    accs, preds = [r["correct"] for r in responses], [r["extracted_answer"] for r in responses]
+    votes = Counter(p for p in preds if p not in INVALID_PREDS)
+    return {
+        "id": example.uid,
+        "ground_truth": example.ground_truth,
+        "accuracy": sum(accs) / len(responses),
+        "num_correct": sum(accs),
+        "majority_answer": votes.most_common(1)[0][0] if votes else None,
+        "maj_correct": majority_accuracy(preds, accs),
+    }
 
 
 def evaluate_model(model_dir, benches: list, cfg, *, reward_fn=None, progress=None) -> list[EvalResult]:
@@ -283,7 +287,7 @@ def evaluate_model(model_dir, benches: list, cfg, *, reward_fn=None, progress=No
     returns the callback that hears of every k samples of that benchmark graded."""
     from dapo.data import make_encoder, render_prompt
     from dapo.models import load_model_and_tokenizer, pick_device
-    from dapo.rewards import REWARD_FN, RewardPool
+    from dapo.rewards import REWARD_FN
     from dapo.rollout import make_rollout, with_tools
 
     m, d, e = cfg.model, cfg.data, cfg.eval
@@ -298,11 +302,7 @@ def evaluate_model(model_dir, benches: list, cfg, *, reward_fn=None, progress=No
     encode = make_encoder(tokenizer, d.max_prompt_tokens)
     render = functools.partial(render_prompt, tokenizer=tokenizer)
     results = []
-    with RewardPool(
-        num_workers=cfg.reward.num_workers,
-        timeout_s=cfg.reward.timeout_s,
-        reward_fns=None if reward_fn is None else {REWARD_FN: reward_fn},
-    ) as pool:
+    with grading_pool(cfg, reward_fn) as pool:
         for (bench, examples), setting in zip(benches, settings):
             results.append(
                 evaluate(
@@ -320,14 +320,21 @@ def evaluate_model(model_dir, benches: list, cfg, *, reward_fn=None, progress=No
     return results
 
 
+def grading_pool(cfg, reward_fn=None):
+    """The grading workers reward.* asks for (a RewardPool); a caller's ``reward_fn`` grades there as REWARD_FN."""
+    from dapo.rewards import REWARD_FN, RewardPool
+
+    reward_fns = None if reward_fn is None else {REWARD_FN: reward_fn}
+    return RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s, reward_fns=reward_fns)
+
+
 def write_responses(result: EvalResult, path: Path) -> Path:
     """Every sampled response of ``result``, one JSON line each (id, sample, prompt, response,
     extracted_answer, ground_truth, correct, length_tokens, truncated), in ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
-        for row in result.responses:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in result.responses)
     return path
 
 
@@ -351,7 +358,6 @@ def write_report(results: list[EvalResult], out_dir: Path) -> Path:
     (out_dir / "eval.md").write_text("\n".join(lines) + "\n")
     for r in results:
         with open(out_dir / f"{r.name}.problems.jsonl", "w") as f:
-            for row in r.per_problem:
-                f.write(json.dumps(row) + "\n")
+            f.writelines(json.dumps(row) + "\n" for row in r.per_problem)
         write_responses(r, out_dir / f"{r.name}.responses.jsonl")
     return out_dir / "eval.md"

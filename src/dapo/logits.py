@@ -1,7 +1,7 @@
 """What a causal LM's own forward does to its LM head's output, so the trainer's log-probs are of the
 distribution the engines sample.
 
-The trainer runs the decoder and the head weight itself (``policy.ResponseLogProbs``: only response
+The trainer runs the decoder and the head weight itself (``logprobs.ResponseLogProbs``: only response
 positions reach the head, chunk by chunk), never the CausalLM's forward. Some forwards change the
 logits after the head: Granite divides them by ``logits_scaling``, Cohere multiplies them by
 ``logit_scale``, Gemma 2 and 3 soft-cap them (``cap * tanh(z / cap)``), others scale the hidden state

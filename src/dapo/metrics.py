@@ -106,9 +106,8 @@ def step_metrics(
     old_tokens = float(lengths.sum()) if old_logprob_tokens is None else old_logprob_tokens
     if old_tokens:
         m["perf/old_logprob_tokens_per_s"] = old_tokens / max(times["old_logprob"], 1e-9)
-    if (
-        batch.rollout_logp and engine_vs_trainer
-    ):  # the engine's log-probs of its own samples vs the trainer's: numerics (and buffer staleness)
+    # the engine's log-probs of its own samples vs the trainer's: numerics (and buffer staleness)
+    if batch.rollout_logp and engine_vs_trainer:
         T = batch.old_logp.shape[1]
         rollout_logp = batch.padded_logp(batch.rollout_logp, T)  # (N, T)
         diff = (rollout_logp - batch.old_logp).abs()[batch.written_mask(width=T) > 0]  # the model's tokens only

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from dapo.checkpoint import readable_as_umask
+from dapo.checkpoint_files import readable_as_umask
 from dapo.resources import shipped
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # float16: refused (config.REFUSED_CHOICES)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # float16: refused (config_read.REFUSED_CHOICES)
 
 
 def pick_device(name: str) -> torch.device:

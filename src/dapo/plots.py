@@ -83,6 +83,48 @@ def _band(curves: list[tuple[list[int], list[float]]]):
     return common, mean, [min(a[s] for a in at) for s in common], [max(a[s] for a in at) for s in common]
 
 
+def _curves(seed_rows: dict, key: str, x_key: str | None, smooth: int) -> list[tuple[list, list[float]]]:
+    """One (xs, ys) curve per seed (``seed_rows``: seed -> metrics rows): ``key`` against the step, or with ``x_key``
+    against the samples generated up to it; training metrics smoothed, held-out accuracy ("eval") as measured."""
+    curves = []
+    for rows_ in seed_rows.values():
+        if key == "eval":
+            k = next(iter(held_out_keys(rows_)), None)
+            pts = [(r["step"], r[k]) for r in rows_ if k and k in r]
+        else:
+            # a step where nothing was clipped at the top has no up-clipped probability (logged as 0)
+            pts = [
+                (r["step"], r[key])
+                for r in rows_
+                if key in r
+                and r["step"] > 0
+                and not (key.startswith("actor/up_clipped") and r.get("actor/clipfrac_high", 1.0) == 0)
+            ]
+        if x_key is not None:  # x = cumulative samples generated up to that step
+            cum, total = {0: 0.0}, 0.0
+            for r in rows_:
+                if r["step"] > 0:
+                    total += r.get(x_key, 0.0)
+                    cum[r["step"]] = total
+            pts = [(cum.get(s, 0.0), y) for s, y in pts]
+        if pts:
+            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+            curves.append((xs, ys if key == "eval" else _smooth(ys, smooth)))
+    return curves
+
+
+def _draw_row(ax, curves: list, color, label: str, *, markers: bool, per_seed: bool) -> None:
+    """An ablation row's line: the mean over seeds shaded from min to max, or (``per_seed``) each seed's own."""
+    if per_seed:  # seeds generate different numbers of samples: plot each seed
+        for j, (xs, ys) in enumerate(curves):
+            ax.plot(xs, ys, color=color, alpha=0.8, marker="o", ms=3, label=label if j == 0 else None)
+        return
+    xs, mean, lo, hi = _band(curves)
+    ax.plot(xs, mean, color=color, label=label, marker="o" if markers else None, ms=3)
+    if len(curves) > 1:
+        ax.fill_between(xs, lo, hi, color=color, alpha=0.15)
+
+
 def plot_ablation(data: dict, labels: dict, out_dir: Path, smooth: int = 5) -> list[Path]:
     """One PNG per quantity, one line per ablation row: the mean over seeds, shaded from min to max.
 
@@ -94,63 +136,18 @@ def plot_ablation(data: dict, labels: dict, out_dir: Path, smooth: int = 5) -> l
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     colors = plt.get_cmap("tab10")
-    rows = list(data)
-
-    def curves_for(row_data: dict, key: str, x_key: str | None = None):
-        curves = []
-        for rows_ in row_data.values():
-            if key == "eval":
-                k = next(iter(held_out_keys(rows_)), None)
-                pts = [(r["step"], r[k]) for r in rows_ if k and k in r]
-            else:
-                # a step where nothing was clipped at the top has no up-clipped probability (logged as 0)
-                pts = [
-                    (r["step"], r[key])
-                    for r in rows_
-                    if key in r
-                    and r["step"] > 0
-                    and not (key.startswith("actor/up_clipped") and r.get("actor/clipfrac_high", 1.0) == 0)
-                ]
-            if x_key is not None:  # x = cumulative samples generated up to that step
-                cum, total = {0: 0.0}, 0.0
-                for r in rows_:
-                    if r["step"] > 0:
-                        total += r.get(x_key, 0.0)
-                        cum[r["step"]] = total
-                pts = [(cum.get(s, 0.0), y) for s, y in pts]
-            if pts:
-                xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-                curves.append((xs, ys if key == "eval" else _smooth(ys, smooth)))
-        return curves
-
     specs = [(key, ylabel, stem, None) for key, ylabel, stem in ABLATION_FIGURES]
     specs.append(("eval", "held-out accuracy (avg@n)", "accuracy_vs_samples", "sampling/samples_generated"))
     for key, ylabel, stem, x_key in specs:
         fig, ax = plt.subplots(figsize=(7, 4.2))
         drawn = False
-        for i, row in enumerate(rows):
-            curves = curves_for(data[row], key, x_key)
-            if not curves:
-                continue
-            if x_key is not None:  # seeds generate different numbers of samples: plot each seed
-                for j, (xs, ys) in enumerate(curves):
-                    ax.plot(
-                        xs,
-                        ys,
-                        color=colors(i % 10),
-                        alpha=0.8,
-                        marker="o",
-                        ms=3,
-                        label=labels.get(row, row) if j == 0 else None,
-                    )
+        for i, row in enumerate(data):
+            curves = _curves(data[row], key, x_key, smooth)
+            if curves:
+                _draw_row(
+                    ax, curves, colors(i % 10), labels.get(row, row), markers=key == "eval", per_seed=x_key is not None
+                )
                 drawn = True
-                continue
-            xs, mean, lo, hi = _band(curves)
-            color = colors(i % 10)
-            ax.plot(xs, mean, color=color, label=labels.get(row, row), marker="o" if key == "eval" else None, ms=3)
-            if len(curves) > 1:
-                ax.fill_between(xs, lo, hi, color=color, alpha=0.15)
-            drawn = True
         if not drawn:  # still one figure per quantity, so reports always link the same files
             ax.text(0.5, 0.5, "no data (e.g. nothing was clipped)", ha="center", va="center", transform=ax.transAxes)
         ax.set_xlabel("samples generated" if x_key else "training step")

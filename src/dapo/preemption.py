@@ -174,9 +174,7 @@ class Signals:
         if step == 0:
             done = "no step completed since the start, nothing to save"
         else:
-            done = (
-                f"checkpoint {last} " + ("already there" if had else "written") + f", {seconds:.1f} s after the signal"
-            )
+            done = f"checkpoint {last} {'already there' if had else 'written'}, {seconds:.1f} s after the signal"
         return Stopped(
             f"stopped by {self.name} at step {step} ({where}): {done}; start the run again to resume "
             f"(exit code {EXIT_CODE})",

@@ -33,12 +33,15 @@ Held-out prompts are never touched: only the training sampler has a prefilter.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import struct
 from dataclasses import dataclass, field
 
 RECENT = 4  # group accuracies kept per prompt (the rule uses the streak and, with level, the last one)
 START_EXPLORE = 0.5  # each base's value before any steering: a prompt uninformative once is generated half the time
+# what a checkpoint keeps: the record and the two bases (the rule's settings come from the config)
+STATE_KEYS = ("seed", "drawn", "generated", "skipped", "streak", "last_step", "recent", "explore", "steps")
 
 
 def _uniform(seed: int, index: int, draw: int) -> float:
@@ -185,17 +188,7 @@ class Prefilter:
         return counts
 
     def state_dict(self) -> dict:
-        return {
-            "seed": self.seed,
-            "drawn": list(self.drawn),
-            "generated": list(self.generated),
-            "skipped": list(self.skipped),
-            "streak": list(self.streak),
-            "last_step": list(self.last_step),
-            "recent": [list(r) for r in self.recent],
-            "explore": dict(self.explore),
-            "steps": self.steps,
-        }
+        return copy.deepcopy({k: getattr(self, k) for k in STATE_KEYS})
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["streak"]) != self.num_prompts:
@@ -203,13 +196,6 @@ class Prefilter:
                 f"prefilter state was saved for {len(state['streak'])} prompts but this data set has "
                 f"{self.num_prompts}; resume with the same data files and options"
             )
-        self.seed = int(state["seed"])
-        self.drawn = list(state["drawn"])
-        self.generated = list(state["generated"])
-        self.skipped = list(state["skipped"])
-        self.streak = list(state["streak"])
-        self.last_step = list(state["last_step"])
-        self.recent = [list(r) for r in state["recent"]]
-        self.explore = dict(state["explore"])
-        self.steps = int(state["steps"])
+        for k in STATE_KEYS:
+            setattr(self, k, copy.deepcopy(state[k]))
         self.counts = SkipCounts()

@@ -8,8 +8,11 @@ autograd sums the gradients of all of a prompt's responses into its single pass)
 passes then run with them as ``past_key_values``, a 2D attention mask over [prompt + its padding |
 response] and position ids that continue from each row's true prompt length. Transformers builds the
 causal mask from the cache's length, so padding inside the cached part is masked like any other.
-Rows of a micro-batch go to response passes of similar width (``batch.response_passes``), so a
+Rows of a micro-batch go to response passes of similar width (``micro_batch.response_passes``), so a
 group's short responses are not padded to its longest.
+
+``micro_batch.shared_prompt_passes`` builds those tensors; this module runs them through the decoder
+(``prompt_then_responses``) and says which models it can run them for (``unsupported``).
 
 Both caches return the same states however often a layer runs, so activation checkpointing, which runs
 each layer again in backward, recomputes exactly what the forward computed; transformers keeps such a
@@ -20,90 +23,17 @@ from __future__ import annotations
 
 import inspect
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-from dapo.batch import pad_rows
+from dapo.batch import RolloutBatch
+from dapo.micro_batch import SharedPrompts, make_micro_batch
 from dapo.models import decoder_layers, decoder_of
 
 # the attention implementations whose masks, with padding inside the cached prompt, are checked against the
 # unshared pass (tests/test_prefix.py)
 SUPPORTED_ATTENTION = ("eager", "sdpa")
-
-
-@dataclass
-class ResponsePass:
-    """b rows' response tokens, after their prompts' cached states."""
-
-    input_ids: torch.Tensor  # (b, W): each response but its last token (it predicts nothing), right-padded
-    attention_mask: torch.Tensor  # (b, P + W): the row's prompt (its padding masked), then its tokens
-    position_ids: torch.Tensor  # (b, W): from the row's prompt length on
-    prompt_of_row: torch.Tensor  # (b,) long: which of the micro-batch's prompts each row continues
-
-
-@dataclass
-class SharedPrompts:
-    """A micro-batch's distinct prompts, right-padded, and the response passes that follow them."""
-
-    input_ids: torch.Tensor  # (U, P): U distinct prompts, P the longest
-    attention_mask: torch.Tensor  # (U, P)
-    responses: list[ResponsePass]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.numel() + sum(r.input_ids.numel() for r in self.responses)
-
-
-def prompt_of_rows(prompt_ids: list[list[int]]) -> list[int]:
-    """Which distinct prompt each row continues, numbered in order of first appearance."""
-    distinct: dict[tuple[int, ...], int] = {}
-    return [distinct.setdefault(tuple(p), len(distinct)) for p in prompt_ids]
-
-
-def fed_widths(response_ids: list[list[int]]) -> list[int]:
-    """The tokens each row feeds its response pass: all but the last (whose prediction is past the
-    end), and at least one, since a pass over nothing is still a pass (FSDP ranks run the same ones)."""
-    return [max(1, len(r) - 1) for r in response_ids]
-
-
-def shared_prompt_passes(
-    prompt_ids: list[list[int]], response_ids: list[list[int]], passes: list[list[int]], pad_id: int, device
-) -> tuple[SharedPrompts, list[int]]:
-    """The passes over B rows (row b: ``prompt_ids[b]`` then ``response_ids[b]``, non-empty) with each
-    distinct prompt once, the rows in ``passes`` (lists of row positions). Also, in row order, the flat
-    position in the passes' hidden states (``prompt_then_responses``) that predicts each response
-    token: a response's first token by its prompt's last real position, the others by the response
-    pass."""
-    of_row = prompt_of_rows(prompt_ids)
-    prompts = list({u: p for u, p in zip(of_row, prompt_ids)}.values())  # in order of u
-    width = max(len(p) for p in prompts)
-    lengths = torch.tensor([len(p) for p in prompts])
-    prompt_mask = (torch.arange(width)[None, :] < lengths[:, None]).long()  # (U, P)
-    fed, widths = [r[:-1] for r in response_ids], fed_widths(response_ids)
-    first_fed = [0] * len(fed)  # flat position of each row's first fed token
-    offset, responses = len(prompts) * width, []
-    for rows in passes:
-        fed_width = max(widths[b] for b in rows)
-        for k, b in enumerate(rows):
-            first_fed[b] = offset + k * fed_width
-        offset += len(rows) * fed_width
-        of_rows = torch.tensor([of_row[b] for b in rows], dtype=torch.long)
-        fed_mask = (torch.arange(fed_width)[None, :] < torch.tensor([len(fed[b]) for b in rows])[:, None]).long()
-        responses.append(
-            ResponsePass(
-                input_ids=pad_rows([fed[b] for b in rows], pad_id, fed_width).to(device),
-                attention_mask=torch.cat([prompt_mask[of_rows], fed_mask], dim=1).to(device),
-                position_ids=(lengths[of_rows][:, None] + torch.arange(fed_width)[None, :]).to(device),
-                prompt_of_row=of_rows.to(device),
-            )
-        )
-    predictors = []
-    for b, p in enumerate(prompt_ids):
-        predictors.append(of_row[b] * width + len(p) - 1)
-        predictors += range(first_fed[b], first_fed[b] + len(fed[b]))
-    return SharedPrompts(pad_rows(prompts, pad_id).to(device), prompt_mask.to(device), responses), predictors
 
 
 class _RecordingLayer(DynamicLayer):
@@ -216,26 +146,21 @@ def _probe(lm, decoder) -> str | None:
     """Why two prompts of different lengths, shared, give other hidden states than one right-padded pass over
     each whole sequence, or None: what the checks above cannot see (a cache indexed past the layer count, a
     recurrent state kept outside the cache, positions counted from the cache's length) shows here."""
+    # the probe's rows as the trainer lays them out, padded and shared (texts, uids and answers unused)
     prompts, responses = [[3, 4, 5, 6], [7, 8]], [[9, 10, 11], [12, 13, 14]]
+    probe = RolloutBatch(2, prompts, responses, torch.zeros(2, dtype=torch.bool), ["", ""], ["", ""], ["", ""])
     weight = next(lm.parameters())
-    shared, index = shared_prompt_passes(prompts, responses, [[0, 1]], 0, weight.device)
-    seqs = [p + r for p, r in zip(prompts, responses)]
-    width = max(map(len, seqs))
-    ids = pad_rows(seqs, 0, width).to(weight.device)
-    mask = (torch.arange(width)[None, :] < torch.tensor([len(s) for s in seqs])[:, None]).long().to(weight.device)
-    at = [
-        b * width + t
-        for b, (p, r) in enumerate(zip(prompts, responses))
-        for t in range(len(p) - 1, len(p) + len(r) - 1)
-    ]
+    padded = make_micro_batch(probe, [0, 1], 0, weight.device)
+    shared = make_micro_batch(probe, [0, 1], 0, weight.device, share_prompts=True)
     was_training = lm.training
     lm.train(False)
     try:
         with torch.no_grad():
-            whole = decoder(input_ids=ids, attention_mask=mask).last_hidden_state.flatten(0, 1)[at].float()
+            whole = decoder(input_ids=padded.input_ids, attention_mask=padded.attention_mask).last_hidden_state
+            whole = whole.flatten(0, 1)[padded.token_index].float()
             try:
                 with torch.enable_grad():  # some forwards fail only under autograd (in-place writes into views)
-                    parts = prompt_then_responses(decoder, shared)[index].float()
+                    parts = prompt_then_responses(decoder, shared.shared)[shared.token_index].float()
                     trainable = [p for p in decoder.parameters() if p.requires_grad][:1]
                     if trainable and parts.requires_grad:
                         torch.autograd.grad(parts.sum(), trainable, allow_unused=True)  # into no .grad

@@ -31,8 +31,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     """
     byte_to_symbol = bytes_to_unicode()
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    for b in range(256):
-        vocab[byte_to_symbol[b]] = len(vocab)
+    vocab.update((byte_to_symbol[b], len(SPECIAL_TOKENS) + b) for b in range(256))
     return Qwen2Tokenizer(
         vocab=vocab,
         merges=[],
@@ -84,11 +83,9 @@ def build_model(
         use_sliding_window=False,
         sliding_window=None,
     )
-    if seed is not None:
-        with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[], enabled=seed is not None):  # a seed leaves the caller's stream alone
+        if seed is not None:
             torch.manual_seed(seed)
-            model = Qwen2ForCausalLM(config)
-    else:
         model = Qwen2ForCausalLM(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id

@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 
 from dapo.config import Config, ConfigError, MlflowConfig, WandbConfig, to_dict
-from dapo.log import read_metrics, route_library_logger
+from dapo.library_logging import route_library_logger
+from dapo.log import read_metrics
 
 STATE_FILE = "trackers.json"
 # logger name -> (the module it imports, the pip extra that installs it)

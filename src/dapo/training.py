@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import functools
 import logging
-import random
 import sys
 import time
 from collections.abc import Callable
@@ -31,21 +29,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dapo import algo, checkpoint, lora, parallel, preemption, watchdog
-from dapo.async_rollout import AsyncRollout, start_rollout_process
+from dapo import algo, checkpoint, lora, parallel, preemption, run_setup, watchdog
+from dapo.async_rollout import AsyncRollout
 from dapo.batch import RolloutBatch
 from dapo.config import AlgoConfig, Config, ConfigError, dump_yaml, load_config
-from dapo.data import PromptSampler, make_encoder, render_prompt
+from dapo.data import PromptSampler, render_prompt
 from dapo.dynamic_sampling import (
     BatchCollector,
     CollectStats,
-    Scorer,
     next_keep_rate,
     record_behaviour_logp,
     round_seeds,
 )
-from dapo.evaluation import evaluate, load_benchmark, sampling_settings
-from dapo.log import RunLogger, raised_outside, rank_log_path, setup_library_logging
+from dapo.evaluation import evaluate, sampling_settings
+from dapo.library_logging import raised_outside, rank_log_path
+from dapo.log import RunLogger
 from dapo.memory import PhaseMemory
 from dapo.metrics import (
     engine_gap_warning,
@@ -57,11 +55,7 @@ from dapo.metrics import (
 )
 from dapo.models import pick_device
 from dapo.policy import BaseReference, LossFn, Policy, ReferenceModel
-from dapo.prefilter import Prefilter
-from dapo.rewards.pool import REWARD_FN
-from dapo.rollout import SamplingParams, make_training_engine, resolve_backend
-from dapo.tasks import load_train_examples
-from dapo.trackers import check_installed, open_trackers, run_status
+from dapo.rollout import SamplingParams
 
 NO_SIGNAL_STREAK = 3  # steps in a row without an informative group before the run says what to change
 
@@ -93,21 +87,12 @@ class TrainState:
         return round_seeds(base_seed, self.gen_rounds)
 
     def state_dict(self) -> dict:
-        return {
-            "step": self.step,
-            "gen_rounds": self.gen_rounds,
-            "keep_rate": self.keep_rate,
-            "buffer": [b.state() for b in self.buffer],
-        }
+        return {**vars(self), "buffer": [b.state() for b in self.buffer]}
 
     @classmethod
     def from_state_dict(cls, state: dict) -> TrainState:
-        return cls(
-            step=state["step"],
-            gen_rounds=state["gen_rounds"],
-            keep_rate=state["keep_rate"],
-            buffer=[RolloutBatch.from_state(s) for s in state["buffer"]],
-        )
+        counters = {k: state[k] for k in ("step", "gen_rounds", "keep_rate")}  # (a checkpoint holds more)
+        return cls(**counters, buffer=[RolloutBatch.from_state(s) for s in state["buffer"]])
 
 
 class Timer:
@@ -168,23 +153,6 @@ class RunInputs:
     eval_sets: list | None = None  # (Benchmark, examples) pairs instead of eval.benchmarks
     reward_fn: Callable | None = None  # grades every response, in the grading pool, instead of reward.grader
     tool_env: object | None = None  # a dapo.tools.Environment: multi-turn rollouts with the caller's own tool
-
-
-@contextlib.contextmanager
-def grading_pool(cfg: Config, d: parallel.Dist, reward_fn: Callable | None = None):
-    """The grading workers. Under FSDP only rank 0 has them: it grades every rank's samples, once,
-    and every rank receives the same grades."""
-    from dapo.rewards import RewardPool
-
-    if not d.is_main:
-        yield parallel.OnMain(None, d)
-        return
-    with RewardPool(
-        num_workers=cfg.reward.num_workers,
-        timeout_s=cfg.reward.timeout_s,
-        reward_fns={REWARD_FN: reward_fn} if reward_fn is not None else None,
-    ) as pool:
-        yield parallel.OnMain(pool, d) if d.sharded else pool
 
 
 def assign_advantages(batch: RolloutBatch, a, group_size: int, *, filter_void_turns: bool = False) -> None:
@@ -347,9 +315,8 @@ class Run:
         rollout engine samples its share of the prompts with a seed of its own (``ShardedRollout``)."""
         saved = checkpoint.load_trainer_state(path)
         checkpoint.load_policy(self.policy, path, saved.get("policy"))
-        self.engine.update_weights(
-            self.policy.named_weights()
-        )  # an engine with its own copy starts from the checkpoint
+        # an engine with its own copy starts from the checkpoint
+        self.engine.update_weights(self.policy.named_weights())
         self.sampler.load_state_dict(saved["sampler"])
         self.state = TrainState.from_state_dict(saved)
         checkpoint.set_rng_state(saved["rng"])
@@ -418,102 +385,22 @@ class Run:
 
 def start(cfg: Config, stack: contextlib.ExitStack, console=None, inputs: RunInputs | None = None) -> Run:
     """Build the run: ranks, policy, rollout engine, data, grading pool, logger; resume if asked."""
-    inputs = inputs or RunInputs()
-    check_installed(cfg.run.loggers)  # before anything is built
-    random.seed(cfg.train.seed)
-    torch.manual_seed(cfg.train.seed)
-    d = parallel.init(cfg.model.device, rollout_ranks=cfg.rollout.ranks)  # torchrun, Ray: FSDP over the ranks
-    checkpoint.prepare_run_dir(cfg.run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite, dist=d)
-    log_path = setup_library_logging(cfg.run_dir, cfg.run.log_level, rank=d.rank)  # vLLM, Ray, transformers: train.log
-    watchdog.PHASES.slowest.clear()  # a new run, a new history (a process may run several)
-    dog = watchdog.start(cfg.run, rank=d.rank, log_path=log_path)
-    if dog is not None:
-        stack.callback(dog.stop)
+    d = run_setup.setup_ranks_and_run_dir(cfg, stack)
     with watchdog.phase("start"):  # models, engine, grading workers, resume: a hang here is named too
-        return _build(cfg, stack, d, console, inputs)
+        return _build(cfg, stack, d, console, inputs or RunInputs())
 
 
 def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, inputs: RunInputs) -> Run:
-    r, a = cfg.rollout, cfg.algo
+    """The run's components, one setup step each (run_setup.py), in the order they need one another."""
     device = d.device if d.sharded else pick_device(cfg.model.device)
-    train_seq_tokens = cfg.data.max_prompt_tokens + r.max_response_tokens  # the longest sequence a training pass sees
-    policy = Policy(cfg.model, cfg.train, d, device=device, temperature=r.temperature, max_seq_tokens=train_seq_tokens)
-    reference = None
-    if a.kl_coef > 0:  # with LoRA the base is the policy with its adapters off: no second copy
-        reference = (
-            policy.base_reference()
-            if policy.adapted
-            else ReferenceModel(
-                cfg.model, cfg.train, d, device=device, temperature=r.temperature, max_seq_tokens=train_seq_tokens
-            )
-        )
-    max_model_len = cfg.data.max_prompt_tokens + max(r.max_response_tokens, cfg.eval.max_response_tokens or 0)
-    # the saved config says which engine ran ("auto" resolved)
-    r = dataclasses.replace(r, backend=resolve_backend(r.backend))
-    cfg = dataclasses.replace(cfg, rollout=r)
-    # with rollout.max_staleness the training rollouts are the rollout process's; this engine evaluates, the HF one
-    # sharing the policy's model (a second vLLM beside the rollout process's would need its memory again)
-    engine = make_training_engine(
-        dataclasses.replace(r, backend="hf") if r.max_staleness else r, cfg.model, policy.model, policy.tokenizer, d,
-        max_model_len=max_model_len, tools_cfg=cfg.tools, tool_env=inputs.tool_env,
-    )  # fmt: skip
-    if a.old_logp == "engine" and engine.backend != "vllm":
-        raise ConfigError(
-            f"algo.old_logp=engine: rollout.backend=auto chose {engine.backend}, which reports no "
-            "log-probs (vLLM is not installed); use algo.old_logp=recompute"
-        )
-    encode = make_encoder(policy.tokenizer, cfg.data.max_prompt_tokens)
-    train_examples = inputs.train_examples if inputs.train_examples is not None else load_train_examples(cfg.data)
-    prefilter = (
-        Prefilter(
-            len(train_examples),
-            seed=cfg.data.seed,
-            target=a.prefilter_target,
-            floor=a.prefilter_floor,
-            step_size=a.prefilter_step,
-            group_size=r.group_size,
-            level=a.prefilter_level,
-        )
-        if a.prefilter
-        else None
+    policy, reference = run_setup.setup_policy(cfg, d, device)
+    cfg, engine = run_setup.setup_engine(cfg, d, policy, inputs.tool_env)  # cfg: with the backend "auto" chose
+    encode, sampler = run_setup.setup_data(cfg, policy.tokenizer, inputs.train_examples)
+    eval_sets = run_setup.setup_eval_sets(cfg, inputs.eval_sets)
+    pool, grader = run_setup.setup_rewards(cfg, d, stack, inputs.reward_fn)
+    collector, rollout_ahead = run_setup.setup_collection(
+        cfg, d, stack, engine, sampler, encode, pool, grader, policy=policy, device=device, tool_env=inputs.tool_env
     )
-    sampler = PromptSampler(train_examples, seed=cfg.data.seed, prefilter=prefilter)
-    eval_sets = (
-        inputs.eval_sets
-        if inputs.eval_sets is not None
-        else [
-            load_benchmark(
-                b, template=cfg.data.template, num_problems=cfg.eval.num_problems, max_row_chars=cfg.data.max_row_chars
-            )
-            for b in cfg.eval.benchmarks
-        ]
-    )
-    pool = stack.enter_context(grading_pool(cfg, d, inputs.reward_fn))
-    grader = REWARD_FN if inputs.reward_fn is not None else None
-    scorer_of = functools.partial(
-        Scorer,
-        grader=grader or cfg.reward.grader,
-        algo_cfg=a,
-        max_response_tokens=r.max_response_tokens,
-        reward_from_score=grader is not None,
-    )
-    scorer = scorer_of(pool)
-    sampling = SamplingParams(
-        n=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_response_tokens
-    )
-    collector = BatchCollector(
-        engine=engine, sampler=sampler, scorer=scorer, encode=encode, sampling=sampling, algo_cfg=a
-    )
-    rollout_ahead = None
-    if r.max_staleness:  # the same collection, with the engine in a process of its own
-        rollout_ahead = start_rollout_process(
-            cfg, d, policy.tokenizer, device, max_model_len=max_model_len, tool_env=inputs.tool_env,
-            collector=lambda remote: BatchCollector(  # rank 0 grades alone there: its own pool, no broadcast
-                engine=remote, sampler=sampler, scorer=scorer_of(pool.local if d.sharded else pool), encode=encode,
-                sampling=sampling, algo_cfg=a,
-            ),
-        )  # fmt: skip
-        stack.callback(rollout_ahead.close)
     run = Run(
         cfg,
         d,
@@ -524,7 +411,7 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
         sampler,
         collector,
         pool,
-        make_loss_fn(a, r.max_response_tokens),
+        make_loss_fn(cfg.algo, cfg.rollout.max_response_tokens),
         eval_sets,
         TrainState(),
         RunLogger(None, total_steps=cfg.train.total_steps),  # writes nothing; rank 0's is made once resumed
@@ -534,44 +421,14 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
         rollout_ahead=rollout_ahead,
     )
     stack.callback(run.memory.close)
-    resume_from, passed_over = (
-        checkpoint.resume_point(cfg.run_dir, refuse_damaged=cfg.run.resume_damaged == "refuse", dist=d)
-        if cfg.run.resume
-        else (None, [])
-    )
-    saved_world_size = run.resume(resume_from) if resume_from is not None else None
-    if rollout_ahead is not None:  # from the step resumed (its weights are version state.step), or the start
-        st = run.state
-        rollout_ahead.start(
-            st.step, policy.named_weights(), gen_rounds=st.gen_rounds, keep_rate=st.keep_rate, saved=run.resumed_async
-        )
-    if d.is_main:
-        (cfg.run_dir / "config.yaml").write_text(dump_yaml(cfg))
-        run.logger = RunLogger(
-            cfg.run_dir,
-            total_steps=cfg.train.total_steps,
-            start_step=run.state.step,
-            tensorboard="tensorboard" in cfg.run.loggers,
-            progress=cfg.run.progress,
-            step_lines="console" in cfg.run.loggers,
-            console=console,
-        )
-    stack.push(lambda kind, err, tb: parallel.shutdown(d, clean=kind is None))
-    stack.push(lambda kind, err, tb: run.logger.close(run_status(kind)))
-    stack.callback(run.writer.wait)  # first of these: a run that stops (an error, Ctrl-C) still completes its write
-    if d.is_main:
-        run.logger.trackers = open_trackers(cfg, start_step=run.state.step, warn=run.logger.warn, info=run.logger.info)
+    passed_over, resumed = run_setup.setup_resume(run)
+    run_setup.setup_loggers(run, stack, console)
     if policy.adapted:
         run.logger.info(lora.summary(policy.model))
     for line in passed_over:  # checkpoints found damaged (moved aside), or not verifiable (written without a manifest)
         run.logger.warn(line)
-    if resume_from is not None:
-        resharded = (
-            f"; written by {saved_world_size} rank{'s' * (saved_world_size > 1)}, resharded onto {d.world_size}"
-            if saved_world_size not in (None, d.world_size)
-            else ""
-        )
-        run.logger.info(f"resumed from {resume_from} (step {run.state.step}){resharded}")
+    if resumed is not None:
+        run.logger.info(resumed)
     return run
 
 
@@ -582,10 +439,8 @@ def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
     memory = {"memory": run.memory.phase} if run.memory is not None else {}
     phase = StepPhases(**memory, timer=timer, watchdog=watchdog.step_phase)  # each block timed, measured, watched
     with phase("step"):
-        with (
-            run.logger.warnings_of(step),
-            phase("collect"),
-        ):  # generation and grading, every round (perf/time_generate_s, _reward_s)
+        # generation and grading, every round (perf/time_generate_s, _reward_s)
+        with run.logger.warnings_of(step), phase("collect"):
             if run.rollout_ahead is not None:  # collected ahead, while the trainer updated (rollout.max_staleness)
                 batch, cstats, ahead = run.rollout_ahead.take(step)
             else:
@@ -699,9 +554,8 @@ def train(cfg: Config, *, console=None, inputs: RunInputs | None = None) -> dict
     return last
 
 
-if (
-    __name__ == "__main__"
-):  # one run in its own process, as the ablation runner starts them: python -m dapo.training PRESET [key=value ...]
+# one run in its own process, as the ablation runner starts them: python -m dapo.training PRESET [key=value ...]
+if __name__ == "__main__":
     try:
         train(load_config(sys.argv[1], sys.argv[2:]))
     except preemption.Stopped as stopped:  # as `dapo train`: the stop line alone (rank 0's), exit code 75

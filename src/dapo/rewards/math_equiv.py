@@ -20,7 +20,7 @@ import re
 import signal
 import threading
 from fractions import Fraction
-from functools import lru_cache
+from functools import cache, lru_cache
 
 from dapo.rewards.extract import last_answer_line, last_boxed
 from dapo.rewards.minerva import normalize_final_answer, normalized_truth, same_answer
@@ -105,19 +105,14 @@ def _costly(text: str) -> bool:
     return bool(_COSTLY.search(text)) or _has_power_tower(text)
 
 
-_MATH_VERIFY = None  # (module, extraction configs) once loaded
-
-
+@cache
 def _math_verify():
-    # Imported on first use: math-verify pulls in sympy and antlr (~0.5 s), which processes that
-    # only run the other graders should not pay for.
-    global _MATH_VERIFY
-    if _MATH_VERIFY is None:
-        import math_verify
-        from math_verify import ExprExtractionConfig, LatexExtractionConfig
+    """(the module, its extraction configs), imported on first use: math-verify pulls in sympy and antlr
+    (~0.5 s), which processes that only run the other graders should not pay for."""
+    import math_verify
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig
 
-        _MATH_VERIFY = (math_verify, (LatexExtractionConfig(), ExprExtractionConfig()))
-    return _MATH_VERIFY
+    return math_verify, (LatexExtractionConfig(), ExprExtractionConfig())
 
 
 @contextlib.contextmanager

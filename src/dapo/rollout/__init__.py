@@ -79,12 +79,8 @@ def make_training_engine(
     ``max_model_len``: the longest prompt + response the run asks for; vLLM sizes its KV cache and
     scheduler for this, not for the model's whole context."""
     if not dist.sharded:
-        return with_tools(
-            make_rollout(rollout_cfg, policy_model, tokenizer, max_model_len=max_model_len),
-            tokenizer,
-            tools_cfg,
-            tool_env,
-        )
+        engine = make_rollout(rollout_cfg, policy_model, tokenizer, max_model_len=max_model_len)
+        return with_tools(engine, tokenizer, tools_cfg, tool_env)
     from dapo.config import ConfigError
     from dapo.models import load_model_and_tokenizer, weightless_model
 
@@ -106,9 +102,8 @@ def make_training_engine(
         model = weightless_model(model_cfg.path, model_cfg.dtype, trust_remote_code=trust)
     else:
         model, _ = load_model_and_tokenizer(model_cfg.path, model_cfg.dtype, dist.device, trust_remote_code=trust)
-    engine = with_tools(
-        make_rollout(rollout_cfg, model, tokenizer, max_model_len=max_model_len), tokenizer, tools_cfg, tool_env
-    )
+    engine = make_rollout(rollout_cfg, model, tokenizer, max_model_len=max_model_len)
+    engine = with_tools(engine, tokenizer, tools_cfg, tool_env)
     return ShardedRollout(engine, dist, tensor_parallel_size=k)  # each rank runs its own rows' tool calls
 
 

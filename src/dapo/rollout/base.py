@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Protocol
 
 import torch
@@ -33,13 +33,8 @@ class ToolLog:
     void_turns: int = 0  # turns that ended at a closed block that was not code (neither a call nor the end)
 
     def add(self, other: ToolLog) -> None:
-        self.turns += other.turns
-        self.calls += other.calls
-        self.errors += other.errors
-        self.timeouts += other.timeouts
-        self.seconds += other.seconds
-        self.tool_tokens += other.tool_tokens
-        self.void_turns += other.void_turns
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 @dataclass
@@ -109,7 +104,38 @@ def concat_generations(parts: list[Generation]) -> Generation:
     )
 
 
-class ShardedRollout:
+class Sleepless:
+    """``sleep``/``wake`` that free nothing: an engine whose memory is its own (a process or rank apart from the
+    trainer), or whose model is the trainer's itself (hf)."""
+
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+
+class Wrapper:
+    """An engine around another one (``self.engine``): its backend, weight updates, sleep and wake are the
+    wrapped engine's."""
+
+    engine: RolloutEngine
+
+    @property
+    def backend(self) -> str:
+        return self.engine.backend
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.engine.update_weights(named_tensors)
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake(self) -> None:
+        self.engine.wake()
+
+
+class ShardedRollout(Wrapper):
     """Data-parallel sampling under FSDP: each engine samples a contiguous share of the prompts and
     every rank gets the whole Generation, in prompt order. ``generate`` is collective: every rank
     calls it with the same prompts.
@@ -121,10 +147,6 @@ class ShardedRollout:
     def __init__(self, engine: RolloutEngine, d, tensor_parallel_size: int = 1):
         self.engine, self.d, self.k = engine, d, tensor_parallel_size
 
-    @property
-    def backend(self) -> str:
-        return self.engine.backend
-
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generation:
         from dapo import parallel
 
@@ -135,12 +157,3 @@ class ShardedRollout:
             mine = self.engine.generate(prompt_ids[lo:hi], replace(params, seed=params.seed * w + r))
         parts = parallel.all_gather_object(mine if self.d.rank % self.k == 0 else None, self.d)[:: self.k]
         return concat_generations(parts)
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.engine.update_weights(named_tensors)
-
-    def sleep(self) -> None:
-        self.engine.sleep()
-
-    def wake(self) -> None:
-        self.engine.wake()

@@ -13,12 +13,12 @@ import torch
 from transformers import GenerationConfig
 
 from dapo import lora
-from dapo.rollout.base import Generation, SamplingParams, eos_token_ids, split_response
+from dapo.rollout.base import Generation, SamplingParams, Sleepless, eos_token_ids, split_response
 
 LOGPROB_CHUNK_FLOATS = 1 << 27  # logits held at once when computing log-probs (512 MiB in float32)
 
 
-class HFRolloutEngine:
+class HFRolloutEngine(Sleepless):
     backend = "hf"
 
     def __init__(self, model, tokenizer, *, max_batch_size: int = 512, logprobs: bool = False):
@@ -131,9 +131,3 @@ class HFRolloutEngine:
                     raise KeyError(f"rollout model has no parameter {name!r}")
                 if target.data_ptr() != tensor.data_ptr():  # shared weights need no copy
                     target.copy_(tensor.to(target.device, target.dtype))
-
-    def sleep(self) -> None:
-        pass
-
-    def wake(self) -> None:
-        pass

@@ -23,9 +23,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from dapo.rollout.base import Generation, RolloutEngine, SamplingParams, ToolLog
-from dapo.tools import DONE, Environment, ToolResult
-from dapo.tools.python_tool import output_block
+from dapo.rollout.base import Generation, RolloutEngine, SamplingParams, ToolLog, Wrapper
+from dapo.tools import DONE, Environment, ToolResult, output_block
 
 _TAIL_TOKENS = 8  # response tokens before a turn's new ones that a closing fence may have started in
 
@@ -41,7 +40,7 @@ class _Row:
     truncated: bool = False
 
 
-class ToolRollout:
+class ToolRollout(Wrapper):
     """``generate`` as the wrapped engine's, with ``max_turns`` turns and ``max_calls`` environment steps per row
     that append text. ``env``: the Python tool (``dapo.tools.PythonTool``) or a user's ``Environment``; its
     ``step`` gets ``timeout_s`` (the Python tool: its sandbox's own limit) and ``output_chars`` of text back."""
@@ -56,10 +55,6 @@ class ToolRollout:
         # threads, not processes: a Python tool call is a process of its own already; a step past its time limit
         # is left to finish in the background (a thread cannot be killed), and the response goes on without it
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dapo-tool")
-
-    @property
-    def backend(self) -> str:
-        return self.engine.backend
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generation:
         rows = [_Row(p) for p in prompt_ids for _ in range(params.n)]  # prompt-major
@@ -174,15 +169,6 @@ class ToolRollout:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
-
-    def update_weights(self, named_tensors) -> None:
-        self.engine.update_weights(named_tensors)
-
-    def sleep(self) -> None:
-        self.engine.sleep()
-
-    def wake(self) -> None:
-        self.engine.wake()
 
 
 def _timed(step, text: str):

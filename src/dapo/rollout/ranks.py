@@ -18,6 +18,7 @@ them to each rollout rank over TCP, which for a large model costs seconds a step
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -30,8 +31,8 @@ from multiprocessing.connection import Client, Listener
 
 import torch
 
-from dapo.rollout.base import Generation, SamplingParams, concat_generations
-from dapo.rollout.remote import START_TIMEOUT_S, Apart, RemoteEngineError, pack, payload_of
+from dapo.rollout.base import Generation, SamplingParams, Sleepless, concat_generations
+from dapo.rollout.remote import START_TIMEOUT_S, RemoteEngineError, pack, payload_of
 
 
 class Channel:
@@ -103,7 +104,7 @@ def serve(cfg, env: dict | None = None) -> None:
         os._exit(0)
 
 
-class RankEngines(Apart):
+class RankEngines(Sleepless):
     """Trainer rank 0's engine when the rollout runs on rollout ranks: ``generate`` splits the prompts among them
     and puts their answers back in order; ``update_weights`` sends each the numbered version."""
 
@@ -167,10 +168,8 @@ class RankEngines(Apart):
         if self._lock.acquire(timeout=1.0):
             try:
                 for channel in self._requests:
-                    try:
+                    with contextlib.suppress(OSError):
                         channel.send(("stop",))
-                    except OSError:
-                        pass
             finally:
                 self._lock.release()
         for channel in self._requests + self._weights:

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import torch
 import torch.multiprocessing as mp
 
-from dapo.rollout.base import Generation, SamplingParams
+from dapo.rollout.base import Generation, SamplingParams, Sleepless
 
 START_TIMEOUT_S = 600.0  # loading the model (and vLLM's start-up) in the new process
 
@@ -39,17 +39,7 @@ def payload_of(answer: tuple, who: str, doing: str):
     return payload
 
 
-class Apart:
-    """``sleep``/``wake`` of an engine apart from the trainer: its memory is its own, nothing to give back."""
-
-    def sleep(self) -> None:
-        pass
-
-    def wake(self) -> None:
-        pass
-
-
-class RemoteEngine(Apart):
+class RemoteEngine(Sleepless):
     """``generate`` / ``update_weights`` as an in-process engine's, answered by the rollout process. Requests and
     weights go over two pipes: a push is received (by a thread of the rollout process) while a request is being
     generated, so the trainer never waits on generation to hand over weights."""

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 # vLLM configures its logger (a handler on stdout) when imported unless told not to; the run's
-# logging setup (dapo.log) then sends its records to train.log and its warnings to the console
+# logging setup (dapo.library_logging) then sends its records to train.log and its warnings to the console
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
 from vllm import LLM  # noqa: E402

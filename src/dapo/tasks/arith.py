@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
+import operator
 import random
 import re
 from dataclasses import dataclass
@@ -82,12 +83,7 @@ def parse(problem_text: str) -> tuple[list[int], list[str]]:
     return [int(t) for t in tokens[0::2]], tokens[1::2]
 
 
-def _apply(a: int, op: str, b: int) -> int:
-    if op == "+":
-        return a + b
-    if op == "-":
-        return a - b
-    return a * b
+_APPLY = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
 
 def _next_index(ops: list[str]) -> int:
@@ -100,11 +96,7 @@ def _reduce(nums: list[int], ops: list[str], i: int, value: int) -> tuple[list[i
 
 
 def _render(nums: list[int], ops: list[str]) -> str:
-    out = [str(nums[0])]
-    for op, n in zip(ops, nums[1:]):
-        out.append(op)
-        out.append(str(n))
-    return "".join(out)
+    return str(nums[0]) + "".join(op + str(n) for op, n in zip(ops, nums[1:]))
 
 
 def _trace(nums: list[int], ops: list[str]) -> list[int]:
@@ -112,7 +104,7 @@ def _trace(nums: list[int], ops: list[str]) -> list[int]:
     values = []
     while ops:
         i = _next_index(ops)
-        v = _apply(nums[i], ops[i], nums[i + 1])
+        v = _APPLY[ops[i]](nums[i], nums[i + 1])
         values.append(v)
         nums, ops = _reduce(nums, ops, i, v)
     return values
@@ -143,7 +135,7 @@ def _worked(nums: list[int], ops: list[str], step_value) -> str:
 def solution(problem_text: str) -> str:
     """The correct worked solution: one reduction per line, then ``Answer: N``."""
     nums, ops = parse(problem_text)
-    return _worked(nums, ops, lambda step, n, o, i: _apply(n[i], o[i], n[i + 1]))
+    return _worked(nums, ops, lambda step, n, o, i: _APPLY[o[i]](n[i], n[i + 1]))
 
 
 def plausible_mistake(value: int, rng: random.Random) -> int:
@@ -176,7 +168,7 @@ def noisy_solution(problem_text: str, rng: random.Random, error_rate: float) -> 
     nums, ops = parse(problem_text)
 
     def step_value(step, n, o, i):
-        right = _apply(n[i], o[i], n[i + 1])
+        right = _APPLY[o[i]](n[i], n[i + 1])
         if rng.random() >= error_rate:
             return right
         for _ in range(10):

@@ -9,17 +9,40 @@ An environment is what the rollout asks at the end of each turn::
                                        # a ToolResult is shown as an ```output block and counted as a call that
                                        # failed or not), DONE to end the response, or None to let it write on
 
-``PythonTool`` is the built-in one: a ```python block the model closes runs in the sandbox. A user's own
-environment (``dapo.api.train(..., tool_env=...)``) gets the same token handling, masking and limits
-(``tools.max_turns``, ``tools.max_calls``, ``tools.output_chars``, and ``tools.timeout_s`` per step).
+``PythonTool`` is the built-in one, with ToRL's text protocol: the model writes a fenced ```python block, which
+runs in the sandbox (``dapo.tools.sandbox``); its output comes back as a fenced ```output block appended to the
+response, and the model goes on writing after it. A user's own environment (``dapo.api.train(..., tool_env=...)``)
+gets the same token handling, masking and limits (``tools.max_turns``, ``tools.max_calls``, ``tools.output_chars``,
+and ``tools.timeout_s`` per step).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Protocol
 
-from dapo.tools.python_tool import STOP, call_in, output_block  # noqa: F401
 from dapo.tools.sandbox import Limits, Sandbox, ToolResult
+
+# a complete call: an opening ```python line, the code, a closing ``` line; the last one in the text counts
+_CALL = re.compile(r"```python[ \t]*\n(.*?)\n```[ \t]*(?:\n|$)", re.DOTALL)
+# generation stops when a fenced block closes (the fence on a line of its own); the caller then checks that the
+# block was a python one
+STOP = ("\n```\n",)
+
+
+def call_in(text: str) -> str | None:
+    """The code of the python block that ``text`` ends with (the model just closed it), else None."""
+    calls = list(_CALL.finditer(text))
+    found = calls[-1] if calls else None
+    if found is None or text[found.end() :].strip():
+        return None
+    return found.group(1)
+
+
+def output_block(result: ToolResult) -> str:
+    """What is appended after a call: the output block, on lines of its own, and a newline to write on from."""
+    body = result.output.rstrip("\n")
+    return f"```output\n{body}\n```\n"
 
 
 class Done:

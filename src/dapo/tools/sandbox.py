@@ -15,6 +15,7 @@ capability is kept; started as another user, bubblewrap maps that user into a us
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -71,8 +72,7 @@ class ToolResult:
 def _interpreter_paths() -> list[Path]:
     """What the sandboxed interpreter needs to read: its installation and the environment's site-packages."""
     paths = {Path(sys.base_prefix), Path(sys.prefix)}
-    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
-        paths.add(Path(sysconfig.get_paths()[key]))
+    paths |= {Path(sysconfig.get_paths()[key]) for key in ("stdlib", "platstdlib", "purelib", "platlib")}
     paths.add(Path(sys.executable).parent)
     resolved = {p.resolve() for p in paths if p.exists()} | {p for p in paths if p.exists()}
     # bind the outermost of nested paths only
@@ -253,11 +253,10 @@ def _communicate(proc: subprocess.Popen, data: bytes, deadline: float, cap: int)
     chunks: dict[int, list[bytes]] = {out_fd: [], err_fd: []}
     sizes = dict.fromkeys(chunks, 0)
     killed = ""
-    try:
+    # (a pipe error: it exited, or closed stdin, before reading its program; its stderr says why)
+    with contextlib.suppress(BrokenPipeError, OSError):
         proc.stdin.write(data)
         proc.stdin.close()
-    except (BrokenPipeError, OSError):
-        pass  # it exited (or closed stdin) before reading its program: its stderr says why
     with selectors.DefaultSelector() as sel:
         sel.register(proc.stdout, selectors.EVENT_READ)
         sel.register(proc.stderr, selectors.EVENT_READ)
@@ -308,10 +307,8 @@ def _namespaces_refused(error: str, root: bool) -> str:
 
 def _kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL the call's process group: bubblewrap, and with it (PID namespace) everything inside."""
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _cut(text: str, limit: int) -> str:

@@ -1,0 +1,96 @@
+"""A checkpoint directory's files: their manifest and their modes. The standard library only.
+
+Each checkpoint ends with ``manifest.json`` (written last, inside the directory before its rename): every other
+file's size and CRC-32. ``verify`` compares a checkpoint with it (a copy cut short, a full disk on the other side,
+bit rot); which checkpoints are checked, and what is done with a damaged one, is checkpoint.py's (``resume_point``,
+``check_whole``). What is written for sharing (a checkpoint, an export, a model made here) follows the user's
+umask (``readable_as_umask``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from pathlib import Path
+
+MANIFEST = "manifest.json"  # every other file of a checkpoint: its size and CRC-32 (verify)
+CHUNK = 8 << 20  # bytes read at a time while checksumming
+
+
+class Unverified(Exception):
+    """A checkpoint without a manifest: it cannot be checked, and is trusted as before."""
+
+
+def _crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def _files(path: Path) -> list[str]:
+    """Every regular file under ``path`` but the manifest, as sorted relative POSIX paths."""
+    return sorted(p.relative_to(path).as_posix() for p in Path(path).rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(path: Path) -> Path:
+    """Record every file of the checkpoint directory ``path`` (size, CRC-32: a truncation, zeroed blocks,
+    flipped bits) in its manifest.json, written whole under a temporary name and renamed."""
+    path = Path(path)
+    files = {name: {"bytes": (path / name).stat().st_size, "crc32": _crc32(path / name)} for name in _files(path)}
+    tmp = path / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps({"format": 1, "checksum": "crc32", "files": files}, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path / MANIFEST)
+    return path / MANIFEST
+
+
+def verify(path: Path) -> str | None:
+    """What differs between checkpoint ``path`` and its manifest, in a few words naming the file (the first
+    difference found), or None when every file is as written. A checkpoint without a manifest (written before
+    manifests existed) raises Unverified."""
+    path = Path(path)
+    if not (path / MANIFEST).exists():
+        raise Unverified(f"checkpoint {path} has no {MANIFEST} (written before checkpoints had one)")
+    try:
+        listed = json.loads((path / MANIFEST).read_text())["files"]
+        assert isinstance(listed, dict)
+    except Exception as err:
+        return f"{MANIFEST} is unreadable ({type(err).__name__})"
+    for name, want in sorted(listed.items()):
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing ({want['bytes']} bytes in the manifest)"
+        size = file.stat().st_size
+        if size != want["bytes"]:
+            return f"{name} is {size} bytes, the manifest says {want['bytes']}"
+        crc = _crc32(file)
+        if crc != want["crc32"]:
+            return f"{name} has CRC-32 {crc}, the manifest says {want['crc32']} (same size: its content changed)"
+    extra = [name for name in _files(path) if name not in listed]
+    if extra:
+        return f"{extra[0]} is not in the manifest" + (f" (and {len(extra) - 1} more files)" if len(extra) > 1 else "")
+    return None
+
+
+def readable_as_umask(paths) -> None:
+    """Give files and directories the modes the user's umask asks for (0644 and 0755 under umask 022).
+    save_pretrained writes its weights 0600 and mkdtemp makes 0700: a model meant for sharing would be
+    readable by its owner only."""
+    mask = os.umask(0)
+    os.umask(mask)  # (reading the umask means setting it)
+    for p in paths:
+        p = Path(p)
+        if p.is_symlink():
+            continue
+        if p.is_dir():
+            p.chmod(0o777 & ~mask)
+        elif p.is_file():
+            executable = p.stat().st_mode & 0o100
+            p.chmod((0o777 if executable else 0o666) & ~mask)
+
+
+def tree(path: Path) -> list[Path]:
+    """``path`` and everything under it."""
+    return [Path(path), *Path(path).rglob("*")]

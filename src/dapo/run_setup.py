@@ -1,0 +1,207 @@
+"""The setup steps of a training run (``training.start``), each building one component: the ranks, the run
+directory, the policy, the rollout engine, the data, the grading pool, the batch collection, the checkpoint to resume
+from, the loggers. The last steps take the run being built (``training.Run``: the loop stays above its setup)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import random
+
+import torch
+
+from dapo import checkpoint, parallel, watchdog
+from dapo.async_rollout import AsyncRollout, start_rollout_process
+from dapo.config import Config, ConfigError, dump_yaml
+from dapo.data import PromptSampler, make_encoder
+from dapo.dynamic_sampling import BatchCollector, Scorer
+from dapo.evaluation import grading_pool, load_benchmark
+from dapo.library_logging import setup_library_logging
+from dapo.log import RunLogger
+from dapo.policy import BaseReference, Policy, ReferenceModel
+from dapo.prefilter import Prefilter
+from dapo.rewards.pool import REWARD_FN
+from dapo.rollout import SamplingParams, make_training_engine, resolve_backend
+from dapo.tasks import load_train_examples
+from dapo.trackers import check_installed, open_trackers, run_status
+
+
+def setup_ranks_and_run_dir(cfg: Config, stack: contextlib.ExitStack) -> parallel.Dist:
+    """Seed Python's and torch's generators and join the ranks (a world of one without torchrun or Ray); then the
+    run directory (an earlier run moved aside with run.overwrite), the libraries' log lines in its train.log, and
+    the watchdog that names a hung phase there."""
+    check_installed(cfg.run.loggers)  # before anything is built
+    random.seed(cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)
+    d = parallel.init(cfg.model.device, rollout_ranks=cfg.rollout.ranks)  # torchrun, Ray: FSDP over the ranks
+    checkpoint.prepare_run_dir(cfg.run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite, dist=d)
+    log_path = setup_library_logging(cfg.run_dir, cfg.run.log_level, rank=d.rank)  # vLLM, Ray, transformers: train.log
+    watchdog.PHASES.slowest.clear()  # a new run, a new history (a process may run several)
+    dog = watchdog.start(cfg.run, rank=d.rank, log_path=log_path)
+    if dog is not None:
+        stack.callback(dog.stop)
+    return d
+
+
+def setup_policy(
+    cfg: Config, d: parallel.Dist, device: torch.device
+) -> tuple[Policy, ReferenceModel | BaseReference | None]:
+    """The policy, and the reference model when algo.kl_coef > 0 (None without a KL term)."""
+    r = cfg.rollout
+    train_seq_tokens = cfg.data.max_prompt_tokens + r.max_response_tokens  # the longest sequence a training pass sees
+    model_kw = {"device": device, "temperature": r.temperature, "max_seq_tokens": train_seq_tokens}
+    policy = Policy(cfg.model, cfg.train, d, **model_kw)
+    reference = None
+    if cfg.algo.kl_coef > 0:  # with LoRA the base is the policy with its adapters off: no second copy
+        reference = policy.base_reference() if policy.adapted else ReferenceModel(cfg.model, cfg.train, d, **model_kw)
+    return policy, reference
+
+
+def engine_max_len(cfg: Config) -> int:
+    """The longest sequence an engine holds: a prompt and the longer of a training and a held-out response."""
+    return cfg.data.max_prompt_tokens + max(cfg.rollout.max_response_tokens, cfg.eval.max_response_tokens or 0)
+
+
+def setup_engine(cfg: Config, d: parallel.Dist, policy: Policy, tool_env) -> tuple[Config, object]:
+    """The rollout engine, and the config with the backend it runs (rollout.backend=auto resolved)."""
+    # the saved config says which engine ran ("auto" resolved)
+    r = dataclasses.replace(cfg.rollout, backend=resolve_backend(cfg.rollout.backend))
+    cfg = dataclasses.replace(cfg, rollout=r)
+    # with rollout.max_staleness the training rollouts are the rollout process's; this engine evaluates, the HF one
+    # sharing the policy's model (a second vLLM beside the rollout process's would need its memory again)
+    engine = make_training_engine(
+        dataclasses.replace(r, backend="hf") if r.max_staleness else r, cfg.model, policy.model, policy.tokenizer, d,
+        max_model_len=engine_max_len(cfg), tools_cfg=cfg.tools, tool_env=tool_env,
+    )  # fmt: skip
+    if cfg.algo.old_logp == "engine" and engine.backend != "vllm":
+        raise ConfigError(
+            f"algo.old_logp=engine: rollout.backend=auto chose {engine.backend}, which reports no "
+            "log-probs (vLLM is not installed); use algo.old_logp=recompute"
+        )
+    return cfg, engine
+
+
+def setup_data(cfg: Config, tokenizer, train_examples: list | None) -> tuple[object, PromptSampler]:
+    """The prompt encoder, and the sampler of ``train_examples`` (None: data.train_files or the built-in task),
+    skipping prompts the prefilter has retired when algo.prefilter is on."""
+    a = cfg.algo
+    encode = make_encoder(tokenizer, cfg.data.max_prompt_tokens)
+    train_examples = train_examples if train_examples is not None else load_train_examples(cfg.data)
+    prefilter = None
+    if a.prefilter:
+        prefilter = Prefilter(
+            len(train_examples),
+            seed=cfg.data.seed,
+            target=a.prefilter_target,
+            floor=a.prefilter_floor,
+            step_size=a.prefilter_step,
+            group_size=cfg.rollout.group_size,
+            level=a.prefilter_level,
+        )
+    return encode, PromptSampler(train_examples, seed=cfg.data.seed, prefilter=prefilter)
+
+
+def setup_eval_sets(cfg: Config, eval_sets: list | None) -> list:
+    """The (Benchmark, examples) pairs the run evaluates on: ``eval_sets``, or None: eval.benchmarks."""
+    if eval_sets is not None:
+        return eval_sets
+    d = cfg.data
+    read_as = {"template": d.template, "num_problems": cfg.eval.num_problems, "max_row_chars": d.max_row_chars}
+    return [load_benchmark(b, **read_as) for b in cfg.eval.benchmarks]
+
+
+def setup_rewards(cfg: Config, d: parallel.Dist, stack: contextlib.ExitStack, reward_fn) -> tuple[object, str | None]:
+    """The grading workers, and the grader of every row: REWARD_FN for a caller's ``reward_fn`` (run in the
+    workers), None for reward.grader. Under FSDP only rank 0 has workers: it grades every rank's samples, once,
+    and every rank receives the same grades."""
+    grader = REWARD_FN if reward_fn is not None else None
+    if not d.is_main:
+        return parallel.OnMain(None, d), grader
+    pool = stack.enter_context(grading_pool(cfg, reward_fn))
+    return (parallel.OnMain(pool, d) if d.sharded else pool), grader
+
+
+def setup_collection(
+    cfg: Config, d: parallel.Dist, stack, engine, sampler, encode, pool, grader, *, policy, device, tool_env
+) -> tuple[BatchCollector, AsyncRollout | None]:
+    """The batch collector (generation, grading, dynamic sampling), and with rollout.max_staleness the same
+    collection in a rollout process of its own, collecting ahead of the trainer (None without)."""
+    r, a = cfg.rollout, cfg.algo
+    scorer_of = functools.partial(
+        Scorer,
+        grader=grader or cfg.reward.grader,
+        algo_cfg=a,
+        max_response_tokens=r.max_response_tokens,
+        reward_from_score=grader is not None,
+    )
+    sampling = SamplingParams(
+        n=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_response_tokens
+    )
+    collector = BatchCollector(
+        engine=engine, sampler=sampler, scorer=scorer_of(pool), encode=encode, sampling=sampling, algo_cfg=a
+    )
+    if not r.max_staleness:
+        return collector, None
+    rollout_ahead = start_rollout_process(  # the same collection, with the engine in a process of its own
+        cfg, d, policy.tokenizer, device, max_model_len=engine_max_len(cfg), tool_env=tool_env,
+        collector=lambda remote: BatchCollector(  # rank 0 grades alone there: its own pool, no broadcast
+            engine=remote, sampler=sampler, scorer=scorer_of(pool.local if d.sharded else pool), encode=encode,
+            sampling=sampling, algo_cfg=a,
+        ),
+    )  # fmt: skip
+    stack.callback(rollout_ahead.close)
+    return collector, rollout_ahead
+
+
+def setup_resume(run) -> tuple[list[str], str | None]:
+    """Continue ``run`` from its newest whole checkpoint when run.resume is on, and start the collection ahead from
+    there (or the start); returns the lines about the checkpoints passed over and the line saying where it resumed
+    (None: it starts afresh)."""
+    cfg, d = run.cfg, run.dist
+    resume_from, passed_over = (
+        checkpoint.resume_point(cfg.run_dir, refuse_damaged=cfg.run.resume_damaged == "refuse", dist=d)
+        if cfg.run.resume
+        else (None, [])
+    )
+    saved_world_size = run.resume(resume_from) if resume_from is not None else None
+    if run.rollout_ahead is not None:  # from the step resumed (its weights are version state.step), or the start
+        st = run.state
+        run.rollout_ahead.start(
+            st.step,
+            run.policy.named_weights(),
+            gen_rounds=st.gen_rounds,
+            keep_rate=st.keep_rate,
+            saved=run.resumed_async,
+        )
+    if resume_from is None:
+        return passed_over, None
+    resharded = (
+        f"; written by {saved_world_size} rank{'s' * (saved_world_size > 1)}, resharded onto {d.world_size}"
+        if saved_world_size not in (None, d.world_size)
+        else ""
+    )
+    return passed_over, f"resumed from {resume_from} (step {run.state.step}){resharded}"
+
+
+def setup_loggers(run, stack: contextlib.ExitStack, console) -> None:
+    """Rank 0's config.yaml, logger (metrics.jsonl, TensorBoard, the console's lines) and trackers (W&B, MLflow),
+    from the step ``run`` resumes at; on ``stack``, what ends the run: the last checkpoint write, the logger
+    closed with the run's status, the ranks parted."""
+    cfg, d = run.cfg, run.dist
+    if d.is_main:
+        (cfg.run_dir / "config.yaml").write_text(dump_yaml(cfg))
+        run.logger = RunLogger(
+            cfg.run_dir,
+            total_steps=cfg.train.total_steps,
+            start_step=run.state.step,
+            tensorboard="tensorboard" in cfg.run.loggers,
+            progress=cfg.run.progress,
+            step_lines="console" in cfg.run.loggers,
+            console=console,
+        )
+    stack.push(lambda kind, err, tb: parallel.shutdown(d, clean=kind is None))
+    stack.push(lambda kind, err, tb: run.logger.close(run_status(kind)))
+    stack.callback(run.writer.wait)  # first of these: a run that stops (an error, Ctrl-C) still completes its write
+    if d.is_main:
+        run.logger.trackers = open_trackers(cfg, start_step=run.state.step, warn=run.logger.warn, info=run.logger.info)
