@@ -21,7 +21,7 @@ from conftest import SMALL_OVERRIDES
 from safetensors.torch import load_file
 
 from dapo.async_rollout import AheadCollector
-from dapo.config import ConfigError, load_config
+from dapo.config import ConfigError, dump_yaml, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -212,8 +212,10 @@ def test_staleness_by_step_and_a_run_killed_with_sigkill_resumes_onto_the_uninte
     assert [r["async/staleness_max"] for r in rows] == [min(k, t - 1) for t in range(1, steps + 1)]
     # step 1 is sampled by the weights it trains: the rollout process's log-probs are the trainer's
     assert rows[0]["rollout/logprob_abs_diff_mean"] < 1e-6
-    # later steps by older weights: the importance weights correct for it, and are reported
+    assert rows[0]["async/policy_kl"] < 1e-9 and rows[0]["rollout/is_ess"] == pytest.approx(1.0, abs=1e-6)
+    # later steps by older weights: the importance weights correct for it, and are reported; the policy moved
     assert all(r["rollout/logprob_abs_diff_mean"] > 1e-4 and "rollout/is_weight_mean" in r for r in rows[1:])
+    assert all(r["async/policy_kl"] > 1e-6 and r["rollout/is_ess"] < 1.0 for r in rows[1:])
     assert all(r["async/trainer_wait_s"] >= 0 and r["async/engine_wait_s"] >= 0 for r in rows)
     a, b = final_weights(whole), final_weights(killed)
     print(f"\nkilled after {done[-1]}; resumed to step {steps}")
@@ -226,6 +228,21 @@ def test_staleness_by_step_and_a_run_killed_with_sigkill_resumes_onto_the_uninte
 
 
 # ---- refusals ---------------------------------------------------------------------------------------------------
+def test_generating_ahead_alone_takes_the_default_cap_and_an_explicit_null_still_refuses(tmp_path):
+    cfg = load_config("configs/demo.yaml", ["rollout.max_staleness=1"])
+    assert cfg.algo.rollout_is_cap == 2.0 and "rollout_is_cap: 2.0" in dump_yaml(cfg)  # the resolved config says so
+    assert (
+        load_config("configs/demo.yaml", ["rollout.max_staleness=1", "algo.rollout_is_cap=3"]).algo.rollout_is_cap == 3
+    )
+    assert load_config("configs/demo.yaml").algo.rollout_is_cap is None  # synchronous: the reference's, off
+    with pytest.raises(ConfigError, match="rollout.max_staleness=1: .*set algo.rollout_is_cap"):
+        load_config("configs/demo.yaml", ["rollout.max_staleness=1", "algo.rollout_is_cap=null"])
+    preset = tmp_path / "p.yaml"
+    preset.write_text("base: " + str(ROOT / "configs/demo.yaml") + "\nalgo:\n  rollout_is_cap: null\n")
+    with pytest.raises(ConfigError, match="set algo.rollout_is_cap"):  # null in a preset is explicit too
+        load_config(preset, ["rollout.max_staleness=1"])
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [

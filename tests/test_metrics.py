@@ -1,5 +1,6 @@
 """The step's metrics on a hand-made batch, and verl's names for the same quantities beside them."""
 
+import math
 import re
 from pathlib import Path
 
@@ -91,3 +92,17 @@ def test_engine_gap_warning_by_dtype():
     assert engine_gap_warning({"rollout/logprob_abs_diff_mean": 0.03}, dtype="bfloat16", step=3) is None
     assert engine_gap_warning({"rollout/logprob_abs_diff_mean": 0.4}, dtype="bfloat16", step=3) is not None
     assert engine_gap_warning({}, dtype="float32", step=3) is None  # no engine log-probs (hf)
+
+
+def test_behaviour_drift_by_hand():
+    """Two tokens: one twice as likely under the current weights as under those that sampled it (r = 2), one
+    unmoved (r = 1). k3 = (2 - 1 - ln 2, 0), mean 0.1534; ESS = (2 + 1)^2 / (2 (4 + 1)) = 0.9."""
+    from dapo.metrics import behaviour_drift
+
+    old = torch.log(torch.tensor([0.5, 0.3]))
+    behaviour = torch.log(torch.tensor([0.25, 0.3]))
+    drift = behaviour_drift(old, behaviour)
+    assert drift["async/policy_kl"].item() == pytest.approx((1 - math.log(2)) / 2, rel=1e-6)
+    assert drift["rollout/is_ess"].item() == pytest.approx(0.9, rel=1e-6)
+    same = behaviour_drift(old, old)
+    assert same["async/policy_kl"].item() == 0.0 and same["rollout/is_ess"].item() == pytest.approx(1.0)

@@ -900,3 +900,13 @@ def test_dapo_math_dataset_path(tiny_model_dir, tmp_path):
     samples = (cfg.run_dir / "samples" / "step_000001.md").read_text()
     assert "Solve the following math problem step by step." in samples
     assert 'Remember to put your answer on its own line after "Answer:".' in samples
+
+
+def test_the_logged_learning_rate_is_the_one_the_step_trained_with(tiny_model_dir, tmp_path):
+    """Warm-up over 2 steps at lr 1e-3: step 1 trains at 5e-4 and says so, step 2 at 1e-3 (not the next one's)."""
+    cfg = small_config(tmp_path, tiny_model_dir, "train.warmup_steps=2", "train.mini_batch_prompts=3",
+                       "train.prompts_per_step=3")  # fmt: skip
+    policy = make_policy(cfg)
+    batch = sampled_batch(policy)
+    rates = [policy.update(batch, loss_fn_of(cfg))["lr"].item() for _ in range(3)]
+    assert rates == pytest.approx([5e-4, 1e-3, 1e-3])

@@ -253,7 +253,8 @@ class AlgoConfig:
     # where old_logp comes from: recompute (a forward pass over the batch before the update, the reference)
     # or engine (vLLM's sampling log-probs, no pass; float32 only)
     old_logp: OldLogp = "recompute"
-    # C: each token's loss x min(pi_old / pi_rollout, C) on vllm's log-probs; null: off (the reference)
+    # C: each token's loss x min(pi_old / pi_rollout, C) on vllm's log-probs; null: off (the reference); not
+    # given with rollout.max_staleness > 0: 2 (ASYNC_IS_CAP), as the resolved config shows
     rollout_is_cap: float | None = field(None, ge=1, null="off", why="a cap below 1 would shrink every token")
     # how rollout_is_cap corrects: token_truncate (each token x min(ratio, C)), sequence_truncate (a response's
     # tokens x min(rho, C), rho the product of its token ratios) or sequence_mask (a response whose rho leaves
@@ -436,12 +437,15 @@ class Config:
 def load_config(path: str | Path | list | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults, then the preset(s) in order (a later one overrides an earlier), then dotted overrides.
     A preset is a YAML file or a shipped preset's name (``"demo"``, see ``resolve_preset``)."""
-    cfg = Config()
-    for preset in [] if path is None else path if isinstance(path, (list, tuple)) else [path]:
-        for data in read_preset(resolve_preset(preset)):
-            merge(cfg, data)
+    cfg, given = Config(), set()
+    presets = [] if path is None else path if isinstance(path, (list, tuple)) else [path]
+    layers = [data for preset in presets for data in read_preset(resolve_preset(preset))]
     if overrides:
-        merge(cfg, dotted_to_nested(overrides))
+        layers.append(dotted_to_nested(overrides))
+    for data in layers:
+        merge(cfg, data)
+        given |= _dotted_keys(data)
+    _fill_defaults(cfg, given)
     validate(cfg)
     return cfg
 
@@ -449,8 +453,29 @@ def load_config(path: str | Path | list | None = None, overrides: list[str] | No
 def config_from_dict(data: dict) -> Config:
     cfg = Config()
     merge(cfg, data)
+    _fill_defaults(cfg, _dotted_keys(data))
     validate(cfg)
     return cfg
+
+
+# the cap of the importance weight a run generating ahead (rollout.max_staleness > 0) takes when none is given:
+# its responses come from older weights, so an uncorrected run would train off-policy without saying so
+ASYNC_IS_CAP = 2.0
+
+
+def _fill_defaults(cfg: Config, given: set[str]) -> None:
+    """Defaults that depend on other settings, filled where the key was not given (an explicit null stays null,
+    and is refused where it cannot work); the resolved config, config.yaml, shows what was filled."""
+    if cfg.rollout.max_staleness and cfg.algo.rollout_is_cap is None and "algo.rollout_is_cap" not in given:
+        cfg.algo.rollout_is_cap = ASYNC_IS_CAP
+
+
+def _dotted_keys(nested: dict, prefix: str = "") -> set[str]:
+    """The settings a preset or the overrides give, by dotted name."""
+    keys = set()
+    for key, value in nested.items():
+        keys |= _dotted_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}"}
+    return keys
 
 
 def to_dict(cfg: Config) -> dict:

@@ -303,7 +303,7 @@ def _async_rollout(cfg) -> None:
         _check(
             a.rollout_is_cap is not None,
             why + "responses sampled by older weights need the importance weight to the engine's log-probs; set "
-            "algo.rollout_is_cap (2 is a common cap)",
+            "algo.rollout_is_cap (left out, it is 2)",
         )
         _check(
             a.old_logp == "recompute",

@@ -110,10 +110,27 @@ def step_metrics(
     if batch.rollout_logp and engine_vs_trainer:
         T = batch.old_logp.shape[1]
         rollout_logp = batch.padded_logp(batch.rollout_logp, T)  # (N, T)
-        diff = (rollout_logp - batch.old_logp).abs()[batch.written_mask(width=T) > 0]  # the model's tokens only
+        written = batch.written_mask(width=T) > 0  # the model's tokens only
+        diff = (rollout_logp - batch.old_logp).abs()[written]
         m["rollout/logprob_abs_diff_mean"], m["rollout/logprob_abs_diff_max"] = diff.mean(), diff.max()
+        m.update(behaviour_drift(batch.old_logp[written], rollout_logp[written]))
     m.update({f"actor/{k}": v for k, v in update.items()})
     return m
+
+
+def behaviour_drift(old_logp: torch.Tensor, behaviour_logp: torch.Tensor) -> dict[str, torch.Tensor]:
+    """How far the weights a step trains from moved from those that sampled its tokens (generating ahead,
+    held-over groups, the engine's numerics), over the sampled tokens' log-probs under each (n,):
+    ``async/policy_kl``, KL(behaviour || current) per token by the k3 estimate (r - 1) - log r, r = pi_old /
+    pi_behaviour (unbiased on the behaviour's samples, never negative); ``rollout/is_ess``, the effective
+    sample size of the importance weights r as a share of the tokens, (sum r)^2 / (n sum r^2): 1 when nothing
+    moved, small when a few tokens carry the weight."""
+    log_ratio = (old_logp - behaviour_logp).clamp(-20.0, 20.0)  # exp of a huge value is inf
+    ratio = log_ratio.exp()
+    return {
+        "async/policy_kl": (ratio - 1.0 - log_ratio).mean(),
+        "rollout/is_ess": ratio.sum() ** 2 / (ratio.numel() * (ratio**2).sum()).clamp(min=1e-30),
+    }
 
 
 def no_signal_advice(streak: int, cstats: CollectStats, *, group_size: int, max_response_tokens: int) -> str:

@@ -218,9 +218,9 @@ class Policy(LogProbModel):
                 per_update.append(self._mini_batch_update(batch, rows, loss_fn, entropy if epoch == 0 else None))
         if entropy is not None:  # every row was filled by exactly one rank
             batch.entropy = parallel.all_reduce(entropy, self.dist)
-        self.scheduler.step()
         out = over_updates(per_update)
-        out["lr"] = torch.tensor(self.optimizer.param_groups[0]["lr"])
+        out["lr"] = torch.tensor(self.optimizer.param_groups[0]["lr"])  # the rate these updates took, not the next
+        self.scheduler.step()
         out["skipped_updates"] = torch.tensor(float(self.skipped_updates))
         out["nonfinite_updates"] = torch.tensor(float(self.skipped_updates - skipped_before))  # this step's
         self.last_updates = (len(per_update), self.skipped_updates - skipped_before)
