@@ -2,6 +2,7 @@
 
     python benchmarks/async_rollout.py --simulate          # the pipeline with controlled latencies (seconds, no model)
     python benchmarks/async_rollout.py                     # the demo at k = 0, 1, 2, 5 seeds each (~35 min on 2 cores)
+    python benchmarks/async_rollout.py --lrs 5e-4,2.5e-4,1.25e-4   # the same at each learning rate, paired by seed
     python benchmarks/async_rollout.py --smollm2 --steps 3 # SmolLM2's preset, k = 0 against k = 1 (make smollm2)
 
 --simulate runs the real scheduling (``dapo.async_rollout.AheadCollector``) with a collection that takes G seconds,
@@ -101,6 +102,14 @@ def summarise(rows: list[dict]) -> dict:
         "trainer_wait_s": mean("async/trainer_wait_s"),
         "engine_wait_s": mean("async/engine_wait_s"),
         "train_acc": mean("rollout/acc_mean"),
+        # the last third of the run, where the k sides have had the same number of updates to diverge
+        "train_acc_last_third": statistics.fmean(
+            r["rollout/acc_mean"] for r in steps[len(steps) * 2 // 3 :] if "rollout/acc_mean" in r
+        )
+        if steps
+        else None,
+        "policy_kl": mean("async/policy_kl"),
+        "is_ess": mean("rollout/is_ess", 1.0),
     }
 
 
@@ -109,7 +118,8 @@ def line(r: dict) -> str:
     return (
         f"{acc}step {r['step_s']:.2f} s  staleness {r['staleness']:.2f}  is weight {r['is_weight_mean']:.4f} "
         f"(truncated {r['is_truncated_frac']:.4f})  |logp gap| {r['logprob_gap']:.4f}  waits: trainer "
-        f"{r['trainer_wait_s']:.2f} s, engine {r['engine_wait_s']:.2f} s  train acc {r['train_acc']:.3f}"
+        f"{r['trainer_wait_s']:.2f} s, engine {r['engine_wait_s']:.2f} s  train acc {r['train_acc']:.3f} "
+        f"(last third {r['train_acc_last_third']:.3f})  policy kl {r['policy_kl']:.5f}  is ess {r['is_ess']:.4f}"
     )
 
 
@@ -122,6 +132,9 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--ks", default="0,1,2")
+    ap.add_argument(
+        "--lrs", default=None, help="train.lr values to sweep, e.g. 5e-4,2.5e-4,1.25e-4 (default: the preset's)"
+    )
     ap.add_argument("--smollm2", action="store_true", help="the SmolLM2 preset (one seed, no held-out curve)")
     ap.add_argument("--backend", default="hf", help="rollout.backend for --smollm2")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench_async"))
@@ -142,35 +155,54 @@ def main() -> None:
         base = [f"train.total_steps={args.steps}"]
     out = Path(args.out) / ("smollm2" if args.smollm2 else "demo")
     print(f"{preset} {' '.join(base + args.overrides)}; {os.cpu_count()} cores", flush=True)
-    results: dict[int, list[dict]] = {k: [] for k in ks}
-    for seed in range(seeds):
-        for k in ks if seed % 2 == 0 else ks[::-1]:
-            extra = [f"rollout.max_staleness={k}"] + (["algo.rollout_is_cap=2"] if k else [])
-            seeded = [f"data.seed={seed}", f"rollout.seed={seed}", f"train.seed={seed}"]
-            run_dir = out / f"k{k}" / f"seed{seed}"
-            t0 = time.perf_counter()
-            r = summarise(train(preset, base + seeded + extra + args.overrides, run_dir))
-            r |= {"seed": seed, "wall_s": time.perf_counter() - t0}
-            results[k].append(r)
-            print(f"  seed {seed} k={k}  " + line(r) + f"  wall {r['wall_s']:.0f} s", flush=True)
+    lrs = args.lrs.split(",") if args.lrs else [None]
+    results: dict[str, list[dict]] = {}
+    for lr in lrs:
+        side = [f"train.lr={lr}"] if lr else []
+        for seed in range(seeds):  # paired: every k of a seed shares its data, sampling and init seeds
+            for k in ks if seed % 2 == 0 else ks[::-1]:
+                extra = [f"rollout.max_staleness={k}"] + (["algo.rollout_is_cap=2"] if k else [])
+                seeded = [f"data.seed={seed}", f"rollout.seed={seed}", f"train.seed={seed}"]
+                run_dir = out / (f"lr{lr}" if lr else "") / f"k{k}" / f"seed{seed}"
+                t0 = time.perf_counter()
+                r = summarise(train(preset, base + side + seeded + extra + args.overrides, run_dir))
+                r |= {"seed": seed, "k": k, "lr": lr, "wall_s": time.perf_counter() - t0}
+                results.setdefault(f"lr={lr or 'preset'} k={k}", []).append(r)
+                print(
+                    f"  lr {lr or 'preset'} seed {seed} k={k}  " + line(r) + f"  wall {r['wall_s']:.0f} s", flush=True
+                )
+    report(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def report(results: dict[str, list[dict]]) -> None:
+    """Per side, the mean [95% CI] over seeds; then each k > 0 against k = 0 of the same learning rate, paired by
+    seed (the difference of held-out and last-third train accuracy, seed by seed)."""
     print("\nmean [95% CI] over seeds")
-    for k, runs in results.items():
+    keys = ("final_acc", "train_acc_last_third", "policy_kl", "is_ess", "step_s", "is_truncated_frac")
+    for side, runs in results.items():
         cells = []
-        for key in ("final_acc", "step_s", "staleness", "is_weight_mean", "is_truncated_frac", "logprob_gap"):
+        for key in keys:
             xs = [r[key] for r in runs if r.get(key) is not None]
             if xs:
                 m, h = mean_ci(xs)
                 cells.append(f"{key} {m:.4g} [{m - h:.4g}, {m + h:.4g}]")
-        print(f"  k={k}  " + "  ".join(cells))
-    if 0 in results:
-        base_s = statistics.fmean(r["step_s"] for r in results[0])
-        for k in ks:
-            if k:
-                print(
-                    f"  step time k={k} against k=0: {base_s / statistics.fmean(r['step_s'] for r in results[k]):.2f}x"
-                )
-    if args.json:
-        Path(args.json).write_text(json.dumps({str(k): v for k, v in results.items()}, indent=1))
+        print(f"  {side}  " + "  ".join(cells))
+    print("\npaired by seed, k against k = 0 at the same learning rate: mean difference [95% CI]")
+    for side, runs in results.items():
+        base = results.get(side.rsplit(" k=", 1)[0] + " k=0")
+        if not base or runs is base:
+            continue
+        by_seed = {r["seed"]: r for r in base}
+        speed = statistics.fmean(r["step_s"] for r in base) / statistics.fmean(r["step_s"] for r in runs)
+        print(f"  {side}  step time against k = 0: {speed:.2f}x")
+        for key in ("final_acc", "train_acc_last_third"):
+            diffs = [r[key] - by_seed[r["seed"]][key] for r in runs if r["seed"] in by_seed and r.get(key) is not None]
+            if diffs:
+                m, h = mean_ci(diffs)
+                per_seed = ", ".join(f"{d:+.3f}" for d in diffs)
+                print(f"  {side}  {key} {m:+.4f} [{m - h:+.4f}, {m + h:+.4f}]  (per seed {per_seed})")
 
 
 if __name__ == "__main__":

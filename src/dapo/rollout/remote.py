@@ -187,6 +187,9 @@ class _Versions:
 
 def _serve(conn, weights_conn, rollout_cfg, model_cfg, tokenizer, max_model_len: int, threads: int, device: str):
     """The rollout process (or a rollout rank): build the engine, then answer requests until told to stop."""
+    from dapo.library_logging import setup_library_logging
+
+    setup_library_logging()  # a spawned process starts bare: the libraries' harmless noise stays off the console
     ignore_stop_signals()
     torch.set_num_threads(threads)
     try:
