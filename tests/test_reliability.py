@@ -352,7 +352,9 @@ def poison_updates(monkeypatch, steps):
 
 
 def rows_of(run_dir: Path) -> list[dict]:
-    return [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines() if r.strip()]
+    """The run's metrics rows; [] before the first."""
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(r) for r in path.read_text().splitlines() if r.strip()] if path.exists() else []
 
 
 def test_a_nonfinite_loss_skips_the_update_and_leaves_weights_and_adamw_state(
@@ -543,7 +545,8 @@ def test_a_ray_worker_killed_mid_step_ends_the_job_in_one_line_and_a_new_launch_
         try:
             if kill:
                 deadline = time.monotonic() + 300
-                while checkpoint.latest_checkpoint(run) is None and proc.poll() is None:
+                # step 1 checkpointed and logged (its row comes after the save, past a collective of both ranks)
+                while (checkpoint.latest_checkpoint(run) is None or not rows_of(run)) and proc.poll() is None:
                     assert time.monotonic() < deadline
                     time.sleep(0.1)
                 pid = holder_of(run / "train.rank1.log")
