@@ -30,8 +30,18 @@ from typing import Literal
 
 import yaml
 
+from dapo.config_read import ASYNC_IS_CAP as ASYNC_IS_CAP
 from dapo.config_read import PRESET_DIR as PRESET_DIR
-from dapo.config_read import RULES, check_fields, dotted_to_nested, merge, read_preset, resolve_preset
+from dapo.config_read import (
+    RULES,
+    check_fields,
+    dotted_keys,
+    dotted_to_nested,
+    fill_defaults,
+    merge,
+    read_preset,
+    resolve_preset,
+)
 from dapo.config_read import ConfigError as ConfigError
 from dapo.config_read import preset_names as preset_names
 from dapo.data import Template
@@ -254,7 +264,7 @@ class AlgoConfig:
     # or engine (vLLM's sampling log-probs, no pass; float32 only)
     old_logp: OldLogp = "recompute"
     # C: each token's loss x min(pi_old / pi_rollout, C) on vllm's log-probs; null: off (the reference); not
-    # given with rollout.max_staleness > 0: 2 (ASYNC_IS_CAP), as the resolved config shows
+    # given with rollout.max_staleness > 0: 2 (config_read.ASYNC_IS_CAP), as the resolved config shows
     rollout_is_cap: float | None = field(None, ge=1, null="off", why="a cap below 1 would shrink every token")
     # how rollout_is_cap corrects: token_truncate (each token x min(ratio, C)), sequence_truncate (a response's
     # tokens x min(rho, C), rho the product of its token ratios) or sequence_mask (a response whose rho leaves
@@ -444,8 +454,8 @@ def load_config(path: str | Path | list | None = None, overrides: list[str] | No
         layers.append(dotted_to_nested(overrides))
     for data in layers:
         merge(cfg, data)
-        given |= _dotted_keys(data)
-    _fill_defaults(cfg, given)
+        given |= dotted_keys(data)
+    fill_defaults(cfg, given)
     validate(cfg)
     return cfg
 
@@ -453,29 +463,9 @@ def load_config(path: str | Path | list | None = None, overrides: list[str] | No
 def config_from_dict(data: dict) -> Config:
     cfg = Config()
     merge(cfg, data)
-    _fill_defaults(cfg, _dotted_keys(data))
+    fill_defaults(cfg, dotted_keys(data))
     validate(cfg)
     return cfg
-
-
-# the cap of the importance weight a run generating ahead (rollout.max_staleness > 0) takes when none is given:
-# its responses come from older weights, so an uncorrected run would train off-policy without saying so
-ASYNC_IS_CAP = 2.0
-
-
-def _fill_defaults(cfg: Config, given: set[str]) -> None:
-    """Defaults that depend on other settings, filled where the key was not given (an explicit null stays null,
-    and is refused where it cannot work); the resolved config, config.yaml, shows what was filled."""
-    if cfg.rollout.max_staleness and cfg.algo.rollout_is_cap is None and "algo.rollout_is_cap" not in given:
-        cfg.algo.rollout_is_cap = ASYNC_IS_CAP
-
-
-def _dotted_keys(nested: dict, prefix: str = "") -> set[str]:
-    """The settings a preset or the overrides give, by dotted name."""
-    keys = set()
-    for key, value in nested.items():
-        keys |= _dotted_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}"}
-    return keys
 
 
 def to_dict(cfg: Config) -> dict:

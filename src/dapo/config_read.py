@@ -206,6 +206,26 @@ def resolve_preset(path: str | Path) -> Path:
     return p
 
 
+# the cap of the importance weight a run generating ahead (rollout.max_staleness > 0) takes when none is given:
+# its responses come from older weights, so an uncorrected run would train off-policy without saying so
+ASYNC_IS_CAP = 2.0
+
+
+def fill_defaults(cfg, given: set[str]) -> None:
+    """Defaults that depend on other settings, filled where the key was not given (an explicit null stays null,
+    and is refused where it cannot work); the resolved config, config.yaml, shows what was filled."""
+    if cfg.rollout.max_staleness and cfg.algo.rollout_is_cap is None and "algo.rollout_is_cap" not in given:
+        cfg.algo.rollout_is_cap = ASYNC_IS_CAP
+
+
+def dotted_keys(nested: dict, prefix: str = "") -> set[str]:
+    """The settings a preset or the overrides give, by dotted name."""
+    keys = set()
+    for key, value in nested.items():
+        keys |= dotted_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}"}
+    return keys
+
+
 # ---- checking ------------------------------------------------------------------------------------
 def _check(cond: bool, msg: str):
     if not cond:
