@@ -256,7 +256,11 @@ class Watchdog:
     def _say(self, line: str) -> None:
         self.lines.append(line)
         stream = self.console or sys.stderr
-        print(line, file=stream, flush=True)
+        # one write of the line and its newline: the ranks share the launcher's pipe, and a write under
+        # PIPE_BUF bytes is never interleaved with another rank's, where print's two writes can be
+        with contextlib.suppress(Exception):
+            stream.write(line + "\n")
+            stream.flush()
 
 
 def start(cfg, *, rank: int, log_path: Path | None) -> Watchdog | None:
