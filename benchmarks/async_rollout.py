@@ -98,6 +98,7 @@ def summarise(rows: list[dict]) -> dict:
         "staleness": mean("async/staleness_mean"),
         "is_weight_mean": mean("rollout/is_weight_mean", 1.0),
         "is_truncated_frac": mean("rollout/is_truncated_frac"),
+        "is_masked_frac": mean("rollout/is_masked_frac"),
         "logprob_gap": mean("rollout/logprob_abs_diff_mean"),
         "trainer_wait_s": mean("async/trainer_wait_s"),
         "engine_wait_s": mean("async/engine_wait_s"),
@@ -135,6 +136,12 @@ def main() -> None:
     ap.add_argument(
         "--lrs", default=None, help="train.lr values to sweep, e.g. 5e-4,2.5e-4,1.25e-4 (default: the preset's)"
     )
+    ap.add_argument(
+        "--modes",
+        default="token_truncate",
+        help="algo.rollout_is_mode values for k > 0, e.g. token_truncate,token_mask,token_m2,sequence_truncate",
+    )
+    ap.add_argument("--reuse", default=None, help="a --json of earlier runs: sides and seeds found there are not rerun")
     ap.add_argument("--smollm2", action="store_true", help="the SmolLM2 preset (one seed, no held-out curve)")
     ap.add_argument("--backend", default="hf", help="rollout.backend for --smollm2")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench_async"))
@@ -156,21 +163,30 @@ def main() -> None:
     out = Path(args.out) / ("smollm2" if args.smollm2 else "demo")
     print(f"{preset} {' '.join(base + args.overrides)}; {os.cpu_count()} cores", flush=True)
     lrs = args.lrs.split(",") if args.lrs else [None]
+    modes = args.modes.split(",")
+    reused = json.loads(Path(args.reuse).read_text()) if args.reuse else {}
     results: dict[str, list[dict]] = {}
     for lr in lrs:
         side = [f"train.lr={lr}"] if lr else []
         for seed in range(seeds):  # paired: every k of a seed shares its data, sampling and init seeds
-            for k in ks if seed % 2 == 0 else ks[::-1]:
-                extra = [f"rollout.max_staleness={k}"] + (["algo.rollout_is_cap=2"] if k else [])
+            for k, mode in [(j, m) for j in (ks if seed % 2 == 0 else ks[::-1]) for m in (modes if j else modes[:1])]:
+                name = f"lr={lr or 'preset'} k={k}" + (f" {mode}" if k and mode != "token_truncate" else "")
+                done = [r for r in reused.get(name, []) if r["seed"] == seed]
+                if done:
+                    results.setdefault(name, []).append(done[0])
+                    continue
+                extra = [f"rollout.max_staleness={k}"] + (
+                    ["algo.rollout_is_cap=2", f"algo.rollout_is_mode={mode}"] if k else []
+                )
                 seeded = [f"data.seed={seed}", f"rollout.seed={seed}", f"train.seed={seed}"]
-                run_dir = out / (f"lr{lr}" if lr else "") / f"k{k}" / f"seed{seed}"
+                run_dir = out / (f"lr{lr}" if lr else "") / (f"k{k}" + (f"_{mode}" if k else "")) / f"seed{seed}"
                 t0 = time.perf_counter()
                 r = summarise(train(preset, base + side + seeded + extra + args.overrides, run_dir))
-                r |= {"seed": seed, "k": k, "lr": lr, "wall_s": time.perf_counter() - t0}
-                results.setdefault(f"lr={lr or 'preset'} k={k}", []).append(r)
-                print(
-                    f"  lr {lr or 'preset'} seed {seed} k={k}  " + line(r) + f"  wall {r['wall_s']:.0f} s", flush=True
-                )
+                r |= {"seed": seed, "k": k, "lr": lr, "mode": mode if k else None, "wall_s": time.perf_counter() - t0}
+                results.setdefault(name, []).append(r)
+                print(f"  {name} seed {seed}  " + line(r) + f"  wall {r['wall_s']:.0f} s", flush=True)
+                if args.json:  # as it goes: a stopped sweep is picked up with --reuse
+                    Path(args.json).write_text(json.dumps(results, indent=1))
     report(results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
@@ -180,7 +196,7 @@ def report(results: dict[str, list[dict]]) -> None:
     """Per side, the mean [95% CI] over seeds; then each k > 0 against k = 0 of the same learning rate, paired by
     seed (the difference of held-out and last-third train accuracy, seed by seed)."""
     print("\nmean [95% CI] over seeds")
-    keys = ("final_acc", "train_acc_last_third", "policy_kl", "is_ess", "step_s", "is_truncated_frac")
+    keys = ("final_acc", "train_acc_last_third", "policy_kl", "is_ess", "step_s", "is_truncated_frac", "is_masked_frac")
     for side, runs in results.items():
         cells = []
         for key in keys:
@@ -191,7 +207,7 @@ def report(results: dict[str, list[dict]]) -> None:
         print(f"  {side}  " + "  ".join(cells))
     print("\npaired by seed, k against k = 0 at the same learning rate: mean difference [95% CI]")
     for side, runs in results.items():
-        base = results.get(side.rsplit(" k=", 1)[0] + " k=0")
+        base = results.get(side.split(" k=", 1)[0] + " k=0")
         if not base or runs is base:
             continue
         by_seed = {r["seed"]: r for r in base}

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from dapo import algo
+from dapo import algo, is_weights
 
 
 def test_group_advantages_hand_computed():
@@ -163,7 +163,7 @@ def test_truncated_is_weights_hand_computed():
     rollout_logp = torch.log(torch.tensor([[0.4, 0.2, 0.1], [0.6, 0.2, 0.1]]))
     old_logp = rollout_logp + torch.log(ratios)
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
-    w, stats = algo.truncated_is_weights(old_logp, rollout_logp, mask, cap=3.0)
+    w, stats = is_weights.truncated_is_weights(old_logp, rollout_logp, mask, cap=3.0)
     assert torch.allclose(w, torch.tensor([[1.0, 2.0, 3.0], [0.5, 3.0, 0.0]]), atol=1e-5)
     assert stats["is_weight_mean"].item() == pytest.approx((1 + 2 + 3 + 0.5 + 3) / 5, abs=1e-5)
     assert stats["is_truncated_frac"].item() == pytest.approx(
@@ -297,7 +297,7 @@ def test_a_stale_behaviour_policy_biases_the_gradient_and_the_truncated_weight_r
             one = torch.ones(1, 1)
             w = None
             if corrected:
-                w, _ = algo.truncated_is_weights(prox[a].view(1, 1), mu[a].log().view(1, 1), one, cap=10.0)
+                w, _ = is_weights.truncated_is_weights(prox[a].view(1, 1), mu[a].log().view(1, 1), one, cap=10.0)
             loss, _ = algo.policy_loss(logp[a].view(1, 1), prox[a].view(1, 1), adv[a].view(1), one, is_weights=w)
             (g,) = torch.autograd.grad(loss, theta, retain_graph=True)
             total += mu[a] * g

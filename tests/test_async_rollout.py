@@ -276,6 +276,21 @@ def test_a_checkpoint_with_batches_in_flight_resumes_only_at_its_staleness(tiny_
         train(load_config("configs/demo.yaml", again))
 
 
+def test_a_policy_moving_far_between_sampling_and_training_is_warned_of_once(tiny_model_dir, tmp_path, capsys):
+    """A step size far past the demo's, one step stale: the mean policy KL of steps 2-6 is past the level
+    (metrics.DRIFT_KL_LEVEL) and the run says so once, naming the learning rate and k."""
+    from dapo.metrics import DRIFT_KL_LEVEL
+    from dapo.training import train
+
+    run = overrides(tiny_model_dir, tmp_path, 1, 7, "train.lr=0.05", "train.warmup_steps=0")
+    train(load_config("configs/demo.yaml", run))
+    rows = [r for r in rows_of(tmp_path) if r.get("async/staleness_max")]
+    assert sum(r["async/policy_kl"] for r in rows[:5]) / 5 > DRIFT_KL_LEVEL
+    out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
+    said = [line for line in out.split("step ")[1:] if "the policy moves far between sampling and training" in line]
+    assert len(said) == 1 and "lower train.lr (now 0.05) or rollout.max_staleness (now 1)" in said[0], said
+
+
 def test_the_pipeline_at_zero_staleness_samples_and_trains_as_the_synchronous_loop(
     tiny_model_dir, tmp_path, monkeypatch
 ):

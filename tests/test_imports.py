@@ -92,6 +92,7 @@ ENGINES_AND_UP = (
 # (module, what it must never import): the floors of docs/architecture.md
 FLOORS = [
     ("dapo.algo", lambda n: n.startswith("dapo.")),
+    ("dapo.is_weights", lambda n: n.startswith("dapo.")),
     ("dapo.resources", lambda n: n.startswith("dapo.")),
     ("dapo.memory", lambda n: n.startswith("dapo.")),
     ("dapo.prefilter", lambda n: n.startswith("dapo.")),

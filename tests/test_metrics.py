@@ -106,3 +106,29 @@ def test_behaviour_drift_by_hand():
     assert drift["rollout/is_ess"].item() == pytest.approx(0.9, rel=1e-6)
     same = behaviour_drift(old, old)
     assert same["async/policy_kl"].item() == 0.0 and same["rollout/is_ess"].item() == pytest.approx(1.0)
+
+
+def test_the_drift_guard_warns_once_on_the_window_mean_and_names_what_to_change():
+    from dapo.metrics import DRIFT_KL_LEVEL, DRIFT_WINDOW, DriftGuard
+
+    assert (DRIFT_KL_LEVEL, DRIFT_WINDOW) == (0.005, 5)
+    guard = DriftGuard()
+
+    def step(kl, ess=0.999, stale=1):
+        return {"async/staleness_max": stale, "async/policy_kl": torch.tensor(kl), "rollout/is_ess": torch.tensor(ess)}
+
+    said = [guard.observe(step(0.003), step=s, lr=5e-4, max_staleness=1) for s in range(1, 5)]
+    # one step past the level in a window whose mean stays under it: nothing (0.003 x 4 + 0.008) / 5 = 0.004
+    said.append(guard.observe(step(0.008), step=5, lr=5e-4, max_staleness=1))
+    assert said == [None] * 5
+    # samples drawn by the trained weights (staleness 0) neither count nor warn, however far the numerics
+    assert guard.observe(step(0.5, stale=0), step=6, lr=5e-4, max_staleness=1) is None
+    # the window [0.003 x 3, 0.008, 0.009]: mean 0.0052, past 0.005: said once, with the settings to change
+    line = guard.observe(step(0.009), step=7, lr=5e-4, max_staleness=1)
+    assert line.startswith("step 7: ") and "async/policy_kl 0.0052 nats a token" in line, line
+    assert line.endswith("lower train.lr (now 0.0005) or rollout.max_staleness (now 1)"), line
+    assert guard.observe(step(0.5), step=8, lr=5e-4, max_staleness=1) is None
+    # the effective sample size alone: mean 0.98 under 0.985
+    guard = DriftGuard()
+    lines = [guard.observe(step(0.001, ess=0.98), step=s, lr=2.5e-4, max_staleness=2) for s in range(1, 6)]
+    assert lines[:4] == [None] * 4 and "rollout/is_ess 0.980" in lines[4] and "(now 2)" in lines[4]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dapo import ablate, algo
+from dapo import ablate, algo, is_weights
 from dapo import config as config_module
 from dapo.config import ConfigError, load_config
 
@@ -173,7 +173,7 @@ def test_sequence_is_weights_truncate_and_mask_hand_computed():
     ratios = torch.tensor([[2.0, 2.0], [0.5, 7.0], [1.5, 1.0]])
     old = rollout + torch.log(ratios)
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
-    w, stats = algo.sequence_is_weights(old, rollout, mask, cap=3.0, mask_outside=False)
+    w, stats = is_weights.sequence_is_weights(old, rollout, mask, cap=3.0, mask_outside=False)
     assert torch.allclose(w, torch.tensor([[3.0, 3.0], [0.5, 0.0], [1.5, 1.5]]), atol=1e-5)
     assert stats["is_truncated_frac"].item() == pytest.approx(1 / 3)
     assert stats["is_seq_ratio_mean"].item() == pytest.approx((4 + 0.5 + 1.5) / 3, abs=1e-5)
@@ -181,10 +181,10 @@ def test_sequence_is_weights_truncate_and_mask_hand_computed():
     assert stats["is_seq_ratio_min"].item() == pytest.approx(0.5, abs=1e-5)
     assert stats["is_weight_mean"].item() == pytest.approx((3 + 3 + 0.5 + 1.5 + 1.5) / 5, abs=1e-5)
     # masking with the band [1/3, 3]: row 0 (rho 4) leaves it; 0.5 and 1.5 stay, with weight 1
-    w, stats = algo.sequence_is_weights(old, rollout, mask, cap=3.0, mask_outside=True)
+    w, stats = is_weights.sequence_is_weights(old, rollout, mask, cap=3.0, mask_outside=True)
     assert torch.equal(w, torch.tensor([[0.0, 0.0], [1.0, 0.0], [1.0, 1.0]]))
     assert stats["is_masked_frac"].item() == pytest.approx(1 / 3)
-    w, _ = algo.sequence_is_weights(old, rollout, mask, cap=1.9, mask_outside=True)
+    w, _ = is_weights.sequence_is_weights(old, rollout, mask, cap=1.9, mask_outside=True)
     assert torch.equal(w[1], torch.tensor([0.0, 0.0]))  # rho 0.5 < 1/1.9 leaves the band at the bottom
 
 

@@ -8,6 +8,8 @@ from conftest import loss_fn_of, make_policy, small_config
 
 from dapo import algo, tiny
 from dapo.batch import RolloutBatch
+from dapo.config import AlgoConfig
+from dapo.is_weights import MODES
 from dapo.metrics import step_metrics
 from dapo.rollout.base import Generation, SamplingParams
 from dapo.rollout.multi_turn import ToolRollout
@@ -223,8 +225,8 @@ def test_no_tool_tokens_engine_log_prob_enters_a_ratio(tiny_model_dir, tmp_path)
             for row, tm in zip(engine, batch.tool_mask)
         ]
         per_mode = {}
-        for mode in ("token_truncate", "sequence_truncate", "sequence_mask"):
-            stats = importance_weights(batch, 2.0, mode)
+        for mode in MODES:
+            stats = importance_weights(batch, AlgoConfig(rollout_is_cap=2.0, rollout_is_mode=mode))
             per_mode[mode] = (batch.is_weights * mask, {k: float(v) for k, v in stats.items()})
         cstats = __import__("dapo.dynamic_sampling", fromlist=["CollectStats"]).CollectStats()
         m = step_metrics(batch, cstats, {}, {"update": 1.0, "old_logprob": 1.0})
@@ -238,7 +240,7 @@ def test_no_tool_tokens_engine_log_prob_enters_a_ratio(tiny_model_dir, tmp_path)
     rho = math.exp(
         sum((batch.old_logp[1, t] - engine[1][t]).item() for t in range(len(batch.response_ids[1])) if mask[1, t])
     )
-    importance_weights(batch, 1e9, "sequence_truncate")
+    importance_weights(batch, AlgoConfig(rollout_is_cap=1e9, rollout_is_mode="sequence_truncate"))
     assert batch.is_weights[1, 0].item() == pytest.approx(rho, rel=1e-5)
 
 

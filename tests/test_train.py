@@ -13,6 +13,7 @@ from conftest import loss_fn_of, make_policy, small_config
 
 from dapo import algo, checkpoint
 from dapo.batch import RolloutBatch
+from dapo.config import AlgoConfig
 from dapo.dynamic_sampling import record_behaviour_logp
 from dapo.log import read_metrics
 from dapo.logprobs import token_logprobs
@@ -566,8 +567,8 @@ def test_truncated_importance_sampling_weights_each_tokens_loss(tiny_model_dir, 
     batch.old_logp = torch.tensor(
         [[-1.0, -2.0 + math.log(2), 0.0], [-3.0 + math.log(4), -1.0 - math.log(2), -2.0 + math.log(3)]]
     )
-    assert importance_weights(batch, None) == {} and batch.is_weights is None  # off: the reference
-    stats = importance_weights(batch, 2.5)
+    assert importance_weights(batch, AlgoConfig()) == {} and batch.is_weights is None  # off: the reference
+    stats = importance_weights(batch, AlgoConfig(rollout_is_cap=2.5))
     assert torch.allclose(batch.is_weights, torch.tensor([[1.0, 2.0, 0.0], [2.5, 0.5, 2.5]]), atol=1e-5)
     assert stats["rollout/is_weight_mean"].item() == pytest.approx((1 + 2 + 2.5 + 0.5 + 2.5) / 5, abs=1e-5)
     assert stats["rollout/is_truncated_frac"].item() == pytest.approx(2 / 5)

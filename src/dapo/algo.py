@@ -18,8 +18,8 @@ The objectives the field sets beside DAPO's (algo.objective), each checkable aga
   CISPO (arXiv 2506.13585)    eq. 4-5      cispo_loss   -sg(clip(r_t)) A log pi_t: clip the weight, not the update
 The GRPO and Dr. GRPO baselines are arguments of the same functions, not separate code paths.
 The losses return their statistics as ``Stat``s: a value and how it combines over micro-batches and ranks.
-Beyond the paper: truncated_is_weights (per token) and sequence_is_weights (per response) correct for the
-rollout engine's sampling distribution (Yao et al. 2025), off unless asked for.
+Beyond the paper: the importance weights that correct for the weights and kernels that sampled a batch
+(is_weights.py) enter here as policy_loss's ``is_weights``, off unless asked for.
 """
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ def policy_loss(
     ``dual_clip`` (> 1) additionally bounds the loss of negative-advantage tokens at -adv * c,
     as the reference recipe does with c = 10; None disables it.
     ``is_weights`` (N, T), no gradient: each token's clipped loss is multiplied by it (truncated
-    importance sampling for the rollout engine's sampling distribution, see truncated_is_weights).
+    importance sampling for the rollout engine's sampling distribution, see is_weights.py).
     """
     if adv.dim() == 1:
         adv = adv.unsqueeze(-1)  # (N, 1), broadcast over tokens
@@ -447,63 +447,3 @@ def _token_stats(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor)
         "approx_kl": mean_stat(((old_logp - logp.detach()) * mask).sum() / n.clamp(min=1), n),
         "token_prob_mean": mean_stat((logp.detach().exp() * mask).sum() / n.clamp(min=1), n),
     }
-
-
-def sequence_is_weights(
-    old_logp: torch.Tensor, rollout_logp: torch.Tensor, response_mask: torch.Tensor, *, cap: float, mask_outside: bool
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Sequence-level correction for the rollout engine: the response's ratio rho_i = prod_t pi_old / pi_rollout
-    (the product over its valid tokens, as the sequence is what the engine sampled).
-
-    ``mask_outside=False`` (sequence truncation): every token of response i weighs min(rho_i, cap).
-    ``mask_outside=True`` (sequence masking): weight 1 where 1/cap <= rho_i <= cap, 0 elsewhere, so a
-    response the engine sampled from a visibly other distribution does not train (its tokens still count
-    in the loss's divisor, as the token-level weights' do). Returns the weights (N, T), 0 on padding, and
-    detached statistics over valid sequences: is_weight_mean (over tokens, as the token-level one),
-    is_seq_ratio_mean / _max / _min, and is_truncated_frac or is_masked_frac (share of sequences).
-    """
-    mask = response_mask.to(old_logp.dtype)  # (N, T)
-    log_rho = ((old_logp - rollout_logp) * mask).sum(dim=-1).clamp(-20.0, 20.0)  # (N,)
-    rho = log_rho.exp()  # (N,)
-    if mask_outside:
-        outside = (rho > cap) | (rho < 1.0 / cap)  # (N,)
-        seq_w = (~outside).to(mask.dtype)
-    else:
-        outside = rho > cap
-        seq_w = rho.clamp(max=cap)
-    weights = seq_w[:, None] * mask  # (N, T)
-    valid = mask.sum(dim=-1) > 0  # (N,)
-    n_seqs = valid.sum().clamp(min=1)
-    stats = {
-        "is_weight_mean": weights.sum() / mask.sum().clamp(min=1.0),
-        "is_seq_ratio_mean": (rho * valid).sum() / n_seqs,
-        "is_seq_ratio_max": torch.where(valid, rho, torch.zeros_like(rho)).max(),
-        "is_seq_ratio_min": torch.where(valid, rho, torch.full_like(rho, float("inf"))).min(),
-        ("is_masked_frac" if mask_outside else "is_truncated_frac"): (outside & valid).sum() / n_seqs,
-    }
-    return weights.detach(), stats
-
-
-def truncated_is_weights(
-    old_logp: torch.Tensor, rollout_logp: torch.Tensor, response_mask: torch.Tensor, *, cap: float
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Truncated importance sampling for the rollout engine: w = min(pi_old / pi_rollout, cap).
-
-    old_logp (N, T): the trainer's log-probs of the sampled tokens under the weights that sampled
-    them; rollout_logp (N, T): the engine's own log-probs of the same tokens (vLLM computes them
-    with other kernels and precision, so its distribution is not exactly the trainer's). Weighting
-    each token's loss by w corrects for sampling from pi_rollout while the loss assumes pi_old, and
-    the cap bounds the variance (Yao et al. 2025, "Your efficient RL framework secretly brings you
-    off-policy RL training"; verl's rollout_is=token). Returns the weights (N, T), 0 on padding,
-    and detached statistics over valid tokens: is_weight_mean and is_truncated_frac (the share of
-    tokens whose ratio exceeded the cap).
-    """
-    mask = response_mask.to(old_logp.dtype)  # (N, T)
-    ratio = (old_logp - rollout_logp).clamp(-20.0, 20.0).exp()  # (N, T); exp of a huge value is inf
-    weights = ratio.clamp(max=cap) * mask  # (N, T)
-    n_valid = mask.sum().clamp(min=1.0)
-    stats = {
-        "is_weight_mean": weights.sum() / n_valid,
-        "is_truncated_frac": ((ratio > cap).to(mask.dtype) * mask).sum() / n_valid,
-    }
-    return weights.detach(), stats

@@ -56,7 +56,7 @@ Grader = Literal["auto", "dapo", "dapo_relaxed", "math", "gsm8k", "arith"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KlKind = Literal["k1", "k2", "k3"]
 Objective = Literal["dapo", "gspo", "cispo"]
-RolloutIsMode = Literal["token_truncate", "sequence_truncate", "sequence_mask"]
+RolloutIsMode = Literal["token_truncate", "token_mask", "token_m2", "sequence_truncate", "sequence_mask"]
 FilterMetric = Literal["acc", "reward"]
 OnMaxGenRounds = Literal["train", "fail"]
 BufferLogp = Literal["trainer", "engine"]
@@ -266,10 +266,12 @@ class AlgoConfig:
     # C: each token's loss x min(pi_old / pi_rollout, C) on vllm's log-probs; null: off (the reference); not
     # given with rollout.max_staleness > 0: 2 (config_read.ASYNC_IS_CAP), as the resolved config shows
     rollout_is_cap: float | None = field(None, ge=1, null="off", why="a cap below 1 would shrink every token")
-    # how rollout_is_cap corrects: token_truncate (each token x min(ratio, C)), sequence_truncate (a response's
-    # tokens x min(rho, C), rho the product of its token ratios) or sequence_mask (a response whose rho leaves
-    # [1/C, C] does not train)
+    # how rollout_is_cap corrects (is_weights.py): token_truncate min(r, C), token_mask (r, 0 above C), token_m2
+    # (min(r, C), 0 on the largest (log r)^2 until their mean <= rollout_is_m2), sequence_truncate / sequence_mask
+    # (a response's rho = prod r: min(rho, C) / 1 inside [1/C, C], 0 outside)
     rollout_is_mode: RolloutIsMode = "token_truncate"
+    # token_m2's bound on the mean (log ratio)^2 of the tokens kept (M2PO's tau)
+    rollout_is_m2: float = field(0.04, gt=0)
 
 
 @dataclass

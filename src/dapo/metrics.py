@@ -190,3 +190,39 @@ def engine_gap_warning(metrics: dict, *, dtype: str, step: int) -> str | None:
         "check train.log for a weight push that failed or was skipped, or weights lost across the engine's "
         "sleep and wake (rollout/logprob_abs_diff_mean follows the gap)"
     )
+
+
+# where staleness started to cost accuracy on the demo (docs/async.md, benchmarks/async_rollout.py --lrs): the
+# pairs of (lr, k) that moved the policy by more than this per step between sampling and training lost 5 points
+# or more of held-out and train accuracy at equal steps, those below it 2 or fewer
+DRIFT_KL_LEVEL = 0.005  # async/policy_kl, nats a token
+DRIFT_ESS_LEVEL = 0.985  # rollout/is_ess
+DRIFT_WINDOW = 5  # steps averaged, so one step's noise does not warn
+
+
+class DriftGuard:
+    """Says once when training on stale samples moves the policy past the level that cost accuracy: the mean of
+    ``async/policy_kl`` or ``rollout/is_ess`` over the last DRIFT_WINDOW steps that trained on stale samples."""
+
+    def __init__(self) -> None:
+        self.recent: list[tuple[float, float]] = []
+        self.said = False
+
+    def observe(self, metrics: dict, *, step: int, lr: float, max_staleness: int) -> str | None:
+        if self.said or not metrics.get("async/staleness_max") or "async/policy_kl" not in metrics:
+            return None
+        self.recent = [*self.recent, (float(metrics["async/policy_kl"]), float(metrics["rollout/is_ess"]))]
+        self.recent = self.recent[-DRIFT_WINDOW:]
+        if len(self.recent) < DRIFT_WINDOW:
+            return None
+        kl = sum(k for k, _ in self.recent) / DRIFT_WINDOW
+        ess = sum(e for _, e in self.recent) / DRIFT_WINDOW
+        if kl <= DRIFT_KL_LEVEL and ess >= DRIFT_ESS_LEVEL:
+            return None
+        self.said = True
+        return (
+            f"step {step}: the policy moves far between sampling and training: async/policy_kl {kl:.3g} nats a token "
+            f"and rollout/is_ess {ess:.3f} over the last {DRIFT_WINDOW} steps (past {DRIFT_KL_LEVEL:g} or under "
+            f"{DRIFT_ESS_LEVEL:g}, the demo lost 5 points or more of accuracy at equal steps: docs/async.md); lower "
+            f"train.lr (now {lr:g}) or rollout.max_staleness (now {max_staleness})"
+        )

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dapo import algo, checkpoint, lora, parallel, preemption, run_setup, watchdog
+from dapo import algo, checkpoint, is_weights, lora, parallel, preemption, run_setup, watchdog
 from dapo.async_rollout import AsyncRollout
 from dapo.batch import RolloutBatch
 from dapo.config import AlgoConfig, Config, ConfigError, dump_yaml, load_config
@@ -46,6 +46,7 @@ from dapo.library_logging import raised_outside, rank_log_path
 from dapo.log import RunLogger
 from dapo.memory import PhaseMemory
 from dapo.metrics import (
+    DriftGuard,
     engine_gap_warning,
     no_signal_advice,
     prefilter_metrics,
@@ -201,26 +202,22 @@ def old_logprobs(batch: RolloutBatch, run: Run) -> OldLogprobs:
         tokens = int(batch.response_lengths.sum())
     if run.reference is not None:
         batch.ref_logp = run.reference.logprobs(batch)  # (N, T)
-    metrics = importance_weights(batch, a.rollout_is_cap, a.rollout_is_mode)  # engine vs trainer; off without a cap
+    metrics = importance_weights(batch, a)  # engine vs trainer; off without a cap
     return OldLogprobs(metrics, tokens, entropy_from_update=a.old_logp == "engine")
 
 
-def importance_weights(batch: RolloutBatch, cap: float | None, mode: str = "token_truncate") -> dict:
-    """Importance weights on the engine's log-probs, per token (algo.truncated_is_weights) or per response
-    (algo.sequence_is_weights, ``mode`` sequence_truncate / sequence_mask): sets ``batch.is_weights`` and
-    returns their statistics; nothing when ``cap`` is None (off, the reference)."""
-    if cap is None:
+def importance_weights(batch: RolloutBatch, a) -> dict:
+    """Importance weights on the engine's log-probs (is_weights.py, ``a``: the AlgoConfig's rollout_is_cap,
+    _mode and _m2): sets ``batch.is_weights`` and returns their statistics; nothing without a cap (the reference)."""
+    if a.rollout_is_cap is None:
         return {}
     if not batch.rollout_logp:
         raise ValueError("algo.rollout_is_cap needs the rollout engine's log-probs; this batch has none")
     T = batch.old_logp.shape[1]
     rollout_logp, mask = batch.padded_logp(batch.rollout_logp, T), batch.response_mask(width=T)  # (N, T) each
-    if mode == "token_truncate":
-        batch.is_weights, stats = algo.truncated_is_weights(batch.old_logp, rollout_logp, mask, cap=cap)
-    else:
-        batch.is_weights, stats = algo.sequence_is_weights(
-            batch.old_logp, rollout_logp, mask, cap=cap, mask_outside=mode == "sequence_mask"
-        )
+    batch.is_weights, stats = is_weights.rollout_is_weights(
+        batch.old_logp, rollout_logp, mask, mode=a.rollout_is_mode, cap=a.rollout_is_cap, m2_threshold=a.rollout_is_m2
+    )
     return {f"rollout/{k}": v for k, v in stats.items()}
 
 
@@ -245,6 +242,7 @@ class Run:
     grader: str | None = None  # every row's grader (a caller's reward function); None: reward.grader
     no_signal: int = 0  # steps in a row without an informative group
     engine_gap_said: bool = False  # the engine-vs-trainer gap has been reported (once a run)
+    drift: DriftGuard = field(default_factory=DriftGuard)  # stale samples: the policy's movement (once a run)
     memory: PhaseMemory | None = None  # each phase's peak memory (perf/peak_*_gb)
     signals: preemption.Signals | None = None  # SIGTERM, SIGUSR1, SIGINT: a checkpoint on the way out
     rollout_ahead: AsyncRollout | None = None  # rollout.max_staleness > 0: the engine collects the next steps
@@ -334,9 +332,12 @@ class Run:
             self.signals.check(self, where)
 
     def note_engine_gap(self, metrics: dict, step: int) -> None:
-        """Say once when the engine samples from other weights than the trainer's (``engine_gap_warning``).
+        """Say once when the engine samples from other weights than the trainer's (``engine_gap_warning``), and once
+        when stale samples were drawn from a policy far from the trained one (``DriftGuard``).
         Only where the engine's log-probs are of the full distribution: top-p and top-k renormalise them."""
         r = self.cfg.rollout
+        if line := self.drift.observe(metrics, step=step, lr=self.cfg.train.lr, max_staleness=r.max_staleness):
+            self.logger.warn(line)  # sampled by older weights: how far the policy moved since
         if self.engine_gap_said or r.top_p < 1.0 or r.top_k is not None or metrics.get("async/staleness_max"):
             return  # sampled by older weights (rollout.max_staleness): the gap is the staleness, not a fault
         if line := engine_gap_warning(metrics, dtype=self.cfg.model.dtype, step=step):
