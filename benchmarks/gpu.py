@@ -223,7 +223,7 @@ class Bench:
                 *overrides,
             ],
         )
-        from dapo.training import make_loss_fn
+        from dapo.phases import make_loss_fn
 
         loss_fn = make_loss_fn(cfg.algo, cfg.rollout.max_response_tokens)
         resp = (24, 32) if self.smoke else (768, 1024)
@@ -295,7 +295,7 @@ class Bench:
         row_tokens = length + prompt
         total = torch.cuda.get_device_properties(self.device).total_memory / 2**30 if self.cuda else None
         model, tok = self.build(name)
-        from dapo.training import make_loss_fn
+        from dapo.phases import make_loss_fn
 
         policy, cfg = self.policy(
             model,
@@ -428,7 +428,7 @@ class Bench:
     def part_profile(self) -> None:
         from torch.profiler import ProfilerActivity, profile
 
-        from dapo.training import make_loss_fn
+        from dapo.phases import make_loss_fn
 
         name = "qwen2.5-1.5b"
         s = self.shape(name)

@@ -76,7 +76,7 @@ def training_engine(cfg, policy, dist):
 
 def loss_fn_of(cfg):
     """The loss a training run with ``cfg`` gives ``Policy.update``."""
-    from dapo.training import make_loss_fn
+    from dapo.phases import make_loss_fn
 
     return make_loss_fn(cfg.algo, cfg.rollout.max_response_tokens)
 

@@ -11,11 +11,11 @@ from dapo.batch import RolloutBatch
 from dapo.config import AlgoConfig
 from dapo.is_weights import MODES
 from dapo.metrics import step_metrics
+from dapo.phases import importance_weights
 from dapo.rollout.base import Generation, SamplingParams
 from dapo.rollout.multi_turn import ToolRollout
 from dapo.tools import PythonTool, call_in
 from dapo.tools.sandbox import Limits, Sandbox
-from dapo.training import importance_weights
 
 needs_bwrap = pytest.mark.sandbox
 TOK = tiny.build_tokenizer()  # one token per byte: a text's ids are its bytes + 2
@@ -341,7 +341,8 @@ def test_void_turns_are_counted_and_filtered_only_when_asked(tiny_model_dir, tmp
     import dapo.rollout
     from dapo.config import ConfigError
     from dapo.log import read_metrics
-    from dapo.training import assign_advantages, train
+    from dapo.phases import assign_advantages
+    from dapo.training import train
 
     class Voids(ArithToolUser):  # rows 0 mod 4 close a text block (void), rows 1 mod 4 stop without an answer
         @staticmethod

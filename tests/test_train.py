@@ -18,9 +18,10 @@ from dapo.dynamic_sampling import record_behaviour_logp
 from dapo.log import read_metrics
 from dapo.logprobs import token_logprobs
 from dapo.micro_batch import make_micro_batch, plan_micro_batches
+from dapo.phases import importance_weights
 from dapo.rollout import SamplingParams
 from dapo.rollout.hf import HFRolloutEngine
-from dapo.training import importance_weights, train
+from dapo.training import train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -284,7 +285,8 @@ def traced_update(cfg, *, old_logp: str, engine_logp_from=None):
     from types import SimpleNamespace
 
     from dapo.config import load_config
-    from dapo.training import TrainState, old_logprobs
+    from dapo.phases import old_logprobs
+    from dapo.training import TrainState
 
     torch.manual_seed(0)
     policy = make_policy(cfg)
