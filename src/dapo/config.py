@@ -242,6 +242,10 @@ class AlgoConfig:
     on_max_gen_rounds: OnMaxGenRounds = "train"  # when the cap is hit: train (on what was kept, with a warning) or fail
     oversample: float = field(1.0, ge=1)  # prompts generated per round = missing prompts * this (>= 1)
     adaptive_oversample: bool = False  # also divide by the measured keep rate, so most steps need one round
+    # n: each prompt first gets n responses; one whose n agree is dropped, the others get the G - n more in the
+    # engine call that screens the next prompts (screening.py; 0: off, the paper's behaviour). Needs dynamic_sampling
+    screen_samples: int = field(0, ge=0, why="a count of responses, 0 for off")
+    screen_audit: float = field(0.0, ge=0, le=1)  # share of screened-out prompts completed anyway, never trained
     # skip, before generating it, a training prompt whose last groups were all right or all wrong, with a probability
     # that grows with how many in a row (prefilter.py; off: the paper's behaviour). Needs dynamic_sampling
     prefilter: bool = False

@@ -298,6 +298,16 @@ def _dependent_switches(cfg) -> None:
         not a.prefilter or a.dynamic_sampling,
         "algo.prefilter=true: skips the prompts dynamic sampling would drop, so it needs algo.dynamic_sampling=true",
     )
+    n, G = a.screen_samples, r.group_size
+    _check(
+        not n or (2 <= n < G and a.dynamic_sampling),
+        f"algo.screen_samples={n}: screening drops a prompt whose first n responses agree, so n is 0 (off) or "
+        f"from 2 to rollout.group_size - 1 = {G - 1}, with algo.dynamic_sampling=true",
+    )
+    _check(
+        not a.screen_audit or n,
+        f"algo.screen_audit={a.screen_audit:g}: audits the prompts screening drops; set algo.screen_samples too",
+    )
 
 
 def _importance_sampling(cfg) -> None:

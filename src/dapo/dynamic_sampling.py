@@ -26,6 +26,7 @@ from dapo.prefilter import SkipCounts
 from dapo.rewards.graders import TIMEOUT_PRED, graders_for
 from dapo.rewards.pool import CRASH_PRED
 from dapo.rollout.base import SamplingParams, ToolLog
+from dapo.screening import ScreenCounts, collect_screened
 from dapo.watchdog import phase
 
 
@@ -109,6 +110,7 @@ class CollectStats:
     seconds_reward: float = 0.0
     seconds_dropped: float = 0.0  # generation time attributed to dropped groups (by token share)
     prefilter: SkipCounts = field(default_factory=SkipCounts)  # prompts skipped, groups by record state (prefilter)
+    screen: ScreenCounts = field(default_factory=ScreenCounts)  # algo.screen_samples: what screening dropped
     tools: ToolLog = field(default_factory=lambda: ToolLog(turns=0))  # summed over the generated responses
     keep_rates: list[float] = field(default_factory=list)
 
@@ -169,8 +171,13 @@ class BatchCollector:
         while buffer and len(kept) < num_prompts:
             kept.append(buffer.pop(0))
             stats.groups_from_buffer += 1
-        while len(kept) < num_prompts and not self._at_round_cap(stats, len(kept), num_prompts):
-            kept += self._round(num_prompts - len(kept), round_seed(stats.rounds), keep_rate_estimate, stats)
+        if self.a.screen_samples:  # n responses first, the rest only where they disagree (screening.py)
+            collect_screened(
+                self, num_prompts, kept, round_seed=round_seed, keep_rate_estimate=keep_rate_estimate, stats=stats
+            )
+        else:
+            while len(kept) < num_prompts and not self._at_round_cap(stats, len(kept), num_prompts):
+                kept += self._round(num_prompts - len(kept), round_seed(stats.rounds), keep_rate_estimate, stats)
         skips = self.sampler.end_step(
             informative=stats.prompts_generated - stats.groups_dropped,
             all_correct=stats.groups_all_correct,
@@ -200,14 +207,49 @@ class BatchCollector:
     def _round(self, missing: int, seed: int, keep_rate_estimate: float, stats: CollectStats) -> list[RolloutBatch]:
         """One generation round for ``missing`` prompts (more when over-sampling): its informative groups."""
         a, G = self.a, self.sampling.n
-        # over-sample in proportion to the measured keep rate so most steps need one round
-        factor = a.oversample / max(keep_rate_estimate, 0.05) if a.dynamic_sampling else 1.0
-        examples = self.sampler.next(max(missing, math.ceil(missing * factor)))
+        examples = self.sampler.next(self.to_draw(missing, keep_rate_estimate))
+        part, gen_s = self.sample(examples, [G] * len(examples), seed, stats)
+        keep = self.informative(part, G) if a.dynamic_sampling else torch.ones(len(examples), dtype=torch.bool)
+        group_acc = part.acc.view(-1, G).mean(dim=1)  # (P,)
+        self.sampler.observe(group_acc.tolist(), keep.tolist())  # each prompt's record (algo.prefilter)
+        lengths = part.response_lengths
+        dropped_tokens = int(lengths.view(-1, G)[~keep].sum())
+        stats.seconds_dropped += gen_s * dropped_tokens / max(int(lengths.sum()), 1)
+        stats.prompts_generated += len(examples)
+        stats.tokens_in_dropped_groups += dropped_tokens
+        stats.groups_all_correct += int((group_acc == 1).sum())
+        stats.groups_all_wrong += int((group_acc == 0).sum())
+        stats.groups_dropped += int((~keep).sum())
+        stats.keep_rates.append(float(keep.float().mean()))
+        return [part.select_groups([i]) for i in torch.nonzero(keep).flatten().tolist()]
+
+    def to_draw(self, missing: int, keep_rate_estimate: float) -> int:
+        """Prompts a round draws for ``missing`` kept groups: over-sampled in proportion to the measured keep rate,
+        so most steps need one round."""
+        factor = self.a.oversample / max(keep_rate_estimate, 0.05) if self.a.dynamic_sampling else 1.0
+        return max(missing, math.ceil(missing * factor))
+
+    def informative(self, part: RolloutBatch, n: int) -> torch.Tensor:
+        """(P,) bool: groups of ``n`` consecutive rows whose values are not all equal (eq. 11), on raw correctness
+        unless algo.filter_metric says reward: length shaping alone must not keep a group."""
+        return algo.informative_groups(part.acc if self.a.filter_metric == "acc" else part.reward, n)
+
+    def sample(self, examples: list, counts: list[int], seed: int, stats: CollectStats) -> tuple[RolloutBatch, float]:
+        """``counts[i]`` responses to ``examples[i]`` in one engine call, graded and shaped, in prompt-major order
+        (group_size: the count where all are equal, else 1), and the call's generation seconds. ``stats`` gets
+        the call's own figures (rounds, samples, tokens, tool calls, grading); the groups' are the caller's."""
+        uniform = len(set(counts)) == 1
+        prompts = [self.encode(ex) for ex in examples]
+        if uniform:  # n per prompt: the engine's own n (vLLM samples a prompt's n together)
+            sampling = replace(self.sampling, n=counts[0], seed=seed)
+        else:  # one request per response (vLLM's prefix cache shares the prompt; hf pads the same rows)
+            prompts = [p for p, c in zip(prompts, counts) for _ in range(c)]
+            sampling = replace(self.sampling, n=1, seed=seed)
         t0 = time.perf_counter()
         with phase("generate"):  # the step watchdog's phases (watchdog.py): one round's generation, then its grading
-            gen = self.engine.generate([self.encode(ex) for ex in examples], replace(self.sampling, seed=seed))
+            gen = self.engine.generate(prompts, sampling)
         t1 = time.perf_counter()
-        per_row = [ex for ex in examples for _ in range(G)]
+        per_row = [ex for ex, c in zip(examples, counts) for _ in range(c)]
         lengths = torch.tensor([len(r) for r in gen.response_ids])  # (N,)
         with phase("reward"):
             scored = self.scorer(
@@ -217,39 +259,23 @@ class BatchCollector:
                 lengths,
                 gen.truncated,
             )
-        t2 = time.perf_counter()
-        if a.dynamic_sampling:
-            # filter on raw correctness, not the shaped reward: length shaping alone must not keep a group
-            keep = algo.informative_groups(scored.acc if a.filter_metric == "acc" else scored.reward, G)  # (P,)
-        else:
-            keep = torch.ones(len(examples), dtype=torch.bool)
-        group_acc = scored.acc.view(-1, G).mean(dim=1)  # (P,)
-        self.sampler.observe(group_acc.tolist(), keep.tolist())  # each prompt's record (algo.prefilter)
-        dropped_tokens = int(lengths.view(-1, G)[~keep].sum())
         stats.seconds_generate += t1 - t0
-        stats.seconds_reward += t2 - t1
-        stats.seconds_dropped += (t1 - t0) * dropped_tokens / max(int(lengths.sum()), 1)
+        stats.seconds_reward += time.perf_counter() - t1
         stats.rounds += 1
-        stats.prompts_generated += len(examples)
         stats.samples_generated += len(per_row)
         stats.tokens_generated += int(lengths.sum())
-        stats.tokens_in_dropped_groups += dropped_tokens
         for log in gen.tool_logs or []:
             stats.tools.add(log)
         stats.acc_sum += float(scored.acc.sum())
         stats.timeouts += scored.timeouts
         stats.worker_crashes += scored.worker_crashes
-        stats.groups_all_correct += int((group_acc == 1).sum())
-        stats.groups_all_wrong += int((group_acc == 0).sum())
-        stats.groups_dropped += int((~keep).sum())
-        stats.keep_rates.append(float(keep.float().mean()))
         # a void turn: one that ended at a block that was not code, or a last turn that ended without an answer
         void_turn = [
             log.void_turns > 0 or (not bool(cut) and pred in NO_ANSWER)
             for log, cut, pred in zip(gen.tool_logs or [], gen.truncated, scored.preds)
         ]
-        round_batch = RolloutBatch(
-            group_size=G,
+        part = RolloutBatch(
+            group_size=counts[0] if uniform else 1,
             prompt_ids=gen.prompt_ids,
             response_ids=gen.response_ids,
             truncated=gen.truncated,
@@ -264,7 +290,7 @@ class BatchCollector:
             tool_mask=gen.tool_mask or [],
             void_turn=void_turn,
         )
-        return [round_batch.select_groups([i]) for i in torch.nonzero(keep).flatten().tolist()]
+        return part, t1 - t0
 
 
 def record_behaviour_logp(

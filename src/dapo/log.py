@@ -129,6 +129,19 @@ def _generation_line(rows: list[dict]) -> str | None:
             f"; the prefilter skipped {skipped:.0f} prompts ({total['sampling/skipped_all_correct']:.0f} "
             f"all-correct, {total['sampling/skipped_all_wrong']:.0f} all-wrong)"
         )
+    if screened := total["sampling/screened"]:
+        out = total["sampling/screened_out_all_correct"] + total["sampling/screened_out_all_wrong"]
+        saved = total["sampling/screen_saved_tokens"]
+        line += (
+            f"; screening dropped {out:.0f} of {screened:.0f} prompts after their first responses, saving about "
+            f"{saved:.0f} tokens ({100 * saved / max(saved + total['sampling/tokens_generated'], 1):.0f}% of what "
+            "complete groups would have cost)"
+        )
+        if audited := total["sampling/screen_audited"]:
+            line += (
+                f"; of {audited:.0f} dropped prompts completed to audit, "
+                f"{total['sampling/screen_audit_informative']:.0f} would have been informative"
+            )
     return line
 
 
@@ -159,6 +172,12 @@ _GENERATION_KEYS = (
     "perf/time_generate_s",
     "sampling/skipped_all_correct",
     "sampling/skipped_all_wrong",
+    "sampling/screened",
+    "sampling/screened_out_all_correct",
+    "sampling/screened_out_all_wrong",
+    "sampling/screen_saved_tokens",
+    "sampling/screen_audited",
+    "sampling/screen_audit_informative",
 )
 
 

@@ -54,6 +54,7 @@ from dapo.models import pick_device
 from dapo.phases import assign_advantages, make_loss_fn, old_logprobs
 from dapo.policy import BaseReference, Policy, ReferenceModel
 from dapo.rollout import SamplingParams
+from dapo.screening import screen_metrics
 
 NO_SIGNAL_STREAK = 3  # steps in a row without an informative group before the run says what to change
 
@@ -370,6 +371,10 @@ def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
         metrics = ahead | sampling_metrics(cstats, buffer_groups=len(state.buffer), gen_rounds_total=state.gen_rounds)
         if cfg.algo.prefilter:
             metrics |= prefilter_metrics(cstats)
+        if cfg.algo.screen_samples:
+            metrics |= screen_metrics(
+                cstats.screen, group_size=cfg.rollout.group_size, screen_samples=cfg.algo.screen_samples
+            )
         run.note_signal(batch, cstats, step)
         if batch is not None:
             assign_advantages(batch, cfg.algo, cfg.rollout.group_size, filter_void_turns=cfg.tools.filter_void_turns)

@@ -1,0 +1,147 @@
+"""Two-phase screening (algo.screen_samples) on hand-made reward streams: what each prompt cost, what trained."""
+
+import pytest
+import torch
+from test_dynamic_sampling import Ex, ListSampler
+
+from dapo import algo
+from dapo.config import AlgoConfig, ConfigError, load_config
+from dapo.dynamic_sampling import BatchCollector, Scored
+from dapo.log import _generation_line
+from dapo.rollout.base import Generation, SamplingParams
+from dapo.screening import screen_metrics
+
+G = 4
+
+
+class StreamEngine:
+    """Prompt k's j-th response (over the whole run, across calls) is the text "k:j"; every call is recorded as
+    the list of (prompt, responses asked for)."""
+
+    def __init__(self):
+        self.calls: list[list[tuple[int, int]]] = []
+        self.given: dict[int, int] = {}
+
+    def generate(self, prompt_ids, params):
+        rows = [p for p in prompt_ids for _ in range(params.n)]
+        asked: list[tuple[int, int]] = []
+        for p in rows:
+            if asked and asked[-1][0] == p[0]:
+                asked[-1] = (p[0], asked[-1][1] + 1)
+            else:
+                asked.append((p[0], 1))
+        self.calls.append(asked)
+        texts = []
+        for p in rows:
+            j = self.given.get(p[0], 0)
+            self.given[p[0]] = j + 1
+            texts.append(f"{p[0]}:{j}")
+        responses = [[1, 2, 3] for _ in rows]  # 3 tokens each
+        return Generation(rows, responses, torch.zeros(len(rows), dtype=torch.bool), texts)
+
+
+def stream_scorer(streams):
+    """Response "k:j" is right iff streams[k][j] is 1."""
+
+    def score(texts, gts, sources, lengths, truncated):
+        acc = torch.tensor([float(streams[int(t.split(":")[0])][int(t.split(":")[1])]) for t in texts])
+        return Scored(acc, acc * 2 - 1, torch.zeros_like(acc), ["x"] * len(texts))
+
+    return score
+
+
+def collect(streams, *, num_prompts, **algo_settings):
+    cfg = AlgoConfig(**({"screen_samples": 2} | algo_settings))
+    engine = StreamEngine()
+    collector = BatchCollector(
+        engine=engine,
+        sampler=ListSampler([Ex(str(k), "x") for k in range(len(streams))]),
+        scorer=stream_scorer(streams),
+        encode=lambda ex: [int(ex.uid)],
+        sampling=SamplingParams(n=G),
+        algo_cfg=cfg,
+    )
+    batch, stats = collector.collect(num_prompts, [], round_seed=lambda k: k)
+    return batch, stats, engine
+
+
+def test_a_prompt_whose_first_n_agree_costs_n_and_one_that_disagrees_is_completed_and_trained_over_all_g():
+    streams = [
+        [1, 1, 0, 0],  # agrees on its first 2 (both right): dropped after 2, though all 4 would have been informative
+        [1, 0, 1, 1],  # disagrees: completed to 4
+        [0, 0, 0, 0],  # all wrong: dropped after 2
+        [0, 1, 0, 0],  # disagrees: completed
+    ]
+    batch, stats, engine = collect(streams, num_prompts=2, oversample=2.0)
+    # call 1 screens 4 prompts (2 wanted, over-sampled 2x) with 2 responses each; call 2 completes the 2 that
+    # disagreed with 2 more each (nothing is short any more, so nothing new is screened beside them)
+    assert engine.calls == [[(0, 2), (1, 2), (2, 2), (3, 2)], [(1, 2), (3, 2)]]
+    assert engine.given == {0: 2, 1: 4, 2: 2, 3: 4}
+    assert batch.group_size == G and batch.example_uids == ["1"] * 4 + ["3"] * 4
+    assert batch.acc.tolist() == [1, 0, 1, 1, 0, 1, 0, 0]  # the stream, in order: first 2, then the 2 more
+    # eq. 9 over all 4 of each group: prompt 1's mean reward 0.5, prompt 3's -0.5
+    adv = algo.group_advantages(batch.reward, G)
+    expected_1 = (torch.tensor([1.0, -1, 1, 1]) - 0.5) / (torch.tensor([1.0, -1, 1, 1]).std() + 1e-6)
+    assert torch.allclose(adv[:4], expected_1, atol=1e-5)
+    s = stats.screen
+    assert (s.screened, s.out_all_correct, s.out_all_wrong, s.completed, s.out_tokens) == (4, 1, 1, 2, 12)
+    assert (stats.samples_generated, stats.tokens_generated, stats.rounds) == (12, 36, 2)
+    assert (stats.groups_dropped, stats.groups_all_correct, stats.groups_all_wrong) == (2, 1, 1)
+    m = screen_metrics(s, group_size=G, screen_samples=2)
+    assert m["sampling/screen_saved_tokens"] == 12.0  # 2 prompts x 2 responses not generated x 3 tokens
+
+
+def test_the_continuation_rides_with_the_next_screening_and_surplus_prompts_are_not_completed():
+    streams = [[0, 0, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1], [0, 1, 1, 1], [1, 0, 1, 0], [0, 1, 0, 1]] + [[0, 0]] * 4
+    # 3 groups wanted, adaptive over-sampling off: call 1 screens 3 (0, 1, 2): one in (1), 2 short; call 2 completes
+    # prompt 1 and screens 3, 4 (both in); call 3 completes them, alone
+    batch, stats, engine = collect(streams, num_prompts=3)
+    assert engine.calls == [[(0, 2), (1, 2), (2, 2)], [(1, 2), (3, 2), (4, 2)], [(3, 2), (4, 2)]]
+    assert batch.example_uids == ["1"] * 4 + ["3"] * 4 + ["4"] * 4
+    # over-sampled 2x in call 1: 6 screened, 4 pass (1, 3, 4, 5), 3 are needed: prompt 5 is surplus, never completed
+    batch, stats, engine = collect(streams, num_prompts=3, oversample=2.0)
+    assert engine.calls == [[(k, 2) for k in range(6)], [(1, 2), (3, 2), (4, 2)]]
+    assert engine.given[5] == 2 and stats.screen.surplus == 1 and stats.screen.surplus_tokens == 6
+
+
+def test_the_audit_completes_screened_out_prompts_without_training_them():
+    streams = [[1, 1, 0, 1], [1, 0, 1, 1], [0, 0, 0, 0], [1, 1, 1, 1]]
+    batch, stats, engine = collect(streams, num_prompts=1, screen_audit=1.0, oversample=4.0)
+    # prompts 0, 2, 3 are screened out, and all three are completed to audit; only prompt 1 trains
+    assert engine.calls == [[(k, 2) for k in range(4)], [(0, 2), (1, 2), (2, 2), (3, 2)]]
+    assert batch.example_uids == ["1"] * 4
+    s = stats.screen
+    assert (s.audited, s.audit_informative, s.audit_tokens) == (3, 1, 18)  # only prompt 0's 4 would have taught
+    rows = [{"sampling/tokens_generated": 48, "sampling/tokens_trained": 12, "sampling/dropped_gen_s": 0.0,
+             "perf/time_generate_s": 1.0} | screen_metrics(s, group_size=G, screen_samples=2)]  # fmt: skip
+    assert _generation_line(rows).endswith(
+        "screening dropped 3 of 4 prompts after their first responses, saving about 18 tokens (27% of what "
+        "complete groups would have cost); of 3 dropped prompts completed to audit, 1 would have been informative"
+    )
+
+
+def test_the_cap_stops_new_screening_but_completes_what_was_screened_in():
+    streams = [[0, 0, 0, 0], [1, 0, 1, 0]] + [[0, 0, 0, 0]] * 8
+    with pytest.warns(RuntimeWarning, match="max_gen_rounds=2 with 1/2 prompts kept"):
+        batch, stats, engine = collect(streams, num_prompts=2, max_gen_rounds=2)
+    # call 1: prompt 1 in, 1 short; call 2: its completion and prompt 2 screened (out); the cap: no call 3
+    assert engine.calls == [[(0, 2), (1, 2)], [(1, 2), (2, 2)]]
+    assert batch.example_uids == ["1"] * 4 and stats.cap_hit
+    # at a cap of 1, prompt 1 was screened in by the one call the cap allows: completed past it, nothing new drawn
+    with pytest.warns(RuntimeWarning, match="max_gen_rounds=1 with 1/2 prompts kept"):
+        batch, stats, engine = collect(streams, num_prompts=2, max_gen_rounds=1)
+    assert engine.calls == [[(0, 2), (1, 2)], [(1, 2)]] and batch.example_uids == ["1"] * 4
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["algo.screen_samples=1"], "algo.screen_samples=1: screening drops a prompt whose first n responses agree"),
+        (["algo.screen_samples=8"], "from 2 to rollout.group_size - 1 = 7"),
+        (["algo.screen_samples=2", "algo.dynamic_sampling=false"], "with algo.dynamic_sampling=true"),
+        (["algo.screen_audit=0.1"], "algo.screen_audit=0.1: audits the prompts screening drops; set"),
+    ],
+)
+def test_settings_screening_cannot_honour_are_refused_in_one_line(extra, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config("configs/demo.yaml", extra)
