@@ -93,6 +93,7 @@ ENGINES_AND_UP = (
 FLOORS = [
     ("dapo.algo", lambda n: n.startswith("dapo.")),
     ("dapo.is_weights", lambda n: n.startswith("dapo.")),
+    ("dapo.screening", lambda n: n.startswith("dapo.") and n != "dapo.batch"),
     ("dapo.resources", lambda n: n.startswith("dapo.")),
     ("dapo.memory", lambda n: n.startswith("dapo.")),
     ("dapo.prefilter", lambda n: n.startswith("dapo.")),

@@ -7,7 +7,7 @@ from test_dynamic_sampling import Ex, ListSampler
 from dapo import algo
 from dapo.config import AlgoConfig, ConfigError, load_config
 from dapo.dynamic_sampling import BatchCollector, Scored
-from dapo.log import _generation_line
+from dapo.log import _generation_line, run_summary
 from dapo.rollout.base import Generation, SamplingParams
 from dapo.screening import screen_metrics
 
@@ -145,3 +145,33 @@ def test_the_cap_stops_new_screening_but_completes_what_was_screened_in():
 def test_settings_screening_cannot_honour_are_refused_in_one_line(extra, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config("configs/demo.yaml", extra)
+
+
+def test_a_run_with_screening_trains_says_what_it_saved_and_resumes_onto_the_same_weights(tmp_path):
+    """The demo's base model (about 30% right): screening at n = 2 of G = 4 with an audit, 3 steps. Stopped after
+    step 1's checkpoint (steps 2 and 3 removed, as a kill mid-step leaves them), the resumed run ends on the
+    uninterrupted run's weights, bit for bit."""
+    import shutil
+
+    from conftest import SMALL_OVERRIDES
+    from test_async_rollout import final_weights, rows_of
+
+    from dapo.training import train
+
+    args = [*SMALL_OVERRIDES, "model.path=assets/arith-base", "algo.dynamic_sampling=true", "algo.screen_samples=2"]
+    args += ["rollout.max_response_tokens=48", "algo.overlong_buffer_tokens=8", "algo.screen_audit=0.5"]
+    args += ["train.total_steps=3", "run.save_every=1", "run.keep_checkpoints=10"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    train(load_config("configs/demo.yaml", [*args, f"run.dir={whole}"]))
+    out = " ".join(run_summary(rows_of(whole), wall_s=1.0, run_dir=whole))
+    rows = [r for r in rows_of(whole) if "sampling/screened" in r]
+    assert len(rows) == 3 and all(r["sampling/screened"] >= 4 for r in rows)
+    assert all(r["sampling/tokens_trained"] > 0 for r in rows)  # every step found its informative groups
+    assert sum(r["sampling/screened_out_all_correct"] + r["sampling/screened_out_all_wrong"] for r in rows) > 0
+    assert "screening dropped" in out and "completed to audit" in out, out[-600:]
+    train(load_config("configs/demo.yaml", [*args, f"run.dir={cut}"]))
+    for step in (2, 3):
+        shutil.rmtree(next(cut.glob(f"*/checkpoints/step_{step:06d}")))
+    train(load_config("configs/demo.yaml", [*args, f"run.dir={cut}"]))
+    a, b = final_weights(whole), final_weights(cut)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

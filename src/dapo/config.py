@@ -242,15 +242,13 @@ class AlgoConfig:
     on_max_gen_rounds: OnMaxGenRounds = "train"  # when the cap is hit: train (on what was kept, with a warning) or fail
     oversample: float = field(1.0, ge=1)  # prompts generated per round = missing prompts * this (>= 1)
     adaptive_oversample: bool = False  # also divide by the measured keep rate, so most steps need one round
-    # n: each prompt first gets n responses; one whose n agree is dropped, the others get the G - n more in the
-    # engine call that screens the next prompts (screening.py; 0: off, the paper's behaviour). Needs dynamic_sampling
+    # n: each prompt first gets n responses, and G - n more only where they disagree (screening.py; 0: off)
     screen_samples: int = field(0, ge=0, why="a count of responses, 0 for off")
     screen_audit: float = field(0.0, ge=0, le=1)  # share of screened-out prompts completed anyway, never trained
     # skip, before generating it, a training prompt whose last groups were all right or all wrong, with a probability
     # that grows with how many in a row (prefilter.py; off: the paper's behaviour). Needs dynamic_sampling
     prefilter: bool = False
-    # the share of generated groups that should be informative: the skip rate is steered towards it
-    prefilter_target: float = field(0.9, gt=0, le=1)
+    prefilter_target: float = field(0.9, gt=0, le=1)  # the informative share the skip rate is steered towards
     # the least probability that a drawn prompt is generated, whatever its history: none is retired for good. Where
     # each prompt is drawn more than about 10 times, 0.25 or more: at 0.05 a run on 200 problems lost held-out
     # accuracy (benchmarks/RESULTS.md, "Prefilter"). 1 skips nothing: the record and its prefilter/* counts alone
@@ -259,8 +257,7 @@ class AlgoConfig:
     # with prefilter: a prompt whose last group was informative at accuracy a counts as a fractional run,
     # a^G + (1-a)^G (the chance its next group is uninformative if it stayed at a), so 7/8 right is skipped at times
     prefilter_level: bool = False
-    # how many surplus informative groups (beyond train.prompts_per_step) wait for the next step; a count, so
-    # 0 keeps none and discards every surplus group, as the reference does
+    # surplus informative groups (beyond train.prompts_per_step) kept for the next step; 0: none, as the reference
     buffer_max_groups: int = field(0, ge=0, why="0 keeps no surplus groups")
     # a buffered group's behaviour log-probs: trainer (computed when buffered) or engine (vllm's)
     buffer_logp: BufferLogp = "trainer"
