@@ -175,3 +175,41 @@ def test_a_run_with_screening_trains_says_what_it_saved_and_resumes_onto_the_sam
     train(load_config("configs/demo.yaml", [*args, f"run.dir={cut}"]))
     a, b = final_weights(whole), final_weights(cut)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize(
+    "preset,extra",
+    [
+        ("configs/demo.yaml", ["algo.prefilter=true"]),
+        ("configs/demo.yaml", ["rollout.max_staleness=1", "rollout.engine_threads=1"]),
+        pytest.param(
+            "configs/demo_tools.yaml",
+            ["model.path=assets/arith-tools-base", "rollout.max_response_tokens=64"],
+            marks=pytest.mark.sandbox,
+        ),
+    ],
+    ids=["prefilter", "generated-ahead", "python-tool"],
+)
+def test_screening_composes_with_what_touches_a_group(tmp_path, preset, extra):
+    """Two steps each: the step logs its screening beside the other mechanism's own figures, and what it generated
+    is n responses per prompt screened and G - n per prompt completed."""
+    from conftest import SMALL_OVERRIDES
+    from test_async_rollout import rows_of
+
+    from dapo.training import train
+
+    args = [*SMALL_OVERRIDES, "model.path=assets/arith-base", "rollout.max_response_tokens=48"]
+    args += ["algo.overlong_buffer_tokens=8", "algo.dynamic_sampling=true", "algo.screen_samples=2"]
+    train(load_config(preset, [*args, *extra, f"run.dir={tmp_path}"]))
+    rows = [r for r in rows_of(tmp_path) if "sampling/screened" in r]
+    assert len(rows) == 2 and all(r["sampling/tokens_trained"] > 0 for r in rows)
+    # what was generated: n for each prompt screened, G - n more for each completed (training or audit)
+    for r in rows:
+        completed = r["sampling/groups_kept"] + r["sampling/screen_audited"]
+        assert r["sampling/samples_generated"] == 2 * r["sampling/screened"] + (4 - 2) * completed
+    if "rollout.max_staleness=1" in extra:
+        assert rows[1]["async/staleness_max"] == 1
+    if "algo.prefilter=true" in extra:
+        assert "prefilter/groups/unseen" in rows[0]
+    if preset.endswith("demo_tools.yaml"):
+        assert sum(r.get("tools/calls_per_response", 0) for r in rows) > 0

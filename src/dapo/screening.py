@@ -104,7 +104,6 @@ def _complete(collector, pending: list[_Pending], rest: RolloutBatch, kept: list
             continue
         assert informative, "a group whose first responses disagree is informative"  # eq. 11 on a superset
         stats.screen.completed += 1
-        collector.sampler.observe([float(group.acc.mean())], [True])
         kept.append(group)
     return not_trained
 
@@ -121,12 +120,10 @@ def _screen(collector, new: list, part: RolloutBatch | None, short: int, seed: i
     tokens = part.response_lengths.view(-1, n).sum(dim=1)  # (P,)
     audit = torch.rand(len(new), generator=torch.Generator().manual_seed(seed)) < a.screen_audit  # (P,)
     pending, out_tokens, s = [], 0, stats.screen
-    observed: list[int] = []  # the prefilter's record: every prompt but those completed (observed with all G)
     for i, example in enumerate(new):
         if passed[i] and sum(not p.audit for p in pending) < short:
             pending.append(_Pending(example, part.select_groups([i])))
             continue
-        observed.append(i)
         out_tokens += int(tokens[i])
         if passed[i]:
             s.surplus += 1
@@ -137,7 +134,9 @@ def _screen(collector, new: list, part: RolloutBatch | None, short: int, seed: i
         s.out_tokens += int(tokens[i])
         if audit[i]:
             pending.append(_Pending(example, part.select_groups([i]), audit=True))
-    collector.sampler.observe([float(acc[i]) for i in observed], [bool(passed[i]) for i in observed])
+    # the prefilter's record, for every prompt the sampler handed, in its order: informative or not is known from
+    # the first n (a disagreement stays one), the accuracy is that of the n
+    collector.sampler.observe(acc.tolist(), passed.tolist())
     s.screened += len(new)
     stats.prompts_generated += len(new)
     stats.groups_all_correct += int(((acc == 1) & ~passed).sum())
