@@ -94,6 +94,7 @@ DEMO_TOOLS = [
     "tools.python=true",
     "tools.max_turns=2",
     "tools.max_calls=1",
+    "train.lr=5e-4",
 ]
 
 
@@ -269,12 +270,13 @@ class Check:
     # ---- demo -------------------------------------------------------------------------------------
     def part_demo(self) -> None:
         """Item h, the demo on CUDA; then item j, the same with algo.prefilter=true (the pre-filter's one short run),
-        item k, with the Python tool (configs/demo_tools.yaml's settings as overrides of the demo), and item l, with
-        the engine collecting ahead (rollout.max_staleness=1)."""
+        item k, with the Python tool (configs/demo_tools.yaml's settings as overrides of the demo), item l, with
+        the engine collecting ahead (rollout.max_staleness=1), and item s, with screening (algo.screen_samples)."""
         import shutil
 
         tools = [*DEMO_TOOLS, *([] if shutil.which("bwrap") else ["tools.sandbox=none"])]
         demos = {"demo": [], "demo_prefilter": ["algo.prefilter=true"], "demo_tools": tools, "demo_async": ASYNC}
+        demos["demo_screening"] = ["algo.screen_samples=4", "algo.screen_audit=0.1"]  # item s: G = 8, n = G/2
         chosen = [d for d in os.environ.get("GPU_CHECK_DEMOS", "").split(",") if d]  # a rerun of a few demos
         if unknown := sorted(set(chosen) - set(demos)):
             sys.exit(f"GPU_CHECK_DEMOS: unknown {unknown}; choose from {','.join(demos)}")
@@ -494,6 +496,11 @@ def write_report(state: dict, paths: list[Path]) -> str:
         ("j", "demo_prefilter", "with algo.prefilter=true: held-out accuracy +15 points, prompts skipped"),
         ("k", "demo_tools", "with the Python tool (configs/demo_tools.yaml): held-out accuracy +15 points"),
         ("l", "demo_async", "with rollout.max_staleness=1 (docs/async.md): held-out accuracy +15 points"),
+        (
+            "s",
+            "demo_screening",
+            "with algo.screen_samples=4 (screening): held-out accuracy +15 points, prompts screened out",
+        ),
     ):
         lines.append(demo_line(item, state.get(key), what))
     lines += ["", "## Measured differences (tests/test_gpu.py, each beside the tolerance its test states)", ""]
@@ -534,7 +541,7 @@ def write_report(state: dict, paths: list[Path]) -> str:
     failures = [(k, r["tail"]) for k, r in tests.items() if r.get("tail")]
     failures += [
         (key, state[key]["tail"])
-        for key in ("demo", "demo_prefilter", "demo_tools", "demo_async")
+        for key in ("demo", "demo_prefilter", "demo_tools", "demo_async", "demo_screening")
         if (state.get(key) or {}).get("tail")
     ]
     failures += [("bench", bench["tail"])] if bench and bench.get("tail") else []

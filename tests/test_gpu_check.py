@@ -207,10 +207,11 @@ def test_the_demo_part_runs_the_demo_then_the_prefilter_demo_and_reads_their_lin
 
     check.run = fake_run
     check.part_demo()
-    assert [c[:2] for c in started] == [["demo", "model.device=cuda"]] * 4
+    assert [c[:2] for c in started] == [["demo", "model.device=cuda"]] * 5
     assert "algo.prefilter=true" not in started[0] and "algo.prefilter=true" in started[1]
     assert "tools.python=true" in started[2] and "model.path=assets/arith-tools-base" in started[2]
     assert "rollout.max_staleness=1" in started[3] and "rollout.max_staleness=1" not in started[0]
+    assert "algo.screen_samples=4" in started[4] and "algo.screen_samples=4" not in started[0]
     h, j = check.state["demo"], check.state["demo_prefilter"]
     assert (h["before"], h["after"], h["rise"], h["wall_s"], h["tail"]) == (28.7, 72.8, 44.1, 29.0, "")
     assert j["generation"].endswith("the prefilter skipped 700 prompts (500 all-correct, 200 all-wrong)")
