@@ -50,7 +50,7 @@ def stream_scorer(streams):
     return score
 
 
-def collect(streams, *, num_prompts, **algo_settings):
+def collect(streams, *, num_prompts, group_size=G, **algo_settings):
     cfg = AlgoConfig(**({"screen_samples": 2} | algo_settings))
     engine = StreamEngine()
     collector = BatchCollector(
@@ -58,11 +58,22 @@ def collect(streams, *, num_prompts, **algo_settings):
         sampler=ListSampler([Ex(str(k), "x") for k in range(len(streams))]),
         scorer=stream_scorer(streams),
         encode=lambda ex: [int(ex.uid)],
-        sampling=SamplingParams(n=G),
+        sampling=SamplingParams(n=group_size),
         algo_cfg=cfg,
     )
     batch, stats = collector.collect(num_prompts, [], round_seed=lambda k: k)
     return batch, stats, engine
+
+
+def test_a_call_mixing_continuations_and_screening_of_other_sizes_keeps_each_prompts_rows():
+    """G = 6, n = 2: a continuation asks for 4 responses beside screenings of 2, in one call of single requests."""
+    streams = [[0, 0, 0, 0, 0, 0], [1, 0, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]
+    batch, stats, engine = collect(streams, num_prompts=2, group_size=6)
+    # call 1: prompts 0, 1 (1 in); call 2: prompt 1's 4 more beside prompt 2's screening (in); call 3: prompt 2's
+    # 4 more, alone
+    assert engine.calls == [[(0, 2), (1, 2)], [(1, 4), (2, 2)], [(2, 4)]]
+    assert batch.group_size == 6 and batch.example_uids == ["1"] * 6 + ["2"] * 6
+    assert batch.acc.tolist() == [1, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1]
 
 
 def test_a_prompt_whose_first_n_agree_costs_n_and_one_that_disagrees_is_completed_and_trained_over_all_g():

@@ -78,7 +78,8 @@ def collect_screened(
         part, gen_s = collector.sample(examples, counts, seed, stats)
         rest = len(call.pending) * (G - n)
         dropped_tokens = _complete(collector, call.pending, part.select_rows(list(range(rest))), kept, stats)
-        screened = part.select_rows(list(range(rest, len(part)))) if call.new else None
+        # the new prompts' rows, n each (the call's part has group_size 1 where counts differ)
+        screened = replace(part.select_rows(list(range(rest, len(part)))), group_size=n) if call.new else None
         nxt, screened_out_tokens = _screen(collector, call.new, screened, short, seed, stats)
         dropped_tokens += screened_out_tokens
         stats.seconds_dropped += gen_s * dropped_tokens / max(int(part.response_lengths.sum()), 1)
