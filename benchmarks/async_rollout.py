@@ -131,6 +131,7 @@ def main() -> None:
     ap.add_argument("--push-s", type=float, default=0.02)
     ap.add_argument("--sim-steps", type=int, default=10)
     ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--ks", default="0,1,2")
     ap.add_argument(
@@ -168,7 +169,7 @@ def main() -> None:
     results: dict[str, list[dict]] = {}
     for lr in lrs:
         side = [f"train.lr={lr}"] if lr else []
-        for seed in range(seeds):  # paired: every k of a seed shares its data, sampling and init seeds
+        for seed in range(args.first_seed, args.first_seed + seeds):  # paired: each k of a seed shares its seeds
             for k, mode in [(j, m) for j in (ks if seed % 2 == 0 else ks[::-1]) for m in (modes if j else modes[:1])]:
                 name = f"lr={lr or 'preset'} k={k}" + (f" {mode}" if k and mode != "token_truncate" else "")
                 done = [r for r in reused.get(name, []) if r["seed"] == seed]
