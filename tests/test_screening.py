@@ -193,13 +193,15 @@ def test_a_run_with_screening_trains_says_what_it_saved_and_resumes_onto_the_sam
     [
         ("configs/demo.yaml", ["algo.prefilter=true"]),
         ("configs/demo.yaml", ["rollout.max_staleness=1", "rollout.engine_threads=1"]),
+        ("configs/demo.yaml", ["train.share_prompt_prefix=true"]),
+        ("configs/demo.yaml", ["model.lora.rank=4", "train.lr=1e-2"]),
         pytest.param(
             "configs/demo_tools.yaml",
             ["model.path=assets/arith-tools-base", "rollout.max_response_tokens=64"],
             marks=pytest.mark.sandbox,
         ),
     ],
-    ids=["prefilter", "generated-ahead", "python-tool"],
+    ids=["prefilter", "generated-ahead", "shared-prompt-prefix", "lora", "python-tool"],
 )
 def test_screening_composes_with_what_touches_a_group(tmp_path, preset, extra):
     """Two steps each: the step logs its screening beside the other mechanism's own figures, and what it generated
