@@ -114,6 +114,14 @@ class CollectStats:
     tools: ToolLog = field(default_factory=lambda: ToolLog(turns=0))  # summed over the generated responses
     keep_rates: list[float] = field(default_factory=list)
 
+    def count_groups(self, group_acc: torch.Tensor, keep: torch.Tensor) -> None:
+        """A round's drawn prompts (P,): their groups' accuracy, and whether dynamic sampling or screening kept them."""
+        self.prompts_generated += len(keep)
+        self.groups_all_correct += int((group_acc == 1).sum())
+        self.groups_all_wrong += int((group_acc == 0).sum())
+        self.groups_dropped += int((~keep).sum())
+        self.keep_rates.append(float(keep.float().mean()))
+
 
 def round_seeds(base_seed: int, rounds_done: int):
     """The sampling seed of a step's k-th generation round, after ``rounds_done`` rounds: distinct across the run."""
@@ -215,12 +223,8 @@ class BatchCollector:
         lengths = part.response_lengths
         dropped_tokens = int(lengths.view(-1, G)[~keep].sum())
         stats.seconds_dropped += gen_s * dropped_tokens / max(int(lengths.sum()), 1)
-        stats.prompts_generated += len(examples)
         stats.tokens_in_dropped_groups += dropped_tokens
-        stats.groups_all_correct += int((group_acc == 1).sum())
-        stats.groups_all_wrong += int((group_acc == 0).sum())
-        stats.groups_dropped += int((~keep).sum())
-        stats.keep_rates.append(float(keep.float().mean()))
+        stats.count_groups(group_acc, keep)
         return [part.select_groups([i]) for i in torch.nonzero(keep).flatten().tolist()]
 
     def to_draw(self, missing: int, keep_rate_estimate: float) -> int:

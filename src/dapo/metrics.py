@@ -3,6 +3,8 @@ The names and their verl counterparts are listed in docs/metrics.md."""
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 from dapo.batch import RolloutBatch
@@ -205,14 +207,13 @@ class DriftGuard:
     ``async/policy_kl`` or ``rollout/is_ess`` over the last DRIFT_WINDOW steps that trained on stale samples."""
 
     def __init__(self) -> None:
-        self.recent: list[tuple[float, float]] = []
+        self.recent: deque[tuple[float, float]] = deque(maxlen=DRIFT_WINDOW)
         self.said = False
 
     def observe(self, metrics: dict, *, step: int, lr: float, max_staleness: int) -> str | None:
         if self.said or not metrics.get("async/staleness_max") or "async/policy_kl" not in metrics:
             return None
-        self.recent = [*self.recent, (float(metrics["async/policy_kl"]), float(metrics["rollout/is_ess"]))]
-        self.recent = self.recent[-DRIFT_WINDOW:]
+        self.recent.append((float(metrics["async/policy_kl"]), float(metrics["rollout/is_ess"])))
         if len(self.recent) < DRIFT_WINDOW:
             return None
         kl = sum(k for k, _ in self.recent) / DRIFT_WINDOW

@@ -120,10 +120,11 @@ def _screen(collector, new: list, part: RolloutBatch | None, short: int, seed: i
     acc = part.acc.view(-1, n).mean(dim=1)  # (P,)
     tokens = part.response_lengths.view(-1, n).sum(dim=1)  # (P,)
     audit = torch.rand(len(new), generator=torch.Generator().manual_seed(seed)) < a.screen_audit  # (P,)
-    pending, out_tokens, s = [], 0, stats.screen
+    pending, out_tokens, s, to_train = [], 0, stats.screen, 0
     for i, example in enumerate(new):
-        if passed[i] and sum(not p.audit for p in pending) < short:
+        if passed[i] and to_train < short:
             pending.append(_Pending(example, part.select_groups([i])))
+            to_train += 1
             continue
         out_tokens += int(tokens[i])
         if passed[i]:
@@ -139,11 +140,7 @@ def _screen(collector, new: list, part: RolloutBatch | None, short: int, seed: i
     # the first n (a disagreement stays one), the accuracy is that of the n
     collector.sampler.observe(acc.tolist(), passed.tolist())
     s.screened += len(new)
-    stats.prompts_generated += len(new)
-    stats.groups_all_correct += int(((acc == 1) & ~passed).sum())
-    stats.groups_all_wrong += int(((acc == 0) & ~passed).sum())
-    stats.groups_dropped += int((~passed).sum())
-    stats.keep_rates.append(float(passed.float().mean()))
+    stats.count_groups(acc, passed)  # a screen's "group" is its first n responses
     return pending, out_tokens
 
 
