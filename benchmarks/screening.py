@@ -20,6 +20,7 @@ import argparse
 import json
 import statistics
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,6 +51,22 @@ def curve(rows: list[dict]) -> list[tuple[int, float, float, float]]:
         if key in r:
             out.append((r["step"], tokens, seconds, r[key]))
     return out
+
+
+def screening(steps: list[dict]) -> dict:
+    """Prompts screened and screened out over the run (0 without screening)."""
+
+    def total(k):
+        return sum(r.get(k, 0.0) for r in steps)
+
+    return {
+        "screened": total("sampling/screened"),
+        "out_correct": total("sampling/screened_out_all_correct"),
+        "out_wrong": total("sampling/screened_out_all_wrong"),
+        "screened_out_tokens": total("sampling/screened_out_tokens"),
+        "audited": total("sampling/screen_audited"),
+        "audit_informative": total("sampling/screen_audit_informative"),
+    }
 
 
 def to_target(points: list, target: float) -> tuple[float, float] | None:
@@ -114,6 +131,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--train-size", type=int, default=600)
     ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--jobs", type=int, default=1, help="runs at a time (each its own process)")
     ap.add_argument("--sides", default=",".join(SIDES), help=f"a subset of {', '.join(SIDES)}")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench_screening"))
     ap.add_argument("--json", default=None)
@@ -124,21 +142,33 @@ def main() -> None:
     base = [f"train.total_steps={args.steps}", f"data.task_train_size={args.train_size}"]
     base += [f"eval.every_steps={args.eval_every}", "eval.before_train=true"]
     print(f"configs/demo.yaml {' '.join(base + args.overrides)}", flush=True)
+    order = [(seed, side) for seed in range(args.seeds) for side in (sides if seed % 2 == 0 else sides[::-1])]
+    run_dirs = {key: Path(args.out) / key[1].replace("/", "_") / f"seed{key[0]}" for key in order}
+
+    def run(key: tuple[int, str]) -> list[dict]:
+        seed, side = key
+        run_dir = run_dirs[key]
+        seeded = [f"data.seed={seed}", f"rollout.seed={seed}", f"train.seed={seed}"]
+        rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+        if max((r.get("step", 0) for r in rows), default=0) < args.steps:  # a finished run is read back
+            rows = train("configs/demo.yaml", base + seeded + SIDES[side] + args.overrides, run_dir)
+        return rows
+
     results: dict[str, list[dict]] = {side: [] for side in sides}
-    for seed in range(args.seeds):
-        for side in sides if seed % 2 == 0 else sides[::-1]:
-            run_dir = Path(args.out) / side.replace("/", "_") / f"seed{seed}"
-            seeded = [f"data.seed={seed}", f"rollout.seed={seed}", f"train.seed={seed}"]
-            rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
-            if max((r.get("step", 0) for r in rows), default=0) < args.steps:  # a finished run is read back
-                rows = train("configs/demo.yaml", base + seeded + SIDES[side] + args.overrides, run_dir)
+    with ThreadPoolExecutor(args.jobs) as pool:  # each run is its own process; --jobs of them share the machine
+        for (seed, side), rows in zip(order, pool.map(run, order)):
             steps = [r for r in rows if "sampling/tokens_generated" in r]
-            r = generation(steps) | {"seed": seed, "curve": curve(rows)}
+            r = generation(steps) | screening(steps) | {"seed": seed, "curve": curve(rows)}
             r.pop("record", None)
             results[side].append(r)
             print(
                 f"  seed {seed} {side:<22} tokens/trained {r['tokens_per_trained']:.2f}  tokens {r['tokens']:,.0f}  "
-                f"held-out {r['curve'][0][3]:.3f} -> {r['curve'][-1][3]:.3f}",
+                f"held-out {r['curve'][0][3]:.3f} -> {r['curve'][-1][3]:.3f}  step s {r['step_s']:.0f}"
+                + (
+                    f"  screened {r['screened']:.0f}: out {r['out_correct']:.0f} correct, {r['out_wrong']:.0f} wrong"
+                    if r["screened"]
+                    else ""
+                ),
                 flush=True,
             )
     report(results)
