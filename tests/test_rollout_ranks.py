@@ -164,3 +164,24 @@ def test_several_training_ranks_without_rollout_ranks_are_told_to_give_it_some(t
     assert "rollout.max_staleness=1 with 2 training ranks: give the rollout ranks of its own, rollout.ranks=1" in (
         out.stdout + out.stderr
     )
+
+
+@pytest.mark.slow
+def test_screening_on_a_rollout_rank_samples_and_trains_as_the_rollout_process_does(tmp_path):
+    """Two-phase screening (n = 2 of G = 4) where a rollout rank generates, on the demo's base model (which answers
+    some problems right, so prompts are both screened out and completed): the same screening counts, samples and
+    final weights, bit for bit, as the trainer with its rollout process."""
+    screen = [*ASYNC, "algo.dynamic_sampling=true", "algo.screen_samples=2", "run.save_every=3"]
+    screen += ["rollout.max_response_tokens=48", "algo.overlong_buffer_tokens=8"]
+    model = ROOT / "assets" / "arith-base"
+    run(model, tmp_path / "process", *screen)
+    run(model, tmp_path / "ranks", *screen, "rollout.ranks=1", nproc=2)
+    ref, got = rows(tmp_path / "process"), rows(tmp_path / "ranks")
+    assert all(ref[t]["sampling/groups_kept"] > 0 and ref[t]["sampling/screened"] > ref[t]["sampling/groups_kept"]
+               for t in (1, 2, 3))  # fmt: skip
+    for t in (1, 2, 3):
+        for key in ("sampling/screened", "sampling/screened_out_tokens", "sampling/samples_generated",
+                    "rollout/response_length_mean", "actor/pg_loss"):  # fmt: skip
+            assert got[t][key] == ref[t][key], (t, key)
+    w_ref, w = weights(tmp_path / "process", 3), weights(tmp_path / "ranks", 3)
+    assert all(torch.equal(w_ref[n], w[n]) for n in w_ref)
