@@ -116,7 +116,8 @@ clean:
 # about 9 MB), every one pure Python; math-verify's pins (latex2sympy2_extended==1.11.0, antlr4 4.13.2 as
 # math-verify[antlr4_13_2] asks) and pytest with what pytest 9 needs beyond the machine's
 GPU_WHEELS := math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 sympy==1.14.0 \
-	mpmath==1.3.0 pytest==9.2.0 pytest-timeout==2.4.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.3 pygments==2.21.0
+	mpmath==1.3.0 pytest==9.2.0 pytest-timeout==2.4.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.3 pygments==2.21.0 \
+	liger-kernel==0.8.5
 GPU_CHECK_PARTS ?= install,tests,demo,bench
 
 gpu-wheels:

@@ -1,7 +1,7 @@
 """The GPU figures (update throughput and MFU, peak memory at the paper's length, HF rollout, a preset step),
 on randomly initialised models of real shapes, printed as a markdown block for benchmarks/RESULTS.md.
 
-    python benchmarks/gpu.py [--parts peak,update,lora7b,memory,rollout,preset,profile] [--json OUT.json]
+    python benchmarks/gpu.py [--parts peak,update,kernels,lora7b,memory,rollout,preset,profile] [--json OUT.json]
     python benchmarks/gpu.py --smoke     # tiny shapes on whatever device there is (CPU here): the script runs
 
 Parts (each prints its rows as it finishes; a part that fails prints why and the others still run):
@@ -14,6 +14,9 @@ Parts (each prints its rows as it finishes; a part that fails prints why and the
            (the input embedding counts only when it is also the LM head), and beside it the same with
            causal attention's FLOPs (6 x layers x hidden x sequence length per token) added. Median of 3
            after a warm-up update.
+  kernels  the update of `update` with train.kernels: compile (torch.compile per decoder layer), liger (Liger
+           Kernel's RMSNorm, SwiGLU, RoPE) and both, each against the eager update of the same shape in the same
+           run (the warm-up update compiles; the 3 timed ones reuse the graphs)
   lora7b   the Qwen2.5-7B shape, bf16 base frozen, LoRA rank 16 on every linear layer of the decoder, activation
            checkpointing (its activations at this budget would not fit beside the weights otherwise); MFU on
            4 N per token (the frozen base has no weight gradients: forward 2N, backward to the inputs 2N)
@@ -272,6 +275,24 @@ class Bench:
                 f"{r['seconds']:.2f} s per update, peak {gib(r['peak_gib'])}",
             )
 
+    def part_kernels(self) -> None:
+        """train.kernels against the eager update, at the same shapes in the same run (update's rows, or its own)."""
+        variants = {"compile": ["train.kernels=[compile]"], "liger": ["train.kernels=[liger]"]}
+        variants["compile + liger"] = ["train.kernels=[compile,liger]"]
+        if not self.cuda:
+            variants.pop("liger"), variants.pop("compile + liger")  # Liger's kernels are Triton on CUDA
+        for name in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
+            eager = self.results.get(f"update {name}") or self.update_rate(name, [])
+            for variant, overrides in variants.items():
+                r = self.update_rate(name, overrides)
+                self.results[f"kernels {variant} {name}"] = r
+                self.row(
+                    f"update, {name} shape, train.kernels {variant}",
+                    f"{r['tokens_per_s']:,.0f} tokens/s, MFU {pct(r['mfu'])} (eager {pct(eager['mfu'])}): "
+                    f"{eager['seconds'] / r['seconds']:.2f}x",
+                    f"{r['seconds']:.2f} s per update, peak {gib(r['peak_gib'])}",
+                )
+
     def part_lora7b(self) -> None:
         name = "qwen2.5-7b"
         r = self.update_rate(
@@ -497,7 +518,7 @@ def gib(x) -> str:
     return "n/a" if x is None else f"{x:.1f} GiB"
 
 
-PARTS = ("peak", "update", "lora7b", "memory", "rollout", "preset", "profile")
+PARTS = ("peak", "update", "kernels", "lora7b", "memory", "rollout", "preset", "profile")
 
 
 def header(bench: Bench, args) -> list[str]:

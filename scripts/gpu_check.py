@@ -76,6 +76,11 @@ ITEMS = {
         "rollout_rank_on_the_device",
         240,
     ),
+    "t": (
+        "train.kernels: torch.compile per decoder layer, Liger Kernel, both; float32 and bf16 against the CPU update",
+        "faster_kernels",
+        240,
+    ),
 }
 OTHER_GPU_TESTS = ["tests/test_parallel.py", "tests/test_vllm.py"]
 DEMO_RISE_POINTS = 15.0

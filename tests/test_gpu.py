@@ -210,6 +210,46 @@ def test_each_objective_update_agrees_with_cpu_float32(reference_update, tiny_mo
     assert_within(found, dtype)
 
 
+# ---- t: faster kernels (train.kernels) ---------------------------------------------------------------------
+@pytest.fixture
+def liger_patches_undone():
+    """Liger patches the transformers module of the model type (its RoPE function, its norm and MLP classes) for
+    the whole process: put the module back, so that later tests build and run the eager model."""
+    from transformers.models.qwen2 import modeling_qwen2
+
+    saved = dict(vars(modeling_qwen2))
+    yield
+    for name, value in saved.items():
+        setattr(modeling_qwen2, name, value)
+
+
+KERNEL_CASES = [  # (train.kernels, device, dtype): compile also on the CPU (tests/test_kernels.py has more there)
+    pytest.param("compile", "cpu", "float32", marks=CPU_TWIN_IN_GPU_CHECK),
+    *[
+        pytest.param(kernels, "cuda", dtype, marks=ON_CUDA)
+        for kernels in ("compile", "liger", "compile,liger")
+        for dtype in ("float32", "bfloat16")
+    ],
+]
+
+
+@pytest.mark.parametrize("kernels,device,dtype", KERNEL_CASES)
+def test_faster_kernels_update_agrees_with_cpu_float32(
+    reference_update, tiny_model_dir, liger_patches_undone, kernels, device, dtype
+):
+    """torch.compile per decoder layer and Liger Kernel's RMSNorm, SwiGLU and RoPE: log-probs, loss and gradient of
+    one update within the tolerances of the eager update on the same device and dtype (item a)."""
+    batch, want, tmp = reference_update
+    cfg = small_config(tmp / f"kernels-{kernels}-{device}-{dtype}", tiny_model_dir, *ONE_SGD_UPDATE,
+                       f"model.dtype={dtype}", f"train.kernels=[{kernels}]")  # fmt: skip
+    got = sgd_update(cfg, device, batch)
+    if "liger" in kernels:  # the kernels were really swapped in
+        assert make_policy(cfg, device).model.model.norm._get_name() == "LigerRMSNorm"
+    found = compare(got, want)
+    report(f"t kernels={kernels} {device} {dtype}", **found, tolerance=TOLERANCE[dtype])
+    assert_within(found, dtype)
+
+
 class OneRankFSDP(parallel.Dist):
     """A process group of one rank that shards anyway: FSDP2's code path (fully_shard, mixed precision,
     offload, DTensor gathers) on a machine with one GPU. ``parallel.init`` leaves a world of 1 unsharded."""

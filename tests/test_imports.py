@@ -98,6 +98,7 @@ FLOORS = [
     ("dapo.memory", lambda n: n.startswith("dapo.")),
     ("dapo.prefilter", lambda n: n.startswith("dapo.")),
     ("dapo.watchdog", lambda n: n.startswith("dapo.")),
+    ("dapo.kernels", lambda n: n.startswith("dapo.")),
     ("dapo.checkpoint_files", lambda n: n.startswith("dapo.")),
     ("dapo.rewards", lambda n: not n.startswith("dapo.rewards")),
     ("dapo.tools", lambda n: not n.startswith("dapo.tools")),

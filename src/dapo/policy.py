@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import nn
 
-from dapo import lora, parallel
+from dapo import kernels, lora, parallel
 from dapo.batch import RolloutBatch
+from dapo.config_read import ConfigError
 from dapo.logprobs import LogProbModel
 
 if TYPE_CHECKING:
@@ -167,8 +168,15 @@ class Policy(LogProbModel):
         if self.model_cfg.gradient_checkpointing:
             lm.gradient_checkpointing_enable()
         lm.config.use_cache = False  # training forward passes never need the KV cache
+        if "liger" in self.train_cfg.kernels:
+            try:
+                kernels.apply_liger(lm, self.device)
+            except ValueError as err:
+                raise ConfigError(f"train.kernels=[liger]: {err}; or leave liger out of train.kernels") from None
         if self.adapted:  # the base frozen, LoRA adapters trained; the model is the peft model from here on
             lm = lora.add_adapters(lm, self.model_cfg.lora, seed=self.train_cfg.seed)
+        if "compile" in self.train_cfg.kernels:  # after the adapters: each compiled layer includes them
+            kernels.compile_decoder_layers(lm)
         return lm
 
     def _master_weights(self) -> list[nn.Parameter] | None:

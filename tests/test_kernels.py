@@ -1,0 +1,71 @@
+"""train.kernels: torch.compile per decoder layer computes what the eager model computes (to float32 rounding), in
+the log-probs and in training; Liger Kernel is refused in one line where it cannot run (its CUDA check is in
+tests/test_gpu.py)."""
+
+import pytest
+import torch
+from conftest import make_policy, small_config
+from safetensors.torch import load_file
+from test_async_rollout import final_weights, rows_of
+
+from dapo import kernels
+from dapo.config import ConfigError, load_config
+from dapo.training import train
+
+
+@pytest.mark.parametrize(
+    "extra", [[], ["model.lora.rank=4"], ["model.gradient_checkpointing=true"]], ids=["full", "lora", "checkpointing"]
+)
+def test_every_decoder_layer_is_compiled_and_gives_the_eager_logits_and_gradients(tiny_model_dir, tmp_path, extra):
+    eager = make_policy(small_config(tmp_path, tiny_model_dir, *extra))
+    compiled = make_policy(small_config(tmp_path, tiny_model_dir, "train.kernels=[compile]", *extra))
+    layers = kernels.decoder_layers(compiled.model)
+    assert len(layers) == compiled.model.config.num_hidden_layers == 2
+    assert all(layer._compiled_call_impl is not None for layer in layers)
+    assert all(layer._compiled_call_impl is None for layer in kernels.decoder_layers(eager.model))
+    torch.manual_seed(0)
+    ids = torch.randint(3, eager.model.config.vocab_size, (3, 11))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # a left-padded row
+    for length in (11, 7):  # a second shape reuses the dynamic graph
+        keep = mask[:, :length].bool()
+        logits = []
+        for policy in (eager, compiled):
+            policy.model.zero_grad()
+            out = policy.model(input_ids=ids[:, :length], attention_mask=mask[:, :length]).logits
+            out[keep].log_softmax(-1)[:, 5].sum().backward()
+            logits.append(out.detach())
+        a, b = logits
+        assert (a - b)[keep].abs().max() < 1e-5 < a[keep].abs().max()
+        grads = [{n: p.grad for n, p in m.model.named_parameters() if p.grad is not None} for m in (eager, compiled)]
+        assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 0
+        assert max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0]) < 1e-5
+
+
+def test_a_run_with_compiled_layers_trains_as_the_eager_run_does(tiny_model_dir, tmp_path):
+    """Two steps each, the same seeds: the same samples, losses to float32 rounding, and final weights within 1e-5
+    where training moved them by far more."""
+    for name, extra in (("eager", []), ("compiled", ["train.kernels=[compile]"])):
+        train(small_config(tmp_path / name, tiny_model_dir, "train.total_steps=2", "run.save_every=2", *extra))
+    a, b = ({r["step"]: r for r in rows_of(tmp_path / n) if "actor/pg_loss" in r} for n in ("eager", "compiled"))
+    for t in (1, 2):
+        assert a[t]["rollout/response_length_mean"] == b[t]["rollout/response_length_mean"]
+        assert abs(a[t]["actor/pg_loss"] - b[t]["actor/pg_loss"]) < 1e-5
+    w_a, w_b = final_weights(tmp_path / "eager"), final_weights(tmp_path / "compiled")
+    base = load_file(next(tiny_model_dir.glob("model*.safetensors")))
+    gap = max((w_a[n] - w_b[n]).abs().max().item() for n in w_a)
+    moved = max((w_a[n] - base[n]).abs().max().item() for n in w_a)
+    assert gap < 1e-5 < 1e-4 < moved
+
+
+def test_liger_kernels_where_they_cannot_run_are_refused_in_one_line(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match=r"^train.kernels=\[liger\]: its Triton kernels run on CUDA only, and the "
+                                          r"trainer runs on cpu; or leave liger out of train.kernels$"):  # fmt: skip
+        make_policy(small_config(tmp_path, tiny_model_dir, "train.kernels=[liger]"))
+
+
+def test_an_unknown_kernel_is_refused_in_one_line():
+    with pytest.raises(
+        ConfigError, match=r"^train.kernels=\['flash'\]: must list only compile and liger \(\[\]: eager\)$"
+    ):
+        load_config("configs/demo.yaml", ["train.kernels=[flash]"])
