@@ -69,3 +69,16 @@ def test_an_unknown_kernel_is_refused_in_one_line():
         ConfigError, match=r"^train.kernels=\['flash'\]: must list only compile and liger \(\[\]: eager\)$"
     ):
         load_config("configs/demo.yaml", ["train.kernels=[flash]"])
+
+
+@pytest.mark.slow
+def test_compiled_layers_under_fsdp_on_two_ranks_train_as_eager_ones(tiny_model_dir, tmp_path):
+    """torchrun, 2 ranks (gloo, FSDP2): the layers compiled before sharding give the eager run's gradient norms."""
+    from test_rollout_ranks import rows, run
+
+    run(tiny_model_dir, tmp_path / "eager", nproc=2)
+    run(tiny_model_dir, tmp_path / "compiled", "train.kernels=[compile]", nproc=2)
+    a, b = rows(tmp_path / "eager"), rows(tmp_path / "compiled")
+    for t in (1, 2):
+        assert a[t]["rollout/response_length_mean"] == b[t]["rollout/response_length_mean"]
+        assert abs(a[t]["actor/grad_norm"] - b[t]["actor/grad_norm"]) < 1e-5 * a[t]["actor/grad_norm"]
