@@ -38,6 +38,13 @@ SIDES = {  # the demo's G is 8
     "prefilter": ["algo.prefilter=true"],
     "screen_G/4+prefilter": ["algo.screen_samples=2", "algo.prefilter=true"],
 }
+# what screening's drops cost in signal: a quarter of the prompts screened out are completed anyway (never trained
+# on) to see whether the whole group would have been informative; their tokens are extra, so these runs say why,
+# not what screening costs (--sides audit_G/2,audit_G/4)
+AUDIT_SIDES = {
+    "audit_G/2": ["algo.screen_samples=4", "algo.screen_audit=0.25"],
+    "audit_G/4": ["algo.screen_samples=2", "algo.screen_audit=0.25"],
+}
 
 
 def curve(rows: list[dict]) -> list[tuple[int, float, float, float]]:
@@ -132,7 +139,7 @@ def main() -> None:
     ap.add_argument("--train-size", type=int, default=600)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--jobs", type=int, default=1, help="runs at a time (each its own process)")
-    ap.add_argument("--sides", default=",".join(SIDES), help=f"a subset of {', '.join(SIDES)}")
+    ap.add_argument("--sides", default=",".join(SIDES), help=f"a subset of {', '.join(SIDES | AUDIT_SIDES)}")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench_screening"))
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="a .png: held-out accuracy against generated tokens per side")
@@ -151,7 +158,7 @@ def main() -> None:
         seeded = [f"data.seed={seed}", f"rollout.seed={seed}", f"train.seed={seed}"]
         rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
         if max((r.get("step", 0) for r in rows), default=0) < args.steps:  # a finished run is read back
-            rows = train("configs/demo.yaml", base + seeded + SIDES[side] + args.overrides, run_dir)
+            rows = train("configs/demo.yaml", base + seeded + (SIDES | AUDIT_SIDES)[side] + args.overrides, run_dir)
         return rows
 
     results: dict[str, list[dict]] = {side: [] for side in sides}
@@ -167,6 +174,12 @@ def main() -> None:
                 + (
                     f"  screened {r['screened']:.0f}: out {r['out_correct']:.0f} correct, {r['out_wrong']:.0f} wrong"
                     if r["screened"]
+                    else ""
+                )
+                + (
+                    f"  audited {r['audited']:.0f}, informative as a group of G: {r['audit_informative']:.0f} "
+                    f"({r['audit_informative'] / r['audited']:.1%})"
+                    if r["audited"]
                     else ""
                 ),
                 flush=True,
