@@ -19,7 +19,7 @@ QWEN_CODER_VERSION := 0.9.0
 QWEN_CODER_SHA256 := 1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
 QWEN_CODER_GGUF := $(dir $(QWEN_CODER_DIR))Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf
 
-.PHONY: demo test test-real lint format install bench clean sandbox smollm2 qwen-coder gpu-wheels gpu-check docs
+.PHONY: demo test test-real lint format install bench clean sandbox smollm2 qwen-coder gpu-wheels gpu-check gpu-model docs
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -116,7 +116,7 @@ clean:
 # about 9 MB), every one pure Python; math-verify's pins (latex2sympy2_extended==1.11.0, antlr4 4.13.2 as
 # math-verify[antlr4_13_2] asks) and pytest with what pytest 9 needs beyond the machine's
 GPU_WHEELS := math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 sympy==1.14.0 \
-	mpmath==1.3.0 pytest==9.2.0 pytest-timeout==2.4.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.3 pygments==2.21.0 \
+	mpmath==1.3.0 gguf==0.19.0 pytest==9.2.0 pytest-timeout==2.4.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.3 pygments==2.21.0 \
 	liger-kernel==0.8.5
 GPU_CHECK_PARTS ?= install,tests,demo,bench
 
@@ -133,3 +133,8 @@ gpu-wheels:
 # rerun only those; GPU_CHECK_ALLOW_CPU=1 checks the script on a CPU
 gpu-check:
 	$(PYTHON) scripts/gpu_check.py --parts $(GPU_CHECK_PARTS)
+
+# item r's model for the lent machine: SmolLM2's GGUF cut into pieces under .gpu_model/ (ignored), one or two
+# a call beside the working tree (scripts/gpu_check_real.py)
+gpu-model: smollm2
+	$(PY) scripts/gpu_check_real.py $(dir $(SMOLLM2_DIR))SmolLM2-135M-Instruct.Q4_1.gguf 24

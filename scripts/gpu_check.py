@@ -16,8 +16,11 @@ Parts, each with its own time limit inside the whole budget (20 minutes by defau
            same with algo.prefilter=true (the prompt pre-filter's run on a GPU, with its generation line); item k:
            the tool demo's settings (configs/demo_tools.yaml: multi-turn rollouts with the Python tool; without
            bubblewrap on the machine, tools.sandbox=none); item l: the demo with rollout.max_staleness=1 (the engine
-           in a process of its own, collecting ahead; docs/async.md)
+           in a process of its own, collecting ahead; docs/async.md); item s: with screening (algo.screen_samples)
   bench    benchmarks/gpu.py (the figures for benchmarks/RESULTS.md)
+  real     item r, not run by default: SmolLM2-135M-Instruct, its GGUF carried in pieces over several calls
+           (`make gpu-model`), imported and trained on CUDA for 4 minutes, held-out before and after
+           (scripts/gpu_check_real.py says how)
 
 Results accumulate in runs/gpu_check/state.json, so the parts can run as separate commands (a device
 lent 10 minutes per command: `--parts install,tests`, then `--parts demo,bench`); each command rewrites
@@ -40,9 +43,12 @@ import xml.etree.ElementTree as ET
 import zipfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_check_real  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 STATE_DIR = ROOT / "runs" / "gpu_check"
-PARTS = ("install", "tests", "demo", "bench")
+PARTS = ("install", "tests", "demo", "bench", "real")  # real: item r, not in the default (scripts/gpu_check_real.py)
 # item: (what it checks, pytest selection in tests/test_gpu.py, time limit in seconds)
 ITEMS = {
     "a": (
@@ -337,6 +343,10 @@ class Check:
             }
         return found
 
+    def part_real(self) -> None:
+        self.state["real"] = gpu_check_real.part_real(self, ROOT, STATE_DIR)
+        self.save()
+
     # ---- bench ------------------------------------------------------------------------------------
     def part_bench(self) -> None:
         cuda = (self.state.get("install", {}).get("env") or {}).get("device") is not None
@@ -508,6 +518,12 @@ def write_report(state: dict, paths: list[Path]) -> str:
         ),
     ):
         lines.append(demo_line(item, state.get(key), what))
+    lines += [
+        "",
+        "| item | what | result | figures |",
+        "|---|---|---|---|",
+        gpu_check_real.report_line(state.get("real")),
+    ]
     lines += ["", "## Measured differences (tests/test_gpu.py, each beside the tolerance its test states)", ""]
     for item in [*ITEMS, "gpu-marked"]:
         for fig in (tests.get(item) or {}).get("figures", []):
@@ -614,6 +630,8 @@ def main() -> None:
     if unknown := sorted(set(parts) - set(PARTS)):
         sys.exit(f"--parts: unknown {unknown}; choose from {','.join(PARTS)}")
     check = Check(args)
+    if carried := gpu_check_real.stash(ROOT, STATE_DIR / "model"):  # item r's model pieces, kept between calls
+        print(f"gpu-check: kept the model pieces {', '.join(carried)} in {STATE_DIR / 'model'}", flush=True)
     if "install" in parts or "install" not in check.state:
         check.part_install()
         check.save()

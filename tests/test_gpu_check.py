@@ -228,3 +228,78 @@ def test_the_tool_demos_overrides_are_configs_demo_tools():
     as_overrides = load_config("configs/demo.yaml", gpu_check.DEMO_TOOLS)
     preset = load_config("configs/demo_tools.yaml")
     assert replace(as_overrides, run=preset.run) == preset
+
+
+def test_the_real_models_pieces_wait_until_all_came_then_join_to_the_checked_file(tmp_path):
+    """Item r's GGUF crosses in pieces: each call keeps what it carried; a missing or damaged piece is named."""
+    real = gpu_check.gpu_check_real
+    src = tmp_path / "m.gguf"
+    src.write_bytes(bytes(range(256)) * 40)  # 10,240 bytes
+    tree, stash = tmp_path / "tree", tmp_path / "stash"
+    made = real.split(src, tree / real.PIECES_DIR, piece_mb=0.004)  # 4,000-byte pieces
+    assert [p["size"] for p in made["pieces"]] == [4000, 4000, 2240]
+    pieces = sorted((tree / real.PIECES_DIR).glob("m.gguf.*"))
+    pieces[1].rename(tmp_path / "held back")  # the first call carries pieces 1 and 3
+    assert real.stash(tree, stash) == ["m.gguf.001", "m.gguf.003"]
+    assert real.assemble(stash) == (None, "waiting for 1 of 3 pieces: m.gguf.002")
+    (tmp_path / "held back").rename(pieces[1])
+    (stash / "m.gguf.001").write_bytes(b"x" * 4000)  # damaged on the way
+    assert real.stash(tree, stash) == ["m.gguf.001", "m.gguf.002", "m.gguf.003"]
+    (stash / "m.gguf.003").write_bytes(b"y" * 2240)
+    assert real.assemble(stash) == (None, "piece m.gguf.003 is damaged (sha256 differs): carry it again")
+    real.stash(tree, stash)
+    whole, how = real.assemble(stash)
+    assert whole.read_bytes() == src.read_bytes() and how == "joined from 3 pieces, sha256 checked"
+
+
+def test_the_real_model_item_imports_trains_until_its_time_then_evaluates_and_reports(tmp_path, monkeypatch):
+    """Item r without a GPU or the model: the commands it starts, the stop at its time, what it reads back."""
+    import json
+    import types
+
+    real = gpu_check.gpu_check_real
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "manifest.json").write_text(json.dumps({"file": "m.gguf", "size": 3, "pieces": []}))
+    (tmp_path / "model" / "m.gguf").write_bytes(b"abc")
+    check = types.SimpleNamespace(state={"install": {"env": {"device": "NVIDIA H100"}}}, env=lambda: {})
+    started = []
+
+    def fake_run(cmd, timeout, log):
+        started.append(cmd[3])
+        if cmd[3] == "eval":
+            out = Path(cmd[cmd.index("--out") + 1])
+            out.mkdir(parents=True)
+            (out / "eval.json").write_text(json.dumps({"word": {"avg": 0.4125}}))
+        return 0, "", 1.0
+
+    def fake_train(cmd, seconds, log, env, root):
+        started.append(cmd[3])
+        assert seconds == 240 and "model.device=cuda" in cmd and "rollout.backend=hf" in cmd
+        run_dir = Path(next(a for a in cmd if a.startswith("run.dir=")).split("=", 1)[1]) / "real_run"
+        run_dir.mkdir(parents=True)
+        rows = [{"step": 0, "eval/word/avg@4": 0.3}] + [
+            {"step": t, "rollout/acc_mean": a} for t, a in enumerate([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], 1)
+        ]
+        (run_dir / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)))
+        return 75, "preempted: checkpoint of step 6"
+
+    check.run = fake_run
+    monkeypatch.setattr(real, "train_until", fake_train)
+    found = real.part_real(check, REPO, tmp_path)
+    assert started == ["import-model", "train", "eval"]
+    assert (found["steps"], found["before"], found["after"]) == (6, 30.0, 41.2)
+    assert (found["train_acc_first"], found["train_acc_last"]) == (20.0, 50.0)
+    line = real.report_line(found)
+    assert "| PASS | 6 steps in" in line and "held-out avg@4 30.0% -> 41.2%" in line
+
+
+def test_the_real_models_training_is_stopped_with_sigterm_at_its_time(tmp_path):
+    """The run gets SIGTERM (on which dapo checkpoints and exits 75), not a kill, when its time is up."""
+    import sys
+
+    on_term = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(75)); "
+    on_term += "print('up', flush=True); time.sleep(60)"
+    code, out = gpu_check.gpu_check_real.train_until(
+        [sys.executable, "-c", on_term], 2, tmp_path / "log", None, tmp_path
+    )
+    assert (code, out) == (75, "up\n")
