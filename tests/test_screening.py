@@ -226,3 +226,46 @@ def test_screening_composes_with_what_touches_a_group(tmp_path, preset, extra):
         assert "prefilter/groups/unseen" in rows[0]
     if preset.endswith("demo_tools.yaml"):
         assert sum(r.get("tools/calls_per_response", 0) for r in rows) > 0
+
+
+@pytest.mark.slow
+def test_a_run_generating_ahead_killed_while_its_rollout_process_screens_resumes_onto_the_same_weights(tmp_path):
+    """rollout.max_staleness=1: the rollout process screens and completes step t + 1's prompts while step t trains.
+    SIGKILL to both right after step 2's checkpoint (the next collection, its screenings and continuations, in
+    flight), then the same command: the final weights are the uninterrupted run's, bit for bit."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from conftest import SMALL_OVERRIDES
+    from test_async_rollout import final_weights, rows_of
+
+    root = Path(__file__).resolve().parents[1]
+    args = [*SMALL_OVERRIDES, "model.path=assets/arith-base", "algo.dynamic_sampling=true", "algo.screen_samples=2"]
+    args += ["rollout.max_response_tokens=48", "algo.overlong_buffer_tokens=8", "rollout.max_staleness=1"]
+    args += ["rollout.engine_threads=1", "train.total_steps=5", "run.save_every=1", "run.keep_checkpoints=10"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])}
+
+    def command(run_dir: Path) -> list[str]:
+        return [sys.executable, "-m", "dapo.training", "configs/demo.yaml", *args, f"run.dir={run_dir}"]
+
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    subprocess.run(command(whole), cwd=root, env=env, check=True, capture_output=True, timeout=600)
+    proc = subprocess.Popen(command(killed), cwd=root, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not list(killed.glob("*/checkpoints/step_000002")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = sorted(p.name for p in killed.glob("*/checkpoints/step_*"))
+    assert done and done[-1] < "step_000005", f"the run finished before the kill: {done}"
+    subprocess.run(command(killed), cwd=root, env=env, check=True, capture_output=True, timeout=600)
+    rows = [r for r in rows_of(whole) if "sampling/screened" in r]
+    assert len(rows) == 5 and all(r["sampling/screened"] > r["sampling/groups_kept"] > 0 for r in rows)
+    assert rows[-1]["async/staleness_max"] == 1
+    a, b = final_weights(whole), final_weights(killed)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)

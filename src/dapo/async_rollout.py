@@ -21,6 +21,7 @@ import copy
 import dataclasses
 import threading
 import time
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -320,10 +321,9 @@ def _collected_state(c: Collected) -> dict:
 def _collected_from(d: dict) -> Collected:
     from dapo.batch import RolloutBatch
     from dapo.dynamic_sampling import CollectStats
-    from dapo.prefilter import SkipCounts
-    from dapo.rollout.base import ToolLog
 
-    s = d["stats"]
-    stats = CollectStats(**{**s, "prefilter": SkipCounts(**s["prefilter"]), "tools": ToolLog(**s["tools"])})
+    # every counter record inside the statistics (the pre-filter's, the tools', screening's) back to its own type
+    nested = {name: t for name, t in typing.get_type_hints(CollectStats).items() if dataclasses.is_dataclass(t)}
+    stats = CollectStats(**{k: nested[k](**v) if k in nested else v for k, v in d["stats"].items()})
     batch = None if d["batch"] is None else RolloutBatch.from_state(d["batch"])
     return Collected(d["step"], d["version"], batch, stats, d["state"], d["waited_s"], d["seconds"])
