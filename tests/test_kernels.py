@@ -64,6 +64,15 @@ def test_liger_kernels_where_they_cannot_run_are_refused_in_one_line(tiny_model_
         make_policy(small_config(tmp_path, tiny_model_dir, "train.kernels=[liger]"))
 
 
+def test_compiled_layers_with_the_shared_prompt_prefix_are_refused_in_one_line():
+    """Measured on SmolLM2 (30 layers): the cache's layer index made every layer recompile, and past torch's limit of
+    8 the rest ran eagerly; refused rather than half compiled."""
+    from dapo.config import validate
+
+    with pytest.raises(ConfigError, match=r"^train.kernels=\[compile\] with train.share_prompt_prefix=true would "):
+        validate(load_config("configs/smollm2_135m.yaml", ["train.kernels=[compile]"]))
+
+
 def test_an_unknown_kernel_is_refused_in_one_line():
     with pytest.raises(
         ConfigError, match=r"^train.kernels=\['flash'\]: must list only compile and liger \(\[\]: eager\)$"

@@ -459,6 +459,12 @@ def _batches(cfg) -> None:
         "train.share_prompt_prefix=true shares a prompt across padded rows; packed rows (train.pack_sequences=true) "
         "have none: set train.pack_sequences=auto or false, or train.share_prompt_prefix=false",
     )
+    _check(  # the prompts' cache is indexed by layer: torch.compile specialises on it, a graph per layer
+        not (t.share_prompt_prefix and "compile" in t.kernels),
+        "train.kernels=[compile] with train.share_prompt_prefix=true would compile one graph per decoder layer (the "
+        "shared prompts' cache is indexed by the layer) and run the layers past torch's recompile limit eagerly: "
+        "set train.share_prompt_prefix=false, or leave compile out of train.kernels",
+    )
 
 
 def _run_dir(cfg) -> None:
