@@ -1,6 +1,6 @@
 """make gpu-check's item r: SmolLM2-135M-Instruct, a real pretrained model, learning on the GPU.
 
-The model travels as its GGUF (SmolLM2-135M-Instruct.Q4_1.gguf from `make smollm2`, 94 MB), more than one call to
+The model travels as its GGUF (SmolLM2-135M-Instruct.Q4_1.gguf from `make smollm2`, 98 MB), more than one call to
 the lent machine carries beside the working tree (64 MiB in all), so `make gpu-model` cuts it into pieces under
 .gpu_model/ with a manifest (each piece's size and sha256, and the whole file's). Every gpu-check command copies
 the pieces it was given into runs/gpu_check/model/ (kept between calls while the machine stays warm); once all
@@ -116,7 +116,7 @@ def read_run(run_dir: Path) -> dict:
     """Steps trained, the step-0 held-out accuracy and the train accuracy of the first and last 3 steps."""
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = [r for r in rows if "rollout/acc_mean" in r]
-    before = next((v for r in rows if r.get("step") == 0 for k, v in r.items() if k.endswith("/avg@4")), None)
+    before = next((v for r in rows if r.get("step") == 0 for k, v in r.items() if "/avg@" in k), None)
     mean = lambda xs: round(100 * sum(xs) / len(xs), 1) if xs else None  # noqa: E731
     return {
         "steps": max((r["step"] for r in steps), default=0),
@@ -181,7 +181,7 @@ def report_line(found: dict | None) -> str:
 
 if __name__ == "__main__":  # make gpu-model: python scripts/gpu_check_real.py SRC.gguf [PIECE_MB]
     src = Path(sys.argv[1]).expanduser()
-    made = split(src, Path(__file__).resolve().parents[1] / PIECES_DIR, float(sys.argv[2]) if len(sys.argv) > 2 else 24)
+    made = split(src, Path(__file__).resolve().parents[1] / PIECES_DIR, float(sys.argv[2]) if len(sys.argv) > 2 else 25)
     print(f"{PIECES_DIR}/: {len(made['pieces'])} pieces of {src.name} ({made['size'] / 1e6:.0f} MB), manifest.json")
     for p in made["pieces"]:
         print(f"  {p['name']} {p['size'] / 1e6:.1f} MB")
