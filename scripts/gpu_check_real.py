@@ -7,8 +7,8 @@ the pieces it was given into runs/gpu_check/model/ (kept between calls while the
 are there, part `real` joins them, checks the sha256, imports the model (`dapo import-model`), trains the SmolLM2
 preset on its word problems on CUDA for GPU_CHECK_REAL_S seconds (240 by default; then SIGTERM, on which the run
 checkpoints its last completed step and exits 75), and evaluates that checkpoint with the preset's held-out
-settings (`dapo eval --run`). Reported: the steps trained, held-out avg@4 before (the run's step-0 evaluation) and
-after, the train accuracy of the first and the last steps.
+settings (`dapo eval --run`). Reported: the steps trained, held-out avg@n (the preset's n = 4) before (the run's
+step-0 evaluation) and after, the train accuracy of the first and the last steps.
 
     make gpu-model                                                    # here, once: .gpu_model/
     carry .whl .gpu_model/manifest.json .gpu_model/<piece 1>:   GPU_CHECK_PARTS=install,tests make gpu-check
@@ -173,7 +173,7 @@ def report_line(found: dict | None) -> str:
         return f"| r | {what} | {'FAIL' if 'error' in found else 'WAITING'} | {found.get('error', found['model'])} |"
     verdict = ("PASS" if found["after"] > found["before"] else "RAN (no rise)") if found["cuda"] else "CPU run"
     return (
-        f"| r | {what} | {verdict} | {found['steps']} steps in {found['train_s']} s; held-out avg@4 "
+        f"| r | {what} | {verdict} | {found['steps']} steps in {found['train_s']} s; held-out avg@n "
         f"{found['before']}% -> {found['after']}%; train accuracy {found['train_acc_first']}% (steps 1-3) -> "
         f"{found['train_acc_last']}% (last 3) |"
     )

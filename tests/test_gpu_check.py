@@ -290,7 +290,7 @@ def test_the_real_model_item_imports_trains_until_its_time_then_evaluates_and_re
     assert (found["steps"], found["before"], found["after"]) == (6, 30.0, 41.2)
     assert (found["train_acc_first"], found["train_acc_last"]) == (20.0, 50.0)
     line = real.report_line(found)
-    assert "| PASS | 6 steps in" in line and "held-out avg@4 30.0% -> 41.2%" in line
+    assert "| PASS | 6 steps in" in line and "held-out avg@n 30.0% -> 41.2%" in line
 
 
 def test_the_real_models_training_is_stopped_with_sigterm_at_its_time(tmp_path):
