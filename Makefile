@@ -136,5 +136,5 @@ gpu-check:
 
 # item r's model for the lent machine: SmolLM2's GGUF cut into pieces under .gpu_model/ (ignored), one or two
 # a call beside the working tree (scripts/gpu_check_real.py)
-gpu-model: smollm2
-	$(PY) scripts/gpu_check_real.py $(dir $(SMOLLM2_DIR))SmolLM2-135M-Instruct.Q4_1.gguf 25
+gpu-model: smollm2 gpu-wheels
+	$(PY) scripts/gpu_check_real.py $(dir $(SMOLLM2_DIR))SmolLM2-135M-Instruct.Q4_1.gguf

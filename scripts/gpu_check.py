@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -45,56 +46,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check_real  # noqa: E402
+from gpu_check_report import ITEMS, OTHER_GPU_TESTS, demo_line, git_commit, item_status, now, write_report  # noqa: E402, F401
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE_DIR = ROOT / "runs" / "gpu_check"
 PARTS = ("install", "tests", "demo", "bench", "real")  # real: item r, not in the default (scripts/gpu_check_real.py)
-# item: (what it checks, pytest selection in tests/test_gpu.py, time limit in seconds)
-ITEMS = {
-    "a": (
-        "one update in float32 and bf16, and under FSDP2 on 1 rank (nccl) with bf16 mixed precision, "
-        "cpu_offload, activation checkpointing, against the CPU float32 update",
-        "one_update_in_one_process or fsdp2_one_rank or two_steps_on_gpu",
-        240,
-    ),
-    "b": (
-        "shared prompt prefix vs unshared: eager, SDPA math / memory-efficient / flash; log-probs and gradients",
-        "shared_prompt_prefix",
-        120,
-    ),
-    "c": ("HeadLogProbs vs full logits, float32 and bf16, across CUDA_HEAD_CHUNK_ROWS chunks", "head_log_probs", 60),
-    "d": ("fused AdamW vs torch's reference AdamW", "fused_adamw", 60),
-    "e": ("LoRA: only adapters change; the merged export gives the trainer's logits", "lora_trains", 120),
-    "f": ("checkpoint at step 1, hard stop, resume: final weights vs an uninterrupted run", "hard_stop", 240),
-    "g": ("perf/peak_cuda_<phase>_gb vs torch.cuda.max_memory_allocated", "phase_peaks or training_run_logs", 180),
-    "i": (
-        "GSPO and CISPO (algo.objective): one update in float32 and bf16 against the CPU float32 one",
-        "each_objective",
-        120,
-    ),
-    "m": (
-        "the rollout process (rollout.max_staleness): its tokens and log-probs vs the in-process engine's",
-        "rollout_process",
-        120,
-    ),
-    "n": (
-        "a rollout rank (rollout.ranks=1, torchrun, 2 ranks on the device) vs the rollout process: samples, weights",
-        "rollout_rank_on_the_device",
-        240,
-    ),
-    "t": (
-        "train.kernels: torch.compile per decoder layer, Liger Kernel, both; float32 and bf16 against the CPU update",
-        "faster_kernels",
-        240,
-    ),
-}
-OTHER_GPU_TESTS = ["tests/test_parallel.py", "tests/test_vllm.py"]
-DEMO_RISE_POINTS = 15.0
-
-
-def now() -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-
+STOP_GRACE_S = 120  # after a SIGTERM, the time a run has to write its checkpoint and exit
 
 # item l: generation ahead of training (docs/async.md)
 ASYNC = ["rollout.max_staleness=1", "algo.rollout_is_cap=2"]
@@ -107,6 +64,32 @@ DEMO_TOOLS = [
     "tools.max_calls=1",
     "train.lr=5e-4",
 ]
+
+
+def run_with_limit(cmd: list[str], limit: float, log: Path, env: dict | None, stop: int = signal.SIGKILL):
+    """(exit code, output, seconds) of ``cmd``; the output also goes to ``log``. It runs in a session of its own,
+    so at ``limit`` seconds ``stop`` reaches all of it (torchrun's workers, the grading pool), not only the process
+    started here. SIGKILL gives None as the exit code; any other signal (SIGTERM: a dapo run checkpoints and exits
+    75) waits up to STOP_GRACE_S for the command's own exit code, then kills it."""
+    t0 = time.monotonic()
+    with open(log, "w+") as out_file:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=out_file, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        try:
+            code = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, stop)
+            try:
+                code = None if stop == signal.SIGKILL else proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                code = None
+            proc.wait()
+            out_file.write(f"\n[gpu-check: stopped by {signal.Signals(stop).name} after {limit:.0f} s]\n")
+        out_file.seek(0)
+        out = out_file.read()
+    return code, out, time.monotonic() - t0
 
 
 class Check:
@@ -135,33 +118,9 @@ class Check:
         """A part's time limit: its own, cut to what is left of the whole budget."""
         return max(5.0, min(own, self.deadline - time.monotonic()))
 
-    def run(self, cmd: list[str], timeout: float, log: Path, **env) -> tuple[int | None, str, float]:
-        """(exit code or None on time-out, output, seconds); the output also goes to ``log``. The command runs
-        in a session of its own, so a time-out stops all of it (torchrun's workers, the grading pool), not
-        only the process started here."""
-        import signal
-
-        t0, limit = time.monotonic(), self.limit(timeout)
-        with open(log, "w+") as out_file:
-            proc = subprocess.Popen(
-                cmd,
-                cwd=ROOT,
-                env=self.env(**env),
-                stdout=out_file,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
-            try:
-                code = proc.wait(timeout=limit)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                code = None
-                out_file.write(f"\n[gpu-check: stopped after {limit:.0f} s]\n")
-            out_file.seek(0)
-            out = out_file.read()
-        return code, out, time.monotonic() - t0
+    def run(self, cmd: list[str], timeout: float, log: Path, stop: int = signal.SIGKILL, **env):
+        """``run_with_limit`` in this check's environment, its limit cut to what is left of the whole budget."""
+        return run_with_limit(cmd, self.limit(timeout), log, self.env(**env), stop=stop)
 
     # ---- install ----------------------------------------------------------------------------------
     def part_install(self) -> None:
@@ -344,7 +303,7 @@ class Check:
         return found
 
     def part_real(self) -> None:
-        self.state["real"] = gpu_check_real.part_real(self, ROOT, STATE_DIR)
+        self.state["real"] = gpu_check_real.part_real(self, STATE_DIR)
         self.save()
 
     # ---- bench ------------------------------------------------------------------------------------
@@ -366,29 +325,6 @@ class Check:
         }
         self.state["bench"] = merge_bench(self.state.get("bench"), new)
         self.save()
-
-
-def demo_line(item: str, demo: dict | None, what: str) -> str:
-    """The report's row of a demo run (items h and j)."""
-    if demo is None:
-        return f"| {item} | `dapo demo model.device=cuda`: {what} | NOT RUN | | |"
-    if "rise" not in demo:
-        verdict = "FAIL (no result line)" if demo["exit"] is not None else "FAIL (time-out)"
-    elif not demo["cuda"]:
-        shortened = " (shortened)" if demo["shortened"] else ""
-        rose = "rose" if demo["rise"] >= DEMO_RISE_POINTS else "did not rise"
-        verdict = f"CPU run{shortened}: {rose} {demo['rise']} points"
-    else:
-        verdict = "PASS" if demo["rise"] >= DEMO_RISE_POINTS else f"FAIL (rose {demo['rise']} points)"
-    detail = (
-        f"{demo['metric']} {demo['before']}% -> {demo['after']}% after step {demo['steps']}, "
-        f"wall time {demo['wall_s']} s"
-        if "rise" in demo
-        else ""
-    )
-    if demo.get("generation"):
-        detail += f"; {demo['generation']}"
-    return f"| {item} | `{demo['command']}`: {what} | {verdict} | {detail} | {demo['seconds']} |"
 
 
 def merge_bench(old: dict | None, new: dict) -> dict:
@@ -445,157 +381,6 @@ def parse_junit(path: Path) -> list[dict]:
             }
         )
     return cases
-
-
-def item_status(result: dict | None) -> tuple[str, str]:
-    """(verdict, detail) of one item's pytest run."""
-    if result is None:
-        return "NOT RUN", ""
-    cases = result["cases"]
-    if result["exit"] is None:
-        return "FAIL (time-out)", f"stopped after {result['seconds']} s"
-    count = lambda dev, st: sum(1 for c in cases if c["device"] == dev and c["status"] == st)  # noqa: E731
-    detail = ", ".join(
-        f"{dev}: {count(dev, 'passed')} passed, {count(dev, 'failed')} failed, {count(dev, 'skipped')} skipped"
-        for dev in ("cuda", "cpu", "other")
-        if any(c["device"] == dev for c in cases)
-    )
-    if any(c["status"] == "failed" for c in cases) or (result["exit"] not in (0, 5) and not cases):
-        return "FAIL", detail
-    if count("cuda", "passed") and not count("cuda", "skipped"):
-        return "PASS", detail
-    if count("cuda", "passed"):
-        return "PASS (some CUDA cases skipped)", detail
-    return "SKIPPED on CUDA (cpu twins only)" if count("cpu", "passed") else "SKIPPED", detail
-
-
-def write_report(state: dict, paths: list[Path]) -> str:
-    env = (state.get("install") or {}).get("env") or {}
-    lines = ["# dapo gpu-check report", "", f"written {now()}, commit {git_commit()}", ""]
-    if env.get("device"):
-        lines.append(
-            f"**device: {env['device']}** ({env['devices']} visible, {env['memory_gib']} GiB, compute capability "
-            f"{env['capability']})"
-        )
-    else:
-        lines.append(
-            "**device: none: no CUDA device was visible.** This run checked the script on a CPU "
-            "(--allow-cpu): every CUDA case is skipped, no figure below is a GPU figure."
-        )
-    lines += [
-        "",
-        f"python {env.get('python')}, torch {env.get('torch')}, CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')}, "
-        f"NCCL {env.get('nccl')}, transformers {env.get('transformers')}, peft {env.get('peft')}, "
-        f"math-verify {env.get('math_verify')}, pytest {env.get('pytest')}; TF32 matmul {env.get('tf32_matmul')}",
-        "",
-    ]
-    inst = state.get("install")
-    if inst:
-        lines += [
-            f"wheels from .whl ({inst['how']}): " + (", ".join(inst["installed"]) or "none"),
-            "kept the machine's: " + (", ".join(inst["kept"]) or "none"),
-            "",
-        ]
-    lines += ["| item | what | result | cases | seconds |", "|---|---|---|---|---|"]
-    tests = state.get("tests", {})
-    for item, (what, _, _) in ITEMS.items():
-        verdict, detail = item_status(tests.get(item))
-        lines.append(f"| {item} | {what} | {verdict} | {detail} | {(tests.get(item) or {}).get('seconds', '')} |")
-    verdict, detail = item_status(tests.get("gpu-marked"))
-    lines.append(
-        f"| other | tests marked gpu in {', '.join(OTHER_GPU_TESTS)} | {verdict} | {detail} | "
-        f"{(tests.get('gpu-marked') or {}).get('seconds', '')} |"
-    )
-    for item, key, what in (
-        ("h", "demo", "held-out accuracy +15 points"),
-        ("j", "demo_prefilter", "with algo.prefilter=true: held-out accuracy +15 points, prompts skipped"),
-        ("k", "demo_tools", "with the Python tool (configs/demo_tools.yaml): held-out accuracy +15 points"),
-        ("l", "demo_async", "with rollout.max_staleness=1 (docs/async.md): held-out accuracy +15 points"),
-        (
-            "s",
-            "demo_screening",
-            "with algo.screen_samples=4 (screening): held-out accuracy +15 points, prompts screened out",
-        ),
-    ):
-        lines.append(demo_line(item, state.get(key), what))
-    lines += [
-        "",
-        "| item | what | result | figures |",
-        "|---|---|---|---|",
-        gpu_check_real.report_line(state.get("real")),
-    ]
-    lines += ["", "## Measured differences (tests/test_gpu.py, each beside the tolerance its test states)", ""]
-    for item in [*ITEMS, "gpu-marked"]:
-        for fig in (tests.get(item) or {}).get("figures", []):
-            lines.append(f"- `{fig}`")
-    skipped = sorted({c["message"] for r in tests.values() for c in r["cases"] if c["status"] == "skipped"})
-    if skipped:
-        lines += ["", "Skip reasons: " + "; ".join(skipped)]
-    bench = state.get("bench")
-    lines += ["", "## Benchmarks (benchmarks/gpu.py)", ""]
-    if bench is None:
-        lines.append("not run")
-    else:
-        if bench.get("smoke"):
-            lines.append(
-                "**smoke run (no CUDA device): tiny shapes, the script checked, no figure here is a measurement**"
-            )
-            lines.append("")
-        rows = bench.get("rows", {})
-        lines += bench.get("header", []) + [row for part in bench.get("all_parts", rows) for row in rows.get(part, [])]
-        if bench.get("failed"):
-            lines += ["", "failed parts: " + "; ".join(f"{k}: {v[:300]}" for k, v in bench["failed"].items())]
-        prof = (bench.get("results") or {}).get("profile")
-        if prof:
-            lines += ["", "profile, top kernels/ops of one 1.5B-shape update:"] + [
-                f"    {s:8.3f} s  {k}" for k, s in prof["top"]
-            ]
-        if bench["exit"] is None:
-            lines.append(f"(stopped after {bench['seconds']} s)")
-        left = [part for part in bench.get("all_parts", []) if part not in bench.get("done", [])]
-        if left:
-            lines += [
-                "",
-                f"not measured yet: {', '.join(left)}; measure them (the rows above stay) with "
-                f"`make gpu-check GPU_CHECK_PARTS=bench GPU_CHECK_BENCH_PARTS={','.join(left)}`",
-            ]
-    failures = [(k, r["tail"]) for k, r in tests.items() if r.get("tail")]
-    failures += [
-        (key, state[key]["tail"])
-        for key in ("demo", "demo_prefilter", "demo_tools", "demo_async", "demo_screening")
-        if (state.get(key) or {}).get("tail")
-    ]
-    failures += [("bench", bench["tail"])] if bench and bench.get("tail") else []
-    if failures:
-        lines += ["", "## Output of what failed (last lines)"]
-        for name, tail in failures:
-            lines += ["", f"### {name}", "```", tail[-3000:], "```"]
-    lines += [
-        "",
-        "Not verifiable on one lent GPU without network: vLLM on GPU (its wheel is pinned to another torch and "
-        "too large to carry), NCCL across several GPUs, Ray across machines.",
-    ]
-    text = "\n".join(lines) + "\n"
-    for path in paths:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return text
-
-
-def git_commit() -> str:
-    """The commit checked. A lent machine gets a copy of the working tree without .git, so the command
-    there names it: GPU_CHECK_COMMIT=$(git rev-parse --short HEAD), filled in here when the command is written."""
-    if os.environ.get("GPU_CHECK_COMMIT"):
-        return os.environ["GPU_CHECK_COMMIT"]
-    try:
-        return (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-            ).stdout.strip()
-            or "?"
-        )
-    except OSError:
-        return "?"
 
 
 def main() -> None:

@@ -10,9 +10,11 @@ checkpoints its last completed step and exits 75), and evaluates that checkpoint
 settings (`dapo eval --run`). Reported: the steps trained, held-out avg@n (the preset's n = 4) before (the run's
 step-0 evaluation) and after, the train accuracy of the first and the last steps.
 
-    make gpu-model                                                    # here, once: .gpu_model/
-    carry .whl .gpu_model/manifest.json .gpu_model/<piece 1>:   GPU_CHECK_PARTS=install,tests make gpu-check
-    carry .gpu_model/manifest.json .gpu_model/<piece k> ...:    GPU_CHECK_PARTS=real make gpu-check   (until r runs)
+    make gpu-wheels gpu-model     # here, just before the lease: .gpu_model/ and its calls.md, the calls in order
+
+The pieces are as large as the calls allow beside the working tree as it is then (64 MiB a call; the first call
+also carries the wheels the lent machine lacks), so three calls carry the model; LEASE_* below say what each
+call of one lease does, item r running with the last piece.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ import time
 from pathlib import Path
 
 PIECES_DIR = ".gpu_model"  # in the working tree, ignored: what a call carries
+CALL_LIMIT = 64 * 2**20  # what one call to the lent machine carries: the working tree and the carried paths
+CALL_MARGIN = 2 * 2**20  # for the manifest and the tree's growth between make gpu-model and the lease
+# the wheels of make gpu-wheels that the lent machines' image lacks (/work/.library/device/KINDS.md's list)
+LENT_LACKS = ("math_verify", "latex2sympy2_extended", "antlr4_python3_runtime", "gguf", "liger_kernel")
 PRESET = "configs/smollm2_135m.yaml"
 
 
@@ -39,19 +45,105 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def split(src: Path, out: Path, piece_mb: float) -> dict:
-    """``src`` cut into pieces of at most ``piece_mb`` MB in ``out``, beside manifest.json."""
+def split(src: Path, out: Path, sizes: list[int]) -> dict:
+    """``src`` cut into pieces of ``sizes`` bytes (the last one what is left) in ``out``, beside manifest.json."""
     out.mkdir(parents=True, exist_ok=True)
-    size, step = src.stat().st_size, int(piece_mb * 1e6)
-    pieces = []
+    for old in out.glob(f"{src.name}.*"):
+        old.unlink()
+    size, pieces = src.stat().st_size, []
     with open(src, "rb") as f:
-        for _ in range(0, size, step):
+        for want in sizes:
             piece = out / f"{src.name}.{len(pieces) + 1:03d}"
-            piece.write_bytes(f.read(step))
+            piece.write_bytes(f.read(want))
             pieces.append({"name": piece.name, "size": piece.stat().st_size, "sha256": sha256(piece)})
+    assert sum(p["size"] for p in pieces) == size, "the sizes do not cover the file"
     manifest = {"file": src.name, "size": size, "sha256": sha256(src), "pieces": pieces}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest
+
+
+def piece_sizes(total: int, tree: int, first_extra: int, limit: int = CALL_LIMIT) -> list[int]:
+    """The fewest pieces of a ``total``-byte file such that each call carries the working tree (``tree`` bytes),
+    the manifest and one piece within ``limit``, the first call also ``first_extra`` bytes (the wheels)."""
+    room = limit - CALL_MARGIN - tree
+    if room - first_extra <= 0:
+        raise SystemExit(f"gpu-model: the working tree ({tree / 1e6:.1f} MB) leaves no room for a piece in a call")
+    sizes, left = [], total
+    while left > 0:
+        sizes.append(min(left, room - (first_extra if not sizes else 0)))
+        left -= sizes[-1]
+    return sizes
+
+
+def tree_bytes(root: Path) -> int:
+    """What a call to the lent machine carries before any carried path: tracked files, untracked ones git does
+    not ignore, and shared/ where the checkout has one."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root, capture_output=True
+    ).stdout.decode()
+    files = {root / name for name in listed.split("\0") if name}
+    files |= {f for f in (root / "shared").rglob("*") if f.is_file()} if (root / "shared").is_dir() else set()
+    return sum(f.stat().st_size for f in files if f.is_file() and not f.is_symlink())
+
+
+def lent_wheels(root: Path) -> list[Path]:
+    """The wheels in .whl/ that the lent machines' image lacks (the rest it has, at versions that do)."""
+    wheels = [w for w in sorted((root / ".whl").glob("*.whl")) if w.name.split("-")[0].lower() in LENT_LACKS]
+    if missing := sorted(set(LENT_LACKS) - {w.name.split("-")[0].lower() for w in wheels}):
+        raise SystemExit(f"gpu-model: .whl/ lacks {', '.join(missing)}: run make gpu-wheels first")
+    return wheels
+
+
+# One 15-minute lease (a machine's start takes one to two of them), in order of what matters most, each call
+# (what it shows, timeout_s, its settings): the model's pieces come first, with the install and item t; item r as
+# soon as the last piece is there; then the kernels' MFU figures and the two demos, cut first if time runs short.
+LEASE_FIRST = (
+    "the wheels installed; item t: train.kernels exact on CUDA against the CPU update",
+    240,
+    "GPU_CHECK_PARTS=install,tests GPU_CHECK_ITEMS=t GPU_CHECK_BUDGET_S=220",
+)
+LEASE_CARRY_ONLY = ("a piece of the model, kept", 60, "GPU_CHECK_PARTS=real GPU_CHECK_BUDGET_S=40")
+LEASE_REAL = (
+    "item r: SmolLM2 joined, imported, trained 240 s on CUDA, evaluated",
+    380,
+    "GPU_CHECK_PARTS=real GPU_CHECK_BUDGET_S=360",
+)
+LEASE_AFTER = (
+    (
+        "the update with each train.kernels variant against the eager one at the 0.5B and 1.5B shapes",
+        320,
+        "GPU_CHECK_PARTS=bench GPU_CHECK_BENCH_PARTS=peak,kernels GPU_CHECK_BUDGET_S=300",
+    ),
+    (
+        "items s (screening) and l (generating ahead) on the demo",
+        150,
+        "GPU_CHECK_PARTS=demo GPU_CHECK_DEMOS=demo_screening,demo_async GPU_CHECK_BUDGET_S=130",
+    ),
+)
+
+
+def lease_plan(manifest: dict, wheels: list[Path], commit: str) -> str:
+    """The calls of one lease, in order: what each carries (the wheels with the first, a piece each while there
+    are pieces) and its command."""
+    pieces = [f"{PIECES_DIR}/{p['name']}" for p in manifest["pieces"]]
+    calls = [LEASE_FIRST] + [LEASE_CARRY_ONLY] * max(0, len(pieces) - 2) + [LEASE_REAL, *LEASE_AFTER]
+    lines = [
+        f"# One lease, {len(calls)} calls, at commit {commit} (written by make gpu-model)",
+        "",
+        "Make each call as soon as the last returns: the machine goes back 30 s after a call, and the pieces it kept"
+        " with it. The calls after item r are cut first when the lease runs short.",
+        "",
+    ]
+    for k, (what, timeout, settings) in enumerate(calls):
+        carry = [f".whl/{w.name}" for w in wheels] if k == 0 else []
+        carry += [f"{PIECES_DIR}/manifest.json", *pieces[k : k + 1]] if k < len(pieces) else []
+        lines += [
+            f"{k + 1}. {what}; timeout_s {timeout}",
+            f"   carry: {json.dumps(carry)}",
+            f"   command: GPU_CHECK_COMMIT={commit} {settings} make gpu-check",
+            "",
+        ]
+    return "\n".join(lines)
 
 
 def stash(root: Path, stash_dir: Path) -> list[str]:
@@ -94,24 +186,6 @@ def assemble(stash_dir: Path) -> tuple[Path | None, str]:
     return whole, f"joined from {len(manifest['pieces'])} pieces, sha256 checked"
 
 
-def train_until(cmd: list[str], seconds: float, log: Path, env: dict, root: Path) -> tuple[int | None, str]:
-    """Run ``cmd``; after ``seconds`` send SIGTERM (the run checkpoints and exits 75), SIGKILL 120 s later."""
-    with open(log, "w+") as out:
-        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = proc.wait(timeout=seconds)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                code = proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                code = None
-        out.seek(0)
-        return code, out.read()
-
-
 def read_run(run_dir: Path) -> dict:
     """Steps trained, the step-0 held-out accuracy and the train accuracy of the first and last 3 steps."""
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -126,7 +200,7 @@ def read_run(run_dir: Path) -> dict:
     }
 
 
-def part_real(check, root: Path, state_dir: Path) -> dict:
+def part_real(check, state_dir: Path) -> dict:
     """Item r, as described above; ``check`` is gpu_check's Check (its environment, its run with a time limit)."""
     found: dict = {"at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     gguf, how = assemble(state_dir / "model")
@@ -150,7 +224,8 @@ def part_real(check, root: Path, state_dir: Path) -> dict:
     seconds = float(os.environ.get("GPU_CHECK_REAL_S", 240))
     cmd = [sys.executable, "-m", "dapo.cli", "train", PRESET, *overrides]
     t0 = time.monotonic()
-    code, out = train_until(cmd, seconds, state_dir / "real_train.log", check.env(), root)
+    # SIGTERM at the time: the run checkpoints its last completed step and exits 75
+    code, out, _ = check.run(cmd, seconds, state_dir / "real_train.log", stop=signal.SIGTERM)
     found |= {"cuda": cuda, "command": " ".join(cmd[2:]), "train_exit": code, "train_s": round(time.monotonic() - t0)}
     if code not in (0, 75) or not (run_dir / "metrics.jsonl").exists():
         return found | {"error": f"training failed: {out[-2000:]}"}
@@ -179,9 +254,22 @@ def report_line(found: dict | None) -> str:
     )
 
 
-if __name__ == "__main__":  # make gpu-model: python scripts/gpu_check_real.py SRC.gguf [PIECE_MB]
+def main() -> None:
+    """make gpu-model: the GGUF cut to fit beside the working tree as it is now, and the lease's calls."""
+    root = Path(__file__).resolve().parents[1]
     src = Path(sys.argv[1]).expanduser()
-    made = split(src, Path(__file__).resolve().parents[1] / PIECES_DIR, float(sys.argv[2]) if len(sys.argv) > 2 else 25)
-    print(f"{PIECES_DIR}/: {len(made['pieces'])} pieces of {src.name} ({made['size'] / 1e6:.0f} MB), manifest.json")
-    for p in made["pieces"]:
-        print(f"  {p['name']} {p['size'] / 1e6:.1f} MB")
+    wheels, tree = lent_wheels(root), tree_bytes(root)
+    sizes = piece_sizes(src.stat().st_size, tree, sum(w.stat().st_size for w in wheels))
+    made = split(src, root / PIECES_DIR, sizes)
+    print(
+        f"{PIECES_DIR}/: {len(sizes)} pieces of {src.name} ({made['size'] / 1e6:.1f} MB) beside a working tree "
+        f"of {tree / 1e6:.1f} MB; the first call also carries {len(wheels)} wheels"
+    )
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+    plan = lease_plan(made, wheels, commit.stdout.strip() or "?")
+    (root / PIECES_DIR / "calls.md").write_text(plan + "\n")
+    print(plan)
+
+
+if __name__ == "__main__":  # make gpu-model: python scripts/gpu_check_real.py SRC.gguf
+    main()

@@ -108,7 +108,8 @@ def test_the_report_says_plainly_when_no_gpu_was_there(tmp_path):
 
 def test_the_report_names_the_commit_given_where_the_copy_has_no_git(tmp_path, monkeypatch):
     state = {"install": {"env": {"device": None}, "installed": [], "kept": [], "how": "none needed"}}
-    monkeypatch.setattr(gpu_check, "ROOT", tmp_path)  # a copy of the tree without .git, as a lent machine gets
+    # a copy of the tree without .git, as a lent machine gets
+    monkeypatch.setattr(gpu_check.gpu_check_report, "ROOT", tmp_path)
     monkeypatch.delenv("GPU_CHECK_COMMIT", raising=False)
     assert ", commit ?" in gpu_check.write_report(state, [])
     monkeypatch.setenv("GPU_CHECK_COMMIT", "94e06aa")
@@ -236,7 +237,7 @@ def test_the_real_models_pieces_wait_until_all_came_then_join_to_the_checked_fil
     src = tmp_path / "m.gguf"
     src.write_bytes(bytes(range(256)) * 40)  # 10,240 bytes
     tree, stash = tmp_path / "tree", tmp_path / "stash"
-    made = real.split(src, tree / real.PIECES_DIR, piece_mb=0.004)  # 4,000-byte pieces
+    made = real.split(src, tree / real.PIECES_DIR, [4000, 4000, 2240])
     assert [p["size"] for p in made["pieces"]] == [4000, 4000, 2240]
     pieces = sorted((tree / real.PIECES_DIR).glob("m.gguf.*"))
     pieces[1].rename(tmp_path / "held back")  # the first call carries pieces 1 and 3
@@ -255,6 +256,7 @@ def test_the_real_models_pieces_wait_until_all_came_then_join_to_the_checked_fil
 def test_the_real_model_item_imports_trains_until_its_time_then_evaluates_and_reports(tmp_path, monkeypatch):
     """Item r without a GPU or the model: the commands it starts, the stop at its time, what it reads back."""
     import json
+    import signal
     import types
 
     real = gpu_check.gpu_check_real
@@ -264,28 +266,26 @@ def test_the_real_model_item_imports_trains_until_its_time_then_evaluates_and_re
     check = types.SimpleNamespace(state={"install": {"env": {"device": "NVIDIA H100"}}}, env=lambda: {})
     started = []
 
-    def fake_run(cmd, timeout, log):
+    def fake_run(cmd, timeout, log, stop=None):
         started.append(cmd[3])
         if cmd[3] == "eval":
             out = Path(cmd[cmd.index("--out") + 1])
             out.mkdir(parents=True)
             (out / "eval.json").write_text(json.dumps({"word": {"avg": 0.4125}}))
+        if cmd[3] == "train":  # stopped by SIGTERM at its time: the run checkpoints and exits 75
+            assert (timeout, stop) == (240, signal.SIGTERM)
+            assert "model.device=cuda" in cmd and "rollout.backend=hf" in cmd
+            run_dir = Path(next(a for a in cmd if a.startswith("run.dir=")).split("=", 1)[1]) / "real_run"
+            run_dir.mkdir(parents=True)
+            rows = [{"step": 0, "eval/word/avg@4": 0.3}] + [
+                {"step": t, "rollout/acc_mean": a} for t, a in enumerate([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], 1)
+            ]
+            (run_dir / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)))
+            return 75, "preempted: checkpoint of step 6", 240.0
         return 0, "", 1.0
 
-    def fake_train(cmd, seconds, log, env, root):
-        started.append(cmd[3])
-        assert seconds == 240 and "model.device=cuda" in cmd and "rollout.backend=hf" in cmd
-        run_dir = Path(next(a for a in cmd if a.startswith("run.dir=")).split("=", 1)[1]) / "real_run"
-        run_dir.mkdir(parents=True)
-        rows = [{"step": 0, "eval/word/avg@4": 0.3}] + [
-            {"step": t, "rollout/acc_mean": a} for t, a in enumerate([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], 1)
-        ]
-        (run_dir / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)))
-        return 75, "preempted: checkpoint of step 6"
-
     check.run = fake_run
-    monkeypatch.setattr(real, "train_until", fake_train)
-    found = real.part_real(check, REPO, tmp_path)
+    found = real.part_real(check, tmp_path)
     assert started == ["import-model", "train", "eval"]
     assert (found["steps"], found["before"], found["after"]) == (6, 30.0, 41.2)
     assert (found["train_acc_first"], found["train_acc_last"]) == (20.0, 50.0)
@@ -294,12 +294,53 @@ def test_the_real_model_item_imports_trains_until_its_time_then_evaluates_and_re
 
 
 def test_the_real_models_training_is_stopped_with_sigterm_at_its_time(tmp_path):
-    """The run gets SIGTERM (on which dapo checkpoints and exits 75), not a kill, when its time is up."""
+    """The run gets SIGTERM (on which dapo checkpoints and exits 75), not a kill, when its time is up; the other
+    checks are killed outright."""
+    import signal
     import sys
 
     on_term = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(75)); "
     on_term += "print('up', flush=True); time.sleep(60)"
-    code, out = gpu_check.gpu_check_real.train_until(
-        [sys.executable, "-c", on_term], 2, tmp_path / "log", None, tmp_path
-    )
-    assert (code, out) == (75, "up\n")
+    cmd = [sys.executable, "-c", on_term]
+    code, out, seconds = gpu_check.run_with_limit(cmd, 2, tmp_path / "log", None, stop=signal.SIGTERM)
+    assert (code, out) == (75, "up\n\n[gpu-check: stopped by SIGTERM after 2 s]\n") and seconds < 30
+    code, out, _ = gpu_check.run_with_limit(cmd, 2, tmp_path / "log", None)
+    assert (code, out) == (None, "up\n\n[gpu-check: stopped by SIGKILL after 2 s]\n")
+
+
+def test_the_model_is_cut_into_the_fewest_pieces_that_fit_beside_the_tree():
+    """Each call carries the working tree, the manifest and one piece within the call's limit; the first call
+    also carries the wheels."""
+    real = gpu_check.gpu_check_real
+    limit = real.CALL_MARGIN + 1000 + 4000  # 4,000 bytes of room beside a 1,000-byte tree
+    assert real.piece_sizes(10_240, 1000, 1500, limit) == [2500, 4000, 3740]
+    assert real.piece_sizes(2000, 1000, 1500, limit) == [2000]
+    with pytest.raises(SystemExit, match="leaves no room"):
+        real.piece_sizes(10_240, 1000, 4000, limit)
+
+
+def test_a_lease_carries_a_piece_a_call_and_runs_item_r_with_the_last(tmp_path):
+    real = gpu_check.gpu_check_real
+    manifest = {"pieces": [{"name": f"m.gguf.00{k}"} for k in (1, 2, 3, 4)]}
+    plan = real.lease_plan(manifest, [tmp_path / "a-1.whl"], "abc1234")
+    calls = plan.split("\n\n")[2:]
+    assert len(calls) == 6 and plan.startswith("# One lease, 6 calls, at commit abc1234")
+    assert '[".whl/a-1.whl", ".gpu_model/manifest.json", ".gpu_model/m.gguf.001"]' in calls[0]
+    assert '".gpu_model/m.gguf.003"' in calls[2] and "GPU_CHECK_PARTS=real GPU_CHECK_BUDGET_S=40" in calls[2]
+    assert '".gpu_model/m.gguf.004"' in calls[3] and calls[3].startswith("4. item r")
+    assert "carry: []" in calls[4] and "GPU_CHECK_BENCH_PARTS=peak,kernels" in calls[4]
+    assert all("command: GPU_CHECK_COMMIT=abc1234 " in call for call in calls)
+
+
+def test_the_tree_that_travels_is_tracked_and_unignored_files(tmp_path):
+    import subprocess
+
+    real = gpu_check.gpu_check_real
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / ".gitignore").write_text("big/\n")  # 5 bytes
+    (tmp_path / "tracked.txt").write_bytes(b"x" * 100)
+    (tmp_path / "new.txt").write_bytes(b"y" * 20)  # untracked, not ignored: it travels
+    (tmp_path / "big").mkdir()
+    (tmp_path / "big" / "w.bin").write_bytes(b"z" * 10_000)  # ignored: only carried when named
+    subprocess.run(["git", "-C", str(tmp_path), "add", "tracked.txt", ".gitignore"], check=True)
+    assert real.tree_bytes(tmp_path) == 125
