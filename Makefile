@@ -127,7 +127,7 @@ gpu-wheels:
 	du -sh .whl
 
 # on the lent machine, offline: the wheels into /tmp/dapo-gpu-site (never the machine's torch), dapo from src/,
-# then tests/test_gpu.py item by item, the demo on CUDA and benchmarks/gpu.py; one report,
+# then tests/test_gpu.py and test_gpu_paths.py item by item, the demo on CUDA and benchmarks/gpu.py; one report,
 # runs/gpu_check/gpu_report.md (and $$OUT/gpu_report.md). Under 10 minutes a command: GPU_CHECK_PARTS=install,tests
 # then GPU_CHECK_PARTS=demo,bench (results accumulate); GPU_CHECK_ITEMS=m,... and GPU_CHECK_DEMOS=demo_async,...
 # rerun only those; GPU_CHECK_ALLOW_CPU=1 checks the script on a CPU

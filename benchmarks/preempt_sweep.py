@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from dapo import checkpoint, tiny
+from dapo import checkpoint, checkpoint_shards, tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDES = [  # the tests' small run (tests/conftest.py): about a second a step on 2 CPU cores
@@ -105,7 +105,6 @@ def final_state(run: Path, ranks: int) -> dict:
     """The last checkpoint's weights and AdamW state, flattened."""
     last = checkpoint.latest_checkpoint(run)
     if ranks > 1:
-        from dapo import parallel
 
         def flat(tree, prefix=""):
             if isinstance(tree, torch.Tensor):
@@ -114,7 +113,7 @@ def final_state(run: Path, ranks: int) -> dict:
                 return {k: v for key, sub in tree.items() for k, v in flat(sub, f"{prefix}.{key}").items()}
             return {}
 
-        return flat(parallel.read_shards(last / "shards"))
+        return flat(checkpoint_shards.read_shards(last / "shards"))
     from safetensors.torch import load_file
 
     state = checkpoint.load_trainer_state(last)["policy"]["optimizer"]["state"]

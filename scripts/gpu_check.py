@@ -10,8 +10,9 @@ distribution is missing or older.
 
 Parts, each with its own time limit inside the whole budget (20 minutes by default):
   install  the wheels, then one import of everything the run needs; the versions found
-  tests    tests/test_gpu.py by item (a-g and i, see its docstring) with DAPO_GPU_CHECK=1, and every other test
-           marked gpu (tests/test_parallel.py, tests/test_vllm.py: those need 2 GPUs or vLLM and say so)
+  tests    tests/test_gpu.py and tests/test_gpu_paths.py by item (a-g, i, m, n, t: their docstrings) with
+           DAPO_GPU_CHECK=1, and every other test marked gpu (tests/test_parallel.py, tests/test_vllm.py: those need
+           2 GPUs or vLLM and say so)
   demo     item h: `dapo demo model.device=cuda`; held-out accuracy must rise by at least 15 points; item j: the
            same with algo.prefilter=true (the prompt pre-filter's run on a GPU, with its generation line); item k:
            the tool demo's settings (configs/demo_tools.yaml: multi-turn rollouts with the Python tool; without
@@ -46,7 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check_real  # noqa: E402
-from gpu_check_report import ITEMS, OTHER_GPU_TESTS, demo_line, git_commit, item_status, now, write_report  # noqa: E402, F401
+from gpu_check_report import GPU_TEST_FILES, ITEMS, OTHER_GPU_TESTS, now, write_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE_DIR = ROOT / "runs" / "gpu_check"
@@ -229,7 +230,7 @@ class Check:
             if chosen and item not in chosen:
                 continue
             print(f"gpu-check: item {item} ...", flush=True)
-            results[item] = self.pytest(item, ["tests/test_gpu.py", "-k", selection], timeout)
+            results[item] = self.pytest(item, [*GPU_TEST_FILES, "-k", selection], timeout)
             self.save()
         if chosen and "gpu-marked" not in chosen:
             return

@@ -11,7 +11,8 @@ from pathlib import Path
 import gpu_check_real
 
 ROOT = Path(__file__).resolve().parents[1]
-# item: (what it checks, pytest selection in tests/test_gpu.py, time limit in seconds)
+GPU_TEST_FILES = ["tests/test_gpu.py", "tests/test_gpu_paths.py"]  # the items' tests
+# item: (what it checks, pytest selection in GPU_TEST_FILES, time limit in seconds)
 ITEMS = {
     "a": (
         "one update in float32 and bf16, and under FSDP2 on 1 rank (nccl) with bf16 mixed precision, "
@@ -166,7 +167,7 @@ def header_lines(state: dict) -> list[str]:
 
 
 def item_lines(state: dict, tests: dict) -> list[str]:
-    """One row per tests/test_gpu.py item, per demo run and for item r."""
+    """One row per item of GPU_TEST_FILES, per demo run and for item r."""
     lines = ["| item | what | result | cases | seconds |", "|---|---|---|---|---|"]
     for item, (what, _, _) in ITEMS.items():
         verdict, detail = item_status(tests.get(item))
@@ -187,7 +188,7 @@ def item_lines(state: dict, tests: dict) -> list[str]:
 
 def figure_lines(tests: dict) -> list[str]:
     """Each test's measured differences beside its tolerance, and why cases were skipped."""
-    lines = ["", "## Measured differences (tests/test_gpu.py, each beside the tolerance its test states)", ""]
+    lines = ["", "## Measured differences (tests/test_gpu*.py, each beside the tolerance its test states)", ""]
     for item in [*ITEMS, "gpu-marked"]:
         lines += [f"- `{fig}`" for fig in (tests.get(item) or {}).get("figures", [])]
     skipped = sorted({c["message"] for r in tests.values() for c in r["cases"] if c["status"] == "skipped"})

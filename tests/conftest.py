@@ -84,6 +84,46 @@ def loss_fn_of(cfg):
 SKIP_SANDBOX_ENV = "DAPO_SKIP_SANDBOX_TESTS"  # =1: skip the sandbox tests on a machine that cannot run them
 
 
+def sampled_batch(policy, group_size=4, prompts=("1+2=", "3*4-5=", "6+7*2=")):
+    """A graded rollout batch of ``policy``'s own samples (HF generate, seed 0), every third response right, with
+    its advantages and the policy's log-probs and entropies: the input of an update."""
+    import torch
+
+    from dapo import algo
+    from dapo.batch import RolloutBatch
+    from dapo.rollout import SamplingParams
+    from dapo.rollout.hf import HFRolloutEngine
+
+    engine = HFRolloutEngine(policy.model, policy.tokenizer)
+    ids = [policy.tokenizer(p)["input_ids"] for p in prompts]
+    gen = engine.generate(ids, SamplingParams(n=group_size, max_new_tokens=10, seed=0))
+    n = len(gen.response_ids)
+    reward = torch.tensor([1.0 if i % 3 == 0 else -1.0 for i in range(n)])
+    batch = RolloutBatch(
+        group_size=group_size,
+        prompt_ids=gen.prompt_ids,
+        response_ids=gen.response_ids,
+        truncated=gen.truncated,
+        texts=gen.texts,
+        example_uids=["x"] * n,
+        ground_truths=["0"] * n,
+        acc=(reward > 0).float(),
+        reward=reward,
+        overlong_penalty=torch.zeros(n),
+    )
+    batch.adv = algo.group_advantages(batch.reward, group_size)
+    batch.old_logp, batch.entropy = policy.compute_logprobs(batch, with_entropy=True)
+    return batch
+
+
+def sgd(policy) -> None:
+    """Plain SGD at lr 1: an update moves the weights by minus the (unclipped) gradient."""
+    import torch
+
+    policy.optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)
+    policy.scheduler = torch.optim.lr_scheduler.LambdaLR(policy.optimizer, lambda step: 1.0)
+
+
 def sandbox_unavailable() -> str | None:
     """Why the tool sandbox cannot start on this machine (the check's one line), else None."""
     global _SANDBOX_WHY

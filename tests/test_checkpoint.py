@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import make_policy, small_config
 
-from dapo import checkpoint, checkpoint_weights, cli, parallel
+from dapo import checkpoint, checkpoint_shards, checkpoint_weights, cli
 
 
 class RunsCommand:
@@ -36,7 +36,7 @@ def sharded_checkpoint(tiny_model_dir: Path, step_dir: Path) -> Path:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    parallel.save_shards({"model": model.state_dict()}, step_dir / "shards")
+    checkpoint_shards.save_shards({"model": model.state_dict()}, step_dir / "shards")
     shutil.copytree(tiny_model_dir, step_dir / "model_meta", ignore=shutil.ignore_patterns("*.safetensors"))
     torch.save({"step": 1}, step_dir / "trainer_state.pt")
     return step_dir
@@ -67,10 +67,12 @@ def test_a_shard_entry_that_runs_code_is_refused(tmp_path):
     """Non-tensor entries (an optimizer's param_groups) are pickles inside the shard files; torch's
     default planner loads them with weights_only=False."""
     marker = tmp_path / "pwned"
-    parallel.save_shards({"optim": {"lr": RunsCommand(f"touch {marker}"), "w": torch.ones(2)}}, tmp_path / "shards")
+    checkpoint_shards.save_shards(
+        {"optim": {"lr": RunsCommand(f"touch {marker}"), "w": torch.ones(2)}}, tmp_path / "shards"
+    )
     state = {"optim": {"lr": 0.0, "w": torch.zeros(2)}}
-    with pytest.raises(parallel.CheckpointError, match=r"entry 'optim.lr' needs more than plain data"):
-        parallel.load_shards(state, tmp_path / "shards")
+    with pytest.raises(checkpoint_shards.CheckpointError, match=r"entry 'optim.lr' needs more than plain data"):
+        checkpoint_shards.load_shards(state, tmp_path / "shards")
     assert not marker.exists()
 
 
@@ -79,12 +81,12 @@ def test_plain_shard_entries_still_load(tmp_path):
         "optim": {"param_groups": [{"lr": 1e-3, "betas": (0.9, 0.99), "foreach": None, "params": ["w"]}]},
         "w": torch.arange(4.0),
     }
-    parallel.save_shards(saved, tmp_path / "shards")
+    checkpoint_shards.save_shards(saved, tmp_path / "shards")
     state = {
         "optim": {"param_groups": [{"lr": 0.0, "betas": (0.0, 0.0), "foreach": False, "params": []}]},
         "w": torch.zeros(4),
     }
-    parallel.load_shards(state, tmp_path / "shards")
+    checkpoint_shards.load_shards(state, tmp_path / "shards")
     assert state["optim"] == saved["optim"] and torch.equal(state["w"], saved["w"])
 
 
@@ -95,7 +97,9 @@ def test_an_index_pointing_outside_the_shards_directory_is_refused(tiny_model_di
     for info in metadata.storage_data.values():
         info.relative_path = "../../secret.pt"
     index.write_bytes(pickle.dumps(metadata))
-    with pytest.raises(parallel.CheckpointError, match=r"points an entry at '../../secret.pt', outside the shards"):
+    with pytest.raises(
+        checkpoint_shards.CheckpointError, match=r"points an entry at '../../secret.pt', outside the shards"
+    ):
         checkpoint_weights.export_hf(step, tmp_path / "out")
 
 
@@ -118,7 +122,7 @@ def test_export_refuses_a_linked_directory_in_a_sharded_checkpoint(tiny_model_di
     elsewhere = tmp_path / "elsewhere"
     (step / "model_meta").rename(elsewhere)
     (step / "model_meta").symlink_to(elsewhere, target_is_directory=True)
-    with pytest.raises(parallel.CheckpointError, match=r"model_meta is a symbolic link"):
+    with pytest.raises(checkpoint_shards.CheckpointError, match=r"model_meta is a symbolic link"):
         checkpoint_weights.export_hf(step, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

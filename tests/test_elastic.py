@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import make_policy, small_config  # noqa: E402
 from test_parallel import REPO, env_for_children  # noqa: E402
 
-from dapo import checkpoint, cli, parallel  # noqa: E402
+from dapo import checkpoint, checkpoint_shards, cli, parallel  # noqa: E402
 from dapo.checkpoint_weights import is_lora  # noqa: E402
 
 # dynamic sampling with a buffer: held-over groups (and their behaviour log-probs) cross the world-size change, and
@@ -84,7 +84,7 @@ def weights(step: Path, tmp: Path) -> dict:
 def adam_steps(step: Path) -> list[float]:
     """AdamW's step count of every trained parameter, from either format."""
     if checkpoint.is_sharded(step):
-        state = parallel.read_shards(step / "shards")["optim"]["state"]
+        state = checkpoint_shards.read_shards(step / "shards")["optim"]["state"]
     else:
         state = checkpoint.load_trainer_state(step)["policy"]["optimizer"]["state"]
     return sorted(float(s["step"]) for s in state.values())
@@ -173,7 +173,7 @@ def test_a_full_disk_stops_every_rank_of_a_sharded_save_in_one_line(runs):
             f"{ckpts / 'step_000001'}, which is whole: free space on that disk (or fix the cause) first"
         )
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_000001"]
-    assert len(parallel.read_shards(ckpts / "step_000001" / "shards")["model"]) > 0
+    assert len(checkpoint_shards.read_shards(ckpts / "step_000001" / "shards")["model"]) > 0
 
 
 def bf16_one_process_checkpoint(tiny_model_dir: Path, run_dir: Path) -> Path:
@@ -212,7 +212,7 @@ def test_bfloat16_masters_cross_world_sizes_exactly(runs, tiny_model_dir, tmp_pa
         assert torch.equal(got["exp_avg"][name], saved["optimizer"]["state"][i]["exp_avg"]), name
     assert not all(torch.equal(m, m.bfloat16().float()) for m in saved["master_weights"])  # not bf16 values
     # 2 ranks (float32) -> 1 process in bfloat16: the masters as saved, the model rounded from them
-    shards = parallel.read_shards(step_dir(root / "up", 2) / "shards")
+    shards = checkpoint_shards.read_shards(step_dir(root / "up", 2) / "shards")
     policy = make_policy(small_config(tmp_path, tiny_model_dir, "model.dtype=bfloat16"))
     checkpoint.load_policy(
         policy, step_dir(root / "up", 2), checkpoint.load_trainer_state(step_dir(root / "up", 2))["policy"]

@@ -2,6 +2,7 @@
 last line, what it reports), without a GPU; the whole script runs on a CPU with GPU_CHECK_ALLOW_CPU=1."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
 gpu_check = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gpu_check)
+report = sys.modules["gpu_check_report"]  # imported by gpu_check from scripts/
 
 
 @pytest.mark.parametrize(
@@ -47,7 +49,7 @@ def test_cases_are_read_by_device_and_an_item_fails_on_any_failure(tmp_path):
         ("cuda", "passed"),
     ]
     assert cases[1]["message"] == "assert 0.3 <= 0.02"
-    verdict, detail = gpu_check.item_status({"exit": 1, "seconds": 9, "cases": cases})
+    verdict, detail = report.item_status({"exit": 1, "seconds": 9, "cases": cases})
     assert verdict == "FAIL" and detail == "cuda: 1 passed, 1 failed, 1 skipped, cpu: 1 passed, 0 failed, 0 skipped"
 
 
@@ -55,13 +57,13 @@ def test_an_item_passes_only_where_its_cuda_cases_ran():
     def case(device, status):
         return {"device": device, "status": status}
 
-    status = lambda *cases, code=0: gpu_check.item_status({"exit": code, "seconds": 1, "cases": list(cases)})[0]  # noqa: E731
+    status = lambda *cases, code=0: report.item_status({"exit": code, "seconds": 1, "cases": list(cases)})[0]  # noqa: E731
     assert status(case("cuda", "passed"), case("cpu", "passed")) == "PASS"
     assert status(case("cuda", "passed"), case("cuda", "skipped")) == "PASS (some CUDA cases skipped)"
     assert status(case("cuda", "skipped"), case("cpu", "passed")) == "SKIPPED on CUDA (cpu twins only)"
     assert status(code=2) == "FAIL"  # pytest stopped before any case (a collection error)
-    assert gpu_check.item_status({"exit": None, "seconds": 240, "cases": []})[0] == "FAIL (time-out)"
-    assert gpu_check.item_status(None)[0] == "NOT RUN"
+    assert report.item_status({"exit": None, "seconds": 240, "cases": []})[0] == "FAIL (time-out)"
+    assert report.item_status(None)[0] == "NOT RUN"
 
 
 def test_the_report_says_plainly_when_no_gpu_was_there(tmp_path):
@@ -82,7 +84,7 @@ def test_the_report_says_plainly_when_no_gpu_was_there(tmp_path):
             "tail": "",
         },
     }
-    text = gpu_check.write_report(state, [tmp_path / "r.md"])
+    text = report.write_report(state, [tmp_path / "r.md"])
     assert (tmp_path / "r.md").read_text() == text
     assert "no CUDA device was visible" in text and "no figure below is a GPU figure" in text
     assert "| h | `dapo.cli demo model.device=cpu`" in text and "CPU run (shortened): rose 15.6 points" in text
@@ -92,7 +94,7 @@ def test_the_report_says_plainly_when_no_gpu_was_there(tmp_path):
         "command": "dapo.cli demo model.device=cpu algo.prefilter=true",
         "generation": "1.21 tokens generated per token trained; 9 s of 40 s generating went to dropped groups (22%)",
     }
-    text = gpu_check.write_report(state, [])
+    text = report.write_report(state, [])
     assert "| j | `dapo.cli demo model.device=cpu algo.prefilter=true`: with algo.prefilter=true" in text
     assert "; 1.21 tokens generated per token trained" in text
     state["install"]["env"] |= {
@@ -102,18 +104,18 @@ def test_the_report_says_plainly_when_no_gpu_was_there(tmp_path):
         "capability": "9.0",
     }
     state["demo"] |= {"cuda": True, "shortened": False, "rise": 12.0}
-    text = gpu_check.write_report(state, [])
+    text = report.write_report(state, [])
     assert "**device: NVIDIA H100 80GB HBM3**" in text and "FAIL (rose 12.0 points)" in text
 
 
 def test_the_report_names_the_commit_given_where_the_copy_has_no_git(tmp_path, monkeypatch):
     state = {"install": {"env": {"device": None}, "installed": [], "kept": [], "how": "none needed"}}
     # a copy of the tree without .git, as a lent machine gets
-    monkeypatch.setattr(gpu_check.gpu_check_report, "ROOT", tmp_path)
+    monkeypatch.setattr(report, "ROOT", tmp_path)
     monkeypatch.delenv("GPU_CHECK_COMMIT", raising=False)
-    assert ", commit ?" in gpu_check.write_report(state, [])
+    assert ", commit ?" in report.write_report(state, [])
     monkeypatch.setenv("GPU_CHECK_COMMIT", "94e06aa")
-    assert ", commit 94e06aa" in gpu_check.write_report(state, [])
+    assert ", commit 94e06aa" in report.write_report(state, [])
 
 
 def test_a_bench_cut_short_keeps_its_figures_and_a_rerun_of_the_rest_adds_to_them(tmp_path):
@@ -148,7 +150,7 @@ def test_a_bench_cut_short_keeps_its_figures_and_a_rerun_of_the_rest_adds_to_the
         "rows": {"peak": first["rows"]["peak"]},
     }
     state = {"install": {"env": {"device": None}, "installed": [], "kept": [], "how": "none needed"}, "bench": cut}
-    text = gpu_check.write_report(state, [])
+    text = report.write_report(state, [])
     left = [p for p in first["all_parts"] if p != "peak"]
     assert f"GPU_CHECK_BENCH_PARTS={','.join(left)}`" in text and "(stopped after 480.0 s)" in text
     assert first["rows"]["peak"][0] in text and first["rows"]["rollout"][0] not in text
@@ -165,7 +167,7 @@ def test_a_bench_cut_short_keeps_its_figures_and_a_rerun_of_the_rest_adds_to_the
     }
     merged = gpu_check.merge_bench(cut, rerun)
     assert merged["rows"] == {"peak": first["rows"]["peak"], "rollout": first["rows"]["rollout"]}
-    text = gpu_check.write_report({**state, "bench": merged}, [])
+    text = report.write_report({**state, "bench": merged}, [])
     assert text.index(first["rows"]["peak"][0]) < text.index(first["rows"]["rollout"][0])
     assert merged["done"] == ["peak", "rollout"] and merged["failed"] == {"rollout": "x"}
     assert "peak" in merged["results"] and merged["exit"] == 0
@@ -216,7 +218,7 @@ def test_the_demo_part_runs_the_demo_then_the_prefilter_demo_and_reads_their_lin
     h, j = check.state["demo"], check.state["demo_prefilter"]
     assert (h["before"], h["after"], h["rise"], h["wall_s"], h["tail"]) == (28.7, 72.8, 44.1, 29.0, "")
     assert j["generation"].endswith("the prefilter skipped 700 prompts (500 all-correct, 200 all-wrong)")
-    text = gpu_check.write_report(check.state, [])
+    text = report.write_report(check.state, [])
     assert "| j | `dapo.cli demo model.device=cuda" in text and "| PASS |" in text
     assert "| l | `dapo.cli demo model.device=cuda" in text and "rollout.max_staleness=1" in text
 

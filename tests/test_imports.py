@@ -100,6 +100,11 @@ FLOORS = [
     ("dapo.watchdog", lambda n: n.startswith("dapo.")),
     ("dapo.kernels", lambda n: n.startswith("dapo.")),
     ("dapo.checkpoint_files", lambda n: n.startswith("dapo.")),
+    ("dapo.checkpoint_shards", lambda n: n.startswith("dapo.")),
+    (
+        "dapo.checkpoint_writer",
+        lambda n: n.startswith("dapo.") and n not in ("dapo.checkpoint_files", "dapo.checkpoint_shards"),
+    ),
     ("dapo.rewards", lambda n: not n.startswith("dapo.rewards")),
     ("dapo.tools", lambda n: not n.startswith("dapo.tools")),
     ("dapo.batch", lambda n: n.startswith("dapo.")),

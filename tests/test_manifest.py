@@ -18,7 +18,7 @@ from conftest import small_config  # noqa: E402
 from test_checkpoint import sharded_checkpoint  # noqa: E402
 
 from dapo import checkpoint, cli  # noqa: E402
-from dapo.parallel import CheckpointError  # noqa: E402
+from dapo.checkpoint_shards import CheckpointError  # noqa: E402
 
 RUN = ["train.total_steps=2", "run.save_every=1"]
 

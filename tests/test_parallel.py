@@ -1,6 +1,5 @@
 """FSDP on CPU for real: 2 gloo ranks under torchrun against 1 process, sharded checkpoints and
-their export, exact resume, the weights pushed to rank 0's rollout engine, and a 2-rank run placed
-by Ray on a private local cluster.
+their export, exact resume, the weights pushed to rank 0's rollout engine (Ray: tests/test_ray.py).
 
 The 2-rank parts run this file as a torchrun worker (``python -m torch.distributed.run ... this
 file``), the way a user launches training.
@@ -11,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -243,7 +241,7 @@ def one_update(d, model_dir, batch_file, out_file, run_dir, overrides, uneven) -
 
 @pytest.fixture(scope="module")
 def two_rank_update(tiny_model_dir, tmp_path_factory):
-    from test_train import sampled_batch
+    from conftest import sampled_batch
 
     tmp = tmp_path_factory.mktemp("equiv")
     cfg = small_config(tmp / "single", tiny_model_dir, *EQUIV_OVERRIDES)
@@ -460,146 +458,6 @@ def test_two_gpus_nccl_bf16_cpu_offload_checkpointing(tiny_model_dir, tmp_path):
     assert ckpt is not None and checkpoint.is_sharded(ckpt)
     rows = [line for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert len(rows) == 2 and all('"actor/grad_norm": NaN' not in r for r in rows)
-
-
-# ---- Ray ------------------------------------------------------------------------------------------
-@pytest.mark.slow
-def test_ray_two_cpu_workers_train_two_steps_and_checkpoint(tiny_model_dir, tmp_path):
-    pytest.importorskip("ray")
-    home = tmp_path / "home"
-    home.mkdir()
-    ray_tmp = tempfile.mkdtemp(prefix="dray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    real_token = Path.home() / ".ray" / "auth_token"
-    token_before = real_token.read_bytes() if real_token.exists() else None
-    # no RAY_AUTH_* given: launch-ray starts the private cluster with token authentication and a
-    # token that lives in its environment only, so Ray writes no token file (it would be 0644 in
-    # ~/.ray); HOME and RAY_TMPDIR keep everything else under temporary directories
-    env = {
-        k: v
-        for k, v in env_for_children(HOME=str(home), RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0").items()
-        if not k.startswith("RAY_AUTH")
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "dapo.cli",
-        "launch-ray",
-        "configs/demo.yaml",
-        f"model.path={tiny_model_dir}",
-        f"run.dir={tmp_path / 'runs'}",
-        *SMALL_OVERRIDES,
-        "--address",
-        "local",
-        "--num-cpus",
-        "2",
-        "--cpu-workers-per-node",
-        "2",
-        "--cpus-per-worker",
-        "1",
-    ]
-    t0 = time.perf_counter()
-    try:
-        out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    seconds = time.perf_counter() - t0
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    print(f"\nRay, 2 CPU workers, 2 steps: {seconds:.1f} s including cluster start")
-    run = tmp_path / "runs" / "t"
-    ckpt = checkpoint.latest_checkpoint(run)
-    assert ckpt is not None and ckpt.name == "step_000002" and checkpoint.is_sharded(ckpt)
-    assert len(list((ckpt / "shards").glob("*.distcp"))) == 2  # one file per rank
-    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
-    assert not (home / ".ray" / "auth_token").exists()
-    assert (real_token.read_bytes() if real_token.exists() else None) == token_before
-
-
-RAY_HEAD = """
-import sys, ray
-ray.init(num_cpus=1, include_dashboard=False)
-print(ray.get_runtime_context().gcs_address, flush=True)
-sys.stdin.read()  # until the test closes stdin
-"""
-
-
-def test_launch_ray_refuses_to_start_a_cluster_without_auth(tmp_path):
-    pytest.importorskip("ray")
-    env = env_for_children(HOME=str(tmp_path), RAY_AUTH_MODE="disabled")
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dapo.cli",
-            "launch-ray",
-            "configs/demo.yaml",
-            "--address",
-            "local",
-            "--cpu-workers-per-node",
-            "2",
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-2000:]
-    assert "RAY_AUTH_MODE=disabled starts a cluster on which anyone who reaches its ports runs code" in out.stderr
-    assert "--insecure" in out.stderr
-
-
-@pytest.mark.slow
-def test_launch_ray_refuses_to_join_a_cluster_without_auth(tiny_model_dir, tmp_path):
-    """A cluster started without RAY_AUTH_MODE=token answers anyone; the driver notices, even though
-    it holds a token itself, and stops before placing anything."""
-    pytest.importorskip("ray")
-    ray_tmp = tempfile.mkdtemp(prefix="dray", dir="/tmp")
-    env = {
-        k: v
-        for k, v in env_for_children(HOME=str(tmp_path), RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0").items()
-        if not k.startswith("RAY_AUTH")
-    }
-    head = subprocess.Popen(
-        [sys.executable, "-c", RAY_HEAD],
-        env={**env, "RAY_AUTH_MODE": "disabled"},
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    try:
-        gcs_address = head.stdout.readline().strip()
-        driver_env = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": hashlib.sha256(os.urandom(16)).hexdigest()}
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "dapo.cli",
-                "launch-ray",
-                "configs/demo.yaml",
-                f"model.path={tiny_model_dir}",
-                f"run.dir={tmp_path / 'runs'}",
-                "--address",
-                gcs_address,
-                "--cpu-workers-per-node",
-                "1",
-                "--cpus-per-worker",
-                "1",
-            ],
-            cwd=REPO,
-            env=driver_env,
-            capture_output=True,
-            text=True,
-            timeout=200,
-        )
-    finally:
-        head.communicate(input="", timeout=60)  # the head's driver shuts its cluster down
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    refusals = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
-    assert out.returncode == 2 and len(refusals) == 1, out.stderr[-3000:]
-    assert f"the Ray cluster at {gcs_address} answers requests that carry no token" in refusals[0]
-    assert "--insecure" in refusals[0]
-    assert not (tmp_path / "runs").exists()
 
 
 if __name__ == "__main__":  # the torchrun worker

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import SMALL_OVERRIDES, small_config  # noqa: E402
 
-from dapo import checkpoint, preemption  # noqa: E402
+from dapo import checkpoint, checkpoint_shards, preemption  # noqa: E402
 
 STEPS = ["train.total_steps=3", "run.save_every=null"]
 LINE = re.compile(
@@ -217,10 +217,9 @@ def test_a_signal_to_one_of_two_ranks_stops_both_at_one_checkpoint(tiny_model_di
         assert m and m.group(1) == "SIGUSR1" and m.group(2) == "1", line
     assert "in generate" in lines[1]  # where it landed, on the rank it was sent to
     # the resumed run reached the uninterrupted run's weights (and AdamW state), through the shards
-    from dapo import parallel
 
-    a = parallel.read_shards(checkpoint.latest_checkpoint(tmp_path / "ref" / "t") / "shards")
-    b = parallel.read_shards(checkpoint.latest_checkpoint(tmp_path / "stopped" / "t") / "shards")
+    a = checkpoint_shards.read_shards(checkpoint.latest_checkpoint(tmp_path / "ref" / "t") / "shards")
+    b = checkpoint_shards.read_shards(checkpoint.latest_checkpoint(tmp_path / "stopped" / "t") / "shards")
     assert checkpoint.step_of(checkpoint.latest_checkpoint(tmp_path / "stopped" / "t")) == 3
     flat_a, flat_b = _flat(a), _flat(b)
     assert flat_a.keys() == flat_b.keys() and all(torch.equal(flat_a[k], flat_b[k]) for k in flat_a)
@@ -268,9 +267,8 @@ def resume_worker(model_dir: str, root: str) -> None:
 
 def same_shards(a: Path, b: Path) -> bool:
     """The last checkpoints of two sharded runs hold the same weights and AdamW state, bit for bit."""
-    from dapo import parallel
 
-    flat_a, flat_b = (_flat(parallel.read_shards(checkpoint.latest_checkpoint(r) / "shards")) for r in (a, b))
+    flat_a, flat_b = (_flat(checkpoint_shards.read_shards(checkpoint.latest_checkpoint(r) / "shards")) for r in (a, b))
     return flat_a.keys() == flat_b.keys() and all(torch.equal(flat_a[k], flat_b[k]) for k in flat_a)
 
 

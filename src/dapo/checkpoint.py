@@ -31,65 +31,48 @@ verify it before they trust one: ``resume_point`` picks the newest that verifies
 
 Any checkpoint resumes at any world size (``load_policy``): one process's on N ranks, N ranks' in one
 process or on M ranks, the model and AdamW state resharded by torch.distributed.checkpoint.
-A single process can write it in a background thread (``CheckpointWriter``, run.async_checkpoint):
+A single process can write it in a background thread (checkpoint_writer.py, run.async_checkpoint):
 the small trainer state is copied when save_checkpoint is called, the weights and optimizer state
 are written from live memory, and the loop waits for the write before its next update changes them.
-Reading the weights back in the form they were written, and ``dapo export``, are checkpoint_weights.py's.
+Reading the weights back in the form they were written, and ``dapo export``, are checkpoint_weights.py's;
+the shards' own reading and writing checkpoint_shards.py's; where a run's checkpoints are checkpoint_files.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy as copy_module
 import json
 import logging
 import os
 import random
-import re
 import shutil
-import tempfile
-import threading
 import time
 from pathlib import Path
 
 import torch
 
-from dapo import lora, parallel
-from dapo.checkpoint_files import MANIFEST, Unverified, readable_as_umask, tree, verify, write_manifest
+from dapo import checkpoint_files, checkpoint_shards, lora, parallel
+from dapo.checkpoint_files import (
+    MANIFEST,
+    Unverified,
+    checkpoint_dir,
+    list_checkpoints,
+    readable_as_umask,
+    tree,
+    verify,
+    write_manifest,
+)
+from dapo.checkpoint_shards import CheckpointError
 from dapo.checkpoint_weights import check_kind, is_sharded, load_policy_weights, one_process_state
-from dapo.parallel import CheckpointError
+from dapo.checkpoint_writer import CheckpointWriter, failure, write_failed
 
 log = logging.getLogger(__name__)
+# where a run's checkpoints are (checkpoint_files.py), also asked of this module by its callers
+latest_checkpoint, step_of = checkpoint_files.latest_checkpoint, checkpoint_files.step_of
 
-STEP_DIR = re.compile(r"^step_(\d{6,})$")
 DAMAGED_PREFIX = "damaged."  # a checkpoint that failed verification, moved aside: damaged.step_000020
 # trainer-state entries an asynchronous save writes from live memory: only the update changes them
 LIVE_STATE_KEYS = ("policy",)
-
-
-def checkpoint_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    root = checkpoint_dir(run_dir)
-    if not root.is_dir():
-        return []
-    found = [
-        p
-        for p in root.iterdir()
-        if p.is_dir() and STEP_DIR.match(p.name) and ((p / "trainer_state.pt").exists() or (p / MANIFEST).exists())
-    ]
-    return sorted(found, key=step_of)
-
-
-def step_of(path: Path) -> int:
-    return int(STEP_DIR.match(Path(path).name).group(1))
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    found = list_checkpoints(run_dir)
-    return found[-1] if found else None
 
 
 def prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, dist: parallel.Dist | None = None) -> None:
@@ -243,7 +226,7 @@ def _save_sharded(
 
     error = None
     try:
-        parallel.save_shards(shards, tmp / "shards")  # a rank's failure is raised on every rank
+        checkpoint_shards.save_shards(shards, tmp / "shards")  # a rank's failure is raised on every rank
     except (Exception, CheckpointException) as err:
         error = err
     if d.is_main and error is None:
@@ -264,30 +247,6 @@ def _save_sharded(
     said = parallel.broadcast_object(None if error is None else failure(error), d)
     if said is not None:
         raise write_failed(final, said) from error
-
-
-def failure(err: BaseException) -> str:
-    """What went wrong, in a few words; for torch.distributed.checkpoint's report of every rank's failure
-    (their tracebacks), the first failing rank's error."""
-    failures = getattr(err, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
-    if isinstance(failures, dict) and failures:
-        rank, (first, *_) = min(failures.items(), key=lambda item: item[0])
-        return f"rank {rank}: {type(first).__name__}: {first}"
-    return f"{type(err).__name__}: {err}"
-
-
-def write_failed(final: Path, why: str) -> CheckpointError:
-    """The one line for a checkpoint write that failed (a full disk, a lost mount), its partial files removed."""
-    before = [p for p in list_checkpoints(final.parent.parent) if p != final]
-    then = (
-        f"starting the run again resumes from {before[-1]}, which is whole"
-        if before
-        else "there is no earlier checkpoint, so starting the run again starts from step 0"
-    )
-    return CheckpointError(
-        f"writing checkpoint {final} failed ({why}); its partial files were "
-        f"removed and {then}: free space on that disk (or fix the cause) first"
-    )
 
 
 def _write(
@@ -332,99 +291,6 @@ def _complete(run_dir: Path, tmp: Path, final: Path, keep: int) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-class CheckpointWriter:
-    """Writes single-process checkpoints, in a background thread when ``asynchronous``, one at a time.
-
-    ``snapshot`` copies the small part of what is saved (sampler, buffer, RNG) into CPU buffers kept from
-    one save to the next, so the training loop can go on changing it; the weights and optimizer state
-    are written as they are, and the loop waits for the write before it changes them. ``start`` runs the
-    write in a thread; ``wait`` (called by the next save, and at the end of training) joins it and raises
-    its error, if it failed. The thread is not a daemon: an interpreter that exits normally waits for it.
-    """
-
-    def __init__(self, asynchronous: bool = True):
-        self.asynchronous = asynchronous
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._target: Path | None = None
-        self._buffers: dict = {}
-        self._tokenizer: tuple | None = None  # (tokenizer, its files)
-        self.write_s: float | None = None  # how long the last finished background write took
-
-    def tokenizer_files(self, tokenizer) -> dict[str, bytes]:
-        """The files ``tokenizer.save_pretrained`` writes, made once per tokenizer (they do not change)."""
-        if self._tokenizer is None or self._tokenizer[0] is not tokenizer:
-            with tempfile.TemporaryDirectory() as tmp:
-                tokenizer.save_pretrained(tmp)
-                files = {str(p.relative_to(tmp)): p.read_bytes() for p in sorted(Path(tmp).rglob("*")) if p.is_file()}
-            self._tokenizer = (tokenizer, files)
-        return self._tokenizer[1]
-
-    def snapshot(self, obj):
-        """``obj`` (dicts, lists, tuples of tensors and plain values) with every tensor copied to the CPU,
-        into this writer's reused buffers; tensors that share memory (tied weights) share their copy."""
-        old, new, seen = self._buffers, {}, {}
-
-        def copy(x, key):
-            if isinstance(x, torch.Tensor):
-                alias = (
-                    x.untyped_storage().data_ptr(),
-                    x.storage_offset(),
-                    tuple(x.shape),
-                    x.stride(),
-                    x.dtype,
-                    x.device,
-                )
-                if x.numel() and alias in seen:
-                    return seen[alias]
-                buf = old.get(key)
-                if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
-                    buf = torch.empty(x.shape, dtype=x.dtype, device="cpu")
-                buf.copy_(x.detach())
-                new[key] = seen[alias] = buf
-                return buf
-            if isinstance(x, dict):
-                return {k: copy(v, (*key, k)) for k, v in x.items()}
-            if isinstance(x, (list, tuple)):
-                return type(x)(copy(v, (*key, i)) for i, v in enumerate(x))
-            return copy_module.deepcopy(x)
-
-        out = copy(obj, ())
-        self._buffers = new
-        return out
-
-    def start(self, target: Path, write) -> None:
-        self.wait()
-        self._target = target
-
-        def run():
-            t0 = time.perf_counter()
-            try:
-                write()
-            except BaseException as err:  # kept for the main thread: a failed write is never silent
-                self._error = err
-            else:
-                self.write_s = time.perf_counter() - t0
-                log.info("checkpoint %s written in %.2f s (in the background)", target, self.write_s)
-
-        self._thread = threading.Thread(target=run, name=f"dapo-checkpoint-{target.name}")
-        self._thread.start()
-
-    def wait(self) -> None:
-        """Until the write in flight is done; raises CheckpointError if it failed (once)."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise write_failed(self._target, failure(err)) from err
-
-    def take_write_s(self) -> float | None:
-        """The duration of the last finished background write, once (None: none since the last call)."""
-        s, self.write_s = self.write_s, None
-        return s
-
-
 def load_trainer_state(path: Path) -> dict:
     file = Path(path) / "trainer_state.pt"
     try:
@@ -454,7 +320,7 @@ def load_policy(policy, path: Path, policy_state: dict) -> None:
         weights, optimizer = one_process_state(policy, path, policy_state)
         policy_state = {k: v for k, v in policy_state.items() if k not in ("optimizer", "master_weights")}
     else:  # N ranks -> one process
-        whole = parallel.read_shards(Path(path) / "shards")
+        whole = checkpoint_shards.read_shards(Path(path) / "shards")
         weights, optimizer = whole["model"], whole["optim"]
     policy.load_full_state(weights, optimizer)
     policy.load_trainer_state(_policy_part(path, policy_state))  # the schedule and the skipped updates

@@ -1,4 +1,5 @@
-"""A checkpoint directory's files: their manifest and their modes. The standard library only.
+"""A run's checkpoint directories and their files: where they are, their manifest and their modes. The standard
+library only.
 
 Each checkpoint ends with ``manifest.json`` (written last, inside the directory before its rename): every other
 file's size and CRC-32. ``verify`` compares a checkpoint with it (a copy cut short, a full disk on the other side,
@@ -11,11 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import zlib
 from pathlib import Path
 
 MANIFEST = "manifest.json"  # every other file of a checkpoint: its size and CRC-32 (verify)
 CHUNK = 8 << 20  # bytes read at a time while checksumming
+STEP_DIR = re.compile(r"^step_(\d{6,})$")  # <run>/checkpoints/step_000020
 
 
 class Unverified(Exception):
@@ -94,3 +97,29 @@ def readable_as_umask(paths) -> None:
 def tree(path: Path) -> list[Path]:
     """``path`` and everything under it."""
     return [Path(path), *Path(path).rglob("*")]
+
+
+# ---- where a run's checkpoints are ---------------------------------------------------------------
+def checkpoint_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    root = checkpoint_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and STEP_DIR.match(p.name) and ((p / "trainer_state.pt").exists() or (p / MANIFEST).exists())
+    ]
+    return sorted(found, key=step_of)
+
+
+def step_of(path: Path) -> int:
+    return int(STEP_DIR.match(Path(path).name).group(1))
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from dapo import lora, parallel
+from dapo import checkpoint_shards, lora
 from dapo.checkpoint_files import readable_as_umask, tree
-from dapo.parallel import CheckpointError
+from dapo.checkpoint_shards import CheckpointError
 
 
 def is_sharded(path: Path) -> bool:
@@ -52,7 +52,7 @@ def load_shards(path: Path, shards: dict) -> dict:
     written by any number of ranks (a one-process one goes through ``load_policy``)."""
     if not is_sharded(path):
         raise CheckpointError(f"checkpoint {path} holds no shards/ (written by one process); load it with load_policy")
-    parallel.load_shards(shards, Path(path) / "shards")
+    checkpoint_shards.load_shards(shards, Path(path) / "shards")
     return shards
 
 
@@ -149,7 +149,7 @@ def export_hf(
     config = AutoConfig.from_pretrained(path / "model_meta", trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
     state = {"model": model.state_dict()}  # the keys the trainer saved its shards under
-    parallel.load_shards(state, path / "shards")
+    checkpoint_shards.load_shards(state, path / "shards")
     model.to(_config_dtype(config))  # the dtype the model was given in; training kept float32 masters
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(path / "model_meta", trust_remote_code=trust_remote_code).save_pretrained(out_dir)
@@ -174,7 +174,7 @@ def _export_lora(
     model = lora.rebuild(model, adapter_dir)
     if is_sharded(path):
         trained = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
-        parallel.load_shards({"model": trained}, path / "shards")  # in place: the keys the trainer saved under
+        checkpoint_shards.load_shards({"model": trained}, path / "shards")  # in place: the keys the trainer saved under
     else:
         lora.load_adapter(model, adapter_dir)
     tokenizer_dir = path / "model_meta" if is_sharded(path) else adapter_dir

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from dapo import parallel
-from dapo.parallel import CheckpointError
+from dapo.checkpoint_shards import CheckpointError
 
 if TYPE_CHECKING:
     from dapo.config import LoraConfig

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import nn
 
-from dapo import kernels, lora, parallel
+from dapo import checkpoint_shards, kernels, lora, parallel
 from dapo.batch import RolloutBatch
 from dapo.config_read import ConfigError
 from dapo.logprobs import LogProbModel
@@ -319,10 +319,10 @@ class Policy(LogProbModel):
         """Model and optimizer shards for torch.distributed.checkpoint; None in a single process."""
         if not self.dist.sharded:
             return None
-        return parallel.sharded_state(self.model, self.optimizer, trainable_only=self.adapted)
+        return checkpoint_shards.sharded_state(self.model, self.optimizer, trainable_only=self.adapted)
 
     def load_sharded_state(self, state: dict) -> None:
-        parallel.load_sharded_state(self.model, self.optimizer, state, trainable_only=self.adapted)
+        checkpoint_shards.load_sharded_state(self.model, self.optimizer, state, trainable_only=self.adapted)
 
     def trained_names(self) -> list[str]:
         """The names of the parameters AdamW updates, in its order: a one-process optimizer state keys its
@@ -335,7 +335,7 @@ class Policy(LogProbModel):
         names = self.trained_names()
         positions = {i for g in state["param_groups"] for i in g["params"]}
         if positions != set(range(len(names))):
-            raise parallel.CheckpointError(
+            raise checkpoint_shards.CheckpointError(
                 f"the checkpoint's AdamW state is for {len(positions)} parameters and this "
                 f"model trains {len(names)}: resume it with the model.path and model.lora "
                 "settings it was written with"
@@ -356,7 +356,7 @@ class Policy(LogProbModel):
         names = self.trained_names()
         missing = [n for n in names if n not in weights]
         if missing:
-            raise parallel.CheckpointError(
+            raise checkpoint_shards.CheckpointError(
                 f"the checkpoint holds no weights for {', '.join(missing[:3])} "
                 f"({len(missing)} of {len(names)} trained parameters): resume it with the "
                 "model.path and model.lora settings it was written with"
@@ -370,7 +370,7 @@ class Policy(LogProbModel):
                 live.update({k: v for k, v in saved.items() if k != "params"})
         optimizer = {"state": optimizer["state"], "param_groups": groups} if optimizer["state"] else None
         if self.dist.sharded:
-            parallel.load_sharded_state(
+            checkpoint_shards.load_sharded_state(
                 self.model,
                 self.optimizer,
                 {"model": weights, "optim": optimizer},
@@ -381,7 +381,7 @@ class Policy(LogProbModel):
         params = dict(self.model.named_parameters(remove_duplicate=False))  # a tied weight under each of its names
         unknown = [n for n in weights if n not in params]
         if unknown:
-            raise parallel.CheckpointError(
+            raise checkpoint_shards.CheckpointError(
                 f"the checkpoint holds weights this model does not have ({', '.join(unknown[:3])}"
                 "): resume it with the model.path it was written with"
             )

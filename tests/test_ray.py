@@ -1,0 +1,266 @@
+"""Ray: a 2-rank run placed on a private local cluster trains, checkpoints and resumes; a cluster without auth is
+refused; a worker killed mid-step ends the job in one line and a new launch resumes."""
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import SMALL_OVERRIDES  # noqa: E402
+from test_parallel import REPO, env_for_children  # noqa: E402
+from test_reliability import QUICK_WATCHDOG, rows_of  # noqa: E402
+
+from dapo import checkpoint  # noqa: E402
+
+
+# ---- Ray ------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_ray_two_cpu_workers_train_two_steps_and_checkpoint(tiny_model_dir, tmp_path):
+    pytest.importorskip("ray")
+    home = tmp_path / "home"
+    home.mkdir()
+    ray_tmp = tempfile.mkdtemp(prefix="dray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    real_token = Path.home() / ".ray" / "auth_token"
+    token_before = real_token.read_bytes() if real_token.exists() else None
+    # no RAY_AUTH_* given: launch-ray starts the private cluster with token authentication and a
+    # token that lives in its environment only, so Ray writes no token file (it would be 0644 in
+    # ~/.ray); HOME and RAY_TMPDIR keep everything else under temporary directories
+    env = {
+        k: v
+        for k, v in env_for_children(HOME=str(home), RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0").items()
+        if not k.startswith("RAY_AUTH")
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "dapo.cli",
+        "launch-ray",
+        "configs/demo.yaml",
+        f"model.path={tiny_model_dir}",
+        f"run.dir={tmp_path / 'runs'}",
+        *SMALL_OVERRIDES,
+        "--address",
+        "local",
+        "--num-cpus",
+        "2",
+        "--cpu-workers-per-node",
+        "2",
+        "--cpus-per-worker",
+        "1",
+    ]
+    t0 = time.perf_counter()
+    try:
+        out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    seconds = time.perf_counter() - t0
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    print(f"\nRay, 2 CPU workers, 2 steps: {seconds:.1f} s including cluster start")
+    run = tmp_path / "runs" / "t"
+    ckpt = checkpoint.latest_checkpoint(run)
+    assert ckpt is not None and ckpt.name == "step_000002" and checkpoint.is_sharded(ckpt)
+    assert len(list((ckpt / "shards").glob("*.distcp"))) == 2  # one file per rank
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+    assert not (home / ".ray" / "auth_token").exists()
+    assert (real_token.read_bytes() if real_token.exists() else None) == token_before
+
+
+RAY_HEAD = """
+import sys, ray
+ray.init(num_cpus=1, include_dashboard=False)
+print(ray.get_runtime_context().gcs_address, flush=True)
+sys.stdin.read()  # until the test closes stdin
+"""
+
+
+def test_launch_ray_refuses_to_start_a_cluster_without_auth(tmp_path):
+    pytest.importorskip("ray")
+    env = env_for_children(HOME=str(tmp_path), RAY_AUTH_MODE="disabled")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dapo.cli",
+            "launch-ray",
+            "configs/demo.yaml",
+            "--address",
+            "local",
+            "--cpu-workers-per-node",
+            "2",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-2000:]
+    assert "RAY_AUTH_MODE=disabled starts a cluster on which anyone who reaches its ports runs code" in out.stderr
+    assert "--insecure" in out.stderr
+
+
+@pytest.mark.slow
+def test_launch_ray_refuses_to_join_a_cluster_without_auth(tiny_model_dir, tmp_path):
+    """A cluster started without RAY_AUTH_MODE=token answers anyone; the driver notices, even though
+    it holds a token itself, and stops before placing anything."""
+    pytest.importorskip("ray")
+    ray_tmp = tempfile.mkdtemp(prefix="dray", dir="/tmp")
+    env = {
+        k: v
+        for k, v in env_for_children(HOME=str(tmp_path), RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0").items()
+        if not k.startswith("RAY_AUTH")
+    }
+    head = subprocess.Popen(
+        [sys.executable, "-c", RAY_HEAD],
+        env={**env, "RAY_AUTH_MODE": "disabled"},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        gcs_address = head.stdout.readline().strip()
+        driver_env = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": hashlib.sha256(os.urandom(16)).hexdigest()}
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dapo.cli",
+                "launch-ray",
+                "configs/demo.yaml",
+                f"model.path={tiny_model_dir}",
+                f"run.dir={tmp_path / 'runs'}",
+                "--address",
+                gcs_address,
+                "--cpu-workers-per-node",
+                "1",
+                "--cpus-per-worker",
+                "1",
+            ],
+            cwd=REPO,
+            env=driver_env,
+            capture_output=True,
+            text=True,
+            timeout=200,
+        )
+    finally:
+        head.communicate(input="", timeout=60)  # the head's driver shuts its cluster down
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    refusals = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert out.returncode == 2 and len(refusals) == 1, out.stderr[-3000:]
+    assert f"the Ray cluster at {gcs_address} answers requests that carry no token" in refusals[0]
+    assert "--insecure" in refusals[0]
+    assert not (tmp_path / "runs").exists()
+
+
+# ---- a Ray worker dies mid-step -----------------------------------------------------------------------
+def holder_of(path: Path) -> int | None:
+    """The pid of the process that has ``path`` open (the rank's log: the rank's Ray worker), from /proc."""
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if any(os.readlink(fd) == str(path) for fd in (proc / "fd").iterdir()):
+                    return int(proc.name)
+            except OSError:
+                continue
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="finds the worker through /proc")
+def test_a_ray_worker_killed_mid_step_ends_the_job_in_one_line_and_a_new_launch_resumes(tiny_model_dir, tmp_path):
+    """Two CPU ranks on a private Ray cluster; rank 1's worker process is SIGKILLed once step 1's checkpoint
+    is written. The driver names the lost worker in one line and stops; launching again resumes."""
+    import shutil
+    import signal
+    import subprocess
+    import tempfile
+
+    pytest.importorskip("ray")
+    from conftest import SMALL_OVERRIDES
+    from test_parallel import REPO, env_for_children
+
+    home = tmp_path / "home"
+    home.mkdir()
+    run = tmp_path / "runs" / "t"
+    cmd = [
+        sys.executable,
+        "-m",
+        "dapo.cli",
+        "launch-ray",
+        "configs/demo.yaml",
+        f"model.path={tiny_model_dir}",
+        f"run.dir={tmp_path / 'runs'}",
+        *SMALL_OVERRIDES,
+        "train.total_steps=5",
+        "run.save_every=1",
+        *QUICK_WATCHDOG,
+        "--address",
+        "local",
+        "--num-cpus",
+        "2",
+        "--cpu-workers-per-node",
+        "2",
+        "--cpus-per-worker",
+        "1",
+    ]
+
+    def launch(kill: bool) -> tuple[subprocess.CompletedProcess, float]:
+        ray_tmp = tempfile.mkdtemp(prefix="dray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+        env = {
+            k: v
+            for k, v in env_for_children(HOME=str(home), RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0").items()
+            if not k.startswith("RAY_AUTH")
+        }
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            if kill:
+                deadline = time.monotonic() + 300
+                # step 1 checkpointed and logged (its row comes after the save, past a collective of both ranks)
+                while (checkpoint.latest_checkpoint(run) is None or not rows_of(run)) and proc.poll() is None:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.1)
+                pid = holder_of(run / "train.rank1.log")
+                assert pid is not None
+                os.kill(pid, signal.SIGKILL)
+                t0 = time.perf_counter()
+            out, err = proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            shutil.rmtree(ray_tmp, ignore_errors=True)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err), time.perf_counter() - t0
+
+    killed, seconds = launch(kill=True)
+    errors = [line for line in killed.stderr.splitlines() if line.startswith("error: ")]
+    print(f"\nrank 1 killed: the driver ended {seconds:.1f} s later (exit {killed.returncode}): {errors}")
+    assert killed.returncode == 2 and len(errors) == 1, killed.stderr[-4000:]
+    assert (
+        seconds < 60
+    )  # well within the watchdog's limits (a minute for a first run): nobody waits out the collectives
+    found = re.match(
+        r"^error: launch-ray: the worker of rank 1 \(pid (\d+) on [\d.]+\) died mid-run \((\w+): .*\); the job "
+        r"is stopped; launch it again to resume from (\S+)$",
+        errors[0],
+    )
+    assert found, errors[0]
+    last = Path(found.group(3))
+    assert last.parent == run / "checkpoints" and checkpoint.latest_checkpoint(run) == last
+    done = [r["step"] for r in rows_of(run)]
+    assert done and done[-1] < 5  # it stopped mid-run
+    resumed, seconds = launch(kill=False)
+    print(f"relaunch: {seconds:.1f} s")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    # Ray prefixes each of the worker's console lines with its name, and the console wraps the path
+    console = re.sub(r"(\x1b\[\d+m)?\(TrainWorker pid=\d+\)(\x1b\[0m)? ?", "", resumed.stdout).replace("\n", "")
+    assert f"resumed from {last}" in console
+    assert [r["step"] for r in rows_of(run)] == [1, 2, 3, 4, 5]
