@@ -76,31 +76,25 @@ def build_model(path: str, vocab: int) -> None:
     tokenizer.save_pretrained(path)
 
 
-def point(args) -> dict:
-    """One measurement, in this (fresh) process."""
+def training_setup(args, group: int):
+    """The policy and loss of the measured point: --batch responses of --length tokens, one update."""
     import torch
 
-    from dapo import algo
-    from dapo.batch import RolloutBatch
     from dapo.config import load_config
-    from dapo.data import make_encoder
     from dapo.policy import Policy
-    from dapo.tasks import arith
     from dapo.training import make_loss_fn
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    G, B, L = 8, args.batch, args.length
+    B, L = args.batch, args.length
     cfg = load_config(
         None,
         [
             f"model.path={args.model}",
             f"model.device={'cuda' if torch.cuda.is_available() else 'cpu'}",
-            f"rollout.group_size={G}",
+            f"rollout.group_size={group}",
             f"rollout.max_response_tokens={L}",
             "algo.soft_overlong_punishment=false",
-            f"train.prompts_per_step={B // G}",
-            f"train.mini_batch_prompts={B // G}",
+            f"train.prompts_per_step={B // group}",
+            f"train.mini_batch_prompts={B // group}",
             args.micro_batching,
         ],
     )
@@ -110,35 +104,55 @@ def point(args) -> dict:
         temperature=cfg.rollout.temperature,
         device=torch.device(cfg.model.device if cfg.model.device != "auto" else "cpu"),
     )
-    loss_fn = make_loss_fn(cfg.algo, cfg.rollout.max_response_tokens)
+    return policy, make_loss_fn(cfg.algo, cfg.rollout.max_response_tokens)
+
+
+def random_batch(encode, gen, group: int, n: int, length: int):
+    """``n`` responses of ``length`` random tokens after arith prompts, rewards +1/-1 at random."""
+    import torch
+
+    from dapo import algo
+    from dapo.batch import RolloutBatch
+    from dapo.tasks import arith
+
+    rows = [ex for ex in arith.make_examples("train", n // group, seed=0) for _ in range(group)]
+    reward = torch.randint(0, 2, (n,), generator=gen).float() * 2 - 1
+    batch = RolloutBatch(
+        group_size=group,
+        prompt_ids=[encode(ex) for ex in rows],
+        response_ids=torch.randint(2, 258, (n, length), generator=gen).tolist(),
+        truncated=torch.zeros(n, dtype=torch.bool),
+        texts=[""] * n,
+        example_uids=[ex.uid for ex in rows],
+        ground_truths=[ex.ground_truth for ex in rows],
+        acc=(reward > 0).float(),
+        reward=reward,
+        overlong_penalty=torch.zeros(n),
+    )
+    batch.adv = algo.group_advantages(batch.reward, group)
+    return batch
+
+
+def point(args) -> dict:
+    """One measurement, in this (fresh) process."""
+    import torch
+
+    from dapo.data import make_encoder
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    G, B, L = 8, args.batch, args.length
+    policy, loss_fn = training_setup(args, G)
     encode = make_encoder(policy.tokenizer, 64)
     gen = torch.Generator().manual_seed(0)
 
-    def make_batch(n: int, length: int) -> RolloutBatch:
-        rows = [ex for ex in arith.make_examples("train", n // G, seed=0) for _ in range(G)]
-        reward = torch.randint(0, 2, (n,), generator=gen).float() * 2 - 1
-        batch = RolloutBatch(
-            group_size=G,
-            prompt_ids=[encode(ex) for ex in rows],
-            response_ids=torch.randint(2, 258, (n, length), generator=gen).tolist(),
-            truncated=torch.zeros(n, dtype=torch.bool),
-            texts=[""] * n,
-            example_uids=[ex.uid for ex in rows],
-            ground_truths=[ex.ground_truth for ex in rows],
-            acc=(reward > 0).float(),
-            reward=reward,
-            overlong_penalty=torch.zeros(n),
-        )
-        batch.adv = algo.group_advantages(batch.reward, G)
-        return batch
-
-    def training_phase(batch: RolloutBatch) -> None:
+    def training_phase(batch) -> None:
         batch.old_logp, batch.entropy = policy.compute_logprobs(batch, with_entropy=True)
         policy.update(batch, loss_fn)
 
     # a small pass first: library buffers, kernels and optimizer state are set up once per process
-    training_phase(make_batch(G, 16))
-    batch = make_batch(B, L)
+    training_phase(random_batch(encode, gen, G, G, 16))
+    batch = random_batch(encode, gen, G, B, L)
     cuda = policy.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()

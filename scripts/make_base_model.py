@@ -196,31 +196,29 @@ def accuracy(
     return sum(grade(text, truth, "arith").acc for text, truth in zip(gen.texts, truths)) / len(truths)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    started = time.time()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    rng = random.Random(f"make_base_model:{args.seed}")
-
+def load_or_build_model(args):
+    """The tokenizer and model to warm-start: those in --init, or a fresh tiny Qwen2 of the given sizes."""
     if args.init is not None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.init, trust_remote_code=False)
         model = AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32, trust_remote_code=False)
-    else:
-        tokenizer = tiny.build_tokenizer()
-        model = tiny.build_model(
-            tokenizer,
-            hidden_size=args.hidden_size,
-            num_layers=args.layers,
-            num_heads=args.heads,
-            intermediate_size=args.intermediate_size,
-            seed=args.seed,
-        )
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"parameters: {n_params:,}", flush=True)
+        return tokenizer, model
+    tokenizer = tiny.build_tokenizer()
+    model = tiny.build_model(
+        tokenizer,
+        hidden_size=args.hidden_size,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        intermediate_size=args.intermediate_size,
+        seed=args.seed,
+    )
+    return tokenizer, model
 
+
+def warm_start(model, tokenizer, args, rng: random.Random, started: float) -> None:
+    """The supervised warm start: AdamW over --steps batches, linear warm-up then cosine decay to 5% of --lr,
+    correct solutions for the first --clean-frac of the steps and noisy ones after."""
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
 
     def lr_at(step: int) -> float:
@@ -242,9 +240,10 @@ def main(argv=None) -> int:
         opt.step()
         if step % 50 == 0 or step == args.steps - 1:
             print(f"step {step:5d}  loss {loss.item():.4f}  {time.time() - started:6.1f}s", flush=True)
-    train_s = time.time() - started
 
-    held_out = arith.make_examples("test", args.eval_problems, seed=0, difficulty=args.difficulty)
+
+def held_out_accuracy(model, tokenizer, args, held_out) -> tuple[float, float]:
+    """Sampled (--eval-samples per problem, temperature 1) and greedy accuracy on the held-out problems."""
     sampled = accuracy(
         model,
         tokenizer,
@@ -265,6 +264,40 @@ def main(argv=None) -> int:
         seed=args.seed,
         tools=args.tool_rate > 0,
     )
+    return sampled, greedy
+
+
+def report_args(args) -> dict:
+    """The arguments as the report records them: paths inside the repository relative to it, --out left out."""
+    return {
+        k: (
+            str(v.relative_to(REPO))
+            if isinstance(v, Path) and v.is_relative_to(REPO)
+            else str(v)
+            if isinstance(v, Path)
+            else v
+        )
+        for k, v in vars(args).items()
+        if k != "out"
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    started = time.time()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    rng = random.Random(f"make_base_model:{args.seed}")
+
+    tokenizer, model = load_or_build_model(args)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"parameters: {n_params:,}", flush=True)
+
+    warm_start(model, tokenizer, args, rng, started)
+    train_s = time.time() - started
+
+    held_out = arith.make_examples("test", args.eval_problems, seed=0, difficulty=args.difficulty)
+    sampled, greedy = held_out_accuracy(model, tokenizer, args, held_out)
 
     tiny.save(model, tokenizer, args.out)
     size = sum(f.stat().st_size for f in Path(args.out).iterdir() if f.is_file())
@@ -277,17 +310,7 @@ def main(argv=None) -> int:
         "greedy_accuracy": round(greedy, 4),
         "train_seconds": round(train_s, 1),
         "total_seconds": round(time.time() - started, 1),
-        "args": {
-            k: (
-                str(v.relative_to(REPO))
-                if isinstance(v, Path) and v.is_relative_to(REPO)
-                else str(v)
-                if isinstance(v, Path)
-                else v
-            )
-            for k, v in vars(args).items()
-            if k != "out"
-        },
+        "args": report_args(args),
         "torch": torch.__version__,
     }
     (Path(args.out) / "base_model_eval.json").write_text(json.dumps(report, indent=2) + "\n")
