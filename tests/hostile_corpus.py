@@ -38,6 +38,16 @@ def hostile_responses(sentinel: str = "/tmp/pwned") -> list[tuple[str, str]]:
         ("latex_write18_boxed", f"\\boxed{{\\write18{{touch {s}}}}}"),
         ("latex_include_catcode", "\\boxed{\\catcode`\\{=12 \\include{/etc/shadow}}"),
         ("latex_def_loop", "\\boxed{\\def\\x{\\x\\x}\\x}"),
+        *size_and_encoding_attacks(deep),
+    ]
+    names = [name for name, _ in corpus]
+    assert len(names) == len(set(names)), "duplicate corpus names"
+    return corpus
+
+
+def size_and_encoding_attacks(deep: int) -> list[tuple[str, str]]:
+    """Huge numbers, sizes and nestings, backtracking bait and odd encodings: what must end within the time limit."""
+    return [
         # --- enormous numbers -------------------------------------------------------------
         ("pow_python_tower", "Answer: 9**9**9**9"),
         ("pow_python_tower_boxed", "\\boxed{9**9**9**9}"),
@@ -101,9 +111,6 @@ def hostile_responses(sentinel: str = "/tmp/pwned") -> list[tuple[str, str]]:
         ("empty", ""),
         ("whitespace_only", " \n\t" * 1000),
     ]
-    names = [name for name, _ in corpus]
-    assert len(names) == len(set(names)), "duplicate corpus names"
-    return corpus
 
 
 def prescreen_worst_inputs(n: int) -> list[str]:

@@ -5,6 +5,7 @@ import hashlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -174,20 +175,44 @@ def holder_of(path: Path) -> int | None:
     return None
 
 
+def launch_killing_rank1(
+    cmd: list[str], home: Path, run: Path, kill: bool
+) -> tuple[subprocess.CompletedProcess, float]:
+    """``dapo launch-ray`` on a private local cluster; with ``kill``, rank 1's worker is SIGKILLed once step 1 is
+    checkpointed and logged. Returns the driver's result and its seconds (after the kill, with ``kill``)."""
+    ray_tmp = tempfile.mkdtemp(prefix="dray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    env = {
+        k: v
+        for k, v in env_for_children(HOME=str(home), RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0").items()
+        if not k.startswith("RAY_AUTH")
+    }
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        if kill:
+            deadline = time.monotonic() + 300
+            # step 1 checkpointed and logged (its row comes after the save, past a collective of both ranks)
+            while (checkpoint.latest_checkpoint(run) is None or not rows_of(run)) and proc.poll() is None:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            pid = holder_of(run / "train.rank1.log")
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            t0 = time.perf_counter()
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), time.perf_counter() - t0
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="finds the worker through /proc")
 def test_a_ray_worker_killed_mid_step_ends_the_job_in_one_line_and_a_new_launch_resumes(tiny_model_dir, tmp_path):
     """Two CPU ranks on a private Ray cluster; rank 1's worker process is SIGKILLed once step 1's checkpoint
     is written. The driver names the lost worker in one line and stops; launching again resumes."""
-    import shutil
-    import signal
-    import subprocess
-    import tempfile
-
     pytest.importorskip("ray")
-    from conftest import SMALL_OVERRIDES
-    from test_parallel import REPO, env_for_children
-
     home = tmp_path / "home"
     home.mkdir()
     run = tmp_path / "runs" / "t"
@@ -213,34 +238,7 @@ def test_a_ray_worker_killed_mid_step_ends_the_job_in_one_line_and_a_new_launch_
         "1",
     ]
 
-    def launch(kill: bool) -> tuple[subprocess.CompletedProcess, float]:
-        ray_tmp = tempfile.mkdtemp(prefix="dray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-        env = {
-            k: v
-            for k, v in env_for_children(HOME=str(home), RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0").items()
-            if not k.startswith("RAY_AUTH")
-        }
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            if kill:
-                deadline = time.monotonic() + 300
-                # step 1 checkpointed and logged (its row comes after the save, past a collective of both ranks)
-                while (checkpoint.latest_checkpoint(run) is None or not rows_of(run)) and proc.poll() is None:
-                    assert time.monotonic() < deadline
-                    time.sleep(0.1)
-                pid = holder_of(run / "train.rank1.log")
-                assert pid is not None
-                os.kill(pid, signal.SIGKILL)
-                t0 = time.perf_counter()
-            out, err = proc.communicate(timeout=300)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            shutil.rmtree(ray_tmp, ignore_errors=True)
-        return subprocess.CompletedProcess(cmd, proc.returncode, out, err), time.perf_counter() - t0
-
-    killed, seconds = launch(kill=True)
+    killed, seconds = launch_killing_rank1(cmd, home, run, kill=True)
     errors = [line for line in killed.stderr.splitlines() if line.startswith("error: ")]
     print(f"\nrank 1 killed: the driver ended {seconds:.1f} s later (exit {killed.returncode}): {errors}")
     assert killed.returncode == 2 and len(errors) == 1, killed.stderr[-4000:]
@@ -257,7 +255,7 @@ def test_a_ray_worker_killed_mid_step_ends_the_job_in_one_line_and_a_new_launch_
     assert last.parent == run / "checkpoints" and checkpoint.latest_checkpoint(run) == last
     done = [r["step"] for r in rows_of(run)]
     assert done and done[-1] < 5  # it stopped mid-run
-    resumed, seconds = launch(kill=False)
+    resumed, seconds = launch_killing_rank1(cmd, home, run, kill=False)
     print(f"relaunch: {seconds:.1f} s")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     # Ray prefixes each of the worker's console lines with its name, and the console wraps the path
