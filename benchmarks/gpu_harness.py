@@ -29,6 +29,7 @@ class Harness:
         self.results: dict[str, dict] = {}
         self.rows: dict[str, list[str]] = {}  # the table's rows, by the part that measured them
         self.part = ""  # the part running
+        self.on_row = None  # called after each row is recorded (main: write the JSON so far)
 
     def sync(self) -> None:
         if self.cuda:
@@ -146,6 +147,8 @@ class Harness:
         line = f"| {what} | {figure} | {note} |"
         self.rows.setdefault(self.part, []).append(line)
         print(line, flush=True)
+        if self.on_row is not None:
+            self.on_row()
 
     @staticmethod
     def matmul_params(model) -> int:

@@ -346,3 +346,38 @@ def test_the_tree_that_travels_is_tracked_and_unignored_files(tmp_path):
     (tmp_path / "big" / "w.bin").write_bytes(b"z" * 10_000)  # ignored: only carried when named
     subprocess.run(["git", "-C", str(tmp_path), "add", "tracked.txt", ".gitignore"], check=True)
     assert real.tree_bytes(tmp_path) == 125
+
+
+def test_a_bench_part_stopped_midway_keeps_the_rows_it_printed(tmp_path, monkeypatch):
+    """The JSON is written after every row too: a kernels part stopped by the time limit after its first variant
+    keeps that row (the goal's 1.5B shape comes first), and ``done`` does not count the part, so the report asks
+    for it again."""
+    import json
+
+    spec = importlib.util.spec_from_file_location("gpu_bench", REPO / "benchmarks" / "gpu.py")
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    calls = []
+
+    def fake_rate(self, name, overrides, **kw):  # eager 1.5B, compile 1.5B, then the time limit
+        calls.append((name, overrides))
+        if len(calls) == 3:
+            raise SystemExit("stopped by the time limit")
+        seconds = 2.0 if not overrides else 1.6
+        return {"tokens_per_s": 1000 / seconds, "seconds": seconds, "mfu": 0.8 / seconds, "peak_gib": None}
+
+    monkeypatch.setattr(gpu.Bench, "update_rate", fake_rate)
+    out = tmp_path / "b.json"
+    monkeypatch.setattr(sys, "argv", ["gpu.py", "--smoke", "--parts", "peak,kernels", "--json", str(out)])
+    with pytest.raises(SystemExit, match="time limit"):
+        gpu.main()
+    saved = json.loads(out.read_text())
+    assert calls[:2] == [("qwen2.5-1.5b", []), ("qwen2.5-1.5b", ["train.kernels=[compile]"])]
+    assert saved["done"] == ["peak"] and len(saved["rows"]["kernels"]) == 1
+    row = saved["rows"]["kernels"][0]
+    assert row.startswith(
+        "| update, qwen2.5-1.5b shape, train.kernels compile | 625 tokens/s, MFU 50% (eager 40%): 1.25x"
+    )
+    state = {"install": {"env": {"device": None}, "installed": [], "kept": [], "how": "none needed"}}
+    text = report.write_report({**state, "bench": {**saved, "exit": None, "seconds": 300.0, "smoke": True}}, [])
+    assert row in text and "GPU_CHECK_BENCH_PARTS=update,kernels," in text
