@@ -36,7 +36,6 @@ from pathlib import Path
 
 import torch
 
-from dapo import algo
 from dapo.batch import RolloutBatch
 from dapo.config import load_config
 from dapo.data import make_encoder
@@ -49,7 +48,7 @@ from dapo.training import make_loss_fn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mfu_matmul import mm_rate, model_shapes, reference_rate  # noqa: E402
-from mfu_real import real_main  # noqa: E402
+from mfu_real import graded_batch, real_main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MATMUL_OPS = (
@@ -79,20 +78,7 @@ def rollout_batch(policy: Policy, cfg) -> RolloutBatch:
     )
     rows = [ex for ex in examples for _ in range(r.group_size)]
     acc = torch.tensor([float(grade(t, ex.ground_truth, "arith").acc) for t, ex in zip(gen.texts, rows)])
-    batch = RolloutBatch(
-        group_size=r.group_size,
-        prompt_ids=gen.prompt_ids,
-        response_ids=gen.response_ids,
-        truncated=gen.truncated,
-        texts=gen.texts,
-        example_uids=[ex.uid for ex in rows],
-        ground_truths=[ex.ground_truth for ex in rows],
-        acc=acc,
-        reward=acc * 2 - 1,
-        overlong_penalty=torch.zeros_like(acc),
-    )
-    batch.adv = algo.group_advantages(batch.reward, r.group_size)
-    return batch
+    return graded_batch(rows, r.group_size, gen.prompt_ids, gen.response_ids, gen.truncated, gen.texts, acc)
 
 
 def micro_batch_rows(cfg, batch: RolloutBatch, tokens: int) -> int:

@@ -64,19 +64,26 @@ def synthetic_batch(policy: Policy, cfg, seed: int = 0) -> RolloutBatch:
             truncated.append(cut)
     rows = [ex for ex in chosen for _ in range(r.group_size)]
     acc = torch.tensor([float(j % 2) for j in range(len(rows))])
+    texts = [tok.decode(x) for x in response_ids]
+    return graded_batch(rows, r.group_size, prompt_ids, response_ids, torch.tensor(truncated), texts, acc)
+
+
+def graded_batch(rows, group_size: int, prompt_ids, response_ids, truncated, texts, acc) -> RolloutBatch:
+    """A rollout batch of ``rows`` (an example per response) with accuracies ``acc``: the +1/-1 rule's reward, no
+    overlong penalty, group-normalised advantages, as the loop would grade it."""
     batch = RolloutBatch(
-        group_size=r.group_size,
+        group_size=group_size,
         prompt_ids=prompt_ids,
         response_ids=response_ids,
-        truncated=torch.tensor(truncated),
-        texts=[tok.decode(x) for x in response_ids],
+        truncated=truncated,
+        texts=texts,
         example_uids=[ex.uid for ex in rows],
         ground_truths=[ex.ground_truth for ex in rows],
         acc=acc,
         reward=acc * 2 - 1,
         overlong_penalty=torch.zeros_like(acc),
     )
-    batch.adv = algo.group_advantages(batch.reward, r.group_size)
+    batch.adv = algo.group_advantages(batch.reward, group_size)
     return batch
 
 

@@ -23,6 +23,13 @@ from dapo import checkpoint  # noqa: E402
 
 
 # ---- Ray ------------------------------------------------------------------------------------------
+def private_ray_env(home, ray_tmp: str) -> dict:
+    """The environment of a job on a private local Ray cluster: its own HOME and temp dir, no usage reports, and
+    no RAY_AUTH_* of the caller's (launch-ray starts the cluster with a token of its own)."""
+    env = env_for_children(HOME=str(home), RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0")
+    return {k: v for k, v in env.items() if not k.startswith("RAY_AUTH")}
+
+
 @pytest.mark.slow
 def test_ray_two_cpu_workers_train_two_steps_and_checkpoint(tiny_model_dir, tmp_path):
     pytest.importorskip("ray")
@@ -34,11 +41,7 @@ def test_ray_two_cpu_workers_train_two_steps_and_checkpoint(tiny_model_dir, tmp_
     # no RAY_AUTH_* given: launch-ray starts the private cluster with token authentication and a
     # token that lives in its environment only, so Ray writes no token file (it would be 0644 in
     # ~/.ray); HOME and RAY_TMPDIR keep everything else under temporary directories
-    env = {
-        k: v
-        for k, v in env_for_children(HOME=str(home), RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0").items()
-        if not k.startswith("RAY_AUTH")
-    }
+    env = private_ray_env(home, ray_tmp)
     cmd = [
         sys.executable,
         "-m",
@@ -114,11 +117,7 @@ def test_launch_ray_refuses_to_join_a_cluster_without_auth(tiny_model_dir, tmp_p
     it holds a token itself, and stops before placing anything."""
     pytest.importorskip("ray")
     ray_tmp = tempfile.mkdtemp(prefix="dray", dir="/tmp")
-    env = {
-        k: v
-        for k, v in env_for_children(HOME=str(tmp_path), RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0").items()
-        if not k.startswith("RAY_AUTH")
-    }
+    env = private_ray_env(tmp_path, ray_tmp)
     head = subprocess.Popen(
         [sys.executable, "-c", RAY_HEAD],
         env={**env, "RAY_AUTH_MODE": "disabled"},
@@ -181,11 +180,7 @@ def launch_killing_rank1(
     """``dapo launch-ray`` on a private local cluster; with ``kill``, rank 1's worker is SIGKILLed once step 1 is
     checkpointed and logged. Returns the driver's result and its seconds (after the kill, with ``kill``)."""
     ray_tmp = tempfile.mkdtemp(prefix="dray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    env = {
-        k: v
-        for k, v in env_for_children(HOME=str(home), RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0").items()
-        if not k.startswith("RAY_AUTH")
-    }
+    env = private_ray_env(home, ray_tmp)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
