@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-from prefilter import mean_ci, train  # noqa: E402  (the same runs and intervals as the pre-filter's benchmark)
+from runs import mean_ci, train  # noqa: E402
 
 from dapo.async_rollout import AheadCollector  # noqa: E402
 from dapo.log import held_out_keys  # noqa: E402

@@ -1,11 +1,11 @@
-"""What two-phase screening (`algo.screen_samples`) saves: dynamic sampling alone against screening, the pre-filter
-and both, on the demo's task with 600 training problems, 100 steps.
+"""What two-phase screening (`algo.screen_samples`) saves: dynamic sampling alone against screening
+on the demo's task with 600 training problems, 100 steps.
 
     python benchmarks/screening.py                                   # every side, 5 seeds, 100 steps (hours on 2 cores)
     python benchmarks/screening.py --sides ds,screen_G/2 --seeds 2   # a subset
     python benchmarks/screening.py --seeds 1 --steps 4 --eval-every 2 --sides ds,screen_G/4   # a smoke run
 
-Each run is `python -m dapo.training configs/demo.yaml` in its own process (benchmarks/prefilter.py's runner), the
+Each run is `python -m dapo.training configs/demo.yaml` in its own process (benchmarks/runs.py), the
 sides alternating seed by seed (seed k sets data, rollout and train seeds). Per run, from metrics.jsonl: generated
 tokens per trained token; the held-out curve (avg@n every --eval-every steps) against the tokens generated and the
 step seconds (evaluation excluded) spent until each evaluation. The target is dynamic sampling's final held-out
@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-from prefilter import generation, mean_ci, train  # noqa: E402
+from runs import generation, mean_ci, train  # noqa: E402
 
 from dapo.log import held_out_keys, read_metrics  # noqa: E402
 
@@ -35,8 +35,6 @@ SIDES = {  # the demo's G is 8
     "screen_G/4": ["algo.screen_samples=2"],
     "ds_G16": ["rollout.group_size=16"],
     "screen_G16/4": ["rollout.group_size=16", "algo.screen_samples=4"],
-    "prefilter": ["algo.prefilter=true"],
-    "screen_G/4+prefilter": ["algo.screen_samples=2", "algo.prefilter=true"],
 }
 # what screening's drops cost in signal: a quarter of the prompts screened out are completed anyway (never trained
 # on) to see whether the whole group would have been informative; their tokens are extra, so these runs say why,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
-from prefilter import mean_ci, train  # noqa: E402
+from runs import mean_ci, train  # noqa: E402
 
 SIDES = {"text-only demo": ("configs/demo.yaml", []), "with the tool": ("configs/demo_tools.yaml", [])}
 CONTROL = {"tool base, no tool": ("configs/demo_tools.yaml", ["tools.python=false"])}

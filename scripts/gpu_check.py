@@ -13,8 +13,7 @@ Parts, each with its own time limit inside the whole budget (20 minutes by defau
   tests    tests/test_gpu.py and tests/test_gpu_paths.py by item (a-g, i, m, n, t: their docstrings) with
            DAPO_GPU_CHECK=1, and every other test marked gpu (tests/test_parallel.py, tests/test_vllm.py: those need
            2 GPUs or vLLM and say so)
-  demo     item h: `dapo demo model.device=cuda`; held-out accuracy must rise by at least 15 points; item j: the
-           same with algo.prefilter=true (the prompt pre-filter's run on a GPU, with its generation line); item k:
+  demo     item h: `dapo demo model.device=cuda`; held-out accuracy must rise by at least 15 points; item k:
            the tool demo's settings (configs/demo_tools.yaml: multi-turn rollouts with the Python tool; without
            bubblewrap on the machine, tools.sandbox=none); item l: the demo with rollout.max_staleness=1 (the engine
            in a process of its own, collecting ahead; docs/async.md); item s: with screening (algo.screen_samples)
@@ -240,13 +239,13 @@ class Check:
 
     # ---- demo -------------------------------------------------------------------------------------
     def part_demo(self) -> None:
-        """Item h, the demo on CUDA; then item j, the same with algo.prefilter=true (the pre-filter's one short run),
-        item k, with the Python tool (configs/demo_tools.yaml's settings as overrides of the demo), item l, with
-        the engine collecting ahead (rollout.max_staleness=1), and item s, with screening (algo.screen_samples)."""
+        """Item h, the demo on CUDA; then item k, with the Python tool (configs/demo_tools.yaml's settings as
+        overrides of the demo), item l, with the engine collecting ahead (rollout.max_staleness=1), and item s, with
+        screening (algo.screen_samples)."""
         import shutil
 
         tools = [*DEMO_TOOLS, *([] if shutil.which("bwrap") else ["tools.sandbox=none"])]
-        demos = {"demo": [], "demo_prefilter": ["algo.prefilter=true"], "demo_tools": tools, "demo_async": ASYNC}
+        demos = {"demo": [], "demo_tools": tools, "demo_async": ASYNC}
         demos["demo_screening"] = ["algo.screen_samples=4", "algo.screen_audit=0.1"]  # item s: G = 8, n = G/2
         chosen = [d for d in os.environ.get("GPU_CHECK_DEMOS", "").split(",") if d]  # a rerun of a few demos
         if unknown := sorted(set(chosen) - set(demos)):

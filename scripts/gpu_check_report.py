@@ -62,7 +62,6 @@ def now() -> str:
 # the demo runs of part demo: (item, state key, what the row says)
 DEMO_ROWS = (
     ("h", "demo", "held-out accuracy +15 points"),
-    ("j", "demo_prefilter", "with algo.prefilter=true: held-out accuracy +15 points, prompts skipped"),
     ("k", "demo_tools", "with the Python tool (configs/demo_tools.yaml): held-out accuracy +15 points"),
     ("l", "demo_async", "with rollout.max_staleness=1 (docs/async.md): held-out accuracy +15 points"),
     (
@@ -74,7 +73,7 @@ DEMO_ROWS = (
 
 
 def demo_line(item: str, demo: dict | None, what: str) -> str:
-    """The report's row of a demo run (items h and j)."""
+    """The report's row of a demo run (items h, k, l and s)."""
     if demo is None:
         return f"| {item} | `dapo demo model.device=cuda`: {what} | NOT RUN | | |"
     if "rise" not in demo:

@@ -9,7 +9,6 @@ import torch
 from dapo.batch import RolloutBatch
 from dapo.config import AlgoConfig
 from dapo.dynamic_sampling import BatchCollector, GenerationCapError, Scored, record_behaviour_logp
-from dapo.prefilter import SkipCounts
 from dapo.rollout.base import Generation, SamplingParams
 
 
@@ -28,12 +27,6 @@ class ListSampler:
         out = [self.examples[(self.pos + i) % len(self.examples)] for i in range(n)]
         self.pos += n
         return out
-
-    def observe(self, group_accs, informative):
-        pass
-
-    def end_step(self, **groups):
-        return SkipCounts()
 
 
 class EchoEngine:

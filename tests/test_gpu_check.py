@@ -89,13 +89,13 @@ def test_the_report_says_plainly_when_no_gpu_was_there(tmp_path):
     assert "no CUDA device was visible" in text and "no figure below is a GPU figure" in text
     assert "| h | `dapo.cli demo model.device=cpu`" in text and "CPU run (shortened): rose 15.6 points" in text
     assert "| a | " in text and "NOT RUN" in text  # the tests part never ran in this state
-    assert "| j | `dapo demo model.device=cuda`: with algo.prefilter=true" in text  # nor the pre-filter's demo
-    state["demo_prefilter"] = state["demo"] | {
-        "command": "dapo.cli demo model.device=cpu algo.prefilter=true",
+    assert "| s | `dapo demo model.device=cuda`: with algo.screen_samples=4" in text  # nor screening's demo
+    state["demo_screening"] = state["demo"] | {
+        "command": "dapo.cli demo model.device=cpu algo.screen_samples=4",
         "generation": "1.21 tokens generated per token trained; 9 s of 40 s generating went to dropped groups (22%)",
     }
     text = report.write_report(state, [])
-    assert "| j | `dapo.cli demo model.device=cpu algo.prefilter=true`: with algo.prefilter=true" in text
+    assert "| s | `dapo.cli demo model.device=cpu algo.screen_samples=4`: with algo.screen_samples=4" in text
     assert "; 1.21 tokens generated per token trained" in text
     state["install"]["env"] |= {
         "device": "NVIDIA H100 80GB HBM3",
@@ -182,8 +182,8 @@ def test_a_bench_cut_short_keeps_its_figures_and_a_rerun_of_the_rest_adds_to_the
     assert gpu_check.merge_bench({**cut, "rows": ["| a | b | c |"]}, rerun) is rerun
 
 
-def test_the_demo_part_runs_the_demo_then_the_prefilter_demo_and_reads_their_lines(tmp_path, monkeypatch):
-    """Items h and j without running them: the two commands the part starts, and what it reads from their output
+def test_the_demo_part_runs_the_demo_then_the_others_and_reads_their_lines(tmp_path, monkeypatch):
+    """Items h, k, l and s without running them: the two commands the part starts, and what it reads from their output
     (the held-out line, the wall time and the generation line of the run summary)."""
     import types
 
@@ -201,8 +201,8 @@ def test_the_demo_part_runs_the_demo_then_the_prefilter_demo_and_reads_their_lin
             "wall time: 29 s\n"
             "generation: 1.52 tokens generated per token trained; 9 s of 30 s generating went to dropped groups (30%)"
             + (
-                "; the prefilter skipped 700 prompts (500 all-correct, 200 all-wrong)"
-                if "algo.prefilter=true" in cmd
+                "; screening dropped 700 of 900 prompts after their first responses"
+                if "algo.screen_samples=4" in cmd
                 else ""
             )
         )
@@ -210,16 +210,15 @@ def test_the_demo_part_runs_the_demo_then_the_prefilter_demo_and_reads_their_lin
 
     check.run = fake_run
     check.part_demo()
-    assert [c[:2] for c in started] == [["demo", "model.device=cuda"]] * 5
-    assert "algo.prefilter=true" not in started[0] and "algo.prefilter=true" in started[1]
-    assert "tools.python=true" in started[2] and "model.path=assets/arith-tools-base" in started[2]
-    assert "rollout.max_staleness=1" in started[3] and "rollout.max_staleness=1" not in started[0]
-    assert "algo.screen_samples=4" in started[4] and "algo.screen_samples=4" not in started[0]
-    h, j = check.state["demo"], check.state["demo_prefilter"]
+    assert [c[:2] for c in started] == [["demo", "model.device=cuda"]] * 4
+    assert "tools.python=true" in started[1] and "model.path=assets/arith-tools-base" in started[1]
+    assert "rollout.max_staleness=1" in started[2] and "rollout.max_staleness=1" not in started[0]
+    assert "algo.screen_samples=4" in started[3] and "algo.screen_samples=4" not in started[0]
+    h, s = check.state["demo"], check.state["demo_screening"]
     assert (h["before"], h["after"], h["rise"], h["wall_s"], h["tail"]) == (28.7, 72.8, 44.1, 29.0, "")
-    assert j["generation"].endswith("the prefilter skipped 700 prompts (500 all-correct, 200 all-wrong)")
+    assert s["generation"].endswith("screening dropped 700 of 900 prompts after their first responses")
     text = report.write_report(check.state, [])
-    assert "| j | `dapo.cli demo model.device=cuda" in text and "| PASS |" in text
+    assert "| s | `dapo.cli demo model.device=cuda" in text and "| PASS |" in text
     assert "| l | `dapo.cli demo model.device=cuda" in text and "rollout.max_staleness=1" in text
 
 

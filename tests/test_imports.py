@@ -96,7 +96,6 @@ FLOORS = [
     ("dapo.screening", lambda n: n.startswith("dapo.") and n != "dapo.batch"),
     ("dapo.resources", lambda n: n.startswith("dapo.")),
     ("dapo.memory", lambda n: n.startswith("dapo.")),
-    ("dapo.prefilter", lambda n: n.startswith("dapo.")),
     ("dapo.watchdog", lambda n: n.startswith("dapo.")),
     ("dapo.kernels", lambda n: n.startswith("dapo.")),
     ("dapo.checkpoint_files", lambda n: n.startswith("dapo.")),
@@ -109,7 +108,7 @@ FLOORS = [
     ("dapo.tools", lambda n: not n.startswith("dapo.tools")),
     ("dapo.batch", lambda n: n.startswith("dapo.")),
     ("dapo.micro_batch", lambda n: n.startswith("dapo.") and n != "dapo.batch"),
-    ("dapo.data", lambda n: n not in ("dapo.tasks", "dapo.tasks.arith", "dapo.resources", "dapo.prefilter")),
+    ("dapo.data", lambda n: n not in ("dapo.tasks", "dapo.tasks.arith", "dapo.resources")),
     ("dapo.data_files", lambda n: n not in ("dapo.data", "dapo.resources")),
     *[
         (m, lambda n: n in ("dapo.training", "dapo.dynamic_sampling", "dapo.rollout", "dapo.evaluation", "dapo.algo"))

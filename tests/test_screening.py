@@ -191,7 +191,6 @@ def test_a_run_with_screening_trains_says_what_it_saved_and_resumes_onto_the_sam
 @pytest.mark.parametrize(
     "preset,extra",
     [
-        ("configs/demo.yaml", ["algo.prefilter=true"]),
         ("configs/demo.yaml", ["rollout.max_staleness=1", "rollout.engine_threads=1"]),
         ("configs/demo.yaml", ["train.share_prompt_prefix=true"]),
         ("configs/demo.yaml", ["model.lora.rank=4", "train.lr=1e-2"]),
@@ -201,7 +200,7 @@ def test_a_run_with_screening_trains_says_what_it_saved_and_resumes_onto_the_sam
             marks=pytest.mark.sandbox,
         ),
     ],
-    ids=["prefilter", "generated-ahead", "shared-prompt-prefix", "lora", "python-tool"],
+    ids=["generated-ahead", "shared-prompt-prefix", "lora", "python-tool"],
 )
 def test_screening_composes_with_what_touches_a_group(tmp_path, preset, extra):
     """Two steps each: the step logs its screening beside the other mechanism's own figures, and what it generated
@@ -222,8 +221,6 @@ def test_screening_composes_with_what_touches_a_group(tmp_path, preset, extra):
         assert r["sampling/samples_generated"] == 2 * r["sampling/screened"] + (4 - 2) * completed
     if "rollout.max_staleness=1" in extra:
         assert rows[1]["async/staleness_max"] == 1
-    if "algo.prefilter=true" in extra:
-        assert "prefilter/groups/unseen" in rows[0]
     if preset.endswith("demo_tools.yaml"):
         assert sum(r.get("tools/calls_per_response", 0) for r in rows) > 0
 

@@ -322,8 +322,10 @@ def _collected_from(d: dict) -> Collected:
     from dapo.batch import RolloutBatch
     from dapo.dynamic_sampling import CollectStats
 
-    # every counter record inside the statistics (the pre-filter's, the tools', screening's) back to its own type
-    nested = {name: t for name, t in typing.get_type_hints(CollectStats).items() if dataclasses.is_dataclass(t)}
-    stats = CollectStats(**{k: nested[k](**v) if k in nested else v for k, v in d["stats"].items()})
+    # every counter record inside the statistics (the tools', screening's) back to its own type; a counter that is no
+    # longer kept (the removed pre-filter's, in checkpoints written before) is passed over
+    hints = typing.get_type_hints(CollectStats)
+    nested = {name: t for name, t in hints.items() if dataclasses.is_dataclass(t)}
+    stats = CollectStats(**{k: nested[k](**v) if k in nested else v for k, v in d["stats"].items() if k in hints})
     batch = None if d["batch"] is None else RolloutBatch.from_state(d["batch"])
     return Collected(d["step"], d["version"], batch, stats, d["state"], d["waited_s"], d["seconds"])

@@ -202,18 +202,6 @@ class AlgoConfig:
     # n: each prompt first gets n responses, and G - n more only where they disagree (screening.py; 0: off)
     screen_samples: int = field(0, ge=0, why="a count of responses, 0 for off")
     screen_audit: float = field(0.0, ge=0, le=1)  # share of screened-out prompts completed anyway, never trained
-    # skip, before generating it, a training prompt whose last groups were all right or all wrong, with a probability
-    # that grows with how many in a row (prefilter.py; off: the paper's behaviour). Needs dynamic_sampling
-    prefilter: bool = False
-    prefilter_target: float = field(0.9, gt=0, le=1)  # the informative share the skip rate is steered towards
-    # the least probability that a drawn prompt is generated, whatever its history: none is retired for good. Where
-    # each prompt is drawn more than about 10 times, 0.25 or more: at 0.05 a run on 200 problems lost held-out
-    # accuracy (benchmarks/RESULTS.md, "Prefilter"). 1 skips nothing: the record and its prefilter/* counts alone
-    prefilter_floor: float = field(0.05, gt=0, le=1, why="0 would retire prompts for good")
-    prefilter_step: float = field(0.05, gt=0, le=1)  # how far the exploration bases move after each step
-    # with prefilter: a prompt whose last group was informative at accuracy a counts as a fractional run,
-    # a^G + (1-a)^G (the chance its next group is uninformative if it stayed at a), so 7/8 right is skipped at times
-    prefilter_level: bool = False
     # surplus informative groups (beyond train.prompts_per_step) kept for the next step; 0: none, as the reference
     buffer_max_groups: int = field(0, ge=0, why="0 keeps no surplus groups")
     # a buffered group's behaviour log-probs: trainer (computed when buffered) or engine (vllm's)

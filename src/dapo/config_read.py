@@ -163,8 +163,17 @@ def _read(key: str, value, tp):
 
 
 # keys of earlier versions -> what replaced them (a preset or override still naming one is told the fix)
+_PREFILTER_REMOVED = (
+    "the prompt pre-filter was removed: it never reached dynamic sampling's held-out accuracy "
+    "(docs/objectives.md); delete this key, or use algo.screen_samples=n to spend n responses on a prompt "
+    "before its whole group"
+)
 REPLACED = {
-    "run.tensorboard": "run.loggers lists the loggers: leave tensorboard out to write none, e.g. run.loggers=console"
+    "run.tensorboard": "run.loggers lists the loggers: leave tensorboard out to write none, e.g. run.loggers=console",
+    **{
+        f"algo.{key}": _PREFILTER_REMOVED
+        for key in ("prefilter", "prefilter_target", "prefilter_floor", "prefilter_step", "prefilter_level")
+    },
 }
 
 
@@ -338,10 +347,6 @@ def _dependent_switches(cfg) -> None:
     _check(
         not cfg.tools.filter_void_turns or cfg.tools.python,
         "tools.filter_void_turns=true: filters multi-turn responses, so it needs tools.python=true",
-    )
-    _check(
-        not a.prefilter or a.dynamic_sampling,
-        "algo.prefilter=true: skips the prompts dynamic sampling would drop, so it needs algo.dynamic_sampling=true",
     )
     n, G = a.screen_samples, r.group_size
     _check(

@@ -12,8 +12,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from dapo.prefilter import Prefilter, SkipCounts
-
 DAPO_PROMPT_PREFIX = (
     "Solve the following math problem step by step. The last line of your response should be of "
     "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
@@ -132,9 +130,7 @@ class PromptSampler:
     and a resumed run continues with exactly the examples the interrupted one would have drawn.
     """
 
-    def __init__(
-        self, examples: Sequence[Example], *, seed: int, shuffle: bool = True, prefilter: Prefilter | None = None
-    ):
+    def __init__(self, examples: Sequence[Example], *, seed: int, shuffle: bool = True):
         if len(examples) == 0:
             raise ValueError("PromptSampler needs at least one example; the data set is empty")
         if not isinstance(seed, int) or isinstance(seed, bool):
@@ -145,9 +141,6 @@ class PromptSampler:
         self._epoch = 0
         self._pos = 0
         self._order = self._permutation(0)
-        # algo.prefilter: each prompt's record, and the indices of the examples the last next() gave, in order
-        self.prefilter = prefilter
-        self._handed: list[int] = []
 
     def __len__(self) -> int:
         return len(self._examples)
@@ -173,34 +166,10 @@ class PromptSampler:
                 self._epoch += 1
                 self._pos = 0
                 self._order = self._permutation(self._epoch)
-            if self.prefilter is None:
-                take = min(n - len(handed), len(self._order) - self._pos)
-                handed.extend(self._order[self._pos : self._pos + take])
-                self._pos += take
-                continue
-            index = self._order[self._pos]
-            self._pos += 1
-            if self.prefilter.keep(index):  # a skipped prompt costs nothing: the next one is drawn
-                handed.append(index)
-        self._handed = handed
+            take = min(n - len(handed), len(self._order) - self._pos)
+            handed.extend(self._order[self._pos : self._pos + take])
+            self._pos += take
         return [self._examples[i] for i in handed]
-
-    def observe(self, group_accs: Sequence[float], informative: Sequence[bool] | None = None) -> None:
-        """The mean accuracy of each group generated for the examples the last ``next`` gave, in their order, and
-        whether dynamic sampling kept it (None: kept unless all-correct or all-wrong)."""
-        if self.prefilter is not None:
-            if len(group_accs) != len(self._handed):
-                raise ValueError(f"observe: {len(group_accs)} group accuracies for {len(self._handed)} prompts drawn")
-            kept = [None] * len(group_accs) if informative is None else informative
-            for index, acc, keep in zip(self._handed, group_accs, kept):
-                self.prefilter.observe(index, acc, keep)
-
-    def end_step(self, *, informative: int, all_correct: int, all_wrong: int) -> SkipCounts:
-        """A training step's generated groups by kind (for the prefilter's steering); the prompts it skipped."""
-        if self.prefilter is None:
-            return SkipCounts()
-        self.prefilter.steer(informative=informative, all_correct=all_correct, all_wrong=all_wrong)
-        return self.prefilter.take_counts()
 
     def __iter__(self) -> Iterator[Example]:
         while True:
@@ -213,7 +182,6 @@ class PromptSampler:
             "epoch": self._epoch,
             "position": self._pos,
             "num_examples": len(self._examples),
-            **({"prefilter": self.prefilter.state_dict()} if self.prefilter is not None else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -232,5 +200,3 @@ class PromptSampler:
         self._epoch = int(state["epoch"])
         self._pos = int(state["position"])
         self._order = self._permutation(self._epoch)
-        if self.prefilter is not None and "prefilter" in state:  # (a run that turns it on at resume starts afresh)
-            self.prefilter.load_state_dict(state["prefilter"])

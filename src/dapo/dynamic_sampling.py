@@ -22,7 +22,6 @@ import torch
 
 from dapo import algo
 from dapo.batch import RolloutBatch
-from dapo.prefilter import SkipCounts
 from dapo.rewards.graders import TIMEOUT_PRED, graders_for
 from dapo.rewards.pool import CRASH_PRED
 from dapo.rollout.base import SamplingParams, ToolLog
@@ -109,7 +108,6 @@ class CollectStats:
     seconds_generate: float = 0.0
     seconds_reward: float = 0.0
     seconds_dropped: float = 0.0  # generation time attributed to dropped groups (by token share)
-    prefilter: SkipCounts = field(default_factory=SkipCounts)  # prompts skipped, groups by record state (prefilter)
     screen: ScreenCounts = field(default_factory=ScreenCounts)  # algo.screen_samples: what screening dropped
     tools: ToolLog = field(default_factory=lambda: ToolLog(turns=0))  # summed over the generated responses
     keep_rates: list[float] = field(default_factory=list)
@@ -141,9 +139,8 @@ class BatchCollector:
     each of a round's prompts, grade and shape them, drop the groups whose G values are all equal,
     and go again until ``num_prompts`` groups are kept.
 
-    ``sampler.next(k)`` gives k examples (``sampler.observe`` gets their groups' accuracies, ``sampler.end_step``
-    the step's groups by kind: the prefilter's record), ``encode(example)`` their prompt ids; ``sampling`` holds G
-    (``n``) and the sampling settings, each round getting its own seed.
+    ``sampler.next(k)`` gives k examples, ``encode(example)`` their prompt ids; ``sampling`` holds G (``n``) and the
+    sampling settings, each round getting its own seed.
     """
 
     def __init__(
@@ -186,12 +183,6 @@ class BatchCollector:
         else:
             while len(kept) < num_prompts and not self._at_round_cap(stats, len(kept), num_prompts):
                 kept += self._round(num_prompts - len(kept), round_seed(stats.rounds), keep_rate_estimate, stats)
-        skips = self.sampler.end_step(
-            informative=stats.prompts_generated - stats.groups_dropped,
-            all_correct=stats.groups_all_correct,
-            all_wrong=stats.groups_all_wrong,
-        )
-        stats.prefilter = skips
         buffer.extend(kept[num_prompts:])
         del buffer[: max(0, len(buffer) - self.a.buffer_max_groups)]  # the oldest (stalest) go first
         kept = kept[:num_prompts]
@@ -219,7 +210,6 @@ class BatchCollector:
         part, gen_s = self.sample(examples, [G] * len(examples), seed, stats)
         keep = self.informative(part, G) if a.dynamic_sampling else torch.ones(len(examples), dtype=torch.bool)
         group_acc = part.acc.view(-1, G).mean(dim=1)  # (P,)
-        self.sampler.observe(group_acc.tolist(), keep.tolist())  # each prompt's record (algo.prefilter)
         lengths = part.response_lengths
         dropped_tokens = int(lengths.view(-1, G)[~keep].sum())
         stats.seconds_dropped += gen_s * dropped_tokens / max(int(lengths.sum()), 1)

@@ -113,7 +113,7 @@ def held_out_line(row: dict) -> str:
 
 def _generation_line(rows: list[dict]) -> str | None:
     """What the run's generation cost against what it trained on: tokens per trained token, the seconds spent on
-    groups dynamic sampling dropped, and what the prefilter skipped (algo.prefilter)."""
+    groups dynamic sampling dropped, and what screening dropped (algo.screen_samples)."""
     steps = [r for r in rows if "sampling/tokens_generated" in r]
     if not steps:
         return None
@@ -124,11 +124,6 @@ def _generation_line(rows: list[dict]) -> str | None:
         f"{total['perf/time_generate_s']:.0f} s generating went to dropped groups "
         f"({100 * total['sampling/dropped_gen_s'] / max(total['perf/time_generate_s'], 1e-9):.0f}%)"
     )
-    if skipped := total["sampling/skipped_all_correct"] + total["sampling/skipped_all_wrong"]:
-        line += (
-            f"; the prefilter skipped {skipped:.0f} prompts ({total['sampling/skipped_all_correct']:.0f} "
-            f"all-correct, {total['sampling/skipped_all_wrong']:.0f} all-wrong)"
-        )
     if screened := total["sampling/screened"]:
         out = total["sampling/screened_out_all_correct"] + total["sampling/screened_out_all_wrong"]
         saved = total["sampling/screen_saved_tokens"]
@@ -145,33 +140,11 @@ def _generation_line(rows: list[dict]) -> str | None:
     return line
 
 
-def record_totals(rows: list[dict]) -> tuple[dict[str, float], dict[str, float]]:
-    """With algo.prefilter: the groups generated and the informative ones among them, added up over the rows, per
-    state of the prompt's record when drawn (prefilter.STATES; states never met are left out)."""
-    from dapo.prefilter import STATES
-
-    groups = {s: sum(r.get(f"prefilter/groups/{s}", 0) for r in rows) for s in STATES}
-    informative = {s: sum(r.get(f"prefilter/informative/{s}", 0) for r in rows) for s in STATES}
-    return {s: n for s, n in groups.items() if n}, {s: informative[s] for s, n in groups.items() if n}
-
-
-def _record_line(rows: list[dict]) -> str | None:
-    """The share of the run's generated groups that came back informative, by what the prompt's record knew when it
-    was drawn: whether skipping on that record pays on this data (docs/metrics.md)."""
-    groups, informative = record_totals(rows)
-    if not groups:
-        return None
-    shares = ", ".join(f"{s} {informative[s] / n:.2f} ({n:.0f})" for s, n in groups.items())
-    return f"prefilter record: informative share of the groups generated, by the prompt's state when drawn: {shares}"
-
-
 _GENERATION_KEYS = (
     "sampling/tokens_generated",
     "sampling/tokens_trained",
     "sampling/dropped_gen_s",
     "perf/time_generate_s",
-    "sampling/skipped_all_correct",
-    "sampling/skipped_all_wrong",
     "sampling/screened",
     "sampling/screened_out_all_correct",
     "sampling/screened_out_all_wrong",
@@ -195,8 +168,6 @@ def run_summary(rows: list[dict], *, wall_s: float, run_dir: Path, plot: Path | 
         lines.append(f"plot: {plot}")
     lines.append(f"wall time: {wall_s:.0f} s")
     if line := _generation_line(rows):
-        lines.append(line)
-    if line := _record_line(rows):
         lines.append(line)
     if not evals:
         lines.append("held-out accuracy: not measured (eval.benchmarks is empty)")

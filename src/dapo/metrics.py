@@ -30,8 +30,6 @@ def sampling_metrics(cstats: CollectStats, *, buffer_groups: int, gen_rounds_tot
         "sampling/tokens_generated": cstats.tokens_generated,
         "sampling/informative_frac": (cstats.prompts_generated - cstats.groups_dropped)
         / max(cstats.prompts_generated, 1),
-        "sampling/skipped_all_correct": cstats.prefilter.all_correct,
-        "sampling/skipped_all_wrong": cstats.prefilter.all_wrong,
         "sampling/buffer_groups": buffer_groups,
         "sampling/gen_rounds_total": gen_rounds_total,
         "sampling/cap_hit": float(cstats.cap_hit),
@@ -39,15 +37,6 @@ def sampling_metrics(cstats: CollectStats, *, buffer_groups: int, gen_rounds_tot
         "perf/time_reward_s": cstats.seconds_reward,
         "perf/gen_tokens_per_s": cstats.tokens_generated / max(cstats.seconds_generate, 1e-9),
         "perf/reward_samples_per_s": cstats.samples_generated / max(cstats.seconds_reward, 1e-9),
-    }
-
-
-def prefilter_metrics(cstats: CollectStats) -> dict:
-    """algo.prefilter's record of the step's generated groups: how many, and how many informative, by what the record
-    knew of their prompt when it was drawn (prefilter.STATES): how well the record predicts, on this run's data."""
-    p = cstats.prefilter
-    return {f"prefilter/groups/{k}": n for k, n in p.groups.items()} | {
-        f"prefilter/informative/{k}": n for k, n in p.informative.items()
     }
 
 

@@ -20,7 +20,6 @@ from dapo.evaluation import grading_pool, load_benchmark
 from dapo.library_logging import setup_library_logging
 from dapo.log import RunLogger
 from dapo.policy import BaseReference, Policy, ReferenceModel
-from dapo.prefilter import Prefilter
 from dapo.rewards.pool import REWARD_FN
 from dapo.rollout import SamplingParams, make_training_engine, resolve_backend
 from dapo.tasks import load_train_examples
@@ -83,23 +82,10 @@ def setup_engine(cfg: Config, d: parallel.Dist, policy: Policy, tool_env) -> tup
 
 
 def setup_data(cfg: Config, tokenizer, train_examples: list | None) -> tuple[object, PromptSampler]:
-    """The prompt encoder, and the sampler of ``train_examples`` (None: data.train_files or the built-in task),
-    skipping prompts the prefilter has retired when algo.prefilter is on."""
-    a = cfg.algo
+    """The prompt encoder, and the sampler of ``train_examples`` (None: data.train_files or the built-in task)."""
     encode = make_encoder(tokenizer, cfg.data.max_prompt_tokens)
     train_examples = train_examples if train_examples is not None else load_train_examples(cfg.data)
-    prefilter = None
-    if a.prefilter:
-        prefilter = Prefilter(
-            len(train_examples),
-            seed=cfg.data.seed,
-            target=a.prefilter_target,
-            floor=a.prefilter_floor,
-            step_size=a.prefilter_step,
-            group_size=cfg.rollout.group_size,
-            level=a.prefilter_level,
-        )
-    return encode, PromptSampler(train_examples, seed=cfg.data.seed, prefilter=prefilter)
+    return encode, PromptSampler(train_examples, seed=cfg.data.seed)
 
 
 def setup_eval_sets(cfg: Config, eval_sets: list | None) -> list:

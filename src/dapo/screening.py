@@ -136,9 +136,6 @@ def _screen(collector, new: list, part: RolloutBatch | None, short: int, seed: i
         s.out_tokens += int(tokens[i])
         if audit[i]:
             pending.append(_Pending(example, part.select_groups([i]), audit=True))
-    # the prefilter's record, for every prompt the sampler handed, in its order: informative or not is known from
-    # the first n (a disagreement stays one), the accuracy is that of the n
-    collector.sampler.observe(acc.tolist(), passed.tolist())
     s.screened += len(new)
     stats.count_groups(acc, passed)  # a screen's "group" is its first n responses
     return pending, out_tokens

@@ -45,7 +45,6 @@ from dapo.metrics import (
     DriftGuard,
     engine_gap_warning,
     no_signal_advice,
-    prefilter_metrics,
     sample_records,
     sampling_metrics,
     step_metrics,
@@ -369,8 +368,6 @@ def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
         run.boundary("collect")
         state.observe(cstats)
         metrics = ahead | sampling_metrics(cstats, buffer_groups=len(state.buffer), gen_rounds_total=state.gen_rounds)
-        if cfg.algo.prefilter:
-            metrics |= prefilter_metrics(cstats)
         if cfg.algo.screen_samples:
             metrics |= screen_metrics(
                 cstats.screen, group_size=cfg.rollout.group_size, screen_samples=cfg.algo.screen_samples
