@@ -5,7 +5,7 @@
     python benchmarks/async_rollout.py --lrs 5e-4,2.5e-4,1.25e-4   # the same at each learning rate, paired by seed
     python benchmarks/async_rollout.py --smollm2 --steps 3 # SmolLM2's preset, k = 0 against k = 1 (make smollm2)
 
---simulate runs the real scheduling (``dapo.async_rollout.AheadCollector``) with a collection that takes G seconds,
+--simulate runs the real scheduling (``dapo.collect.ahead.AheadThread``) with a collection that takes G seconds,
 an update that takes U and a weight push that takes W, both sides sleeping (so two cores do not limit it), and
 prints each mode's step time against the synchronous G + U + W and the ideal max(G, U) + W, at G/U = 0.5, 1, 2, 4.
 Partial rollout (requests carried across a weight push) is not implemented, so it has no row.
@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 from runs import mean_ci, train  # noqa: E402
 
-from dapo.async_rollout import AheadCollector  # noqa: E402
-from dapo.log import held_out_keys  # noqa: E402
+from dapo.collect.ahead import AheadThread  # noqa: E402
+from dapo.reporting.run_log import held_out_keys  # noqa: E402
 
 
 # ---- the pipeline with controlled latencies ---------------------------------------------------------------------
@@ -47,7 +47,7 @@ def simulated_step_s(k: int, g: float, u: float, w: float, steps: int) -> float:
         time.sleep(g)
         return None, None, {}
 
-    ahead = AheadCollector(collect, max_staleness=k, first=1, last=steps + 1, published=0).start()
+    ahead = AheadThread(collect, max_staleness=k, first=1, last=steps + 1, published=0).start()
     ahead.take(1)
     time.sleep(u)
     ahead.release(1)

@@ -31,8 +31,9 @@ from pathlib import Path
 import torch
 
 from dapo import checkpoint
+from dapo.checkpoint import writer as checkpoint_writer
 from dapo.config import load_config
-from dapo.policy import Policy
+from dapo.model.policy import Policy
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = Path("~/.cache/dapo/models/SmolLM2-135M-Instruct").expanduser()
@@ -51,7 +52,7 @@ def thread_cpu_s(thread: threading.Thread | None) -> float:
 
 
 def save_once(policy: Policy, run_dir: Path, step: int, asynchronous: bool) -> dict:
-    writer = checkpoint.CheckpointWriter(asynchronous=asynchronous)
+    writer = checkpoint_writer.CheckpointWriter(asynchronous=asynchronous)
     writer.tokenizer_files(policy.tokenizer)  # made once per run in training, not per save
     cpu_box: dict = {}
     start = writer.start

@@ -87,7 +87,7 @@ class Bench(Harness):
                 *overrides,
             ],
         )
-        from dapo.phases import make_loss_fn
+        from dapo.algorithm.step import make_loss_fn
 
         loss_fn = make_loss_fn(cfg.algo, cfg.rollout.max_response_tokens)
         resp = (24, 32) if self.smoke else (768, 1024)
@@ -170,7 +170,7 @@ class Bench(Harness):
         row_tokens = length + prompt
         total = torch.cuda.get_device_properties(self.device).total_memory / 2**30 if self.cuda else None
         model, tok = self.build(name)
-        from dapo.phases import make_loss_fn
+        from dapo.algorithm.step import make_loss_fn
 
         policy, cfg = self.policy(
             model,
@@ -245,7 +245,7 @@ class Bench(Harness):
         from transformers import AutoTokenizer
 
         from dapo.config import load_config
-        from dapo.log import read_metrics
+        from dapo.reporting.run_log import read_metrics
         from dapo.training import train
 
         tok = AutoTokenizer.from_pretrained(ROOT / "tests" / "assets" / "smollm2-tokenizer")
@@ -303,7 +303,7 @@ class Bench(Harness):
     def part_profile(self) -> None:
         from torch.profiler import ProfilerActivity, profile
 
-        from dapo.phases import make_loss_fn
+        from dapo.algorithm.step import make_loss_fn
 
         name = "qwen2.5-1.5b"
         s = self.shape(name)

@@ -42,7 +42,7 @@ class Harness:
         """A randomly initialised causal LM of ``name``'s shape, made on the device, and a tokenizer."""
         from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-        from dapo import tiny
+        from dapo.model import tiny
 
         s = self.shape(name)
         tok = tokenizer or tiny.build_tokenizer()
@@ -72,18 +72,18 @@ class Harness:
     @contextlib.contextmanager
     def handed(self, model, tok):
         """Policy built on ``model`` itself: its loader returns the model instead of reading a directory."""
-        import dapo.logprobs
+        import dapo.model.logprobs
 
-        real = dapo.logprobs.load_model_and_tokenizer
-        dapo.logprobs.load_model_and_tokenizer = lambda *a, **k: (model, tok)
+        real = dapo.model.logprobs.load_model_and_tokenizer
+        dapo.model.logprobs.load_model_and_tokenizer = lambda *a, **k: (model, tok)
         try:
             yield
         finally:
-            dapo.logprobs.load_model_and_tokenizer = real
+            dapo.model.logprobs.load_model_and_tokenizer = real
 
     def policy(self, model, tok, overrides: list[str]):
         from dapo.config import load_config
-        from dapo.policy import Policy
+        from dapo.model.policy import Policy
 
         cfg = load_config(
             None,
@@ -100,8 +100,8 @@ class Harness:
         return policy, cfg
 
     def batch(self, prompts: int, group: int, prompt_len: int, response_lens: tuple[int, int], vocab: int):
-        from dapo import algo
-        from dapo.batch import RolloutBatch
+        from dapo.algorithm import advantages
+        from dapo.algorithm.batch import RolloutBatch
 
         rng = random.Random(0)
         gen = torch.Generator().manual_seed(0)
@@ -115,19 +115,8 @@ class Harness:
                     torch.randint(2, min(vocab, 50000), (rng.randint(*response_lens),), generator=gen).tolist()
                 )
         reward = torch.tensor([1.0 if i % 2 else -1.0 for i in range(n)])
-        b = RolloutBatch(
-            group_size=group,
-            prompt_ids=prompt_ids,
-            response_ids=response_ids,
-            truncated=torch.zeros(n, dtype=torch.bool),
-            texts=[""] * n,
-            example_uids=["x"] * n,
-            ground_truths=["0"] * n,
-            acc=(reward > 0).float(),
-            reward=reward,
-            overlong_penalty=torch.zeros(n),
-        )
-        b.adv = algo.group_advantages(reward, group)
+        b = RolloutBatch.of_responses(prompt_ids, response_ids, group_size=group, reward=reward)
+        b.adv = advantages.group_advantages(reward, group)
         return b
 
     @staticmethod

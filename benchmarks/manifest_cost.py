@@ -22,8 +22,9 @@ import torch
 from checkpoint_cost import MODEL, ROOT
 
 from dapo import checkpoint
+from dapo.checkpoint import files as checkpoint_files
 from dapo.config import load_config
-from dapo.policy import Policy
+from dapo.model.policy import Policy
 
 
 def main() -> None:
@@ -39,7 +40,7 @@ def main() -> None:
     policy.optimizer.step()
     policy.optimizer.zero_grad(set_to_none=True)
     spent: list[float] = []
-    real = checkpoint.write_manifest
+    real = checkpoint_files.write_manifest
 
     def timed(path):
         t0 = time.perf_counter()
@@ -47,7 +48,7 @@ def main() -> None:
         spent.append(time.perf_counter() - t0)
         return out
 
-    checkpoint.write_manifest = timed
+    checkpoint_files.write_manifest = timed
     rows = []
     with tempfile.TemporaryDirectory(dir=ROOT) as tmp:  # the disk training runs write to
         for step in range(1, args.runs + 1):
@@ -63,7 +64,7 @@ def main() -> None:
             )
             save = time.perf_counter() - t0
             t0 = time.perf_counter()
-            assert checkpoint.verify(path) is None
+            assert checkpoint_files.verify(path) is None
             verify = time.perf_counter() - t0
             size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
             rows.append((save, spent[-1], verify))

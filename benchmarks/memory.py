@@ -56,7 +56,7 @@ def micro_batching(args) -> str:
 def build_model(path: str, vocab: int) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from dapo.tiny import build_tokenizer
+    from dapo.model.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     config = Qwen2Config(
@@ -80,9 +80,9 @@ def training_setup(args, group: int):
     """The policy and loss of the measured point: --batch responses of --length tokens, one update."""
     import torch
 
+    from dapo.algorithm.step import make_loss_fn
     from dapo.config import load_config
-    from dapo.policy import Policy
-    from dapo.training import make_loss_fn
+    from dapo.model.policy import Policy
 
     B, L = args.batch, args.length
     cfg = load_config(
@@ -111,25 +111,21 @@ def random_batch(encode, gen, group: int, n: int, length: int):
     """``n`` responses of ``length`` random tokens after arith prompts, rewards +1/-1 at random."""
     import torch
 
-    from dapo import algo
-    from dapo.batch import RolloutBatch
+    from dapo.algorithm import advantages
+    from dapo.algorithm.batch import RolloutBatch
     from dapo.tasks import arith
 
     rows = [ex for ex in arith.make_examples("train", n // group, seed=0) for _ in range(group)]
     reward = torch.randint(0, 2, (n,), generator=gen).float() * 2 - 1
-    batch = RolloutBatch(
+    batch = RolloutBatch.of_responses(
+        [encode(ex) for ex in rows],
+        torch.randint(2, 258, (n, length), generator=gen).tolist(),
         group_size=group,
-        prompt_ids=[encode(ex) for ex in rows],
-        response_ids=torch.randint(2, 258, (n, length), generator=gen).tolist(),
-        truncated=torch.zeros(n, dtype=torch.bool),
-        texts=[""] * n,
         example_uids=[ex.uid for ex in rows],
         ground_truths=[ex.ground_truth for ex in rows],
-        acc=(reward > 0).float(),
         reward=reward,
-        overlong_penalty=torch.zeros(n),
     )
-    batch.adv = algo.group_advantages(batch.reward, group)
+    batch.adv = advantages.group_advantages(batch.reward, group)
     return batch
 
 
@@ -137,7 +133,7 @@ def point(args) -> dict:
     """One measurement, in this (fresh) process."""
     import torch
 
-    from dapo.data import make_encoder
+    from dapo.data.prompts import make_encoder
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -36,15 +36,15 @@ from pathlib import Path
 
 import torch
 
-from dapo.batch import RolloutBatch
+from dapo.algorithm.batch import RolloutBatch
+from dapo.algorithm.step import make_loss_fn
 from dapo.config import load_config
-from dapo.data import make_encoder
-from dapo.policy import Policy
+from dapo.data.prompts import make_encoder
+from dapo.model.policy import Policy
 from dapo.rewards import grade
 from dapo.rollout.base import SamplingParams
 from dapo.rollout.hf import HFRolloutEngine
 from dapo.tasks import arith
-from dapo.training import make_loss_fn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mfu_matmul import mm_rate, model_shapes, reference_rate  # noqa: E402
@@ -102,7 +102,7 @@ def parse_args() -> argparse.Namespace:
         "--head-chunk",
         type=int,
         default=None,
-        help="response rows per LM-head chunk (default: the trainer's, dapo.logprobs.head_chunk_rows)",
+        help="response rows per LM-head chunk (default: the trainer's, dapo.model.logprobs.head_chunk_rows)",
     )
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
     return parser.parse_args()
@@ -151,9 +151,9 @@ def main() -> None:
     if args.head_chunk:  # measuring only: the trainer picks its chunk by vocabulary and device
         import functools
 
-        import dapo.logprobs
+        from dapo.model import logprobs
 
-        dapo.logprobs.token_logprobs = functools.partial(dapo.logprobs.token_logprobs, chunk_tokens=args.head_chunk)
+        logprobs.token_logprobs = functools.partial(logprobs.token_logprobs, chunk_tokens=args.head_chunk)
     if args.real:
         args.updates = args.updates or 3
         real_main(args)

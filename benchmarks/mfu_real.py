@@ -14,14 +14,14 @@ from types import SimpleNamespace
 import torch
 from mfu_matmul import mm_rate, model_shapes, shapes_rate
 
-from dapo import algo
-from dapo.batch import RolloutBatch
+from dapo.algorithm import advantages
+from dapo.algorithm.batch import RolloutBatch
+from dapo.algorithm.step import make_loss_fn
 from dapo.config import load_config
-from dapo.data import make_encoder
-from dapo.data_files import load_examples
-from dapo.logprobs import head_chunk_rows
-from dapo.policy import Policy
-from dapo.training import make_loss_fn
+from dapo.data.files import load_examples
+from dapo.data.prompts import make_encoder
+from dapo.model.logprobs import head_chunk_rows
+from dapo.model.policy import Policy
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL_CONFIG = ROOT / "configs/smollm2_135m.yaml"
@@ -71,39 +71,23 @@ def synthetic_batch(policy: Policy, cfg, seed: int = 0) -> RolloutBatch:
 def graded_batch(rows, group_size: int, prompt_ids, response_ids, truncated, texts, acc) -> RolloutBatch:
     """A rollout batch of ``rows`` (an example per response) with accuracies ``acc``: the +1/-1 rule's reward, no
     overlong penalty, group-normalised advantages, as the loop would grade it."""
-    batch = RolloutBatch(
+    batch = RolloutBatch.of_responses(
+        prompt_ids,
+        response_ids,
         group_size=group_size,
-        prompt_ids=prompt_ids,
-        response_ids=response_ids,
         truncated=truncated,
         texts=texts,
         example_uids=[ex.uid for ex in rows],
         ground_truths=[ex.ground_truth for ex in rows],
-        acc=acc,
         reward=acc * 2 - 1,
-        overlong_penalty=torch.zeros_like(acc),
     )
-    batch.adv = algo.group_advantages(batch.reward, group_size)
+    batch.adv = advantages.group_advantages(batch.reward, group_size)
     return batch
 
 
 def sub_batch(batch: RolloutBatch, groups: int) -> RolloutBatch:
     """The first ``groups`` groups of ``batch`` (a warm-up pass)."""
-    n = groups * batch.group_size
-    b = RolloutBatch(
-        group_size=batch.group_size,
-        prompt_ids=batch.prompt_ids[:n],
-        response_ids=batch.response_ids[:n],
-        truncated=batch.truncated[:n],
-        texts=batch.texts[:n],
-        example_uids=batch.example_uids[:n],
-        ground_truths=batch.ground_truths[:n],
-        acc=batch.acc[:n],
-        reward=batch.reward[:n],
-        overlong_penalty=batch.overlong_penalty[:n],
-    )
-    b.adv = batch.adv[:n]
-    return b
+    return batch.select_groups(list(range(groups)))
 
 
 def decoder_calls(mb) -> list[tuple[int, int, int]]:

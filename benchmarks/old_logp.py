@@ -1,4 +1,4 @@
-"""What `algo.old_logp` saves on a real-model step: recompute (the reference) against engine.
+"""What `algo.old_logp_source` saves on a real-model step: recompute (the reference) against engine.
 
     python benchmarks/old_logp.py [--runs 3] [--steps 2]      # make smollm2 first; about 17 minutes on 2 idle cores
 
@@ -33,7 +33,7 @@ def main() -> None:
     res: dict[str, list[dict]] = {s: [] for s in SETTINGS}
     for run in range(args.runs):
         for setting in SETTINGS if run % 2 == 0 else SETTINGS[::-1]:
-            out = run_point(BASE, args.steps, extra=(f"algo.old_logp={setting}",))
+            out = run_point(BASE, args.steps, extra=(f"algo.old_logp_source={setting}",))
             r = out["row"]
             res[setting].append(
                 {

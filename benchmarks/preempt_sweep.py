@@ -27,7 +27,9 @@ from pathlib import Path
 
 import torch
 
-from dapo import checkpoint, checkpoint_shards, tiny
+from dapo import checkpoint
+from dapo.checkpoint import shards as checkpoint_shards
+from dapo.model import tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDES = [  # the tests' small run (tests/conftest.py): about a second a step on 2 CPU cores

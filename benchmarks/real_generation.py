@@ -39,8 +39,8 @@ G, MAX_NEW, TEMPERATURE, KV_GIB = 8, 96, 0.7, 0.5
 
 
 def prompts(tokenizer, k: int) -> list[list[int]]:
-    from dapo.data import make_encoder
-    from dapo.data_files import load_examples
+    from dapo.data.files import load_examples
+    from dapo.data.prompts import make_encoder
 
     encode = make_encoder(tokenizer, 256)
     return [encode(ex) for ex in load_examples(ROOT / "data/word_problems/train.jsonl", template="raw")[:k]]
@@ -69,7 +69,7 @@ def timed(fn):
 
 def side_ours(args) -> dict:
     from dapo.config import RolloutConfig
-    from dapo.models import load_model_and_tokenizer
+    from dapo.model.loading import load_model_and_tokenizer
     from dapo.rollout import SamplingParams, make_rollout
 
     model, tok = load_model_and_tokenizer(MODEL)
@@ -128,7 +128,7 @@ def side_bare(args) -> dict:
 
 
 def side_hf(args) -> dict:
-    from dapo.models import load_model_and_tokenizer
+    from dapo.model.loading import load_model_and_tokenizer
     from dapo.rollout.base import SamplingParams
     from dapo.rollout.hf import HFRolloutEngine
 

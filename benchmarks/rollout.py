@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from dapo.data import make_encoder
-from dapo.models import load_model_and_tokenizer
+from dapo.data.prompts import make_encoder
+from dapo.model.loading import load_model_and_tokenizer
 from dapo.rollout.base import SamplingParams
 from dapo.rollout.hf import HFRolloutEngine
 from dapo.tasks import arith

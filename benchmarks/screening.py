@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 from runs import generation, mean_ci, train  # noqa: E402
 
-from dapo.log import held_out_keys, read_metrics  # noqa: E402
+from dapo.reporting.run_log import held_out_keys, read_metrics  # noqa: E402
 
 SIDES = {  # the demo's G is 8
     "ds": [],

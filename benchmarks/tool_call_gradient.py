@@ -35,7 +35,7 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
-    import dapo.policy
+    import dapo.model.policy
     from dapo import training
     from dapo.config import load_config
 
@@ -49,7 +49,7 @@ def main() -> None:
         seen["batch"], seen["model"] = batch, self.model
         raise Collected
 
-    dapo.policy.Policy.update = update
+    dapo.model.policy.Policy.update = update
     try:
         training.train(cfg)
     except Collected:

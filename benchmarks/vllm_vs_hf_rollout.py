@@ -13,8 +13,8 @@ import time
 import torch
 
 from dapo.config import RolloutConfig
-from dapo.data import make_encoder
-from dapo.models import load_model_and_tokenizer
+from dapo.data.prompts import make_encoder
+from dapo.model.loading import load_model_and_tokenizer
 from dapo.rollout import SamplingParams, make_rollout
 from dapo.tasks import arith
 

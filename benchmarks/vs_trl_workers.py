@@ -69,11 +69,11 @@ def time_our_steps(args, st: Setting) -> dict:
     share taken out (measuring only); stop training once the target is logged. Returns the record it fills:
     "marks" (step, CPU time, evaluation CPU time so far) and "eval" (evaluation CPU time so far)."""
     import dapo.evaluation
-    import dapo.log
+    import dapo.reporting.run_log
     import dapo.training
 
     cpu = {"eval": 0.0, "marks": []}
-    evaluate, log = dapo.evaluation.evaluate, dapo.log.RunLogger.log
+    evaluate, log = dapo.evaluation.evaluate, dapo.reporting.run_log.RunLogger.log
 
     def timed_evaluate(*a, **kw):
         c0 = time.process_time()
@@ -88,7 +88,7 @@ def time_our_steps(args, st: Setting) -> dict:
             raise TargetReached  # the step is logged; nothing after it is measured
         return out
 
-    dapo.training.evaluate, dapo.log.RunLogger.log = timed_evaluate, timed_log
+    dapo.training.evaluate, dapo.reporting.run_log.RunLogger.log = timed_evaluate, timed_log
     return cpu
 
 
@@ -166,7 +166,7 @@ def our_result(st: Setting, rows: list[dict], base: list[dict], cpu_marks: list,
 
 def run_ours(args, overrides: list[str]) -> dict:
     from dapo.config import load_config
-    from dapo.log import read_metrics
+    from dapo.reporting.run_log import read_metrics
     from dapo.training import train
 
     st = Setting(args.real)
@@ -192,7 +192,7 @@ def trl_dataset(st: Setting):
     """The training problems as TRL's dataset rows: the same prompt text our side trains on."""
     from datasets import Dataset
 
-    from dapo.data_files import load_examples
+    from dapo.data.files import load_examples
     from dapo.tasks import arith
 
     if st.real:  # the problems as user turns: TRL applies the chat template, as our side does
@@ -212,7 +212,7 @@ class HeldOut:
     pool, which grades the held-out answers, runs while TRL trains (`with held_out.pool`)."""
 
     def __init__(self, st: Setting, model, tokenizer):
-        from dapo.data import make_encoder
+        from dapo.data.prompts import make_encoder
         from dapo.evaluation import load_benchmark
         from dapo.rewards import RewardPool
 

@@ -58,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-from dapo import tiny
+from dapo.model import tiny
 from dapo.rewards import grade
 from dapo.rollout.base import SamplingParams
 from dapo.rollout.hf import HFRolloutEngine

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from dapo.log import held_out_keys, read_metrics  # noqa: E402
+from dapo.reporting.run_log import held_out_keys, read_metrics  # noqa: E402
 
 
 def main(run_dir: str = "runs/demo") -> None:

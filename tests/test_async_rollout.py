@@ -20,7 +20,7 @@ import torch
 from conftest import SMALL_OVERRIDES
 from safetensors.torch import load_file
 
-from dapo.async_rollout import AheadCollector
+from dapo.collect.ahead import AheadThread
 from dapo.config import ConfigError, dump_yaml, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +32,7 @@ class FakeTrainer:
 
     def __init__(self, k: int, last: int, **kwargs):
         self.log: list[tuple[int, int, int]] = []  # (step, version, versions published when it started)
-        self.ahead = AheadCollector(self.collect, max_staleness=k, first=1, last=last, published=0, **kwargs)
+        self.ahead = AheadThread(self.collect, max_staleness=k, first=1, last=last, published=0, **kwargs)
 
     def collect(self, step: int, version: int):
         self.log.append((step, version, self.ahead._published))
@@ -90,7 +90,7 @@ def test_a_failed_collection_reaches_the_trainer():
     def collect(step, version):
         raise RuntimeError(f"engine broke at step {step}")
 
-    ahead = AheadCollector(collect, max_staleness=1, first=1, last=3, published=0).start()
+    ahead = AheadThread(collect, max_staleness=1, first=1, last=3, published=0).start()
     with pytest.raises(RuntimeError, match="engine broke at step 1"):
         ahead.take(1)
 
@@ -104,7 +104,7 @@ def test_a_stop_ends_a_waiting_thread():
 
 # ---- the rollout process's log-probs ----------------------------------------------------------------------------
 def test_the_hf_engine_reports_the_models_own_log_probs(tiny_model_dir):
-    from dapo.models import load_model_and_tokenizer
+    from dapo.model.loading import load_model_and_tokenizer
     from dapo.rollout.base import SamplingParams
     from dapo.rollout.hf import HFRolloutEngine
 
@@ -125,7 +125,7 @@ def test_the_rollout_process_samples_what_the_engine_in_process_does(tiny_model_
     """Same weights, same seed: the same tokens, whichever process samples them. A SIGTERM or SIGINT sent to the
     whole job does not end the rollout process (the trainer's checkpoint waits on its collections in flight): it
     still answers."""
-    from dapo.models import load_model_and_tokenizer
+    from dapo.model.loading import load_model_and_tokenizer
     from dapo.rollout.base import SamplingParams
     from dapo.rollout.hf import HFRolloutEngine
     from dapo.rollout.remote import RemoteEngine, RemoteEngineError
@@ -248,7 +248,7 @@ def test_generating_ahead_alone_takes_the_default_cap_and_an_explicit_null_still
     [
         (["algo.rollout_is_cap=null"], "rollout.max_staleness=1: .*set algo.rollout_is_cap"),
         (["algo.buffer_max_groups=4"], "rollout.max_staleness=1: algo.buffer_max_groups=4 .*set algo.buffer_max"),
-        (["algo.old_logp=engine"], "rollout.max_staleness=1: .*use algo.old_logp=recompute"),
+        (["algo.old_logp_source=engine"], "rollout.max_staleness=1: .*use algo.old_logp_source=recompute"),
     ],
 )
 def test_settings_that_cannot_bound_or_correct_the_staleness_are_refused_in_one_line(extra, message):
@@ -279,7 +279,7 @@ def test_a_checkpoint_with_batches_in_flight_resumes_only_at_its_staleness(tiny_
 def test_a_policy_moving_far_between_sampling_and_training_is_warned_of_once(tiny_model_dir, tmp_path, capsys):
     """A step size far past the demo's, one step stale: the mean policy KL of steps 2-6 is past the level
     (metrics.DRIFT_KL_LEVEL) and the run says so once, naming the learning rate and k."""
-    from dapo.metrics import DRIFT_KL_LEVEL
+    from dapo.reporting.notes import DRIFT_KL_LEVEL
     from dapo.training import train
 
     run = overrides(tiny_model_dir, tmp_path, 1, 7, "train.lr=0.05", "train.warmup_steps=0")
@@ -298,7 +298,7 @@ def test_the_pipeline_at_zero_staleness_samples_and_trains_as_the_synchronous_lo
     each step sampled by the weights it trains (version t - 1, as k = 0), give the synchronous run's samples step
     by step and its final weights up to float noise (the importance weight is then pi_old / pi_engine, two
     forwards of the same weights: 1 within 1e-6). So what k > 0 changes is the staleness, and nothing else."""
-    from dapo.async_rollout import AheadCollector
+    from dapo.collect.ahead import AheadThread
     from dapo.training import train
 
     torch.set_num_threads(1)  # each side one thread, as the rollout process and the trainer get on 2 cores
@@ -306,7 +306,7 @@ def test_the_pipeline_at_zero_staleness_samples_and_trains_as_the_synchronous_lo
     sync = tmp_path / "sync"
     train(load_config("configs/demo.yaml", overrides(tiny_model_dir, sync, 0, 3, *common, "algo.rollout_is_cap=null")))
     torch.set_num_threads(1)
-    monkeypatch.setattr(AheadCollector, "version_for", lambda self, step: step - 1)
+    monkeypatch.setattr(AheadThread, "version_for", lambda self, step: step - 1)
     piped = tmp_path / "piped"
     train(load_config("configs/demo.yaml", overrides(tiny_model_dir, piped, 1, 3, *common)))
     a, b = rows_of(sync), rows_of(piped)

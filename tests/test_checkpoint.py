@@ -18,7 +18,13 @@ import pytest
 import torch
 from conftest import make_policy, small_config
 
-from dapo import checkpoint, checkpoint_shards, checkpoint_weights, cli
+from dapo import checkpoint, cli
+from dapo.checkpoint import files as checkpoint_files
+from dapo.checkpoint import save as checkpoint_save
+from dapo.checkpoint import shards as checkpoint_shards
+from dapo.checkpoint import weights as checkpoint_weights
+from dapo.checkpoint import writer as checkpoint_writer
+from dapo.runtime.files import CheckpointError
 
 
 class RunsCommand:
@@ -67,11 +73,10 @@ def test_a_shard_entry_that_runs_code_is_refused(tmp_path):
     """Non-tensor entries (an optimizer's param_groups) are pickles inside the shard files; torch's
     default planner loads them with weights_only=False."""
     marker = tmp_path / "pwned"
-    checkpoint_shards.save_shards(
-        {"optim": {"lr": RunsCommand(f"touch {marker}"), "w": torch.ones(2)}}, tmp_path / "shards"
-    )
+    hostile = {"optim": {"lr": RunsCommand(f"touch {marker}"), "w": torch.ones(2)}}
+    checkpoint_shards.save_shards(hostile, tmp_path / "shards")
     state = {"optim": {"lr": 0.0, "w": torch.zeros(2)}}
-    with pytest.raises(checkpoint_shards.CheckpointError, match=r"entry 'optim.lr' needs more than plain data"):
+    with pytest.raises(CheckpointError, match=r"entry 'optim.lr' needs more than plain data"):
         checkpoint_shards.load_shards(state, tmp_path / "shards")
     assert not marker.exists()
 
@@ -97,9 +102,7 @@ def test_an_index_pointing_outside_the_shards_directory_is_refused(tiny_model_di
     for info in metadata.storage_data.values():
         info.relative_path = "../../secret.pt"
     index.write_bytes(pickle.dumps(metadata))
-    with pytest.raises(
-        checkpoint_shards.CheckpointError, match=r"points an entry at '../../secret.pt', outside the shards"
-    ):
+    with pytest.raises(CheckpointError, match=r"points an entry at '../../secret.pt', outside the shards"):
         checkpoint_weights.export_hf(step, tmp_path / "out")
 
 
@@ -122,7 +125,7 @@ def test_export_refuses_a_linked_directory_in_a_sharded_checkpoint(tiny_model_di
     elsewhere = tmp_path / "elsewhere"
     (step / "model_meta").rename(elsewhere)
     (step / "model_meta").symlink_to(elsewhere, target_is_directory=True)
-    with pytest.raises(checkpoint_shards.CheckpointError, match=r"model_meta is a symbolic link"):
+    with pytest.raises(CheckpointError, match=r"model_meta is a symbolic link"):
         checkpoint_weights.export_hf(step, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -156,13 +159,13 @@ def test_fresh_start_in_an_earlier_run_refuses_and_keeps_it(tiny_model_dir, tmp_
     assert code == 2 and err.count("\n") == 1
     assert "holds an earlier run" in err and "give a new run.name, or set run.overwrite=true" in err
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
-    assert [p.name for p in checkpoint.list_checkpoints(run_dir)] == ["step_000002"]
+    assert [p.name for p in checkpoint_files.list_checkpoints(run_dir)] == ["step_000002"]
 
 
 def test_overwrite_moves_the_earlier_run_aside_whole(tiny_model_dir, tmp_path):
     from conftest import small_config
 
-    from dapo.log import read_metrics
+    from dapo.reporting.run_log import read_metrics
     from dapo.training import train
 
     run_dir = tmp_path / "t"
@@ -179,9 +182,9 @@ def test_overwrite_moves_the_earlier_run_aside_whole(tiny_model_dir, tmp_path):
     )
     (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("t.")]
     assert (aside / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
-    assert [p.name for p in checkpoint.list_checkpoints(aside)] == ["step_000002"]
+    assert [p.name for p in checkpoint_files.list_checkpoints(aside)] == ["step_000002"]
     assert [r["step"] for r in read_metrics(run_dir)] == [1]
-    assert [p.name for p in checkpoint.list_checkpoints(run_dir)] == ["step_000001"]
+    assert [p.name for p in checkpoint_files.list_checkpoints(run_dir)] == ["step_000001"]
 
 
 def test_resume_and_fresh_starts_in_new_directories_are_untouched(tmp_path):
@@ -213,7 +216,7 @@ def remote_code_model_dir(tiny_model_dir: Path, root: Path, marker: Path) -> Pat
 def load_answering_yes(model_dir: Path, **kwargs) -> subprocess.CompletedProcess:
     """Load the directory in a fresh process whose stdin answers 'y' to any question."""
     code = (
-        "import sys; from dapo.models import load_model_and_tokenizer\n"
+        "import sys; from dapo.model.loading import load_model_and_tokenizer\n"
         f"load_model_and_tokenizer({str(model_dir)!r}, **{kwargs!r})"
     )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
@@ -291,7 +294,7 @@ def test_async_and_sync_checkpoints_are_the_same_files(tiny_model_dir, tmp_path)
     rng = random.getstate(), torch.get_rng_state()
     sync = save(policy, tmp_path / "sync", 1, **state)  # no writer: written before the call returns
     random.setstate(rng[0]), torch.set_rng_state(rng[1])  # the RNG state is saved too: the same for both
-    writer = checkpoint.CheckpointWriter(asynchronous=True)
+    writer = checkpoint_writer.CheckpointWriter(asynchronous=True)
     for step in (1, 2):  # the second save reuses the first one's buffers
         asynchronous = save(policy, tmp_path / "async", step, writer, **state)
         writer.wait()
@@ -300,7 +303,7 @@ def test_async_and_sync_checkpoints_are_the_same_files(tiny_model_dir, tmp_path)
         assert a.keys() == b.keys() and "model/model.safetensors" in a and "model/tokenizer.json" in a
         # the trainer state holds the step, and the manifest its checksum
         assert [
-            name for name in a if a[name] != b[name] and name not in ("trainer_state.pt", checkpoint.MANIFEST)
+            name for name in a if a[name] != b[name] and name not in ("trainer_state.pt", checkpoint_files.MANIFEST)
         ] == []
         sa, sb = (checkpoint.load_trainer_state(p) for p in (sync, asynchronous))
         assert sb.pop("step") == step and sa.pop("step") == 1
@@ -317,13 +320,13 @@ def test_an_async_checkpoint_holds_the_trainer_state_of_the_call(tiny_model_dir,
     was when save_checkpoint was called, and is renamed only when whole. The weights and AdamW state
     are written from live memory: the loop waits for the write before it changes them (next test)."""
     policy = trained_policy(tiny_model_dir, tmp_path, dtype="float32")
-    release, real_write = threading.Event(), checkpoint._write
-    monkeypatch.setattr(checkpoint, "_write", lambda *args: (release.wait(), real_write(*args)))
+    release, real_write = threading.Event(), checkpoint_save._write
+    monkeypatch.setattr(checkpoint_save, "_write", lambda *args: (release.wait(), real_write(*args)))
     weights = {k: v.clone() for k, v in policy.model.state_dict().items()}
     moments = [s["exp_avg"].clone() for s in policy.optimizer.state.values()]
     buffer = [{"ids": torch.arange(4), "logp": [-0.5, -1.5]}]
     rng = torch.get_rng_state()
-    writer = checkpoint.CheckpointWriter(asynchronous=True)
+    writer = checkpoint_writer.CheckpointWriter(asynchronous=True)
     path = save(policy, tmp_path / "run", 1, writer, buffer=buffer)
     buffer[0]["ids"].add_(10)  # the next step: the buffer's contents change, the RNG moves on
     buffer[0]["logp"].append(0.0)
@@ -331,7 +334,7 @@ def test_an_async_checkpoint_holds_the_trainer_state_of_the_call(tiny_model_dir,
     assert not path.exists()  # still being written: nothing under the final name
     release.set()
     writer.wait()
-    assert checkpoint.list_checkpoints(tmp_path / "run") == [path]
+    assert checkpoint_files.list_checkpoints(tmp_path / "run") == [path]
     assert not list((tmp_path / "run" / "checkpoints").glob(".tmp_*"))
     from safetensors.torch import load_file
 
@@ -348,8 +351,8 @@ def test_training_waits_for_an_async_write_before_the_next_update(tiny_model_dir
     the write ends, or the checkpoint would mix two steps' weights. Each checkpoint equals a synchronous run's."""
     from dapo.training import train
 
-    real_write = checkpoint._write
-    monkeypatch.setattr(checkpoint, "_write", lambda *args: (time.sleep(1.0), real_write(*args)))
+    real_write = checkpoint_save._write
+    monkeypatch.setattr(checkpoint_save, "_write", lambda *args: (time.sleep(1.0), real_write(*args)))
     runs = {}
     for mode in ("false", "true"):
         cfg = small_config(
@@ -377,7 +380,7 @@ def test_training_waits_for_an_async_write_before_the_next_update(tiny_model_dir
 def test_a_failed_background_write_is_raised_and_the_previous_checkpoint_kept(tiny_model_dir, tmp_path, monkeypatch):
     policy = trained_policy(tiny_model_dir, tmp_path, dtype="float32")
     run_dir = tmp_path / "run"
-    writer = checkpoint.CheckpointWriter(asynchronous=True)
+    writer = checkpoint_writer.CheckpointWriter(asynchronous=True)
     first = save(policy, run_dir, 1, writer)
     writer.wait()
     real_save = torch.save
@@ -387,36 +390,36 @@ def test_a_failed_background_write_is_raised_and_the_previous_checkpoint_kept(ti
             raise OSError(28, "No space left on device")
         return real_save(obj, f, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint.torch, "save", disk_full)
+    monkeypatch.setattr(checkpoint_save.torch, "save", disk_full)
     save(policy, run_dir, 2, writer)  # returns: the write fails in the background ...
     with pytest.raises(
-        checkpoint.CheckpointError,
+        CheckpointError,
         match=r"step_000002 failed \(OSError: .*No space left.*partial "
         r"files were removed and starting the run again resumes from .*step_000001, which is whole",
     ):
         save(policy, run_dir, 3, writer)  # ... and the next save raises it, before writing anything
-    assert checkpoint.list_checkpoints(run_dir) == [first]  # the previous checkpoint is whole and still there
+    assert checkpoint_files.list_checkpoints(run_dir) == [first]  # the previous checkpoint is whole and still there
     assert not (run_dir / "checkpoints" / ".tmp_step_000002").exists()  # the partial one, removed by the failed write
     checkpoint_weights.load_model_weights(make_policy(small_config(tmp_path, tiny_model_dir)).model, first)
-    monkeypatch.setattr(checkpoint.torch, "save", real_save)
+    monkeypatch.setattr(checkpoint_save.torch, "save", real_save)
     writer.wait()  # raised once
     third = save(policy, run_dir, 3, writer)
     writer.wait()
-    assert checkpoint.list_checkpoints(run_dir) == [first, third]
+    assert checkpoint_files.list_checkpoints(run_dir) == [first, third]
     assert not list((run_dir / "checkpoints").glob(".tmp_*"))  # the partial one removed by the next whole save
 
 
 def test_training_raises_a_failed_last_checkpoint_write(tiny_model_dir, tmp_path, monkeypatch):
     from dapo.training import train
 
-    real_write = checkpoint._write
+    real_write = checkpoint_save._write
 
     def failing(run_dir, tmp, final, *args):
         if final.name == "step_000002":
             raise OSError(5, "Input/output error")
         return real_write(run_dir, tmp, final, *args)
 
-    monkeypatch.setattr(checkpoint, "_write", failing)
+    monkeypatch.setattr(checkpoint_save, "_write", failing)
     cfg = small_config(
         tmp_path,
         tiny_model_dir,
@@ -425,9 +428,9 @@ def test_training_raises_a_failed_last_checkpoint_write(tiny_model_dir, tmp_path
         "eval.before_train=false",
         "run.async_checkpoint=true",
     )
-    with pytest.raises(checkpoint.CheckpointError, match="step_000002 failed"):
+    with pytest.raises(CheckpointError, match="step_000002 failed"):
         train(cfg)
-    assert [p.name for p in checkpoint.list_checkpoints(cfg.run_dir)] == ["step_000001"]
+    assert [p.name for p in checkpoint_files.list_checkpoints(cfg.run_dir)] == ["step_000001"]
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
@@ -460,7 +463,7 @@ def test_a_full_disk_during_a_checkpoint_stops_the_run_in_one_line_and_a_restart
         "run.keep_checkpoints=3",
         f"run.async_checkpoint={str(asynchronous).lower()}",
     ]
-    monkeypatch.setattr(checkpoint.torch, "save", disk_full)
+    monkeypatch.setattr(checkpoint_save.torch, "save", disk_full)
     monkeypatch.setenv("COLUMNS", "500")  # the console's lines unwrapped
     capsys.readouterr()
     assert cli.main(command) == 2
@@ -482,7 +485,7 @@ def test_a_full_disk_during_a_checkpoint_stops_the_run_in_one_line_and_a_restart
     assert steps == ([1, 2] if asynchronous else [1])  # asynchronous: step 3 stopped at its save, before logging
     assert checkpoint.load_trainer_state(first)["step"] == 1
     checkpoint_weights.load_model_weights(make_policy(small_config(tmp_path, tiny_model_dir)).model, first)
-    monkeypatch.setattr(checkpoint.torch, "save", real_save)  # space freed
+    monkeypatch.setattr(checkpoint_save.torch, "save", real_save)  # space freed
     assert cli.main(command) == 0
     assert f"resumed from {first} (step 1)" in capsys.readouterr().out
-    assert [p.name for p in checkpoint.list_checkpoints(run_dir)] == ["step_000001", "step_000002", "step_000003"]
+    assert [p.name for p in checkpoint_files.list_checkpoints(run_dir)] == ["step_000001", "step_000002", "step_000003"]

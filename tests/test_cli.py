@@ -12,10 +12,11 @@ import pytest
 import torch
 from conftest import SMALL_OVERRIDES
 
-from dapo import ablate, checkpoint, checkpoint_weights, cli
+from dapo import ablate, checkpoint, cli
+from dapo.checkpoint import weights as checkpoint_weights
 from dapo.cluster import Placement, check_fits
 from dapo.config import ConfigError, load_config
-from dapo.library_logging import close_library_logging, setup_library_logging
+from dapo.runtime.libraries import close_library_logging, setup_library_logging
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -80,7 +81,7 @@ def test_a_library_that_prints_through_its_own_handler_is_routed_too(tmp_path, c
 def test_a_console_sent_to_train_log_gets_each_warning_once(tmp_path):
     """`dapo ablate` sends a run's console to its train.log, where the library log goes too."""
     code = (
-        "import logging, sys; from pathlib import Path; from dapo.library_logging import setup_library_logging\n"
+        "import logging, sys; from pathlib import Path; from dapo.runtime.libraries import setup_library_logging\n"
         "setup_library_logging(Path(sys.argv[1]), 'warning')\n"
         "logging.getLogger('vllm.x').warning('the GPU ran out of memory')\n"
     )
@@ -311,7 +312,7 @@ def _mode(p: Path) -> int:
 
 
 def test_checkpoints_and_exports_follow_the_umask(tiny_model_dir, tmp_path, umask_022):
-    from dapo.models import load_model_and_tokenizer
+    from dapo.model.loading import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(tiny_model_dir)
     step = checkpoint.save_checkpoint(

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dapo import config as config_module
-from dapo.config import ConfigError, config_from_dict, dump_yaml, load_config, validate
+from dapo.config import ConfigError, config_from_dict, dump_yaml, load_config, settings, validate
+from dapo.config import schema as config_module
 
 PRESETS = sorted(str(p) for p in Path("configs").glob("*.yaml")) + [
     ["configs/ablation/base.yaml", str(p)] for p in sorted(Path("configs/ablation").glob("[0-9]_*.yaml"))
@@ -82,8 +82,8 @@ def test_dotted_overrides_and_types():
         ("algo.rollout_is_cap=0.5", "algo.rollout_is_cap"),  # below 1
         ("algo.rollout_is_cap=2", "algo.rollout_is_cap"),  # needs vllm's log-probs
         ("algo.truncated_in_group_stats=false", "algo.truncated_in_group_stats"),  # without overlong filtering
-        ("algo.old_logp=engine", "algo.old_logp"),  # the hf engine reports no log-probs
-        ("algo.old_logp=latest", "algo.old_logp"),
+        ("algo.old_logp_source=engine", "algo.old_logp_source"),  # the hf engine reports no log-probs
+        ("algo.old_logp_source=latest", "algo.old_logp_source"),
         ("reward.grader=minerva", "reward.grader"),
     ],
 )
@@ -184,7 +184,7 @@ def test_a_choice_setting_refuses_other_values_and_lists_its_choices(key, tp):
         section, name = key.split(".")
         extra = (
             ["rollout.backend=vllm"]
-            if (key, choice) in (("algo.buffer_logp", "engine"), ("algo.old_logp", "engine"))
+            if (key, choice) in (("algo.buffer_logp", "engine"), ("algo.old_logp_source", "engine"))
             else []
         )
         if key == "algo.rollout_is_mode" and choice != "token_truncate":  # a sequence mode needs the cap it uses
@@ -272,18 +272,22 @@ def test_zero_is_not_a_way_to_say_unset(key):
 @pytest.mark.parametrize(
     "overrides, fix",
     [
-        (["algo.old_logp=engine", "rollout.backend=vllm", "model.dtype=bfloat16"], "use float32"),
-        (["algo.old_logp=engine", "rollout.backend=vllm", "rollout.top_p=0.7"], "use top_p 1.0"),
-        (["algo.old_logp=engine", "rollout.backend=vllm", "rollout.top_k=20"], "use top_p 1.0"),
-        (["algo.old_logp=engine", "rollout.backend=vllm", "algo.rollout_is_cap=2"], "use recompute"),
+        (["algo.old_logp_source=engine", "rollout.backend=vllm", "model.dtype=bfloat16"], "use float32"),
+        (["algo.old_logp_source=engine", "rollout.backend=vllm", "rollout.top_p=0.7"], "use top_p 1.0"),
+        (["algo.old_logp_source=engine", "rollout.backend=vllm", "rollout.top_k=20"], "use top_p 1.0"),
+        (["algo.old_logp_source=engine", "rollout.backend=vllm", "algo.rollout_is_cap=2"], "use recompute"),
     ],
 )
 def test_old_logp_sources_refuse_what_would_make_them_inexact(overrides, fix):
     with pytest.raises(ConfigError) as err:
         load_config("configs/demo.yaml", overrides)
-    assert str(err.value).startswith("algo.old_logp=") and fix in str(err.value) and "\n" not in str(err.value)
-    assert load_config("configs/demo.yaml", ["algo.old_logp=engine", "rollout.backend=auto"]).algo.old_logp == "engine"
-    assert config_module.AlgoConfig().old_logp == "recompute"  # the reference
+    assert str(err.value).startswith("algo.old_logp_source=") and fix in str(err.value) and "\n" not in str(err.value)
+    auto = load_config("configs/demo.yaml", ["algo.old_logp_source=engine", "rollout.backend=auto"])
+    assert auto.algo.old_logp_source == "engine"
+    assert config_module.AlgoConfig().old_logp_source == "recompute"  # the reference
+    # the key's earlier name is read as it: presets and saved configs that still say algo.old_logp keep working
+    old_name = load_config("configs/demo.yaml", ["algo.old_logp=engine", "rollout.backend=auto"])
+    assert old_name.algo.old_logp_source == "engine"
 
 
 def test_a_kept_surplus_of_zero_groups_is_a_count():
@@ -293,17 +297,19 @@ def test_a_kept_surplus_of_zero_groups_is_a_count():
 
 
 def test_code_that_acts_on_a_choice_knows_exactly_its_choices():
-    from dapo import algo, cli, data
-    from dapo.models import DTYPES
+    from dapo import cli
+    from dapo.algorithm import losses
+    from dapo.data import prompts
+    from dapo.model.loading import DTYPES
     from dapo.rewards.graders import GRADERS
     from dapo.tasks.arith import DIFFICULTIES
 
     assert tuple(DTYPES) == typing.get_args(config_module.Dtype)
     assert set(GRADERS) | {"auto"} == set(typing.get_args(config_module.Grader))
     assert set(DIFFICULTIES) == set(typing.get_args(config_module.TaskDifficulty))
-    assert algo.LOSS_AGG_MODES == typing.get_args(config_module.LossAgg)
-    assert algo.KL_KINDS == typing.get_args(config_module.KlKind)
-    assert data._templates() == typing.get_args(config_module.Template)
+    assert losses.LOSS_AGG_MODES == typing.get_args(config_module.LossAgg)
+    assert losses.KL_KINDS == typing.get_args(config_module.KlKind)
+    assert prompts._templates() == typing.get_args(config_module.Template)
     sub = next(a for a in cli.build_parser()._actions if a.dest == "command").choices["import-model"]
     assert tuple(next(a for a in sub._actions if a.dest == "dtype").choices) == typing.get_args(config_module.Dtype)
 
@@ -371,7 +377,7 @@ def test_evaluation_during_training_samples_as_the_preset_says(preset):
 
 def test_shipped_presets_and_files_resolve_from_any_directory(tmp_path, monkeypatch):
     from dapo.config import PRESET_DIR, preset_names, resolve_preset
-    from dapo.resources import SHARE, shipped
+    from dapo.config.shipped import SHARE, shipped
 
     monkeypatch.chdir(tmp_path)
     for given, found in [
@@ -449,7 +455,7 @@ def test_a_bool_setting_takes_true_false_and_their_yaml_spellings(raw, expected,
     assert load_config(preset).algo.dynamic_sampling is expected
 
 
-BOUNDED = [(key, rule) for key, _, rule in config_module.settings() if rule is not None and rule.check is None]
+BOUNDED = [(key, rule) for key, _, rule in settings() if rule is not None and rule.check is None]
 
 
 @pytest.mark.parametrize("key, rule", BOUNDED, ids=[k for k, _ in BOUNDED])

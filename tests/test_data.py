@@ -5,16 +5,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dapo.data import (
-    DAPO_PROMPT_PREFIX,
-    DAPO_PROMPT_SUFFIX,
-    Example,
-    Message,
-    PromptSampler,
-    apply_template,
-    render_prompt,
-)
-from dapo.data_files import DataError, load_examples
+from dapo.data.files import DataError, load_examples
+from dapo.data.prompts import DAPO_PROMPT_PREFIX, DAPO_PROMPT_SUFFIX, Example, Message, apply_template, render_prompt
+from dapo.data.sampler import PromptSampler
 
 REPO = Path(__file__).resolve().parent.parent
 AIME_DAPO = REPO / "data" / "aime2024" / "aime-2024.dapo.parquet"
@@ -283,8 +276,8 @@ def test_nul_characters_are_refused(tmp_path, row, field):
 
 
 def test_a_huge_prompt_is_cut_before_it_is_tokenised(tiny_model_dir):
-    from dapo.data import make_encoder
-    from dapo.models import load_model_and_tokenizer
+    from dapo.data.prompts import make_encoder
+    from dapo.model.loading import load_model_and_tokenizer
 
     _, tokenizer = load_model_and_tokenizer(tiny_model_dir)
     seen: list[int] = []

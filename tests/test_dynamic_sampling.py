@@ -6,9 +6,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from dapo.batch import RolloutBatch
+from dapo.algorithm.batch import RolloutBatch
+from dapo.algorithm.step import record_held_over_old_logp
+from dapo.collect.dynamic_sampling import BatchCollector, GenerationCapError
+from dapo.collect.scoring import Scored
 from dapo.config import AlgoConfig
-from dapo.dynamic_sampling import BatchCollector, GenerationCapError, Scored, record_behaviour_logp
 from dapo.rollout.base import Generation, SamplingParams
 
 
@@ -107,14 +109,11 @@ def test_surplus_groups_go_to_the_buffer_and_are_used_first():
 
 
 def one_group(uid, lengths, rollout_logp=None):
-    return RolloutBatch(
+    return RolloutBatch.of_responses(
+        [[1]] * len(lengths),
+        [[7] * n for n in lengths],
         group_size=len(lengths),
-        prompt_ids=[[1]] * len(lengths),
-        response_ids=[[7] * n for n in lengths],
-        truncated=torch.zeros(len(lengths), dtype=torch.bool),
-        texts=[""] * len(lengths),
         example_uids=[uid] * len(lengths),
-        ground_truths=["0"] * len(lengths),
         rollout_logp=rollout_logp or [],
     )
 
@@ -128,35 +127,35 @@ def test_buffered_groups_record_the_sampling_policys_log_probs_once():
         return -(torch.arange(len(batch))[:, None] + 1.0) - torch.arange(T)[None, :] / 10, None
 
     old = one_group("a", [1, 1])
-    old.behaviour_logp = [[-9.0], [-8.0]]  # buffered at an earlier step: left as it is
+    old.held_over_old_logp = [[-9.0], [-8.0]]  # buffered at an earlier step: left as it is
     buffer = [old, one_group("b", [2, 1]), one_group("c", [3, 2])]
-    record_behaviour_logp(buffer, logprobs, source="trainer")
+    record_held_over_old_logp(buffer, logprobs, source="trainer")
     assert calls == [["b", "c"]]  # one pass over the new groups only
-    assert buffer[0].behaviour_logp == [[-9.0], [-8.0]]
-    assert buffer[1].behaviour_logp == [pytest.approx([-1.0, -1.1]), pytest.approx([-2.0])]
-    assert buffer[2].behaviour_logp == [pytest.approx([-3.0, -3.1, -3.2]), pytest.approx([-4.0, -4.1])]
+    assert buffer[0].held_over_old_logp == [[-9.0], [-8.0]]
+    assert buffer[1].held_over_old_logp == [pytest.approx([-1.0, -1.1]), pytest.approx([-2.0])]
+    assert buffer[2].held_over_old_logp == [pytest.approx([-3.0, -3.1, -3.2]), pytest.approx([-4.0, -4.1])]
     # from the engine: vLLM's own log-probs of its samples
     eng = [one_group("d", [2, 1], rollout_logp=[[-0.5, -0.25], [-2.0]])]
-    record_behaviour_logp(eng, logprobs, source="engine")
-    assert eng[0].behaviour_logp == [[-0.5, -0.25], [-2.0]] and len(calls) == 1
+    record_held_over_old_logp(eng, logprobs, source="engine")
+    assert eng[0].held_over_old_logp == [[-0.5, -0.25], [-2.0]] and len(calls) == 1
     with pytest.raises(ValueError, match="buffer_logp=engine"):
-        record_behaviour_logp([one_group("e", [1, 1])], logprobs, source="engine")
+        record_held_over_old_logp([one_group("e", [1, 1])], logprobs, source="engine")
 
 
 def test_held_over_rows_take_their_behaviour_log_probs_as_old_logp():
     held = one_group("a", [2, 1])
-    held.behaviour_logp = [[-0.5, -0.7], [-0.2]]
+    held.held_over_old_logp = [[-0.5, -0.7], [-0.2]]
     fresh = one_group("b", [1, 3])
     batch = RolloutBatch.concat([fresh, held])  # the step's batch: new groups and a buffered one
-    assert batch.behaviour_logp == [None, None, [-0.5, -0.7], [-0.2]]
+    assert batch.held_over_old_logp == [None, None, [-0.5, -0.7], [-0.2]]
     recomputed = torch.full((4, 3), -1.0)  # under the current weights
-    old = batch.behaviour_old_logp(recomputed)
+    old = batch.old_logp_with_held_over(recomputed)
     expected = torch.tensor([[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0], [-0.5, -0.7, 0.0], [-0.2, 0.0, 0.0]])
     assert torch.equal(old, expected)
-    assert torch.equal(fresh.behaviour_old_logp(recomputed[:2]), recomputed[:2])  # nothing held over: unchanged
+    assert torch.equal(fresh.old_logp_with_held_over(recomputed[:2]), recomputed[:2])  # nothing held over: unchanged
     # a checkpointed buffer keeps them
     restored = RolloutBatch.from_state(held.state())
-    assert restored.behaviour_logp == [[-0.5, -0.7], [-0.2]]
+    assert restored.held_over_old_logp == [[-0.5, -0.7], [-0.2]]
 
 
 def test_cap_trains_on_what_it_has_with_a_warning():

@@ -22,8 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import make_policy, small_config  # noqa: E402
 from test_parallel import REPO, env_for_children  # noqa: E402
 
-from dapo import checkpoint, checkpoint_shards, cli, parallel  # noqa: E402
-from dapo.checkpoint_weights import is_lora  # noqa: E402
+from dapo import checkpoint, cli  # noqa: E402
+from dapo.checkpoint import shards as checkpoint_shards
+from dapo.checkpoint import weights as checkpoint_weights
+from dapo.checkpoint.weights import is_lora  # noqa: E402
+from dapo.runtime import parallel
+from dapo.runtime.files import CheckpointError
 
 # dynamic sampling with a buffer: held-over groups (and their behaviour log-probs) cross the world-size change, on
 # 12 problems, so prompts recur and the sampler's state is past its first pass
@@ -82,7 +86,7 @@ def weights(step: Path, tmp: Path) -> dict:
 
 def adam_steps(step: Path) -> list[float]:
     """AdamW's step count of every trained parameter, from either format."""
-    if checkpoint.is_sharded(step):
+    if checkpoint_weights.is_sharded(step):
         state = checkpoint_shards.read_shards(step / "shards")["optim"]["state"]
     else:
         state = checkpoint.load_trainer_state(step)["policy"]["optimizer"]["state"]
@@ -129,7 +133,7 @@ def test_a_checkpoint_resumes_at_another_world_size_as_the_run_would_have_gone_o
     for run, ref, before, after in MATRIX:
         resumed_at = 1 if run.endswith("up") else 2
         final, want = step_dir(root / run, 3), step_dir(root / ref, 3)
-        assert checkpoint.is_sharded(final) == (after > 1) and is_lora(final) == run.startswith("lora")
+        assert checkpoint_weights.is_sharded(final) == (after > 1) and is_lora(final) == run.startswith("lora")
         # what is identical: the prompts drawn, the held-over groups, the counters, AdamW's step count
         a, b = checkpoint.load_trainer_state(want), checkpoint.load_trainer_state(final)
         assert b["sampler"] == a["sampler"] and b["gen_rounds"] == a["gen_rounds"] and b["step"] == a["step"] == 3
@@ -286,7 +290,7 @@ def full_disk_check(model_dir: str, root: Path) -> None:
             setattr(where, name, full)
         try:
             save(2 if rank else 3)
-        except checkpoint.CheckpointError as err:
+        except CheckpointError as err:
             lines.append(str(err))
         setattr(where, name, real)
     (root / f"full_disk.{d.rank}.txt").write_text("\n".join(lines))

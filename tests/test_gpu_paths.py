@@ -23,7 +23,7 @@ from conftest import loss_fn_of, make_policy, small_config  # noqa: E402
 from test_gpu import BF16_EPS, DEVICES, HEAVY_DEVICES, REPO, env_for_children, report  # noqa: E402
 
 from dapo import checkpoint, cli  # noqa: E402
-from dapo.log import read_metrics  # noqa: E402
+from dapo.reporting.run_log import read_metrics  # noqa: E402
 
 
 # ---- b: the shared prompt prefix ---------------------------------------------------------------
@@ -66,8 +66,8 @@ def logp_and_grads(lm, batch, rows, device, *, share: bool, backends, equal_leng
     from torch.nn.attention import sdpa_kernel
     from torch.profiler import ProfilerActivity, profile
 
-    from dapo.logprobs import token_logprobs
-    from dapo.micro_batch import make_micro_batch
+    from dapo.model.logprobs import token_logprobs
+    from dapo.model.micro_batch import make_micro_batch
 
     lm.zero_grad(set_to_none=True)
     mb = make_micro_batch(batch, rows, 0, device, share_prompts=share)
@@ -150,8 +150,8 @@ def test_a_batch_without_padding_reaches_sdpa_without_a_mask_so_flash_can_take_i
     import torch.nn.functional as F
     from test_prefix import synthetic_batch, tiny_lm
 
-    from dapo.logprobs import token_logprobs
-    from dapo.micro_batch import make_micro_batch
+    from dapo.model.logprobs import token_logprobs
+    from dapo.model.micro_batch import make_micro_batch
 
     calls, sdpa = [], F.scaled_dot_product_attention
 
@@ -195,7 +195,7 @@ def test_head_log_probs_against_full_logits_across_chunks(device, dtype):
     in the log-sum-exp. Gradients within 2% of their largest entry (bf16 products of float32 coefficients)."""
     from test_logprobs import _head_reference
 
-    from dapo.logprobs import CUDA_HEAD_CHUNK_ROWS, HeadLogProbs, head_chunk_rows
+    from dapo.model.logprobs import CUDA_HEAD_CHUNK_ROWS, HeadLogProbs, head_chunk_rows
 
     V, H, T = 3000, 64, 0.8
     chunk = head_chunk_rows(V, torch.device(device)) if device == "cuda" else 300
@@ -389,7 +389,7 @@ def test_phase_peaks_are_the_allocators_peaks(device):
     """CUDA: a phase's perf/peak_cuda_<phase>_gb is exactly torch.cuda.max_memory_allocated at its end
     (reset as it opens), the enclosing phase gets the larger, and a later phase does not inherit an earlier
     one's peak. CPU: no CUDA names at all, the resident-set ones only."""
-    from dapo.memory import GIB, PhaseMemory
+    from dapo.runtime.memory import GIB, PhaseMemory
 
     mem = PhaseMemory(interval_s=0.001, cuda=device == "cuda")
     mem.enter("step")
@@ -447,7 +447,7 @@ def test_the_rollout_process_samples_on_the_device_what_the_engine_in_process_do
     """Item m: with the same weights (version 1, pushed) and seed, the rollout process gives the in-process engine's
     tokens, and log-probs within 1e-5 (the same kernels in another process; the model's own forward)."""
     from dapo.config import load_config
-    from dapo.models import load_model_and_tokenizer
+    from dapo.model.loading import load_model_and_tokenizer
     from dapo.rollout.base import SamplingParams
     from dapo.rollout.hf import HFRolloutEngine
     from dapo.rollout.remote import RemoteEngine

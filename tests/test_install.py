@@ -91,8 +91,8 @@ def test_presets_models_and_benchmarks_resolve_from_the_installed_package(instal
         """
 from dapo.config import load_config, resolve_preset
 from dapo.evaluation import load_benchmark
-from dapo.data_files import load_examples
-from dapo.resources import shipped
+from dapo.data.files import load_examples
+from dapo.config.shipped import shipped
 for name in ("demo", "smollm2_135m", "configs/dapo_qwen2.5_7b.yaml", "ablation/base"):
     print(resolve_preset(name))
 cfg = load_config(["ablation/base", "ablation/3_clip_higher"])  # as dapo ablate layers them; the row names its bases

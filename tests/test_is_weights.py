@@ -6,8 +6,8 @@ import typing
 import pytest
 import torch
 
-from dapo import config as config_module
-from dapo import is_weights
+from dapo.algorithm import rollout_correction
+from dapo.config import schema as config_module
 
 
 def _logps(ratios: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -16,18 +16,18 @@ def _logps(ratios: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_the_config_offers_exactly_the_modes_implemented():
-    assert typing.get_args(config_module.RolloutIsMode) == is_weights.MODES
+    assert typing.get_args(config_module.RolloutIsMode) == rollout_correction.MODES
 
 
 def test_token_mask_zeroes_tokens_above_the_cap_and_keeps_the_ratio_below():
     old, rollout = _logps(torch.tensor([[1.0, 2.5, 4.0], [0.5, 3.5, 9.0]]))
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])  # 9.0 is padding
-    w, stats = is_weights.masked_is_weights(old, rollout, mask, cap=3.0)
+    w, stats = rollout_correction.masked_is_weights(old, rollout, mask, cap=3.0)
     assert torch.allclose(w, torch.tensor([[1.0, 2.5, 0.0], [0.5, 0.0, 0.0]]), atol=1e-5)
     assert stats["is_masked_frac"].item() == pytest.approx(2 / 5)  # 4.0 and 3.5; padding does not count
     assert stats["is_weight_mean"].item() == pytest.approx((1 + 2.5 + 0.5) / 5, abs=1e-5)
     # against truncation: the same tokens, weight C instead of 0
-    t, _ = is_weights.truncated_is_weights(old, rollout, mask, cap=3.0)
+    t, _ = rollout_correction.truncated_is_weights(old, rollout, mask, cap=3.0)
     assert torch.allclose(t - w, torch.tensor([[0.0, 0.0, 3.0], [0.0, 3.0, 0.0]]), atol=1e-5)
 
 
@@ -36,23 +36,23 @@ def test_second_moment_mask_drops_the_largest_log_ratios_until_their_mean_is_und
     log_r = torch.tensor([[0.0, 0.1, -0.2, 0.0], [0.5, -1.0, 0.0, 5.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
     # tau 0.1: dropping 1.0 leaves mean (0 + .01 + .04 + .25) / 4 = 0.075 <= 0.1
-    kept = is_weights.second_moment_mask(log_r, mask, threshold=0.1)
+    kept = rollout_correction.second_moment_mask(log_r, mask, threshold=0.1)
     assert kept.tolist() == [[True, True, True, False], [True, False, False, False]]
     # tau 0.02: 0.25 goes as well, and 0.04 stays: (0 + .01 + .04) / 3 = 0.0167
-    assert is_weights.second_moment_mask(log_r, mask, threshold=0.02).tolist() == [
+    assert rollout_correction.second_moment_mask(log_r, mask, threshold=0.02).tolist() == [
         [True, True, True, False],
         [False, False, False, False],
     ]
     # tau 0.01: (0 + 0.01) / 2 = 0.005 keeps two; tau above the whole mean keeps every valid token
-    assert is_weights.second_moment_mask(log_r, mask, threshold=0.01).sum().item() == 2
-    assert torch.equal(is_weights.second_moment_mask(log_r, mask, threshold=0.3), mask > 0)
+    assert rollout_correction.second_moment_mask(log_r, mask, threshold=0.01).sum().item() == 2
+    assert torch.equal(rollout_correction.second_moment_mask(log_r, mask, threshold=0.3), mask > 0)
 
 
 def test_m2_weights_are_the_truncated_ratio_on_the_tokens_kept():
     log_r = torch.tensor([[0.0, 0.1, -0.2], [0.5, -1.0, 0.0]])
     old, rollout = _logps(log_r.exp())
     mask = torch.ones(2, 3)
-    w, stats = is_weights.m2_is_weights(old, rollout, mask, cap=1.5, threshold=0.1)
+    w, stats = rollout_correction.m2_is_weights(old, rollout, mask, cap=1.5, threshold=0.1)
     # kept: log r 0, 0.1, -0.2, 0.5, 0 ((0 + .01 + .04 + .25 + 0) / 5 = 0.06); dropped: -1.0
     expected = torch.tensor([[1.0, math.exp(0.1), math.exp(-0.2)], [1.5, 0.0, 1.0]])  # e^0.5 = 1.65 -> the cap
     assert torch.allclose(w, expected, atol=1e-5)
@@ -62,8 +62,8 @@ def test_m2_weights_are_the_truncated_ratio_on_the_tokens_kept():
 
 def test_the_dispatch_names_an_unknown_mode():
     old, rollout = _logps(torch.ones(1, 2))
-    for mode in is_weights.MODES:
-        w, _ = is_weights.rollout_is_weights(old, rollout, torch.ones(1, 2), mode=mode, cap=2.0)
+    for mode in rollout_correction.MODES:
+        w, _ = rollout_correction.rollout_is_weights(old, rollout, torch.ones(1, 2), mode=mode, cap=2.0)
         assert torch.allclose(w, torch.ones(1, 2)), mode  # the engine agrees: every weight is 1
     with pytest.raises(ValueError, match="rollout_is_mode must be one of"):
-        is_weights.rollout_is_weights(old, rollout, torch.ones(1, 2), mode="token", cap=2.0)
+        rollout_correction.rollout_is_weights(old, rollout, torch.ones(1, 2), mode="token", cap=2.0)

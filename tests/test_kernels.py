@@ -8,8 +8,8 @@ from conftest import make_policy, small_config
 from safetensors.torch import load_file
 from test_async_rollout import final_weights, rows_of
 
-from dapo import kernels
 from dapo.config import ConfigError, load_config
+from dapo.model import kernels
 from dapo.training import train
 
 

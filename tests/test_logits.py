@@ -18,13 +18,13 @@ from transformers import (
     Qwen2Config,
 )
 
-from dapo import tiny as tiny_tokenizers
 from dapo.config import ConfigError
-from dapo.logits import LogitTransform, UnsupportedModel, find_logit_transform
-from dapo.logprobs import HeadLogProbs, ResponseLogProbs, token_logprobs
-from dapo.micro_batch import make_micro_batch
-from dapo.models import load_model_and_tokenizer
-from dapo.prefix import unsupported
+from dapo.model import tiny as tiny_tokenizers
+from dapo.model.loading import load_model_and_tokenizer
+from dapo.model.logits import LogitTransform, UnsupportedModel, find_logit_transform
+from dapo.model.logprobs import HeadLogProbs, ResponseLogProbs, token_logprobs
+from dapo.model.micro_batch import make_micro_batch
+from dapo.model.prefix import unsupported
 
 COMMON = dict(
     vocab_size=258,
@@ -157,12 +157,12 @@ def test_a_transform_the_trainer_cannot_reproduce_is_refused():
 
 
 def test_policy_refuses_at_start_with_one_line(tmp_path, tiny_model_dir, monkeypatch):
-    from dapo import logits
+    from dapo.model import logits
 
     def refuse(lm, **_):
         raise UnsupportedModel("its forward changes the logits after the LM head in a way the trainer cannot reproduce")
 
-    monkeypatch.setattr("dapo.logprobs.find_logit_transform", refuse)
+    monkeypatch.setattr("dapo.model.logprobs.find_logit_transform", refuse)
     assert logits.find_logit_transform is not refuse
     cfg = small_config(tmp_path, tiny_model_dir)
     with pytest.raises(ConfigError) as err:
@@ -308,7 +308,7 @@ def test_sliding_window_shares_prompts_when_every_sequence_fits(family):
 def test_policy_refuses_a_window_shorter_than_the_run(tmp_path):
     path = save_with_tokenizer(tiny(MistralConfig(**COMMON, sliding_window=64)), tmp_path / "mistral")
     cfg = small_config(tmp_path / "run", path, "train.share_prompt_prefix=true", "data.max_prompt_tokens=60")
-    from dapo.policy import Policy
+    from dapo.model.policy import Policy
 
     with pytest.raises(
         ConfigError, match=r"^train.share_prompt_prefix=true: .* sliding-window attention over 64 tokens.* = 76\)"

@@ -5,8 +5,8 @@ import pytest
 import torch
 from conftest import loss_fn_of, make_policy, sampled_batch, small_config
 
-from dapo.logprobs import token_logprobs
-from dapo.micro_batch import make_micro_batch, plan_micro_batches
+from dapo.model.logprobs import token_logprobs
+from dapo.model.micro_batch import make_micro_batch, plan_micro_batches
 
 
 def test_token_logprobs_match_full_forward(tiny_model_dir, tmp_path):
@@ -78,7 +78,7 @@ def _head_reference(h, weight, targets, temperature):
 
 @pytest.mark.parametrize("chunk", [1, 7, 64])
 def test_head_logprobs_equal_full_logits_values_and_gradients(chunk):
-    from dapo.logprobs import HeadLogProbs
+    from dapo.model.logprobs import HeadLogProbs
 
     torch.manual_seed(0)
     n, H, V, T = 23, 16, 50, 0.7
@@ -104,7 +104,7 @@ def test_head_logprobs_equal_full_logits_values_and_gradients(chunk):
 
 
 def test_head_logprobs_leave_a_frozen_head_without_gradient_and_keep_its_dtype():
-    from dapo.logprobs import HeadLogProbs
+    from dapo.model.logprobs import HeadLogProbs
 
     torch.manual_seed(0)
     h, targets = torch.randn(9, 8, requires_grad=True), torch.randint(0, 30, (9,))
@@ -122,7 +122,7 @@ def test_head_logprobs_leave_a_frozen_head_without_gradient_and_keep_its_dtype()
 
 
 def test_head_chunk_keeps_cpu_logits_under_glibcs_mmap_ceiling():
-    from dapo.logprobs import head_chunk_rows
+    from dapo.model.logprobs import head_chunk_rows
 
     assert head_chunk_rows(49152, torch.device("cpu")) == 128  # SmolLM2: 128 x 49152 x 4 B = 24 MiB
     assert head_chunk_rows(151936, torch.device("cpu")) == 64  # Qwen2.5: 41 rows would slow the matmuls
@@ -151,7 +151,7 @@ def test_micro_batch_plan_respects_the_budget_and_balances():
 
 
 def test_reference_model_gives_the_initial_policys_log_probs(tiny_model_dir, tmp_path):
-    from dapo.policy import ReferenceModel
+    from dapo.model.policy import ReferenceModel
 
     cfg = small_config(
         tmp_path, tiny_model_dir, "algo.kl_coef=0.05", "rollout.temperature=0.8", "train.max_tokens_per_micro_batch=60"

@@ -16,8 +16,8 @@ from conftest import SMALL_OVERRIDES, loss_fn_of, make_policy, small_config  # n
 
 from dapo import checkpoint, cli  # noqa: E402
 from dapo.config import ConfigError, load_config  # noqa: E402
-from dapo.log import read_metrics  # noqa: E402
-from dapo.models import load_model_and_tokenizer  # noqa: E402
+from dapo.model.loading import load_model_and_tokenizer  # noqa: E402
+from dapo.reporting.run_log import read_metrics  # noqa: E402
 from dapo.rollout import SamplingParams  # noqa: E402
 from dapo.rollout.hf import HFRolloutEngine  # noqa: E402
 
@@ -236,7 +236,7 @@ def test_the_hf_engine_samples_with_the_live_adapters(tiny_model_dir, tmp_path):
 
 
 def test_the_reference_is_the_base_with_the_adapters_off(tiny_model_dir, tmp_path):
-    from dapo.policy import BaseReference, ReferenceModel
+    from dapo.model.policy import BaseReference, ReferenceModel
 
     cfg = small_config(tmp_path, tiny_model_dir, *LORA, "rollout.temperature=0.8")
     policy, batch = trained_policy(cfg, updates=2, lr=0.05)

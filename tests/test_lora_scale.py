@@ -15,10 +15,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import loss_fn_of, make_policy, small_config, training_engine  # noqa: E402
 from test_lora import LORA, ONE_UPDATE, REPO, sampled  # noqa: E402
 
-from dapo import checkpoint, checkpoint_shards, lora, parallel  # noqa: E402
-from dapo.checkpoint_weights import export_hf, is_lora  # noqa: E402
-from dapo.log import read_metrics  # noqa: E402
+from dapo import checkpoint  # noqa: E402
+from dapo.checkpoint import shards as checkpoint_shards
+from dapo.checkpoint import weights as checkpoint_weights  # noqa: E402
+from dapo.checkpoint.weights import export_hf, is_lora  # noqa: E402
+from dapo.model import lora
+from dapo.reporting.run_log import read_metrics  # noqa: E402
 from dapo.rollout import SamplingParams  # noqa: E402
+from dapo.runtime import parallel
 
 
 # ---- FSDP: 2 ranks vs 1 --------------------------------------------------------------------------
@@ -58,7 +62,7 @@ def fsdp_worker(model_dir: str, batch_file: str, out_dir: str) -> None:
     )
     reloaded = make_policy(cfg, "cpu", d)
     reloaded.optimizer = torch.optim.SGD([p for p in reloaded.model.parameters() if p.requires_grad], lr=1.0)
-    checkpoint.load_policy_weights(reloaded, step)
+    checkpoint_weights.load_policy_weights(reloaded, step)
     reloaded_weights = {k: v.clone() for k, v in parallel.full_tensors(reloaded.model.named_parameters())}
     if d.is_main:
         torch.save(
@@ -133,7 +137,7 @@ def test_sharded_lora_checkpoints_hold_the_adapters_reload_and_export(two_rank_l
 
     single, two, tmp = two_rank_lora
     step = tmp / "run" / "checkpoints" / "step_000001"
-    assert checkpoint.is_sharded(step) and is_lora(step) and not (step / "adapter" / lora.WEIGHTS_FILE).exists()
+    assert checkpoint_weights.is_sharded(step) and is_lora(step) and not (step / "adapter" / lora.WEIGHTS_FILE).exists()
     assert all(torch.equal(two["reloaded"][k], v) for k, v in two["after"].items())  # adapters from the shards
     index = checkpoint_shards._safe_dcp_loaders(step / "shards")[0].read_metadata()
     saved = sorted(k.removeprefix("model.") for k in index.state_dict_metadata if k.startswith("model."))
@@ -155,9 +159,10 @@ def test_vllm_samples_from_the_merged_model_after_a_push(tmp_path):
     """After an update of the adapters, the merged weights pushed into vLLM give the trainer's log-probs
     (the peft model with its adapters on). The model is assets/arith-base: vLLM's CPU attention has no
     kernel for the conftest model's 16-wide heads."""
-    from test_vllm import LOGP_TOL_MAX, LOGP_TOL_MEAN, VLLM_OVERRIDES, as_batch, logp_abs_diff
+    from test_vllm import LOGP_TOL_MAX, LOGP_TOL_MEAN, VLLM_OVERRIDES, logp_abs_diff
 
-    from dapo import algo
+    from dapo.algorithm import advantages
+    from dapo.algorithm.batch import RolloutBatch
     from dapo.rollout import make_rollout
 
     model = REPO / "assets" / "arith-base"
@@ -169,9 +174,9 @@ def test_vllm_samples_from_the_merged_model_after_a_push(tmp_path):
     gen = engine.generate(prompts, params)
     start = logp_abs_diff(policy, gen, 4)
     assert start.mean() < LOGP_TOL_MEAN  # B = 0: the peft model is the base vLLM loaded
-    batch = as_batch(gen, 4)
+    batch = RolloutBatch.from_generation(gen, group_size=4)
     batch.reward = torch.tensor([1.0 if "Answer" in t and i % 2 else -1.0 for i, t in enumerate(gen.texts)])
-    batch.adv = algo.group_advantages(batch.reward, 4)
+    batch.adv = advantages.group_advantages(batch.reward, 4)
     batch.old_logp, _ = policy.compute_logprobs(batch)
     for group in policy.optimizer.param_groups:
         group["lr"] = 2e-2

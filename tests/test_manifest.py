@@ -18,7 +18,8 @@ from conftest import small_config  # noqa: E402
 from test_checkpoint import sharded_checkpoint  # noqa: E402
 
 from dapo import checkpoint, cli  # noqa: E402
-from dapo.checkpoint_shards import CheckpointError  # noqa: E402
+from dapo.checkpoint import files as checkpoint_files  # noqa: E402
+from dapo.runtime.files import CheckpointError  # noqa: E402
 
 RUN = ["train.total_steps=2", "run.save_every=1"]
 
@@ -31,7 +32,7 @@ def trained(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("manifest")
     train(small_config(root, tiny_model_dir, *RUN))
     sharded = sharded_checkpoint(tiny_model_dir, root / "sharded" / "step_000001")
-    checkpoint.write_manifest(sharded)
+    checkpoint_files.write_manifest(sharded)
     return root / "t", sharded
 
 
@@ -53,7 +54,7 @@ TARGETS = {  # what is damaged: the file, relative to the checkpoint
     "model weights": "model/model.safetensors",
     "trainer and optimizer state": "trainer_state.pt",
     "shard": "shards/__0_0.distcp",
-    "manifest": checkpoint.MANIFEST,
+    "manifest": checkpoint_files.MANIFEST,
 }
 WHAT = {
     "truncated": r"is \d+ bytes, the manifest says \d+",
@@ -70,19 +71,19 @@ def test_each_kind_of_damage_is_named_with_the_file(trained, tmp_path, target, h
     source = sharded if target == "shard" else run_dir / "checkpoints" / "step_000002"
     step = tmp_path / source.name
     shutil.copytree(source, step)
-    assert checkpoint.verify(step) is None
+    assert checkpoint_files.verify(step) is None
     damage(step / TARGETS[target], how)
     if (target, how) == ("manifest", "missing"):  # as a checkpoint written before manifests: trusted, unverified
-        with pytest.raises(checkpoint.Unverified):
-            checkpoint.verify(step)
+        with pytest.raises(checkpoint_files.Unverified):
+            checkpoint_files.verify(step)
         return
-    why = checkpoint.verify(step)
+    why = checkpoint_files.verify(step)
     print(f"\n{target:28} {how:9} -> {why}")
     if target == "manifest":  # the manifest's own damage
         if how == "extra":
             assert re.fullmatch(r"extra_manifest\.json is not in the manifest", why)
         else:
-            assert why == f"{checkpoint.MANIFEST} is unreadable (JSONDecodeError)"
+            assert why == f"{checkpoint_files.MANIFEST} is unreadable (JSONDecodeError)"
         return
     name = (
         TARGETS[target] if how != "extra" else str(Path(TARGETS[target]).parent / f"extra_{Path(TARGETS[target]).name}")
@@ -94,9 +95,9 @@ def test_each_kind_of_damage_is_named_with_the_file(trained, tmp_path, target, h
 def test_every_file_is_in_the_manifest_with_its_size(trained):
     run_dir, sharded = trained
     for step in (run_dir / "checkpoints" / "step_000002", sharded):
-        listed = json.loads((step / checkpoint.MANIFEST).read_text())["files"]
+        listed = json.loads((step / checkpoint_files.MANIFEST).read_text())["files"]
         on_disk = {p.relative_to(step).as_posix(): p.stat().st_size for p in step.rglob("*") if p.is_file()}
-        on_disk.pop(checkpoint.MANIFEST)
+        on_disk.pop(checkpoint_files.MANIFEST)
         assert {name: v["bytes"] for name, v in listed.items()} == on_disk
 
 
@@ -117,7 +118,7 @@ def test_resume_passes_over_a_damaged_checkpoint_and_moves_it_aside(trained, tin
     assert "moved aside to damaged.step_000002, not deleted" in out
     assert "resumed from" in out and "step_000001 (step 1)" in out
     assert (run_dir / "checkpoints" / "damaged.step_000002" / "model" / "model.safetensors").is_file()  # kept
-    assert checkpoint.verify(run_dir / "checkpoints" / "step_000002") is None  # written again, whole
+    assert checkpoint_files.verify(run_dir / "checkpoints" / "step_000002") is None  # written again, whole
     # the step trained again from step 1 reaches the weights the undamaged run had
     from safetensors.torch import load_file
 
@@ -145,7 +146,7 @@ def test_a_checkpoint_without_a_manifest_still_resumes_with_a_line(trained, tiny
 
     run_dir = copy_run(trained[0], tmp_path)
     shutil.rmtree(run_dir / "checkpoints" / "step_000002")
-    (run_dir / "checkpoints" / "step_000001" / checkpoint.MANIFEST).unlink()  # as written before manifests
+    (run_dir / "checkpoints" / "step_000001" / checkpoint_files.MANIFEST).unlink()  # as written before manifests
     capsys.readouterr()
     train(small_config(tmp_path, tiny_model_dir, *RUN))
     out = capsys.readouterr().out.replace("\n", "")  # the console wraps long lines
@@ -170,7 +171,7 @@ def test_export_and_eval_refuse_a_damaged_checkpoint_in_one_line(trained, tmp_pa
 def test_check_whole_of_an_unverified_checkpoint_is_a_note(trained, tmp_path):
     step = tmp_path / "step_000002"
     shutil.copytree(trained[0] / "checkpoints" / "step_000002", step)
-    (step / checkpoint.MANIFEST).unlink()
+    (step / checkpoint_files.MANIFEST).unlink()
     assert "not verified" in checkpoint.check_whole(step)
     with pytest.raises(CheckpointError):
         shutil.copytree(trained[0] / "checkpoints" / "step_000001", tmp_path / "b" / "step_000001")

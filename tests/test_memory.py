@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from dapo.memory import GIB, PhaseMemory
+from dapo.runtime.memory import GIB, PhaseMemory
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="resident set read from /proc (Linux)")
 MIB = 2**20
@@ -83,7 +83,7 @@ def test_close_while_the_sampler_goes_to_sleep_does_not_hang(monkeypatch):
     import threading
     import types
 
-    from dapo import memory
+    from dapo.runtime import memory
 
     holder = {}
 

@@ -7,24 +7,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from dapo.batch import RolloutBatch
-from dapo.dynamic_sampling import CollectStats
-from dapo.log import VERL_NAMES, VERL_SUMS, with_verl_names
-from dapo.metrics import sampling_metrics, step_metrics
+from dapo.algorithm.batch import RolloutBatch
+from dapo.collect.stats import CollectStats, sampling_metrics
+from dapo.reporting.metrics import step_metrics
+from dapo.reporting.run_log import VERL_NAMES, VERL_SUMS, with_verl_names
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def hand_made_batch():
     # 2 groups of 2: response lengths 3, 5 | 5, 2 (limit 5: the second and third are at it), prompts 4, 4 | 6, 6
-    batch = RolloutBatch(
+    batch = RolloutBatch.of_responses(
+        [[1] * 4, [1] * 4, [2] * 6, [2] * 6],
+        [[5] * 3, [5] * 5, [6] * 5, [6] * 2],
         group_size=2,
-        prompt_ids=[[1] * 4, [1] * 4, [2] * 6, [2] * 6],
-        response_ids=[[5] * 3, [5] * 5, [6] * 5, [6] * 2],
         truncated=torch.tensor([False, True, False, False]),  # the third ended with EOS at the limit
-        texts=[""] * 4,
         example_uids=["a", "a", "b", "b"],
-        ground_truths=["0"] * 4,
         acc=torch.tensor([1.0, 0.0, 0.0, 1.0]),
         reward=torch.tensor([1.0, -2.0, -1.0, 1.0]),
         overlong_penalty=torch.tensor([0.0, -1.0, 0.0, 0.0]),
@@ -77,7 +75,7 @@ def test_every_verl_name_is_in_the_documented_table():
 
 
 def test_engine_gap_warning_by_dtype():
-    from dapo.metrics import engine_gap_warning
+    from dapo.reporting.notes import engine_gap_warning
 
     assert engine_gap_warning({"rollout/logprob_abs_diff_mean": torch.tensor(4e-6)}, dtype="float32", step=3) is None
     line = engine_gap_warning({"rollout/logprob_abs_diff_mean": torch.tensor(2e-3)}, dtype="float32", step=3)
@@ -97,7 +95,7 @@ def test_engine_gap_warning_by_dtype():
 def test_behaviour_drift_by_hand():
     """Two tokens: one twice as likely under the current weights as under those that sampled it (r = 2), one
     unmoved (r = 1). k3 = (2 - 1 - ln 2, 0), mean 0.1534; ESS = (2 + 1)^2 / (2 (4 + 1)) = 0.9."""
-    from dapo.metrics import behaviour_drift
+    from dapo.reporting.metrics import behaviour_drift
 
     old = torch.log(torch.tensor([0.5, 0.3]))
     behaviour = torch.log(torch.tensor([0.25, 0.3]))
@@ -109,7 +107,7 @@ def test_behaviour_drift_by_hand():
 
 
 def test_the_drift_guard_warns_once_on_the_window_mean_and_names_what_to_change():
-    from dapo.metrics import DRIFT_KL_LEVEL, DRIFT_WINDOW, DriftGuard
+    from dapo.reporting.notes import DRIFT_KL_LEVEL, DRIFT_WINDOW, DriftGuard
 
     assert (DRIFT_KL_LEVEL, DRIFT_WINDOW) == (0.005, 5)
     guard = DriftGuard()

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dapo import ablate, algo, is_weights
-from dapo import config as config_module
+from dapo import ablate
+from dapo.algorithm import losses, rollout_correction
 from dapo.config import ConfigError, load_config
+from dapo.config import schema as config_module
 
 
 def _logps(ratios, old_prob=0.5):
@@ -29,7 +30,7 @@ def test_gspo_clips_the_sequence_ratio_hand_computed():
     logp, old = _logps([[2.0, 0.5], [1.5, 1.0]])
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     adv = torch.tensor([1.0, 1.0])
-    loss, stats = algo.gspo_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_agg="seq-mean-token-mean")
+    loss, stats = losses.gspo_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_agg="seq-mean-token-mean")
     # per sequence: -A * s_0 = -1 (inside the range); -A * clip(1.5) = -1.28 (clipped at the top)
     assert loss.item() == pytest.approx((-1.0 + -1.28) / 2, abs=1e-6)
     loss.backward()
@@ -43,7 +44,7 @@ def test_gspo_clips_the_sequence_ratio_hand_computed():
     assert value(stats["seq_ratio_min"]) == pytest.approx(1.0, abs=1e-6)
     # the same batch under DAPO's token clip: row 0's ratio-2 token is clipped and passes no gradient
     logp.grad = None
-    dapo, _ = algo.policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_agg="seq-mean-token-mean")
+    dapo, _ = losses.dapo_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_agg="seq-mean-token-mean")
     dapo.backward()
     assert logp.grad[0, 0].item() == 0.0
 
@@ -53,7 +54,7 @@ def test_gspo_negative_advantage_is_clipped_at_the_bottom_and_dual_clipped():
     logp, old = _logps([[0.5, 0.5], [50.0, 1.0]], old_prob=0.01)
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     adv = torch.tensor([-1.0, -2.0])
-    loss, stats = algo.gspo_loss(
+    loss, stats = losses.gspo_loss(
         logp, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_agg="seq-mean-token-mean", dual_clip=10.0
     )
     # row 0: max(0.5, 0.8) = 0.8 (clipped at the bottom); row 1: max(2 * 50, 2 * 1.28) = 100, dual clip -> 2 * 10
@@ -62,7 +63,7 @@ def test_gspo_negative_advantage_is_clipped_at_the_bottom_and_dual_clipped():
     assert value(stats["seq_clipfrac_dual"]) == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize("loss_agg", algo.LOSS_AGG_MODES)
+@pytest.mark.parametrize("loss_agg", losses.LOSS_AGG_MODES)
 @pytest.mark.parametrize("dual_clip", [None, 3.0])
 def test_gspo_with_one_token_responses_is_the_token_level_clip(loss_agg, dual_clip):
     # with |y_i| = 1 the sequence ratio is the token ratio: GSPO and DAPO's surrogate coincide
@@ -73,7 +74,7 @@ def test_gspo_with_one_token_responses_is_the_token_level_clip(loss_agg, dual_cl
     mask = torch.ones(6, 1)
     kw = dict(eps_low=0.2, eps_high=0.28, loss_agg=loss_agg, norm_length=4, dual_clip=dual_clip)
     grads = []
-    for fn in (algo.gspo_loss, algo.policy_loss):
+    for fn in (losses.gspo_loss, losses.dapo_loss):
         logp = base.clone().requires_grad_(True)
         loss, _ = fn(logp, old, adv, mask, **kw)
         loss.backward()
@@ -85,7 +86,7 @@ def test_gspo_with_one_token_responses_is_the_token_level_clip(loss_agg, dual_cl
 def test_cispo_clips_the_weight_not_the_update_hand_computed():
     logp, old = _logps([[1.5, 0.5, 1.0]])
     mask = torch.ones(1, 3)
-    loss, stats = algo.cispo_loss(logp, old, torch.tensor([1.0]), mask, eps_low=0.2, eps_high=0.28)
+    loss, stats = losses.cispo_loss(logp, old, torch.tensor([1.0]), mask, eps_low=0.2, eps_high=0.28)
     # weights clip(r) = [1.28, 0.8, 1.0]; the loss's value is -A * w per token, token-mean over 3
     assert loss.item() == pytest.approx(-(1.28 + 0.8 + 1.0) / 3, abs=1e-6)
     loss.backward()
@@ -106,8 +107,8 @@ def test_cispo_gradient_on_unclipped_tokens_is_the_vanilla_policy_gradient():
     mask = (torch.arange(5)[None, :] < torch.tensor([[5], [3], [1], [4]])).float()
     cispo = base.clone().requires_grad_(True)
     vanilla = base.clone().requires_grad_(True)
-    c_loss, stats = algo.cispo_loss(cispo, old, adv, mask, eps_low=0.2, eps_high=0.28)
-    v_loss = algo.aggregate(-adv[:, None] * (vanilla - old).exp(), mask)
+    c_loss, stats = losses.cispo_loss(cispo, old, adv, mask, eps_low=0.2, eps_high=0.28)
+    v_loss = losses.aggregate(-adv[:, None] * (vanilla - old).exp(), mask)
     c_loss.backward()
     v_loss.backward()
     assert value(stats["cispo_clipfrac_high"]) == 0.0 and value(stats["cispo_clipfrac_low"]) == 0.0
@@ -115,22 +116,25 @@ def test_cispo_gradient_on_unclipped_tokens_is_the_vanilla_policy_gradient():
     assert torch.allclose(cispo.grad, vanilla.grad, atol=1e-7)
     # on-policy (ratio 1) it is REINFORCE: -A * grad log pi / num_tokens
     on = base.clone().requires_grad_(True)
-    loss, _ = algo.cispo_loss(on, base, adv, mask)
+    loss, _ = losses.cispo_loss(on, base, adv, mask)
     loss.backward()
     assert torch.allclose(on.grad, -adv[:, None] * mask / mask.sum(), atol=1e-7)
 
 
 def test_cispo_dual_clip_caps_a_negative_advantage_weight():
     logp, old = _logps([[50.0]], old_prob=0.01)
-    loss, _ = algo.cispo_loss(logp, old, torch.tensor([-2.0]), torch.ones(1, 1), eps_high=100.0, dual_clip=10.0)
+    loss, _ = losses.cispo_loss(logp, old, torch.tensor([-2.0]), torch.ones(1, 1), eps_high=100.0, dual_clip=10.0)
     assert loss.item() == pytest.approx(20.0)  # -A * min(50, c)
-    free, _ = algo.cispo_loss(logp, old, torch.tensor([-2.0]), torch.ones(1, 1), eps_high=100.0)
+    free, _ = losses.cispo_loss(logp, old, torch.tensor([-2.0]), torch.ones(1, 1), eps_high=100.0)
     assert free.item() == pytest.approx(100.0, rel=1e-5)
 
 
-@pytest.mark.parametrize("objective", ["gspo", "cispo"])
-@pytest.mark.parametrize("loss_agg", algo.LOSS_AGG_MODES)
+@pytest.mark.parametrize("objective", losses.OBJECTIVES)
+@pytest.mark.parametrize("loss_agg", losses.LOSS_AGG_MODES)
 def test_micro_batch_split_leaves_each_objective_unchanged(objective, loss_agg):
+    """Splitting a mini-batch into micro-batches (each divided by the whole mini-batch's tokens and sequences) leaves
+    the loss and its gradient as one pass gives them, for every objective and every aggregation (DAPO sec. 3.3:
+    gradient accumulation never changes the objective)."""
     torch.manual_seed(0)
     N, T = 8, 7
     old = -torch.rand(N, T) * 2
@@ -139,14 +143,14 @@ def test_micro_batch_split_leaves_each_objective_unchanged(objective, loss_agg):
     mask = (torch.arange(T)[None, :] < lengths[:, None]).float()
     adv = torch.randn(N)
     kw = dict(eps_low=0.2, eps_high=0.28, loss_agg=loss_agg, norm_length=T, objective=objective)
-    full, _ = algo.actor_loss(logp, old, adv, mask, **kw)
+    full, _ = losses.actor_loss(logp, old, adv, mask, **kw)
     full.backward()
     grad_full = logp.grad.clone()
     logp.grad = None
     num_tokens, num_seqs = mask.sum(), (mask.sum(-1) > 0).sum()
     total = 0.0
     for rows in (slice(0, 3), slice(3, 4), slice(4, 8)):
-        part, _ = algo.actor_loss(
+        part, _ = losses.actor_loss(
             logp[rows], old[rows], adv[rows], mask[rows], num_tokens=num_tokens, num_seqs=num_seqs, **kw
         )
         part.backward()
@@ -158,13 +162,13 @@ def test_micro_batch_split_leaves_each_objective_unchanged(objective, loss_agg):
 def test_actor_loss_runs_the_named_objective():
     logp, old = _logps([[1.5, 0.5, 1.0]])
     mask, adv = torch.ones(1, 3), torch.tensor([1.0])
-    for name, fn in zip(algo.OBJECTIVES, (algo.policy_loss, algo.gspo_loss, algo.cispo_loss)):
-        assert algo.objective_loss(name) is fn
-        loss, stats = algo.actor_loss(logp, old, adv, mask, objective=name)
+    for name, fn in zip(losses.OBJECTIVES, (losses.dapo_loss, losses.gspo_loss, losses.cispo_loss)):
+        assert losses.objective_loss(name) is fn
+        loss, stats = losses.actor_loss(logp, old, adv, mask, objective=name)
         direct, _ = fn(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_agg="token-mean")
         assert torch.equal(loss, direct), name
     with pytest.raises(ValueError, match="objective must be one of"):
-        algo.actor_loss(logp, old, adv, mask, objective="ppo")
+        losses.actor_loss(logp, old, adv, mask, objective="ppo")
 
 
 def test_sequence_is_weights_truncate_and_mask_hand_computed():
@@ -173,7 +177,7 @@ def test_sequence_is_weights_truncate_and_mask_hand_computed():
     ratios = torch.tensor([[2.0, 2.0], [0.5, 7.0], [1.5, 1.0]])
     old = rollout + torch.log(ratios)
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
-    w, stats = is_weights.sequence_is_weights(old, rollout, mask, cap=3.0, mask_outside=False)
+    w, stats = rollout_correction.sequence_is_weights(old, rollout, mask, cap=3.0, mask_outside=False)
     assert torch.allclose(w, torch.tensor([[3.0, 3.0], [0.5, 0.0], [1.5, 1.5]]), atol=1e-5)
     assert stats["is_truncated_frac"].item() == pytest.approx(1 / 3)
     assert stats["is_seq_ratio_mean"].item() == pytest.approx((4 + 0.5 + 1.5) / 3, abs=1e-5)
@@ -181,10 +185,10 @@ def test_sequence_is_weights_truncate_and_mask_hand_computed():
     assert stats["is_seq_ratio_min"].item() == pytest.approx(0.5, abs=1e-5)
     assert stats["is_weight_mean"].item() == pytest.approx((3 + 3 + 0.5 + 1.5 + 1.5) / 5, abs=1e-5)
     # masking with the band [1/3, 3]: row 0 (rho 4) leaves it; 0.5 and 1.5 stay, with weight 1
-    w, stats = is_weights.sequence_is_weights(old, rollout, mask, cap=3.0, mask_outside=True)
+    w, stats = rollout_correction.sequence_is_weights(old, rollout, mask, cap=3.0, mask_outside=True)
     assert torch.equal(w, torch.tensor([[0.0, 0.0], [1.0, 0.0], [1.0, 1.0]]))
     assert stats["is_masked_frac"].item() == pytest.approx(1 / 3)
-    w, _ = is_weights.sequence_is_weights(old, rollout, mask, cap=1.9, mask_outside=True)
+    w, _ = rollout_correction.sequence_is_weights(old, rollout, mask, cap=1.9, mask_outside=True)
     assert torch.equal(w[1], torch.tensor([0.0, 0.0]))  # rho 0.5 < 1/1.9 leaves the band at the bottom
 
 
@@ -192,7 +196,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_config_offers_exactly_the_objectives_algo_implements():
-    assert tuple(algo.OBJECTIVES) == typing.get_args(config_module.Objective)
+    assert tuple(losses.OBJECTIVES) == typing.get_args(config_module.Objective)
     assert load_config("configs/demo.yaml").algo.objective == "dapo"  # the paper's surrogate stays the default
 
 

@@ -19,8 +19,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import SMALL_OVERRIDES, loss_fn_of, make_policy, small_config  # noqa: E402
 
-from dapo import checkpoint, checkpoint_weights, cli, parallel  # noqa: E402
+from dapo import checkpoint, cli  # noqa: E402
+from dapo.checkpoint import files as checkpoint_files
+from dapo.checkpoint import weights as checkpoint_weights
 from dapo.rollout import SamplingParams  # noqa: E402
+from dapo.runtime import parallel
 
 REPO = Path(__file__).resolve().parents[1]
 EQUIV_OVERRIDES = [
@@ -114,7 +117,7 @@ def test_sharded_rollout_gives_each_tensor_parallel_group_one_share(monkeypatch)
 # ---- the rendezvous store -------------------------------------------------------------------------
 STORE_WORKER = """
 import json, os, torch
-from dapo import parallel
+from dapo.runtime import parallel
 d = parallel.init("cpu")
 total = parallel.all_reduce(torch.tensor(float(d.rank + 1)), d)
 port, listening = int(os.environ["MASTER_PORT"]), []
@@ -355,7 +358,7 @@ def test_sharded_checkpoint_exports_to_a_model_directory(two_rank_update, tmp_pa
     _, runs, tmp, _ = two_rank_update
     two = runs["fp32"]
     ckpt = checkpoint.latest_checkpoint(tmp / "fp32")
-    assert ckpt is not None and checkpoint.is_sharded(ckpt) and not (ckpt / "model").exists()
+    assert ckpt is not None and checkpoint_weights.is_sharded(ckpt) and not (ckpt / "model").exists()
     assert sorted(p.name for p in (ckpt / "shards").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     with pytest.raises(RuntimeError, match="dapo export"):
         checkpoint_weights.load_model_weights(None, ckpt)
@@ -388,7 +391,7 @@ def test_torchrun_training_resumes_exactly_from_shards(tiny_model_dir, tmp_path)
     ]
     torchrun(*args, f"run.dir={tmp_path / 'full'}")
     full = tmp_path / "full" / "t"
-    assert [p.name for p in checkpoint.list_checkpoints(full)] == ["step_000001", "step_000002", "step_000003"]
+    assert [p.name for p in checkpoint_files.list_checkpoints(full)] == ["step_000001", "step_000002", "step_000003"]
     metrics = [line for line in (full / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert len(metrics) == 3  # rank 0 alone writes the run's files
     assert all('"actor/kl_loss"' in m for m in metrics)
@@ -455,7 +458,7 @@ def test_two_gpus_nccl_bf16_cpu_offload_checkpointing(tiny_model_dir, tmp_path):
         "train.cpu_offload=true",
     )
     ckpt = checkpoint.latest_checkpoint(tmp_path / "t")
-    assert ckpt is not None and checkpoint.is_sharded(ckpt)
+    assert ckpt is not None and checkpoint_weights.is_sharded(ckpt)
     rows = [line for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert len(rows) == 2 and all('"actor/grad_norm": NaN' not in r for r in rows)
 

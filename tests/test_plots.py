@@ -2,7 +2,7 @@
 
 import warnings
 
-from dapo.plots import plot_training
+from dapo.reporting.plots import plot_training
 
 
 def test_a_run_with_nothing_trained_plots_without_warnings(tmp_path):

@@ -20,7 +20,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import SMALL_OVERRIDES, small_config  # noqa: E402
 
-from dapo import checkpoint, checkpoint_shards, preemption  # noqa: E402
+from dapo import checkpoint  # noqa: E402
+from dapo.checkpoint import files as checkpoint_files
+from dapo.checkpoint import preemption
+from dapo.checkpoint import shards as checkpoint_shards
+from dapo.runtime import parallel
 
 STEPS = ["train.total_steps=3", "run.save_every=null"]
 LINE = re.compile(
@@ -55,16 +59,17 @@ def uninterrupted(tiny_model_dir, tmp_path_factory):
 def signal_at(monkeypatch, where: str, call: int, sig=signal.SIGTERM, times: int = 1) -> None:
     """Have the run send itself ``sig`` (``times`` times in a row) at the ``call``-th entry into ``where`` (the hook
     then goes on as usual)."""
-    from dapo import dynamic_sampling
-    from dapo.policy import Policy
+    from dapo.checkpoint import save as checkpoint_save
+    from dapo.collect import scoring
+    from dapo.model.policy import Policy
     from dapo.rollout import hf
 
     owner, name = {
         "generate": (hf.HFRolloutEngine, "generate"),
-        "reward": (dynamic_sampling.Scorer, "__call__"),
+        "reward": (scoring.Scorer, "__call__"),
         "old_logprob": (Policy, "compute_logprobs"),
         "update": (Policy, "update"),
-        "checkpoint": (checkpoint, "_complete"),  # inside the write, before the rename (a background one too)
+        "checkpoint": (checkpoint_save, "_complete"),  # inside the write, before the rename (a background one too)
     }[where]
     real, calls = getattr(owner, name), {"n": 0}
 
@@ -106,9 +111,9 @@ def test_a_signal_checkpoints_the_last_completed_step_and_the_resume_is_bit_iden
     m = LINE.fullmatch(line)
     assert m and m.group(1) == "SIGTERM" and int(m.group(2)) == saved, line
     assert said is None or m.group(3) == said
-    assert [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(cfg.run_dir)] == [saved]
+    assert [checkpoint.step_of(p) for p in checkpoint_files.list_checkpoints(cfg.run_dir)] == [saved]
     assert m.group(4) == str(checkpoint.latest_checkpoint(cfg.run_dir))
-    assert checkpoint.verify(checkpoint.latest_checkpoint(cfg.run_dir)) is None
+    assert checkpoint_files.verify(checkpoint.latest_checkpoint(cfg.run_dir)) is None
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or not callable(signal.getsignal(signal.SIGTERM))
     monkeypatch.undo()
     train(cfg)  # started again: resumes and finishes
@@ -138,7 +143,7 @@ def test_a_repeat_of_the_signal_within_seconds_is_the_same_stop(tiny_model_dir, 
         train(cfg)
     m = LINE.fullmatch(str(stopped.value))
     assert m and m.group(2) == "2" and m.group(3) == "in update, finished", str(stopped.value)
-    assert [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(cfg.run_dir)] == [2]
+    assert [checkpoint.step_of(p) for p in checkpoint_files.list_checkpoints(cfg.run_dir)] == [2]
 
 
 @pytest.mark.parametrize(
@@ -171,7 +176,7 @@ def test_dapo_train_stops_on_sigterm_in_one_line_with_exit_code_75(tiny_model_di
     assert proc.returncode == preemption.EXIT_CODE, err[-3000:]
     assert len(lines) == 1 and LINE.fullmatch(lines[0]), err[-3000:]
     step = int(LINE.fullmatch(lines[0]).group(2))
-    assert step >= 1 and [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(tmp_path / "t")] == [step]
+    assert step >= 1 and [checkpoint.step_of(p) for p in checkpoint_files.list_checkpoints(tmp_path / "t")] == [step]
     assert "Traceback" not in err
 
 
@@ -179,7 +184,6 @@ def test_dapo_train_stops_on_sigterm_in_one_line_with_exit_code_75(tiny_model_di
 def ranks_worker(model_dir: str, root: str) -> None:
     """Under torchrun (2 ranks, one process group for every run here): the uninterrupted run; the same run with
     SIGUSR1 to rank 1 alone in its second generation; that run started again. Each rank writes what it saw."""
-    from dapo import parallel
     from dapo.rollout import hf
     from dapo.training import train
 
@@ -254,7 +258,6 @@ LAUNCHED = ["train.total_steps=4", "run.save_every=null"]
 
 def resume_worker(model_dir: str, root: str) -> None:
     """Under torchrun (2 ranks): the uninterrupted run, then the stopped run started again (it resumes)."""
-    from dapo import parallel
     from dapo.training import train
 
     root = Path(root)
@@ -300,7 +303,7 @@ def test_sigterm_to_torchrun_stops_both_ranks_at_one_checkpoint_and_the_resume_i
     assert len(set(forwarded)) == 2, err[-3000:]  # to both ranks
     assert len(lines) == 1 and LINE.fullmatch(lines[0]), err[-3000:]  # rank 0's line only
     step = int(LINE.fullmatch(lines[0]).group(2))
-    assert 1 <= step < 4 and [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(run)] == [step]
+    assert 1 <= step < 4 and [checkpoint.step_of(p) for p in checkpoint_files.list_checkpoints(run)] == [step]
     assert "exit code 75" in lines[0] and "Unable to shutdown process" not in err  # no rank was killed
     _torchrun(tiny_model_dir, tmp_path, "resume")
     assert checkpoint.step_of(checkpoint.latest_checkpoint(run)) == 4
@@ -367,7 +370,7 @@ def test_a_signal_to_the_launch_ray_driver_reaches_every_rank_and_the_relaunch_i
     assert len(lines) == 1 and LINE.fullmatch(lines[0]), err[-4000:]  # the driver's line, rank 0's
     m = LINE.fullmatch(lines[0])
     assert m.group(1) == sig.name and 1 <= int(m.group(2)) < 6
-    assert [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(runs / "t")] == [int(m.group(2))]
+    assert [checkpoint.step_of(p) for p in checkpoint_files.list_checkpoints(runs / "t")] == [int(m.group(2))]
     assert "Traceback" not in err and "died mid-run" not in err
     proc, err, seconds = launch_ray(tiny_model_dir, runs)
     print(f"relaunch: exit {proc.returncode}")

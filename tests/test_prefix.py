@@ -8,12 +8,13 @@ import pytest
 import torch
 from conftest import loss_fn_of, make_policy, small_config
 
-from dapo import algo, tiny
-from dapo.batch import RolloutBatch
+from dapo.algorithm import advantages
+from dapo.algorithm.batch import RolloutBatch
 from dapo.config import ConfigError
-from dapo.logprobs import token_logprobs
-from dapo.micro_batch import make_micro_batch, plan_shared_prompt_micro_batches, response_passes
-from dapo.prefix import unsupported
+from dapo.model import tiny
+from dapo.model.logprobs import token_logprobs
+from dapo.model.micro_batch import make_micro_batch, plan_shared_prompt_micro_batches, response_passes
+from dapo.model.prefix import unsupported
 
 PROMPT_LENGTHS = (57, 143, 96, 71)  # one group each
 RESPONSE_LENGTHS = ((1, 9, 30, 2), (17, 1, 1, 40), (5, 23, 8, 12), (33, 3, 19, 1))  # length 1 in most groups
@@ -30,19 +31,8 @@ def synthetic_batch(prompt_lengths=PROMPT_LENGTHS, response_lengths=RESPONSE_LEN
             responses.append(torch.randint(2, vocab, (r,), generator=rng).tolist())
     n, g = len(responses), len(response_lengths[0])
     reward = torch.tensor([1.0 if (i * 7) % 3 == 0 else -1.0 for i in range(n)])
-    batch = RolloutBatch(
-        group_size=g,
-        prompt_ids=prompts,
-        response_ids=responses,
-        truncated=torch.zeros(n, dtype=torch.bool),
-        texts=[""] * n,
-        example_uids=["x"] * n,
-        ground_truths=["0"] * n,
-        acc=(reward > 0).float(),
-        reward=reward,
-        overlong_penalty=torch.zeros(n),
-    )
-    batch.adv = algo.group_advantages(reward, g)
+    batch = RolloutBatch.of_responses(prompts, responses, group_size=g, reward=reward)
+    batch.adv = advantages.group_advantages(reward, g)
     return batch
 
 
@@ -366,7 +356,7 @@ def test_what_cannot_share_a_prompt_is_refused_in_one_line(tmp_path, tiny_model_
 
 
 def test_the_reference_model_shares_prompts_too(tiny_model_dir, tmp_path):
-    from dapo.policy import ReferenceModel
+    from dapo.model.policy import ReferenceModel
 
     batch = synthetic_batch()
     logp = {}
@@ -381,8 +371,8 @@ def test_the_reference_model_shares_prompts_too(tiny_model_dir, tmp_path):
 def test_training_with_shared_prompts_logs_the_unshared_runs_metrics(tiny_model_dir, tmp_path):
     """Two steps of the loop, with a KL term (the reference model's pass too): the same samples, the
     same losses, gradient norms and entropies, and the same weights at the end."""
-    from dapo.log import read_metrics
-    from dapo.models import load_model_and_tokenizer
+    from dapo.model.loading import load_model_and_tokenizer
+    from dapo.reporting.run_log import read_metrics
     from dapo.training import train
 
     runs = {}

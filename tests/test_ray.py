@@ -20,6 +20,7 @@ from test_parallel import REPO, env_for_children  # noqa: E402
 from test_reliability import QUICK_WATCHDOG, rows_of  # noqa: E402
 
 from dapo import checkpoint  # noqa: E402
+from dapo.checkpoint import weights as checkpoint_weights
 
 
 # ---- Ray ------------------------------------------------------------------------------------------
@@ -70,7 +71,7 @@ def test_ray_two_cpu_workers_train_two_steps_and_checkpoint(tiny_model_dir, tmp_
     print(f"\nRay, 2 CPU workers, 2 steps: {seconds:.1f} s including cluster start")
     run = tmp_path / "runs" / "t"
     ckpt = checkpoint.latest_checkpoint(run)
-    assert ckpt is not None and ckpt.name == "step_000002" and checkpoint.is_sharded(ckpt)
+    assert ckpt is not None and ckpt.name == "step_000002" and checkpoint_weights.is_sharded(ckpt)
     assert len(list((ckpt / "shards").glob("*.distcp"))) == 2  # one file per rank
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
     assert not (home / ".ray" / "auth_token").exists()

@@ -21,8 +21,8 @@ import pytest
 import torch
 from rich.console import Console
 
-from dapo.batch import RolloutBatch
-from dapo.data import Example, render_prompt
+from dapo.algorithm.batch import RolloutBatch
+from dapo.data.prompts import Example, render_prompt
 from dapo.rollout.base import SamplingParams, split_response
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,7 +95,7 @@ def test_rendered_prompt_has_default_system_prompt_and_generation_prompt():
 
 
 def test_long_prompt_is_cut_from_the_left():
-    from dapo.data import make_encoder
+    from dapo.data.prompts import make_encoder
 
     tok = smol_tokenizer()
     ex = Example(
@@ -117,15 +117,8 @@ def test_eos_equal_to_pad_is_kept_once_and_trained():
     assert split_response([17, 42, IM_END, IM_END, IM_END], {IM_END}, 5) == ([17, 42, IM_END], False)
     assert split_response([IM_END, IM_END], {IM_END}, 2) == ([IM_END], False)  # an empty answer still has its EOS
     assert split_response([17, 42, 43], {IM_END}, 3) == ([17, 42, 43], True)  # truncated: no EOS to train
-    batch = RolloutBatch(
-        group_size=3,
-        prompt_ids=[[1]] * 3,
-        response_ids=[[17, 42, IM_END], [IM_END], [17, 42, 43]],
-        truncated=torch.tensor([False, False, True]),
-        texts=["", "", ""],
-        example_uids=["a"] * 3,
-        ground_truths=["1"] * 3,
-    )
+    responses = [[17, 42, IM_END], [IM_END], [17, 42, 43]]
+    batch = RolloutBatch.of_responses([[1]] * 3, responses, group_size=3, truncated=torch.tensor([False, False, True]))
     mask = batch.response_mask()  # (3, 3)
     assert mask.tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 1]]
     assert batch.response_lengths.tolist() == [3, 1, 3]
@@ -134,7 +127,7 @@ def test_eos_equal_to_pad_is_kept_once_and_trained():
 def test_hf_rollout_on_real_tokenizer_masks_by_length_not_by_pad(tmp_path):
     """A tiny Llama with the real tokenizer, made to stop early: every stopped row ends with exactly
     one EOS, truncated rows have none, and the mask covers each row's tokens, EOS included."""
-    from dapo.models import load_model_and_tokenizer
+    from dapo.model.loading import load_model_and_tokenizer
     from dapo.rollout.hf import HFRolloutEngine
 
     model, tok = load_model_and_tokenizer(build_tiny("llama", tmp_path / "m"))
@@ -151,20 +144,12 @@ def test_hf_rollout_on_real_tokenizer_masks_by_length_not_by_pad(tmp_path):
     for ids, trunc in zip(gen.response_ids, gen.truncated.tolist()):
         assert ids.count(IM_END) == (0 if trunc else 1) and (trunc or ids[-1] == IM_END)
         assert trunc == (len(ids) == 12 and IM_END not in ids)
-    batch = RolloutBatch(
-        group_size=16,
-        prompt_ids=gen.prompt_ids,
-        response_ids=gen.response_ids,
-        truncated=gen.truncated,
-        texts=gen.texts,
-        example_uids=["0"] * 16,
-        ground_truths=["7"] * 16,
-    )
+    batch = RolloutBatch.from_generation(gen, group_size=16)
     assert batch.response_mask().sum(dim=1).tolist() == [len(r) for r in gen.response_ids]
 
 
 def test_eos_comes_from_generation_config_else_tokenizer(tmp_path):
-    from dapo.models import load_model_and_tokenizer
+    from dapo.model.loading import load_model_and_tokenizer
     from dapo.rollout.hf import HFRolloutEngine
 
     model, tok = load_model_and_tokenizer(build_tiny("qwen2", tmp_path / "m"))
@@ -245,7 +230,7 @@ def write_llama_gguf(model, tokenizer_dir: Path, path: Path) -> None:
 def test_import_gguf_round_trips_logits_and_tokenizer(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dapo.models import import_gguf
+    from dapo.model.loading import import_gguf
 
     src_dir = build_tiny("llama", tmp_path / "src", hidden=64, layers=2, seed=5)
     original = AutoModelForCausalLM.from_pretrained(src_dir, dtype=torch.float32)
@@ -305,7 +290,7 @@ def test_import_real_smollm2_gguf(tmp_path):
     """The real 4-bit file: the written model computes what transformers' own GGUF load computes."""
     from transformers import AutoModelForCausalLM
 
-    from dapo.models import import_gguf
+    from dapo.model.loading import import_gguf
 
     out = import_gguf(SMOL_GGUF, tmp_path / "smol")
     direct = AutoModelForCausalLM.from_pretrained(SMOL_GGUF.parent, gguf_file=SMOL_GGUF.name, dtype=torch.float32)
@@ -364,7 +349,7 @@ def test_steps_without_informative_groups_still_log_evaluate_and_save(tmp_path, 
     from conftest import small_config
 
     from dapo.checkpoint import latest_checkpoint
-    from dapo.log import read_metrics
+    from dapo.reporting.run_log import read_metrics
     from dapo.training import train
 
     cfg = small_config(

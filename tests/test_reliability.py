@@ -20,8 +20,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import small_config  # noqa: E402
 
-from dapo import checkpoint, watchdog  # noqa: E402
+from dapo import checkpoint  # noqa: E402
+from dapo.checkpoint import files as checkpoint_files  # noqa: E402
 from dapo.config import ConfigError, load_config  # noqa: E402
+from dapo.runtime import watchdog
 
 # limits small enough for a test: a phase that ran once is late past max(3 s, 4 x its slowest run); a
 # first run (model loading, the first generation) has a minute; the process ends at twice the limit
@@ -107,8 +109,8 @@ def test_a_late_phase_gets_one_line_the_stacks_and_then_the_exit(tmp_path):
     )
     text = log.read_text()
     # twice every thread's stack: when late (the helper not started yet) and at the exit (the helper stuck)
-    assert text.count("dapo.watchdog: rank 3 late in generate after") == 1
-    assert text.count("dapo.watchdog: rank 3 ends in generate after") == 1
+    assert text.count("dapo.runtime.watchdog: rank 3 late in generate after") == 1
+    assert text.count("dapo.runtime.watchdog: rank 3 ends in generate after") == 1
     assert "in stuck_in_generation" in text.split("ends in generate")[1]
     assert "test_a_late_phase_gets_one_line_the_stacks_and_then_the_exit" in text  # the main thread, inside the phase
     assert "".join(lines).count("\n") == 2  # the two lines, nothing else on the console
@@ -117,7 +119,7 @@ def test_a_late_phase_gets_one_line_the_stacks_and_then_the_exit(tmp_path):
 HOLDS_THE_LOCK = """
 import sys, time
 from pathlib import Path
-from dapo import watchdog
+from dapo.runtime import watchdog
 with watchdog.phase("update"):
     pass
 dog = watchdog.Watchdog(rank=0, log_path=Path(sys.argv[1]), factor=1.0, floor_s=1.0, first_s=60.0, exit_factor=2.0,
@@ -238,7 +240,7 @@ def test_a_normal_run_says_nothing_and_the_watchdog_saw_every_phase(tiny_model_d
     train(cfg)
     out = capsys.readouterr()
     assert "watchdog" not in out.out + out.err
-    assert "dapo.watchdog" not in (tmp_path / "t" / "train.log").read_text()
+    assert "dapo.runtime.watchdog" not in (tmp_path / "t" / "train.log").read_text()
     assert set(watchdog.PHASES.slowest) == {
         "start",
         "eval",
@@ -311,7 +313,7 @@ def test_a_hung_rank_is_named_with_its_stacks_and_the_job_ends(tiny_model_dir, t
         assert late[1 - hung_rank].group(3) is not None
     log = tmp_path / "t" / ("train.log" if hung_rank == 0 else f"train.rank{hung_rank}.log")
     assert hung.group(7) == str(log)
-    stacks = log.read_text().split(f"dapo.watchdog: rank {hung_rank} late in {where}")[1]
+    stacks = log.read_text().split(f"dapo.runtime.watchdog: rank {hung_rank} late in {where}")[1]
     assert "Current thread" in stacks or "Thread 0x" in stacks
     assert ("in generate" if where == "generate" else "in execute") in stacks  # the hook that hangs, by name
     assert any(
@@ -320,7 +322,7 @@ def test_a_hung_rank_is_named_with_its_stacks_and_the_job_ends(tiny_model_dir, t
         for line in lines
     )
     # step 1 is whole: its checkpoint and its row
-    assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "t")] == ["step_000001"]
+    assert [p.name for p in checkpoint_files.list_checkpoints(tmp_path / "t")] == ["step_000001"]
     rows = [json.loads(r) for r in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines() if r.strip()]
     assert [r["step"] for r in rows] == [1]
 
@@ -329,7 +331,7 @@ def test_a_hung_rank_is_named_with_its_stacks_and_the_job_ends(tiny_model_dir, t
 def poison_updates(monkeypatch, steps):
     """The loss is nan in every optimizer update of the given training steps (Policy.update calls, 1-based)."""
     from dapo import training
-    from dapo.policy import Policy
+    from dapo.model.policy import Policy
 
     state = {"call": 0}
     real_update, real_make = Policy.update, training.make_loss_fn
@@ -378,7 +380,7 @@ def test_a_nonfinite_loss_skips_the_update_and_leaves_weights_and_adamw_state(
         (2, 2, 2),
         (3, 0, 2),
     ]
-    ckpt = {p.name: p for p in checkpoint.list_checkpoints(tmp_path / "t")}
+    ckpt = {p.name: p for p in checkpoint_files.list_checkpoints(tmp_path / "t")}
     weights = {k: load_file(p / "model" / "model.safetensors") for k, p in ckpt.items()}
     adamw = {k: checkpoint.load_trainer_state(p)["policy"]["optimizer"]["state"] for k, p in ckpt.items()}
     one, two, three = (f"step_00000{i}" for i in (1, 2, 3))
@@ -417,7 +419,10 @@ def test_nonfinite_updates_in_a_row_stop_the_run_in_one_line(tiny_model_dir, tmp
         f"the weights of the last checkpoint ({tmp_path}/t/checkpoints/step_000003) for nan"
     ]
     assert [(r["step"], r["actor/nonfinite_updates"]) for r in rows_of(tmp_path / "t")] == [(1, 0), (2, 2), (3, 2)]
-    assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "t")] == ["step_000002", "step_000003"]  # keep 2
+    assert [p.name for p in checkpoint_files.list_checkpoints(tmp_path / "t")] == [
+        "step_000002",
+        "step_000003",
+    ]  # keep 2
     # the streak is saved with the checkpoint and read back: started again, the run goes on counting from 4
     from conftest import make_policy, small_config
 
@@ -471,7 +476,7 @@ def test_a_rollout_engine_failing_mid_generation_stops_in_one_line_and_the_run_r
     assert "Traceback" not in err
     log = (run / "train.log").read_text()
     assert "step 2 failed in generate; the traceback:" in log and "in generate\n    raise RuntimeError" in log
-    assert [p.name for p in checkpoint.list_checkpoints(run)] == ["step_000001"] and [
+    assert [p.name for p in checkpoint_files.list_checkpoints(run)] == ["step_000001"] and [
         r["step"] for r in rows_of(run)
     ] == [1]
     monkeypatch.setattr(hf.HFRolloutEngine, "generate", real)  # the engine works again

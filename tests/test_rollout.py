@@ -3,7 +3,7 @@
 import torch
 
 from dapo.config import RolloutConfig
-from dapo.models import load_model_and_tokenizer
+from dapo.model.loading import load_model_and_tokenizer
 from dapo.rollout import SamplingParams, make_rollout
 
 

@@ -15,8 +15,9 @@ import torch
 from conftest import SMALL_OVERRIDES
 from safetensors.torch import load_file
 
-from dapo import checkpoint_weights, parallel
+from dapo.checkpoint import weights as checkpoint_weights
 from dapo.config import ConfigError, load_config, validate
+from dapo.runtime import parallel
 
 ROOT = Path(__file__).resolve().parents[1]
 ASYNC = ["train.total_steps=3", "rollout.max_staleness=1", "algo.rollout_is_cap=2", "rollout.engine_threads=1"]

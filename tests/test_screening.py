@@ -4,12 +4,13 @@ import pytest
 import torch
 from test_dynamic_sampling import Ex, ListSampler
 
-from dapo import algo
+from dapo.algorithm import advantages
+from dapo.collect.dynamic_sampling import BatchCollector
+from dapo.collect.scoring import Scored
+from dapo.collect.stats import screen_metrics
 from dapo.config import AlgoConfig, ConfigError, load_config
-from dapo.dynamic_sampling import BatchCollector, Scored
-from dapo.log import _generation_line, run_summary
+from dapo.reporting.run_log import _generation_line, run_summary
 from dapo.rollout.base import Generation, SamplingParams
-from dapo.screening import screen_metrics
 
 G = 4
 
@@ -91,7 +92,7 @@ def test_a_prompt_whose_first_n_agree_costs_n_and_one_that_disagrees_is_complete
     assert batch.group_size == G and batch.example_uids == ["1"] * 4 + ["3"] * 4
     assert batch.acc.tolist() == [1, 0, 1, 1, 0, 1, 0, 0]  # the stream, in order: first 2, then the 2 more
     # eq. 9 over all 4 of each group: prompt 1's mean reward 0.5, prompt 3's -0.5
-    adv = algo.group_advantages(batch.reward, G)
+    adv = advantages.group_advantages(batch.reward, G)
     expected_1 = (torch.tensor([1.0, -1, 1, 1]) - 0.5) / (torch.tensor([1.0, -1, 1, 1]).std() + 1e-6)
     assert torch.allclose(adv[:4], expected_1, atol=1e-5)
     s = stats.screen
@@ -147,7 +148,10 @@ def test_the_cap_stops_new_screening_but_completes_what_was_screened_in():
 @pytest.mark.parametrize(
     "extra,message",
     [
-        (["algo.screen_samples=1"], "algo.screen_samples=1: screening drops a prompt whose first n responses agree"),
+        (
+            ["algo.screen_samples=1"],
+            "algo.screen_samples=1: screening drops a prompt whose first n responses agree",
+        ),
         (["algo.screen_samples=8"], "from 2 to rollout.group_size - 1 = 7"),
         (["algo.screen_samples=2", "algo.dynamic_sampling=false"], "with algo.dynamic_sampling=true"),
         (["algo.screen_audit=0.1"], "algo.screen_audit=0.1: audits the prompts screening drops; set"),

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dapo import tiny
+from dapo.model import tiny
 from dapo.tasks import arith
 
 REPO = Path(__file__).resolve().parent.parent

@@ -5,8 +5,8 @@ import pytest
 import torch
 from conftest import small_config
 
-from dapo import tiny
-from dapo.batch import RolloutBatch
+from dapo.algorithm.batch import RolloutBatch
+from dapo.model import tiny
 from dapo.rollout.base import Generation, SamplingParams
 from dapo.rollout.multi_turn import ToolRollout
 from dapo.tools import PythonTool, call_in
@@ -149,10 +149,7 @@ def test_the_budget_counts_tool_tokens_and_the_last_turn_has_no_stop():
 
 def test_concat_keeps_tool_masks_aligned_with_rows_that_have_none():
     def rows(tool_mask):
-        return RolloutBatch(
-            group_size=1, prompt_ids=[[1]], response_ids=[[5, 6, 7]], truncated=torch.zeros(1, dtype=torch.bool),
-            texts=[""], example_uids=["a"], ground_truths=["0"], tool_mask=tool_mask,
-        )  # fmt: skip
+        return RolloutBatch.of_responses([[1]], [[5, 6, 7]], group_size=1, tool_mask=tool_mask)
 
     joined = RolloutBatch.concat([rows([]), rows([[0, 1, 0]])])
     assert joined.tool_mask == [[0, 0, 0], [0, 1, 0]]
@@ -183,7 +180,7 @@ def greedy_in_turns(engine, tokenizer, prompts, monkeypatch, max_new_tokens=24):
 def test_hf_turns_continue_exactly_where_the_engine_stopped(monkeypatch):
     from pathlib import Path
 
-    from dapo.models import load_model_and_tokenizer
+    from dapo.model.loading import load_model_and_tokenizer
     from dapo.rollout.hf import HFRolloutEngine
 
     model, tokenizer = load_model_and_tokenizer(
@@ -271,7 +268,7 @@ def test_dapo_eval_with_the_tool_and_the_tool_template(tiny_model_dir, tmp_path,
 
     import dapo.rollout
     from dapo.cli import main
-    from dapo.data import TOOL_PROMPT_SUFFIX
+    from dapo.data.prompts import TOOL_PROMPT_SUFFIX
 
     prompts = []
 

@@ -9,12 +9,12 @@ import torch
 from conftest import loss_fn_of, make_policy, small_config
 from test_tools import TOK, ArithToolUser, needs_bwrap
 
-from dapo import algo
-from dapo.batch import RolloutBatch
+from dapo.algorithm import losses
+from dapo.algorithm.batch import RolloutBatch
+from dapo.algorithm.rollout_correction import MODES
+from dapo.algorithm.step import importance_weights
 from dapo.config import AlgoConfig
-from dapo.is_weights import MODES
-from dapo.metrics import step_metrics
-from dapo.phases import importance_weights
+from dapo.reporting.metrics import step_metrics
 
 
 def masked_batch(policy):
@@ -41,8 +41,8 @@ def hand_mask(batch) -> torch.Tensor:
 def test_tool_tokens_are_context_only_loss_and_gradient_equal_the_hand_masked_ones(tiny_model_dir, tmp_path):
     from conftest import sgd
 
-    from dapo.logprobs import token_logprobs
-    from dapo.micro_batch import make_micro_batch
+    from dapo.model.logprobs import token_logprobs
+    from dapo.model.micro_batch import make_micro_batch
 
     cfg = small_config(
         tmp_path, tiny_model_dir, "train.prompts_per_step=3", "train.mini_batch_prompts=3", "train.grad_clip=1e9"
@@ -61,7 +61,7 @@ def test_tool_tokens_are_context_only_loss_and_gradient_equal_the_hand_masked_on
     assert batch.old_logp[1, 2:5].abs().min() > 0
     # expected: DAPO's loss on the hand-masked batch in one pass, and its gradient
     logp, _ = token_logprobs(policy.model.train(), mb, temperature=cfg.rollout.temperature)
-    loss, _ = algo.policy_loss(logp, batch.old_logp, batch.adv, mask, eps_low=0.2, eps_high=0.28, dual_clip=10.0)
+    loss, _ = losses.dapo_loss(logp, batch.old_logp, batch.adv, mask, eps_low=0.2, eps_high=0.28, dual_clip=10.0)
     loss.backward()
     expected = [p.grad.clone() for p in policy.model.parameters()]
     policy.model.zero_grad(set_to_none=True)
@@ -72,7 +72,7 @@ def test_tool_tokens_are_context_only_loss_and_gradient_equal_the_hand_masked_on
         assert torch.allclose(b - p.detach(), g, atol=1e-6)
     assert max(g.abs().max() for g in expected) > 1e-3
     # the entropy metric averages the model's tokens only
-    cstats = __import__("dapo.dynamic_sampling", fromlist=["CollectStats"]).CollectStats()
+    cstats = __import__("dapo.collect.stats", fromlist=["CollectStats"]).CollectStats()
     m = step_metrics(batch, cstats, {}, {"update": 1.0, "old_logprob": 1.0})
     assert m["actor/entropy"].item() == pytest.approx(float((batch.entropy * mask).sum() / mask.sum()), rel=1e-6)
 
@@ -93,7 +93,7 @@ def test_no_tool_tokens_engine_log_prob_enters_a_ratio(tiny_model_dir, tmp_path)
         for mode in MODES:
             stats = importance_weights(batch, AlgoConfig(rollout_is_cap=2.0, rollout_is_mode=mode))
             per_mode[mode] = (batch.is_weights * mask, {k: float(v) for k, v in stats.items()})
-        cstats = __import__("dapo.dynamic_sampling", fromlist=["CollectStats"]).CollectStats()
+        cstats = __import__("dapo.collect.stats", fromlist=["CollectStats"]).CollectStats()
         m = step_metrics(batch, cstats, {}, {"update": 1.0, "old_logprob": 1.0})
         results.append((per_mode, float(m["rollout/logprob_abs_diff_max"])))
     for per_mode, diff_max in results[1:]:
@@ -114,7 +114,7 @@ def test_a_training_run_with_the_tool_grades_the_final_answer_and_trains_the_mod
     tiny_model_dir, tmp_path, monkeypatch
 ):
     import dapo.rollout
-    from dapo.log import read_metrics
+    from dapo.reporting.run_log import read_metrics
     from dapo.training import train
 
     monkeypatch.setattr(dapo.rollout, "make_rollout", lambda *a, **k: ArithToolUser())
@@ -137,9 +137,9 @@ def test_a_training_run_with_the_tool_grades_the_final_answer_and_trains_the_mod
 @needs_bwrap
 def test_void_turns_are_counted_and_filtered_only_when_asked(tiny_model_dir, tmp_path, monkeypatch):
     import dapo.rollout
+    from dapo.algorithm.step import assign_advantages
     from dapo.config import ConfigError
-    from dapo.log import read_metrics
-    from dapo.phases import assign_advantages
+    from dapo.reporting.run_log import read_metrics
     from dapo.training import train
 
     class Voids(ArithToolUser):  # rows 0 mod 4 close a text block (void), rows 1 mod 4 stop without an answer
@@ -166,11 +166,9 @@ def test_void_turns_are_counted_and_filtered_only_when_asked(tiny_model_dir, tmp
         assert (m["sampling/tokens_trained"] < m["sampling/tokens_generated"] - m["tools/tokens_masked"]) == (
             flag == "true"
         )
-    batch = RolloutBatch(
-        group_size=2, prompt_ids=[[1]] * 2, response_ids=[[5, 6]] * 2, truncated=torch.zeros(2, dtype=torch.bool),
-        texts=["", ""], example_uids=["a"] * 2, ground_truths=["0"] * 2, reward=torch.tensor([1.0, -1.0]),
-        void_turn=[True, False],
-    )  # fmt: skip
+    batch = RolloutBatch.of_responses(
+        [[1]] * 2, [[5, 6]] * 2, group_size=2, reward=torch.tensor([1.0, -1.0]), void_turn=[True, False]
+    )
     assign_advantages(batch, cfg.algo, 2, filter_void_turns=True)
     assert batch.trainable.tolist() == [False, True] and batch.adv.tolist() == pytest.approx(
         [0.7071, -0.7071], abs=1e-4

@@ -17,10 +17,10 @@ import pytest
 from conftest import SMALL_OVERRIDES
 from rich.console import Console
 
-from dapo import trackers
 from dapo.config import ConfigError, load_config
-from dapo.log import read_metrics
-from dapo.trackers import flat_params, mlflow_metric_name
+from dapo.reporting import trackers
+from dapo.reporting.run_log import read_metrics
+from dapo.reporting.trackers import flat_params, mlflow_metric_name
 
 REPO = Path(__file__).resolve().parents[1]
 mlflow = pytest.importorskip("mlflow")
@@ -173,7 +173,7 @@ def test_a_tracker_that_cannot_start_stops_the_run_in_one_line(tmp_path, tiny_mo
 
 
 def test_importing_the_training_loop_imports_no_tracker():
-    code = "import sys, dapo.training, dapo.trackers; print(sorted({'wandb', 'mlflow'} & set(sys.modules)))"
+    code = "import sys, dapo.training, dapo.reporting.trackers; print(sorted({'wandb', 'mlflow'} & set(sys.modules)))"
     out = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
@@ -200,7 +200,7 @@ def test_without_console_no_step_lines_and_without_tensorboard_no_directory(tmp_
 
 
 def test_the_logger_of_other_ranks_writes_nothing_and_returns_the_row(tmp_path, monkeypatch, capsys):
-    from dapo.log import RunLogger
+    from dapo.reporting.run_log import RunLogger
 
     monkeypatch.chdir(tmp_path)
     logger = RunLogger(None, total_steps=2)

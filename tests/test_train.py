@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import loss_fn_of, make_policy, sampled_batch, small_config
 
-from dapo import checkpoint
-from dapo.log import read_metrics
+from dapo.checkpoint import files as checkpoint_files
+from dapo.reporting.run_log import read_metrics
 from dapo.training import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_two_step_smoke_trains_every_parameter(tiny_model_dir, tmp_path):
     cfg = small_config(tmp_path, tiny_model_dir, "algo.overlong_filtering=true", "algo.kl_coef=0.01")
-    from dapo.models import load_model_and_tokenizer
+    from dapo.model.loading import load_model_and_tokenizer
 
     initial, _ = load_model_and_tokenizer(tiny_model_dir)
     last = train(cfg)
@@ -132,7 +132,7 @@ def uninterrupted(tiny_model_dir, tmp_path_factory):
     ref = run_driver(root, tiny_model_dir, root / "saves.txt", "ref", 0)
     assert ref.returncode == 0, ref.stderr[-3000:]
     assert (root / "saves.txt").read_text().split() == ["ref", "1", "ref", "2", "ref", "3"]
-    assert [p.name for p in checkpoint.list_checkpoints(root / "t")] == ["step_000002", "step_000003"]
+    assert [p.name for p in checkpoint_files.list_checkpoints(root / "t")] == ["step_000002", "step_000003"]
     return root / "t"
 
 
@@ -202,7 +202,7 @@ def test_demo_command_prints_before_and_after(tmp_path, capsys):
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-2].startswith("held-out accuracy: arith avg@2 ") and "] before -> " in out[-2], out
     assert " after step 2  (95% CI)" in out[-2]
-    from dapo.log import read_metrics
+    from dapo.reporting.run_log import read_metrics
 
     # each evaluation's responses, beside the step samples, named on the console; their verdicts are its avg@2
     rows = {r["step"]: r for r in read_metrics(tmp_path / "demo")}

@@ -8,13 +8,12 @@ import pytest
 import torch
 from conftest import loss_fn_of, make_policy, sampled_batch, sgd, small_config
 
-from dapo import algo
-from dapo.batch import RolloutBatch
+from dapo.algorithm import advantages, losses
+from dapo.algorithm.batch import RolloutBatch
+from dapo.algorithm.step import importance_weights, record_held_over_old_logp
 from dapo.config import AlgoConfig
-from dapo.dynamic_sampling import record_behaviour_logp
-from dapo.logprobs import token_logprobs
-from dapo.micro_batch import make_micro_batch
-from dapo.phases import importance_weights
+from dapo.model.logprobs import token_logprobs
+from dapo.model.micro_batch import make_micro_batch
 
 
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
@@ -67,7 +66,7 @@ def test_a_buffered_groups_first_update_ratio_is_against_the_policy_that_sampled
     policy = make_policy(cfg)
     first = sampled_batch(policy)  # three groups sampled by pi_sampling
     held = [first.select_groups([2])]  # a surplus group, buffered at this step
-    record_behaviour_logp(held, policy.compute_logprobs, source="trainer")
+    record_held_over_old_logp(held, policy.compute_logprobs, source="trainer")
     logp_sampling, _ = policy.compute_logprobs(held[0])  # (G, T)
     policy.update(first.select_groups([0, 1]), loss_fn_of(cfg))  # this step's update: the weights move to pi_theta
     logp_theta, _ = policy.compute_logprobs(held[0])
@@ -75,16 +74,16 @@ def test_a_buffered_groups_first_update_ratio_is_against_the_policy_that_sampled
 
     fresh = sampled_batch(policy, prompts=("2+2=",))  # the next step samples one group, takes one from the buffer
     nxt = RolloutBatch.concat([fresh, held[0]])
-    nxt.adv = algo.group_advantages(nxt.reward, 4)
-    nxt.old_logp = nxt.behaviour_old_logp(policy.compute_logprobs(nxt)[0])  # as train.py does
+    nxt.adv = advantages.group_advantages(nxt.reward, 4)
+    nxt.old_logp = nxt.old_logp_with_held_over(policy.compute_logprobs(nxt)[0])  # as train.py does
     seen = []
-    real_loss = algo.policy_loss
+    real_loss = losses.dapo_loss
 
     def spy(logp, old_logp, *args, **kwargs):  # the ratio the first update's loss sees
         seen.append((logp - old_logp).detach().exp())
         return real_loss(logp, old_logp, *args, **kwargs)
 
-    monkeypatch.setattr(algo, "policy_loss", spy)
+    monkeypatch.setattr(losses, "dapo_loss", spy)
     [rows] = policy.micro_batches(nxt, list(range(len(nxt))))  # one pass, rows in the update's order
     policy.update(nxt, loss_fn_of(cfg))
     ratio = seen[0]  # (8, T) in the order of `rows`
@@ -99,15 +98,14 @@ def test_a_buffered_groups_first_update_ratio_is_against_the_policy_that_sampled
 
 
 def traced_update(cfg, *, old_logp: str, engine_logp_from=None):
-    """One step's old-log-prob phase and update (train.old_logprobs, Policy.update) with ``algo.old_logp``
-    on three groups, one per mini-batch, under SGD: returns the batch as the update left it, the
-    phase's result, each loss call's (old_logp, logp, loss) and each optimizer step's gradients and
+    """One step's old-log-prob pass and update (dapo.algorithm.step.old_logprobs, Policy.update) with
+    ``algo.old_logp_source`` on three groups, one per mini-batch, under SGD: returns the batch as the update left it,
+    the phase's result, each loss call's (old_logp, logp, loss) and each optimizer step's gradients and
     the weights after the update."""
     from types import SimpleNamespace
 
+    from dapo.algorithm.step import old_logprobs
     from dapo.config import load_config
-    from dapo.phases import old_logprobs
-    from dapo.training import TrainState
 
     torch.manual_seed(0)
     policy = make_policy(cfg)
@@ -117,8 +115,8 @@ def traced_update(cfg, *, old_logp: str, engine_logp_from=None):
     batch.old_logp = batch.entropy = None
     if engine_logp_from is not None:  # what vLLM in float32 reports: the trainer's own numbers
         batch.rollout_logp = [engine_logp_from[i, : len(r)].tolist() for i, r in enumerate(batch.response_ids)]
-    run_cfg = load_config(None, [f"algo.old_logp={old_logp}", "rollout.backend=vllm"])
-    phase = old_logprobs(batch, SimpleNamespace(cfg=run_cfg, state=TrainState(), policy=policy, reference=None))
+    run_cfg = load_config(None, [f"algo.old_logp_source={old_logp}", "rollout.backend=vllm"])
+    phase = old_logprobs(batch, policy, run_cfg.algo)
     before_update = batch.old_logp.clone()
     real_loss, calls, grads = loss_fn_of(cfg), [], []
 
@@ -145,8 +143,8 @@ def traced_update(cfg, *, old_logp: str, engine_logp_from=None):
 
 
 def test_engine_old_logp_is_the_engines_and_runs_no_pass(tiny_model_dir, tmp_path):
-    from dapo.dynamic_sampling import CollectStats
-    from dapo.metrics import step_metrics
+    from dapo.collect.stats import CollectStats
+    from dapo.reporting.metrics import step_metrics
 
     cfg = small_config(tmp_path, tiny_model_dir, "train.prompts_per_step=3", "train.mini_batch_prompts=1")
     rec = traced_update(cfg, old_logp="recompute")
@@ -169,7 +167,8 @@ def test_engine_old_logp_is_the_engines_and_runs_no_pass(tiny_model_dir, tmp_pat
 def test_old_logp_sources_fail_in_one_line_where_they_cannot_be_exact(tiny_model_dir, tmp_path):
     cfg = small_config(tmp_path, tiny_model_dir, "train.prompts_per_step=3", "train.mini_batch_prompts=1")
     with pytest.raises(
-        ValueError, match="^algo.old_logp=engine: the rollout engine reported no log-probs; use rollout.backend=vllm$"
+        ValueError,
+        match="^algo.old_logp_source=engine: the rollout engine reported no log-probs; use rollout.backend=vllm$",
     ):
         traced_update(cfg, old_logp="engine")  # the hf engine's batch has none
 
@@ -205,7 +204,7 @@ def test_update_minimises_the_loss_fn_it_is_given_with_the_documented_arguments(
         )
         zero = torch.zeros(())
         stats = {
-            k: algo.mean_stat(zero, zero)
+            k: losses.mean_stat(zero, zero)
             for k in (
                 "clipfrac_high",
                 "clipfrac_low",
@@ -216,7 +215,7 @@ def test_update_minimises_the_loss_fn_it_is_given_with_the_documented_arguments(
             )
         }
         loss = -3.0 * (logp * mask).sum()  # a hand-made objective: 3 x the summed log-likelihood
-        return loss, {**stats, "up_clipped_prob_max": algo.max_stat(zero), "pg_loss": algo.sum_stat(loss)}
+        return loss, {**stats, "up_clipped_prob_max": losses.max_stat(zero), "pg_loss": losses.sum_stat(loss)}
 
     # the expected step: 3 x the gradient of the batch's log-likelihood in one pass, however update splits the rows
     mb = make_micro_batch(batch, list(range(len(batch))), policy.pad_id, "cpu")
@@ -240,7 +239,7 @@ def test_update_minimises_the_loss_fn_it_is_given_with_the_documented_arguments(
 
 
 def test_update_statistics_are_the_token_weighted_micro_batch_ones_synced_once(tiny_model_dir, tmp_path, monkeypatch):
-    from dapo import parallel
+    from dapo.runtime import parallel
 
     cfg = small_config(
         tmp_path,
@@ -304,8 +303,8 @@ def test_a_statistic_the_loss_adds_reaches_the_steps_metrics_combined_as_it_says
     """A new name with each ``how``, and nothing else changed: per update a weighted mean over the
     micro-batches (0 where the weights add up to 0), a sum, a max or a min (of the micro-batches with a weight);
     over the updates their mean, max or min."""
-    from dapo.dynamic_sampling import CollectStats
-    from dapo.metrics import step_metrics
+    from dapo.collect.stats import CollectStats
+    from dapo.reporting.metrics import step_metrics
 
     cfg = small_config(
         tmp_path,
@@ -325,12 +324,12 @@ def test_a_statistic_the_loss_adds_reaches_the_steps_metrics_combined_as_it_says
         k = torch.tensor(float(len(calls)))  # this call's number: a value known by hand
         calls.append((len(steps), float(mask.sum())))  # which update, its valid tokens
         new = {
-            "my_mean": algo.mean_stat(k, mask.sum()),
-            "my_unweighted": algo.mean_stat(k, torch.zeros(())),
-            "my_sum": algo.sum_stat(k + 1),
-            "my_max": algo.max_stat(-k),
+            "my_mean": losses.mean_stat(k, mask.sum()),
+            "my_unweighted": losses.mean_stat(k, torch.zeros(())),
+            "my_sum": losses.sum_stat(k + 1),
+            "my_max": losses.max_stat(-k),
             # odd-numbered calls give 10 - k; even-numbered ones give -100 with weight 0, which must be ignored
-            "my_min": algo.min_stat(10 - k if k % 2 else torch.tensor(-100.0), torch.tensor(float(k % 2))),
+            "my_min": losses.min_stat(10 - k if k % 2 else torch.tensor(-100.0), torch.tensor(float(k % 2))),
         }
         return loss, {**stats, **new}
 
@@ -358,15 +357,8 @@ def test_a_statistic_the_loss_adds_reaches_the_steps_metrics_combined_as_it_says
 
 def test_truncated_importance_sampling_weights_each_tokens_loss(tiny_model_dir, tmp_path):
     # the engine's log-probs of a hand-made batch: ratios pi_old / pi_rollout of 1, 2 | 4, 0.5, 3 with C = 2.5
-    batch = RolloutBatch(
-        group_size=2,
-        prompt_ids=[[1], [1]],
-        response_ids=[[5, 6], [5, 6, 7]],
-        truncated=torch.zeros(2, dtype=torch.bool),
-        texts=["", ""],
-        example_uids=["a", "a"],
-        ground_truths=["0", "0"],
-        rollout_logp=[[-1.0, -2.0], [-3.0, -1.0, -2.0]],
+    batch = RolloutBatch.of_responses(
+        [[1], [1]], [[5, 6], [5, 6, 7]], group_size=2, rollout_logp=[[-1.0, -2.0], [-3.0, -1.0, -2.0]]
     )
     batch.old_logp = torch.tensor(
         [[-1.0, -2.0 + math.log(2), 0.0], [-3.0 + math.log(4), -1.0 - math.log(2), -2.0 + math.log(3)]]

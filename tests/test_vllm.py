@@ -18,9 +18,9 @@ import pytest
 import torch
 from conftest import loss_fn_of, make_policy, small_config
 
-from dapo import algo
-from dapo.batch import RolloutBatch
-from dapo.log import read_metrics
+from dapo.algorithm import advantages
+from dapo.algorithm.batch import RolloutBatch
+from dapo.reporting.run_log import read_metrics
 from dapo.rollout import Generation, SamplingParams, make_rollout
 from dapo.training import train
 
@@ -45,29 +45,15 @@ def setup(tmp_path_factory):
     return cfg, policy, engine, prompts
 
 
-def as_batch(gen, group_size) -> RolloutBatch:
-    n = len(gen.response_ids)
-    return RolloutBatch(
-        group_size=group_size,
-        prompt_ids=gen.prompt_ids,
-        response_ids=gen.response_ids,
-        truncated=gen.truncated,
-        texts=gen.texts,
-        example_uids=["x"] * n,
-        ground_truths=["0"] * n,
-        rollout_logp=gen.logprobs,
-    )
-
-
 def logp_abs_diff(policy, gen, group_size) -> torch.Tensor:
     """|engine log-prob - trainer log-prob| over every response token: (num_tokens,)."""
-    logp, _ = policy.compute_logprobs(as_batch(gen, group_size))  # (N, T)
+    logp, _ = policy.compute_logprobs(RolloutBatch.from_generation(gen, group_size=group_size))  # (N, T)
     return torch.cat([(logp[i, : len(lp)] - torch.tensor(lp)).abs() for i, lp in enumerate(gen.logprobs)])
 
 
 def test_hf_runs_never_import_vllm():
     code = (
-        "import sys; from dapo.config import RolloutConfig; from dapo.models import load_model_and_tokenizer;"
+        "import sys; from dapo.config import RolloutConfig; from dapo.model.loading import load_model_and_tokenizer;"
         "from dapo.rollout import make_rollout; import dapo.training;"
         f"m, t = load_model_and_tokenizer({str(MODEL)!r}); make_rollout(RolloutConfig(backend='hf'), m, t);"
         "assert 'vllm' not in sys.modules, 'vllm imported'"
@@ -80,14 +66,10 @@ def test_rollout_logp_travel_with_their_rows_and_give_the_metric():
 
     def batch(resp, lps, old):
         n = len(resp)
-        return RolloutBatch(
+        return RolloutBatch.of_responses(
+            [[5]] * n,
+            resp,
             group_size=2,
-            prompt_ids=[[5]] * n,
-            response_ids=resp,
-            truncated=torch.zeros(n, dtype=torch.bool),
-            texts=[""] * n,
-            example_uids=["u"] * n,
-            ground_truths=["0"] * n,
             acc=torch.zeros(n),
             reward=torch.tensor([1.0, -1.0] * (n // 2)),
             overlong_penalty=torch.zeros(n),
@@ -102,8 +84,8 @@ def test_rollout_logp_travel_with_their_rows_and_give_the_metric():
     assert RolloutBatch.concat([b, b]).rollout_logp == b.rollout_logp * 2
     assert RolloutBatch.concat([b, batch([[1], [2]], [], [[0.0], [0.0]])]).rollout_logp == []  # hf rows: no metric
     assert RolloutBatch.from_state(b.state()).rollout_logp == b.rollout_logp
-    from dapo.dynamic_sampling import CollectStats
-    from dapo.metrics import step_metrics
+    from dapo.collect.stats import CollectStats
+    from dapo.reporting.metrics import step_metrics
 
     m = step_metrics(b, CollectStats(), {}, {"update": 1.0, "old_logprob": 1.0})
     # |diffs| 0, 0.5, 0 on row 0 and 0.25 on row 1; the padding (old_logp 9.0) is not a response token
@@ -260,9 +242,9 @@ def test_weight_push_after_a_training_step(setup):
     cfg, policy, engine, prompts = setup
     params = SamplingParams(n=4, temperature=cfg.rollout.temperature, max_new_tokens=24, seed=1)
     gen = engine.generate(prompts, params)
-    batch = as_batch(gen, 4)
+    batch = RolloutBatch.from_generation(gen, group_size=4)
     batch.reward = torch.tensor([1.0 if "Answer" in t and i % 2 else -1.0 for i, t in enumerate(gen.texts)])
-    batch.adv = algo.group_advantages(batch.reward, 4)  # (N,)
+    batch.adv = advantages.group_advantages(batch.reward, 4)  # (N,)
     batch.old_logp, _ = policy.compute_logprobs(batch)
     for group in policy.optimizer.param_groups:
         group["lr"] = 1e-2  # a step big enough to change samples
@@ -409,7 +391,7 @@ def test_a_skipped_weight_push_is_said_in_one_line(tmp_path, monkeypatch):
 
     from rich.console import Console
 
-    from dapo.metrics import ENGINE_GAP_LIMIT
+    from dapo.reporting.notes import ENGINE_GAP_LIMIT
     from dapo.rollout.vllm import VLLMRolloutEngine
 
     monkeypatch.setattr(VLLMRolloutEngine, "update_weights", lambda self, named_tensors: None)

@@ -18,8 +18,8 @@ import pytest
 import torch
 from test_real_model import IM_END, SMOL_MODEL, build_tiny, needs_smollm2
 
-from dapo.batch import RolloutBatch
-from dapo.data import Example, render_prompt
+from dapo.algorithm.batch import RolloutBatch
+from dapo.data.prompts import Example, render_prompt
 from dapo.rollout import SamplingParams, make_rollout
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,23 +40,9 @@ def word_prompts(tokenizer, k: int, *, pad_sentences: int = 0) -> tuple[list[Exa
     return examples, [tokenizer(render_prompt(e, tokenizer), add_special_tokens=False)["input_ids"] for e in examples]
 
 
-def as_batch(gen, group_size: int) -> RolloutBatch:
-    n = len(gen.response_ids)
-    return RolloutBatch(
-        group_size=group_size,
-        prompt_ids=gen.prompt_ids,
-        response_ids=gen.response_ids,
-        truncated=gen.truncated,
-        texts=gen.texts,
-        example_uids=["x"] * n,
-        ground_truths=["0"] * n,
-        rollout_logp=gen.logprobs,
-    )
-
-
 def logp_gap(policy, gen, group_size: int) -> torch.Tensor:
     """|engine log-prob - trainer log-prob| over every response token: (num_tokens,)."""
-    logp, _ = policy.compute_logprobs(as_batch(gen, group_size))  # (N, T)
+    logp, _ = policy.compute_logprobs(RolloutBatch.from_generation(gen, group_size=group_size))  # (N, T)
     return torch.cat([(logp[i, : len(lp)] - torch.tensor(lp)).abs() for i, lp in enumerate(gen.logprobs)])
 
 
@@ -64,12 +50,12 @@ def one_update(policy, gen, group_size: int, cfg) -> None:
     """A real optimizer update on these samples, with made-up rewards."""
     from conftest import loss_fn_of
 
-    from dapo import algo
+    from dapo.algorithm import advantages
 
-    batch = as_batch(gen, group_size)
+    batch = RolloutBatch.from_generation(gen, group_size=group_size)
     batch.reward = torch.tensor([1.0 if i % 2 else -1.0 for i in range(len(gen.response_ids))])
     batch.acc = (batch.reward > 0).float()
-    batch.adv = algo.group_advantages(batch.reward, group_size)
+    batch.adv = advantages.group_advantages(batch.reward, group_size)
     batch.old_logp, batch.entropy = policy.compute_logprobs(batch, with_entropy=True)
     policy.update(batch, loss_fn_of(cfg))
 
@@ -125,8 +111,8 @@ def test_train_eval_export_with_vllm(tmp_path, arch):
     from transformers import AutoModelForCausalLM
 
     from dapo.checkpoint import latest_checkpoint
-    from dapo.checkpoint_weights import export_hf
-    from dapo.log import read_metrics
+    from dapo.checkpoint.weights import export_hf
+    from dapo.reporting.run_log import read_metrics
     from dapo.training import train
 
     model_dir = build_tiny(arch, tmp_path / "m", hidden=64, layers=2, seed=2)

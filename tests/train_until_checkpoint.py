@@ -24,9 +24,10 @@ def main() -> None:
     from conftest import small_config  # tests/ is this script's directory, so it is on sys.path
 
     import dapo.training
-    from dapo import checkpoint
+    from dapo.checkpoint import save as checkpoint_save
+    from dapo.checkpoint import saver
 
-    real_save, real_complete = checkpoint.save_checkpoint, checkpoint._complete
+    real_save, real_complete = saver.save_checkpoint, checkpoint_save._complete
 
     def save_then_maybe_die(run_dir, step, **kwargs):
         path = real_save(run_dir, step, **kwargs)
@@ -45,11 +46,9 @@ def main() -> None:
             os._exit(1)
         return real_complete(run_dir, tmp, final, keep)
 
-    checkpoint.save_checkpoint = save_then_maybe_die
+    saver.save_checkpoint = save_then_maybe_die  # where the run's saves call it
     if mid_write:
-        checkpoint._complete = die_before_the_rename
-    if hasattr(dapo.training, "save_checkpoint"):  # should training.py ever import the name itself
-        dapo.training.save_checkpoint = save_then_maybe_die
+        checkpoint_save._complete = die_before_the_rename
     dapo.training.train(small_config(run_dir, model_dir, *overrides))
 
 

@@ -10,8 +10,8 @@ import torch
 from conftest import make_policy, small_config, training_engine
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from dapo import parallel
 from dapo.rollout import SamplingParams
+from dapo.runtime import parallel
 
 PARAMS = SamplingParams(n=2, temperature=0.7, max_new_tokens=24, seed=5)  # temperature as in test_vllm's config
 OVERRIDES = ("rollout.backend=vllm", "rollout.kv_cache_gib=0.0625", "model.device=cpu", "rollout.temperature=0.7")

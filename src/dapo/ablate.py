@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dapo.config import PRESET_DIR, Config, ConfigError, dump_yaml, load_config, resolve_preset
-from dapo.log import held_out_keys, read_metrics
+from dapo.reporting.run_log import held_out_keys, read_metrics
 
 ROW_FILE = re.compile(r"^(\d+)_[\w-]+\.yaml$")
 # what each row adds, and its AIME 2024 avg@32 in the paper's Table 1 (Qwen2.5-32B)
@@ -353,7 +353,7 @@ def report_table(summary: list[dict], base_acc: float | None) -> str:
 
 
 def write_report(out: Path, runs: list[Run], *, command: str = "", wall_s: float | None = None) -> Path:
-    from dapo.plots import plot_ablation
+    from dapo.reporting.plots import plot_ablation
 
     out = Path(out)
     data = collect(out, runs)

@@ -27,13 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dapo import training
-from dapo.checkpoint import CheckpointError, latest_checkpoint, removed_if_start_fails
+from dapo.checkpoint import latest_checkpoint, removed_if_start_fails
 from dapo.config import Config, ConfigError, config_from_dict, load_config, to_dict
-from dapo.data_files import examples_from_rows, load_examples
+from dapo.config.shipped import shipped
+from dapo.data.files import examples_from_rows, load_examples
 from dapo.evaluation import Benchmark, EvalResult, evaluate_model, load_benchmark, write_report
-from dapo.log import read_metrics, run_summary
-from dapo.resources import shipped
+from dapo.reporting.run_log import read_metrics, run_summary
 from dapo.rewards import pool as reward_pool
+from dapo.runtime.files import CheckpointError
 
 RewardFn = Callable[[str, str], "float | tuple[float, bool]"]
 Data = "str | os.PathLike | Sequence[dict]"  # a file (or benchmark name), or rows {"problem": ..., "answer": ...}

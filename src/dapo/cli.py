@@ -22,7 +22,8 @@ import time
 import typing
 from pathlib import Path
 
-from dapo.config import PRESET_DIR, Config, ConfigError, Dtype, load_config, resolve_preset, settings
+from dapo.config import PRESET_DIR, Config, ConfigError, load_config, resolve_preset, settings
+from dapo.config.schema import Dtype
 
 # each command's name, handler, one-line help, its own arguments and parser keywords, in the order of `dapo --help`;
 # build_parser adds --verbose to each, and to those that take key=value overrides the settings of the config tree
@@ -57,7 +58,7 @@ OVERRIDES = _arg("overrides", nargs="*", metavar="key=value", help="settings, e.
     "configs/demo.yaml is minutes on 2 CPU cores; the Qwen2.5 presets need GPUs.",
 )
 def cmd_train(args) -> int:
-    from dapo import preemption
+    from dapo.checkpoint import preemption
 
     preemption.PROCESS_ENDS_WITH_RUN = True
     cfg = load_config(resolve_preset(args.config), args.overrides)
@@ -92,8 +93,8 @@ def train_and_summarise(cfg, *, title: str) -> None:
     wall_s = time.perf_counter() - t0
     if os.environ.get("RANK", "0") != "0":
         return
-    from dapo.log import read_metrics, run_summary
-    from dapo.plots import plot_training
+    from dapo.reporting.plots import plot_training
+    from dapo.reporting.run_log import read_metrics, run_summary
 
     rows = read_metrics(cfg.run_dir)
     png = plot_training(rows, cfg.run_dir / "plots" / "training.png", title=title) if rows else None
@@ -122,7 +123,7 @@ def train_and_summarise(cfg, *, title: str) -> None:
 )
 def cmd_export(args) -> int:
     from dapo.checkpoint import check_whole
-    from dapo.checkpoint_weights import export_hf
+    from dapo.checkpoint.weights import export_hf
 
     if note := check_whole(Path(args.checkpoint)):
         print(note)
@@ -150,7 +151,7 @@ def cmd_export(args) -> int:
     ),
 )
 def cmd_import_model(args) -> int:
-    from dapo.models import import_gguf
+    from dapo.model.loading import import_gguf
 
     out = import_gguf(Path(args.src).expanduser(), Path(args.out_dir).expanduser(), dtype=args.dtype)
     print(f"written: {out} (Hugging Face model directory; use it as model.path={out})")
@@ -321,7 +322,7 @@ def cmd_eval(args) -> int:
     out_dir = Path(args.out) if args.out else default_out
     table = write_report(results, out_dir)
     if args.run:  # the training run's W&B / MLflow runs get the report beside its metrics
-        from dapo.trackers import log_eval_report
+        from dapo.reporting.trackers import log_eval_report
 
         log_eval_report(cfg, Path(args.run), out_dir, warn=lambda text: print(text, file=sys.stderr))
     print(table.read_text())
@@ -355,7 +356,7 @@ def settings_help() -> str:
         section, name = key.rsplit(".", 1)
         sections.setdefault(section, []).append(name)
     lines = [textwrap.fill(f"{s}.{{{', '.join(n)}}}", 100, subsequent_indent="    ") for s, n in sections.items()]
-    return "\n".join(["settings (key=value; their defaults, ranges and meanings: dapo/config.py):", *lines])
+    return "\n".join(["settings (key=value; their defaults, ranges and meanings: dapo/config/schema.py):", *lines])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -416,7 +417,7 @@ def user_error(err: BaseException) -> str | None:
     known = any(t.__name__ in ONE_LINE for t in type(err).__mro__)
     maybe_ours = isinstance(err, (ValueError, RuntimeError, ImportError)) and not isinstance(err, NotImplementedError)
     if not known and maybe_ours:
-        from dapo.library_logging import raised_outside
+        from dapo.runtime.libraries import raised_outside
 
         known = not raised_outside(err)
     if not known:
@@ -437,14 +438,14 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["DAPO_VERBOSE"] = "1"  # worker processes (ablate, Ray) inherit it
     from transformers.utils import logging as hf_logging
 
-    from dapo.library_logging import setup_library_logging
+    from dapo.runtime.libraries import setup_library_logging
 
     setup_library_logging()  # library messages: warnings only on the console, until a run adds its train.log
     hf_logging.disable_progress_bar()  # per-file load/save bars would drown the per-step lines
     try:
         return args.func(args)
     except Exception as err:
-        from dapo.preemption import Stopped
+        from dapo.checkpoint.preemption import Stopped
 
         if isinstance(err, Stopped):  # a signal stopped the run, its checkpoint written: one line, exit code 75
             if err.main:  # rank 0's (under torchrun every rank has the same line)

@@ -12,7 +12,8 @@ places and starts the processes.
 
 SIGTERM, SIGUSR1 or SIGINT to the driver (a scheduler preempting the job, Ctrl-C) is sent on to every rank's
 process, on whichever node it runs, by a small actor pinned to that node: the ranks stop together as a run does on
-a signal (preemption.py), writing one checkpoint, and the driver exits with rank 0's line and exit code 75.
+a signal (``dapo.checkpoint.preemption``), writing one checkpoint, and the driver exits with rank 0's line and
+exit code 75.
 
 Whoever can reach a Ray cluster's ports without its token runs code on every node, so the driver
 joins only a cluster that refuses requests without a token (``--insecure`` to override), and a
@@ -61,7 +62,8 @@ def _worker_class():
 
         def listen(self, host: str) -> int:
             """Rank 0: bind the rendezvous port on this node's address and keep the socket, which the
-            store then takes over (parallel.py): no moment in which another process could take the port."""
+            store then takes over (``dapo.runtime.parallel``): no moment in which another process could take the
+            port."""
             import socket
 
             family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
@@ -71,7 +73,7 @@ def _worker_class():
         def train(self, train_fn, config_yaml: str, env: dict) -> dict:
             import yaml
 
-            from dapo import preemption
+            from dapo.checkpoint import preemption
             from dapo.config import config_from_dict
 
             preemption.PROCESS_ENDS_WITH_RUN = True  # the actor's process serves this run only
@@ -223,7 +225,7 @@ def join_cluster(address: str, ray_init: dict | None) -> None:
     import ray
 
     try:
-        from dapo.library_logging import verbose
+        from dapo.runtime.libraries import verbose
 
         quiet = {} if verbose() else {"logging_level": "warning"}  # Ray's INFO lines on the driver's console
         ray.init(address=None if address == "local" else address, **{**quiet, **(ray_init or {})})
@@ -290,7 +292,7 @@ class Forwarder:
 
     @contextlib.contextmanager
     def installed(self):
-        from dapo.preemption import SIGNALS
+        from dapo.checkpoint.preemption import SIGNALS
 
         if threading.current_thread() is not threading.main_thread():
             yield self  # signals reach the main thread only: a caller's thread leaves them to the main one
@@ -325,7 +327,7 @@ class Forwarder:
     def stopped(self, why: str, run_dir):
         """The driver's line when the ranks did not all stop with theirs."""
         from dapo.checkpoint import latest_checkpoint
-        from dapo.preemption import EXIT_CODE, Stopped
+        from dapo.checkpoint.preemption import EXIT_CODE, Stopped
 
         last = latest_checkpoint(run_dir)
         return Stopped(
@@ -357,7 +359,7 @@ def wait_for_ranks(runs: list, workers: list[str], run_dir, actors: list, forwar
     from ray.exceptions import RayActorError
 
     from dapo.checkpoint import latest_checkpoint
-    from dapo.preemption import Stopped
+    from dapo.checkpoint.preemption import Stopped
 
     pending, failed, stops = list(runs), None, {}
     while pending:

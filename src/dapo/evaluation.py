@@ -14,8 +14,10 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from dapo.data_files import DEFAULT_MAX_ROW_CHARS
-from dapo.resources import SHARE
+from dapo.config.schema import DEFAULT_MAX_ROW_CHARS
+from dapo.config.shipped import SHARE
+from dapo.data.prompts import make_encoder, render_prompt
+from dapo.reporting.run_log import write_responses
 from dapo.rollout.base import SamplingParams
 
 INVALID_PREDS = {"[INVALID]", "[TIMEOUT]", "[CRASH]", ""}
@@ -55,7 +57,7 @@ def load_benchmark(
     max_row_chars: int = DEFAULT_MAX_ROW_CHARS,
 ):
     """(Benchmark, examples) for a registered name, the built-in task, or a .jsonl/.parquet file."""
-    from dapo.data_files import load_examples
+    from dapo.data.files import load_examples
 
     if name_or_path in ("arith", "arith-hard", "arith-long"):
         from dapo.tasks import arith
@@ -285,8 +287,7 @@ def evaluate_model(model_dir, benches: list, cfg, *, reward_fn=None, progress=No
     model.dtype/device/trust_remote_code. ``reward_fn`` (a caller's reward function) grades every
     response instead of reward.grader, in the same worker pool. ``progress(name, total)``, if given,
     returns the callback that hears of every k samples of that benchmark graded."""
-    from dapo.data import make_encoder, render_prompt
-    from dapo.models import load_model_and_tokenizer, pick_device
+    from dapo.model.loading import load_model_and_tokenizer, pick_device
     from dapo.rewards import REWARD_FN
     from dapo.rollout import make_rollout, with_tools
 
@@ -320,22 +321,35 @@ def evaluate_model(model_dir, benches: list, cfg, *, reward_fn=None, progress=No
     return results
 
 
+class HeldOut:
+    """Held-out evaluation during training: each (Benchmark, examples) of ``eval_sets`` sampled with ``engine`` as
+    the run's settings say for it (``sampling_settings``), graded in the run's ``pool`` by ``grader`` (a caller's
+    reward function's name, or None: reward.grader)."""
+
+    def __init__(self, cfg, engine, encode, eval_sets: list, pool, grader: str | None, tokenizer):
+        self.cfg, self.engine, self.encode, self.eval_sets, self.pool = cfg, engine, encode, eval_sets, pool
+        self.grader = grader or cfg.reward.grader
+        self.render = functools.partial(render_prompt, tokenizer=tokenizer)
+
+    def __call__(self) -> list[EvalResult]:
+        results = []
+        for bench, examples in self.eval_sets:
+            sampling = SamplingParams(**sampling_settings(bench, self.cfg, in_training=True), seed=self.cfg.eval.seed)
+            results.append(
+                evaluate(
+                    self.engine, self.encode, examples, self.pool, sampling, name=bench.name, grader=self.grader,
+                    render=self.render,
+                )
+            )  # fmt: skip
+        return results
+
+
 def grading_pool(cfg, reward_fn=None):
     """The grading workers reward.* asks for (a RewardPool); a caller's ``reward_fn`` grades there as REWARD_FN."""
     from dapo.rewards import REWARD_FN, RewardPool
 
     reward_fns = None if reward_fn is None else {REWARD_FN: reward_fn}
     return RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s, reward_fns=reward_fns)
-
-
-def write_responses(result: EvalResult, path: Path) -> Path:
-    """Every sampled response of ``result``, one JSON line each (id, sample, prompt, response,
-    extracted_answer, ground_truth, correct, length_tokens, truncated), in ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in result.responses)
-    return path
 
 
 def write_report(results: list[EvalResult], out_dir: Path) -> Path:

@@ -1,6 +1,6 @@
-"""The setup steps of a training run (``training.start``), each building one component: the ranks, the run
-directory, the policy, the rollout engine, the data, the grading pool, the batch collection, the checkpoint to resume
-from, the loggers. The last steps take the run being built (``training.Run``: the loop stays above its setup)."""
+"""The setup steps of a training run (``training.start``), each building one component from the config and the
+components built before it: the ranks, the run directory, the policy, the rollout engine, the data, the grading
+pool, the collector, the checkpoint to resume from, the loggers. None of them sees the loop's ``Run``."""
 
 from __future__ import annotations
 
@@ -11,19 +11,24 @@ import random
 
 import torch
 
-from dapo import checkpoint, parallel, watchdog
-from dapo.async_rollout import AsyncRollout, start_rollout_process
+from dapo import checkpoint
+from dapo.checkpoint.saver import Saver
+from dapo.collect.base import Collector
+from dapo.collect.collector import build_collector
+from dapo.collect.dynamic_sampling import BatchCollector
+from dapo.collect.scoring import Scorer
 from dapo.config import Config, ConfigError, dump_yaml
-from dapo.data import PromptSampler, make_encoder
-from dapo.dynamic_sampling import BatchCollector, Scorer
+from dapo.data.prompts import make_encoder
+from dapo.data.sampler import PromptSampler
 from dapo.evaluation import grading_pool, load_benchmark
-from dapo.library_logging import setup_library_logging
-from dapo.log import RunLogger
-from dapo.policy import BaseReference, Policy, ReferenceModel
+from dapo.model.policy import BaseReference, Policy, ReferenceModel
+from dapo.reporting.run_log import RunLogger
+from dapo.reporting.trackers import check_installed, open_trackers, run_status
 from dapo.rewards.pool import REWARD_FN
 from dapo.rollout import SamplingParams, make_training_engine, resolve_backend
+from dapo.runtime import parallel, watchdog
+from dapo.runtime.libraries import setup_library_logging
 from dapo.tasks import load_train_examples
-from dapo.trackers import check_installed, open_trackers, run_status
 
 
 def setup_ranks_and_run_dir(cfg: Config, stack: contextlib.ExitStack) -> parallel.Dist:
@@ -73,10 +78,10 @@ def setup_engine(cfg: Config, d: parallel.Dist, policy: Policy, tool_env) -> tup
         dataclasses.replace(r, backend="hf") if r.max_staleness else r, cfg.model, policy.model, policy.tokenizer, d,
         max_model_len=engine_max_len(cfg), tools_cfg=cfg.tools, tool_env=tool_env,
     )  # fmt: skip
-    if cfg.algo.old_logp == "engine" and engine.backend != "vllm":
+    if cfg.algo.old_logp_source == "engine" and engine.backend != "vllm":
         raise ConfigError(
-            f"algo.old_logp=engine: rollout.backend=auto chose {engine.backend}, which reports no "
-            "log-probs (vLLM is not installed); use algo.old_logp=recompute"
+            f"algo.old_logp_source=engine: rollout.backend=auto chose {engine.backend}, which reports no "
+            "log-probs (vLLM is not installed); use algo.old_logp_source=recompute"
         )
     return cfg, engine
 
@@ -109,10 +114,11 @@ def setup_rewards(cfg: Config, d: parallel.Dist, stack: contextlib.ExitStack, re
 
 
 def setup_collection(
-    cfg: Config, d: parallel.Dist, stack, engine, sampler, encode, pool, grader, *, policy, device, tool_env
-) -> tuple[BatchCollector, AsyncRollout | None]:
-    """The batch collector (generation, grading, dynamic sampling), and with rollout.max_staleness the same
-    collection in a rollout process of its own, collecting ahead of the trainer (None without)."""
+    cfg: Config, d: parallel.Dist, stack, engine, sampler, encode, pool, grader, *, tokenizer, device, tool_env
+) -> Collector:
+    """The run's collector (generation, grading, dynamic sampling, screening): in process on ``engine``, or with
+    rollout.max_staleness the same collection ahead of the trainer, its engine in a rollout process of its own or
+    on rollout ranks (closed with ``stack``)."""
     r, a = cfg.rollout, cfg.algo
     scorer_of = functools.partial(
         Scorer,
@@ -124,70 +130,83 @@ def setup_collection(
     sampling = SamplingParams(
         n=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_response_tokens
     )
-    collector = BatchCollector(
-        engine=engine, sampler=sampler, scorer=scorer_of(pool), encode=encode, sampling=sampling, algo_cfg=a
-    )
-    if not r.max_staleness:
-        return collector, None
-    rollout_ahead = start_rollout_process(  # the same collection, with the engine in a process of its own
-        cfg, d, policy.tokenizer, device, max_model_len=engine_max_len(cfg), tool_env=tool_env,
-        collector=lambda remote: BatchCollector(  # rank 0 grades alone there: its own pool, no broadcast
-            engine=remote, sampler=sampler, scorer=scorer_of(pool.local if d.sharded else pool), encode=encode,
-            sampling=sampling, algo_cfg=a,
-        ),
+
+    def batch_collector(on_engine, *, local: bool) -> BatchCollector:
+        # ahead of the trainer, rank 0 grades alone: its own pool, no broadcast
+        scorer = scorer_of(pool.local if local and d.sharded else pool)
+        return BatchCollector(
+            engine=on_engine, sampler=sampler, scorer=scorer, encode=encode, sampling=sampling, algo_cfg=a
+        )
+
+    collector = build_collector(
+        cfg, d, engine, batch_collector, tokenizer=tokenizer, device=device, max_model_len=engine_max_len(cfg),
+        tool_env=tool_env,
     )  # fmt: skip
-    stack.callback(rollout_ahead.close)
-    return collector, rollout_ahead
+    stack.callback(collector.close)
+    return collector
 
 
-def setup_resume(run) -> tuple[list[str], str | None]:
-    """Continue ``run`` from its newest whole checkpoint when run.resume is on, and start the collection ahead from
-    there (or the start); returns the lines about the checkpoints passed over and the line saying where it resumed
-    (None: it starts afresh)."""
-    cfg, d = run.cfg, run.dist
+def setup_resume(
+    cfg: Config, d: parallel.Dist, policy: Policy, engine, collector: Collector
+) -> tuple[int, list[str], str | None]:
+    """Continue from the run's newest whole checkpoint when run.resume is on, then start the collector from there
+    (or the start); returns the steps done, the lines about the checkpoints passed over, and the line saying where
+    it resumed (None: it starts afresh)."""
     resume_from, passed_over = (
         checkpoint.resume_point(cfg.run_dir, refuse_damaged=cfg.run.resume_damaged == "refuse", dist=d)
         if cfg.run.resume
         else (None, [])
     )
-    saved_world_size = run.resume(resume_from) if resume_from is not None else None
-    if run.rollout_ahead is not None:  # from the step resumed (its weights are version state.step), or the start
-        st = run.state
-        run.rollout_ahead.start(
-            st.step,
-            run.policy.named_weights(),
-            gen_rounds=st.gen_rounds,
-            keep_rate=st.keep_rate,
-            saved=run.resumed_async,
+    step, resumed = 0, None
+    if resume_from is not None:
+        step, saved_world_size = resume(resume_from, policy, engine, collector)
+        resharded = (
+            f"; written by {saved_world_size} rank{'s' * (saved_world_size > 1)}, resharded onto {d.world_size}"
+            if saved_world_size not in (None, d.world_size)
+            else ""
         )
-    if resume_from is None:
-        return passed_over, None
-    resharded = (
-        f"; written by {saved_world_size} rank{'s' * (saved_world_size > 1)}, resharded onto {d.world_size}"
-        if saved_world_size not in (None, d.world_size)
-        else ""
-    )
-    return passed_over, f"resumed from {resume_from} (step {run.state.step}){resharded}"
+        resumed = f"resumed from {resume_from} (step {step}){resharded}"
+    collector.start(step, policy.named_weights())  # from the step resumed (its weights are version ``step``)
+    return step, passed_over, resumed
 
 
-def setup_loggers(run, stack: contextlib.ExitStack, console) -> None:
+def resume(path, policy: Policy, engine, collector: Collector) -> tuple[int, int | None]:
+    """Continue from checkpoint ``path``, written at this world size or another; returns the steps it had done and
+    the number of ranks that wrote it (None: not recorded, an older checkpoint).
+
+    Across world sizes the run goes on as it would have: the prompt stream is one seeded order for the whole run
+    (every rank draws the same prompts and the engines split them), the held-over groups, step, generation-round
+    count, keep-rate estimate and RNG are global, and AdamW's moments and step count are resharded with the weights
+    (``checkpoint.load_policy``). The responses are redrawn: each rollout engine samples its share of the prompts
+    with a seed of its own (``ShardedRollout``)."""
+    saved = checkpoint.load_trainer_state(path)
+    checkpoint.load_policy(policy, path, saved.get("policy"))
+    engine.update_weights(policy.named_weights())  # an engine with its own copy starts from the checkpoint
+    collector.load_state_dict(saved)
+    checkpoint.set_rng_state(saved["rng"])
+    return saved["step"], saved.get("world_size")
+
+
+def setup_loggers(cfg: Config, d: parallel.Dist, stack: contextlib.ExitStack, console, *, start_step: int,
+                  saver: Saver) -> RunLogger:  # fmt: skip
     """Rank 0's config.yaml, logger (metrics.jsonl, TensorBoard, the console's lines) and trackers (W&B, MLflow),
-    from the step ``run`` resumes at; on ``stack``, what ends the run: the last checkpoint write, the logger
-    closed with the run's status, the ranks parted."""
-    cfg, d = run.cfg, run.dist
+    from step ``start_step``; other ranks get a logger that writes nothing. On ``stack``, what ends the run: the
+    last checkpoint write, the logger closed with the run's status, the ranks parted."""
+    logger = RunLogger(None, total_steps=cfg.train.total_steps)  # writes nothing
     if d.is_main:
         (cfg.run_dir / "config.yaml").write_text(dump_yaml(cfg))
-        run.logger = RunLogger(
+        logger = RunLogger(
             cfg.run_dir,
             total_steps=cfg.train.total_steps,
-            start_step=run.state.step,
+            start_step=start_step,
             tensorboard="tensorboard" in cfg.run.loggers,
             progress=cfg.run.progress,
             step_lines="console" in cfg.run.loggers,
             console=console,
         )
     stack.push(lambda kind, err, tb: parallel.shutdown(d, clean=kind is None))
-    stack.push(lambda kind, err, tb: run.logger.close(run_status(kind)))
-    stack.callback(run.writer.wait)  # first of these: a run that stops (an error, Ctrl-C) still completes its write
+    stack.push(lambda kind, err, tb: logger.close(run_status(kind)))
+    stack.callback(saver.writer.wait)  # first of these: a run that stops (an error, Ctrl-C) still completes its write
     if d.is_main:
-        run.logger.trackers = open_trackers(cfg, start_step=run.state.step, warn=run.logger.warn, info=run.logger.info)
+        logger.trackers = open_trackers(cfg, start_step=start_step, warn=logger.warn, info=logger.info)
+    return logger

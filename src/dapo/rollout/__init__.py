@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from dapo import lora
+from dapo.model import lora
 from dapo.rollout.base import Generation, RolloutEngine, SamplingParams, ShardedRollout
 
 
@@ -82,7 +82,7 @@ def make_training_engine(
         engine = make_rollout(rollout_cfg, policy_model, tokenizer, max_model_len=max_model_len)
         return with_tools(engine, tokenizer, tools_cfg, tool_env)
     from dapo.config import ConfigError
-    from dapo.models import load_model_and_tokenizer, weightless_model
+    from dapo.model.loading import load_model_and_tokenizer, weightless_model
 
     backend = resolve_backend(rollout_cfg.backend)
     k = rollout_cfg.tensor_parallel_size if backend == "vllm" else 1

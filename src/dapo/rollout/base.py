@@ -148,7 +148,7 @@ class ShardedRollout(Wrapper):
         self.engine, self.d, self.k = engine, d, tensor_parallel_size
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generation:
-        from dapo import parallel
+        from dapo.runtime import parallel
 
         w, r = self.d.world_size // self.k, self.d.rank // self.k  # engines; this rank's engine
         lo, hi = len(prompt_ids) * r // w, len(prompt_ids) * (r + 1) // w

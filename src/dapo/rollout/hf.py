@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import torch
 from transformers import GenerationConfig
 
-from dapo import lora
+from dapo.model import lora
 from dapo.rollout.base import Generation, SamplingParams, Sleepless, eos_token_ids, split_response
 
 LOGPROB_CHUNK_FLOATS = 1 << 27  # logits held at once when computing log-probs (512 MiB in float32)

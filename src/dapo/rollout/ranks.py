@@ -2,7 +2,7 @@
 the last r ranks of the job only generate, each on its own device with a full copy of the weights (HF ``generate``
 or vLLM); the first WORLD_SIZE - r ranks train with FSDP among themselves.
 
-Trainer rank 0 drives them. Its collecting thread (``dapo.async_rollout``) runs each step's collection, dynamic
+Trainer rank 0 drives them. Its collecting thread (``dapo.collect.ahead``) runs each step's collection, dynamic
 sampling and grading included, with ``RankEngines`` as its engine: each generation round is split into r
 contiguous shares of the prompts, one per rollout rank, each sampled with a seed of its own (as the training ranks
 of a synchronous run split theirs, ``ShardedRollout``), and the answers are put back in prompt order. Rank 0 then
@@ -73,9 +73,9 @@ def _reachable_host(master: str) -> str:
 
 def serve(cfg, env: dict | None = None) -> None:
     """A rollout rank's whole life: listen, say where, build the engine, answer trainer rank 0 until it stops."""
-    from dapo import parallel
-    from dapo.models import load_tokenizer
+    from dapo.model.loading import load_tokenizer
     from dapo.rollout.remote import _serve
+    from dapo.runtime import parallel
 
     env = os.environ if env is None else env
     rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
@@ -109,7 +109,7 @@ class RankEngines(Sleepless):
     and puts their answers back in order; ``update_weights`` sends each the numbered version."""
 
     def __init__(self, num_ranks: int, env: dict | None = None):
-        from dapo import parallel
+        from dapo.runtime import parallel
 
         store = parallel.job_store(env)
         self.version = 0

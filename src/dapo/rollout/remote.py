@@ -187,7 +187,7 @@ class _Versions:
 
 def _serve(conn, weights_conn, rollout_cfg, model_cfg, tokenizer, max_model_len: int, threads: int, device: str):
     """The rollout process (or a rollout rank): build the engine, then answer requests until told to stop."""
-    from dapo.library_logging import setup_library_logging
+    from dapo.runtime.libraries import setup_library_logging
 
     setup_library_logging()  # a spawned process starts bare: the libraries' harmless noise stays off the console
     ignore_stop_signals()
@@ -227,7 +227,7 @@ def ignore_stop_signals() -> None:
 
 
 def _build(rollout_cfg, model_cfg, tokenizer, max_model_len: int, device: str):
-    from dapo.models import load_model_and_tokenizer, weightless_model
+    from dapo.model.loading import load_model_and_tokenizer, weightless_model
     from dapo.rollout import make_rollout, resolve_backend
 
     backend = resolve_backend(rollout_cfg.backend)

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 # vLLM configures its logger (a handler on stdout) when imported unless told not to; the run's
-# logging setup (dapo.library_logging) then sends its records to train.log and its warnings to the console
+# logging setup (dapo.runtime.libraries) then sends its records to train.log and its warnings to the console
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
 from vllm import LLM  # noqa: E402
@@ -45,8 +45,8 @@ from vllm import SamplingParams as VLLMSamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 
-from dapo.parallel import full_tensors  # noqa: E402
 from dapo.rollout.base import Generation, SamplingParams, eos_token_ids, split_response  # noqa: E402
+from dapo.runtime.parallel import full_tensors  # noqa: E402
 
 SLEEP_LEVEL = 2  # discard weights and KV cache: update_weights after wake() refills the weights
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dapo.data import Example
-from dapo.data_files import load_examples
+from dapo.data.files import load_examples
+from dapo.data.prompts import Example
 
 
 def load_train_examples(data_cfg) -> list[Example]:

@@ -27,7 +27,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from dapo.data import Example
+from dapo.data.prompts import Example
 
 DATA_SOURCE = "arith"
 SPLITS = ("train", "test")

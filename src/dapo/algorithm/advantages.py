@@ -1,0 +1,73 @@
+"""What each response is worth: the group-normalised advantage, the dynamic-sampling filter and the soft overlong
+penalty, as pure tensor functions (no I/O, no config). Checkable by hand against the DAPO paper (arXiv 2503.14476):
+  eq. 9       group_advantages     (R - mean) / std within a group
+  eq. 11      informative_groups   keep 0 < #correct < G                    (Dynamic Sampling, sec. 3.2)
+  eq. 13      overlong_penalty     soft overlong punishment                 (sec. 3.4)
+Dr. GRPO is ``group_advantages(..., scale_by_std=False)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    *,
+    scale_by_std: bool = True,
+    eps: float = 1e-6,
+    in_baseline: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Group-normalised outcome advantage, one value per response: (N,) -> (N,).
+
+    GRPO/DAPO: (r - mean_G) / (std_G + eps) with the unbiased std, as the reference does.
+    Dr. GRPO (``scale_by_std=False``): r - mean_G, which removes the question-difficulty bias.
+    ``in_baseline`` (N,) bool: only these rows set their group's mean and std, and the others get
+    advantage 0 (overlong filtering that keeps masked truncated responses out of the baseline too).
+    A group with fewer than two such rows has no baseline: its advantages are 0.
+    """
+    if rewards.dim() != 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"rewards must be (P*G,) with G={group_size}, got {tuple(rewards.shape)}")
+    grouped = rewards.float().view(-1, group_size)  # (P, G)
+    if in_baseline is None:
+        in_baseline = torch.ones_like(rewards, dtype=torch.bool)
+    w = in_baseline.view(-1, group_size).float()  # (P, G)
+    n = w.sum(dim=1, keepdim=True)  # (P, 1)
+    mean = (grouped * w).sum(dim=1, keepdim=True) / n.clamp(min=1.0)  # (P, 1)
+    centered = (grouped - mean) * w  # (P, G)
+    if scale_by_std:
+        std = (centered.square().sum(dim=1, keepdim=True) / (n - 1.0).clamp(min=1.0)).sqrt()  # (P, 1) unbiased
+        centered = centered / (std + eps)
+    centered = torch.where(n >= 2, centered, torch.zeros_like(centered))  # (P, G)
+    return centered.view(-1)  # (N,)
+
+
+def informative_groups(values: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(N,) -> (P,) bool: True where a group's values are not all equal.
+
+    With accuracies this is the dynamic-sampling condition 0 < #correct < G (eq. 11): a group
+    whose G answers are all right or all wrong has zero advantage and so no gradient.
+    """
+    grouped = values.view(-1, group_size)  # (P, G)
+    return (grouped != grouped[:, :1]).any(dim=1)  # (P,)
+
+
+def overlong_penalty(
+    lengths: torch.Tensor,
+    *,
+    max_response_tokens: int,
+    overlong_buffer_tokens: int,
+    penalty_factor: float = 1.0,
+) -> torch.Tensor:
+    """Soft overlong punishment (eq. 13): (N,) lengths -> (N,) reward added to the correctness reward.
+
+    0 while |y| <= L_max - L_cache, then linear down to -penalty_factor at |y| = L_max, and
+    -penalty_factor beyond it. (L_max here is the generation limit, L_cache the buffer.)
+    """
+    if not 0 < overlong_buffer_tokens <= max_response_tokens:
+        raise ValueError("need 0 < overlong_buffer_tokens <= max_response_tokens")
+    expected = max_response_tokens - overlong_buffer_tokens
+    exceed = lengths.float() - expected  # (N,)
+    penalty = -exceed / overlong_buffer_tokens * penalty_factor
+    return penalty.clamp(min=-penalty_factor, max=0.0)

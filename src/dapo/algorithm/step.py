@@ -1,0 +1,136 @@
+"""What a training step computes on its batch between collecting it and updating on it, beside the loop in
+training.py that runs these in order: the advantages (overlong filtering, then eq. 9), the old log-probs (the
+held-over groups' own, the reference model's for a KL term), the rollout correction's importance weights, and the
+loss the update minimises. Each takes what it needs (the policy, the algorithm's settings, the held-over groups)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dapo.algorithm import advantages, losses, rollout_correction
+from dapo.algorithm.batch import RolloutBatch
+from dapo.config import AlgoConfig
+
+
+def make_loss_fn(algo_cfg: AlgoConfig, max_response_tokens: int) -> Callable:
+    """The loss ``Policy.update`` minimises (its ``LossFn``): the surrogate ``algo_cfg.objective`` names as
+    ``algo_cfg`` sets it, with the KL term to the reference model when ``algo_cfg.kl_coef`` > 0
+    (``max_response_tokens``: Dr. GRPO's constant length)."""
+    a = algo_cfg
+    return functools.partial(
+        losses.actor_loss,
+        eps_low=a.eps_low,
+        eps_high=a.eps_high,
+        loss_agg=a.loss_agg,
+        norm_length=max_response_tokens,
+        dual_clip=a.dual_clip,
+        kl_coef=a.kl_coef,
+        kl_kind=a.kl_kind,
+        objective=a.objective,
+    )
+
+
+def assign_advantages(batch: RolloutBatch, algo_cfg: AlgoConfig, group_size: int, *, filter_void_turns=False) -> None:
+    """Overlong filtering (sec. 3.4: truncated answers carry no learning signal) and the void-turn filter
+    (tools.filter_void_turns), then eq. 9's group-normalised advantage, one value per response."""
+    a = algo_cfg
+    if a.overlong_filtering:
+        batch.trainable = ~batch.truncated
+    if filter_void_turns and batch.void_turn:
+        keep = ~torch.tensor(batch.void_turn, dtype=torch.bool)
+        batch.trainable = keep if batch.trainable is None else batch.trainable & keep
+    in_baseline = None if a.truncated_in_group_stats else ~batch.truncated  # the paper masks only the loss
+    batch.adv = advantages.group_advantages(
+        batch.reward, group_size, scale_by_std=a.scale_adv_by_std, in_baseline=in_baseline
+    )  # (N,)
+
+
+@dataclass
+class OldLogprobs:
+    """What the old-log-prob pass did: the importance weights' statistics, the response tokens it
+    computed, and whether the update must give the entropy (no pass ran to give it)."""
+
+    metrics: dict
+    tokens_computed: int
+    entropy_from_update: bool = False
+
+
+def old_logprobs(
+    batch: RolloutBatch, policy, algo_cfg: AlgoConfig, *, reference=None, held_over: Sequence[RolloutBatch] = ()
+) -> OldLogprobs:
+    """old_logp (and entropy) under the weights that sampled, the reference's log-probs for a KL term, and the
+    importance weights when they are on. ``policy`` and ``reference`` give ``compute_logprobs`` / ``logprobs``;
+    ``held_over``: the groups the collection keeps for the next step, which get their old log-probs now, while
+    the policy still holds the weights that sampled them.
+
+    algo.old_logp_source: ``recompute`` runs the log-prob pass over every row; ``engine`` takes vLLM's
+    log-probs and runs no pass (entropy from the update's forwards).
+    """
+    a = algo_cfg
+    record_held_over_old_logp(held_over, policy.compute_logprobs, source=a.buffer_logp)
+    if a.old_logp_source == "engine":
+        if not batch.rollout_logp:
+            raise ValueError(
+                "algo.old_logp_source=engine: the rollout engine reported no log-probs; use rollout.backend=vllm"
+            )
+        T = batch.max_response_len
+        batch.old_logp = batch.old_logp_with_held_over(batch.padded_logp(batch.rollout_logp, T))  # (N, T)
+        tokens = 0
+    else:
+        old_logp, batch.entropy = policy.compute_logprobs(batch, with_entropy=True)  # (N, T)
+        batch.old_logp = batch.old_logp_with_held_over(old_logp)  # held-over groups: the weights that sampled them
+        tokens = int(batch.response_lengths.sum())
+    if reference is not None:
+        batch.ref_logp = reference.logprobs(batch)  # (N, T)
+    metrics = importance_weights(batch, a)  # engine vs trainer; off without a cap
+    return OldLogprobs(metrics, tokens, entropy_from_update=a.old_logp_source == "engine")
+
+
+def importance_weights(batch: RolloutBatch, algo_cfg: AlgoConfig) -> dict:
+    """Importance weights on the engine's log-probs (``rollout_correction``; the AlgoConfig's rollout_is_cap,
+    _mode and _m2): sets ``batch.is_weights`` and returns their statistics; nothing without a cap (the reference)."""
+    a = algo_cfg
+    if a.rollout_is_cap is None:
+        return {}
+    if not batch.rollout_logp:
+        raise ValueError("algo.rollout_is_cap needs the rollout engine's log-probs; this batch has none")
+    T = batch.old_logp.shape[1]
+    rollout_logp, mask = batch.padded_logp(batch.rollout_logp, T), batch.response_mask(width=T)  # (N, T) each
+    batch.is_weights, stats = rollout_correction.rollout_is_weights(
+        batch.old_logp, rollout_logp, mask, mode=a.rollout_is_mode, cap=a.rollout_is_cap, m2_threshold=a.rollout_is_m2
+    )
+    return {f"rollout/{k}": v for k, v in stats.items()}
+
+
+def record_held_over_old_logp(
+    held_over: Sequence[RolloutBatch], logprobs: Callable[[RolloutBatch], tuple], *, source: str
+) -> None:
+    """Give each newly held-over group the log-probs of the weights that sampled it (its old_logp when it is trained
+    in a later step), in place.
+
+    Call it after the collection and before the update, while the trainer still holds those weights.
+    ``source`` (algo.buffer_logp): ``trainer`` computes them with ``logprobs`` (``Policy.compute_logprobs``),
+    ``engine`` takes the rollout engine's own (vLLM reports them; they include its numerical difference from the
+    trainer).
+    """
+    new = [b for b in held_over if not b.held_over_old_logp]
+    if not new:
+        return
+    if source == "engine":
+        for b in new:
+            if not b.rollout_logp:
+                raise ValueError(
+                    "algo.buffer_logp=engine: the rollout engine reported no log-probs (use rollout.backend=vllm)"
+                )
+            b.held_over_old_logp = [list(lp) for lp in b.rollout_logp]
+        return
+    joined = RolloutBatch.concat(new)
+    logp, _ = logprobs(joined)  # (N, T), one pass for every new group
+    start = 0
+    for b in new:
+        b.held_over_old_logp = [logp[start + j, : len(r)].tolist() for j, r in enumerate(b.response_ids)]
+        start += len(b)
