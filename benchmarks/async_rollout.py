@@ -8,12 +8,16 @@
 --simulate runs the real scheduling (``dapo.collect.ahead.AheadThread``) with a collection that takes G seconds,
 an update that takes U and a weight push that takes W, both sides sleeping (so two cores do not limit it), and
 prints each mode's step time against the synchronous G + U + W and the ideal max(G, U) + W, at G/U = 0.5, 1, 2, 4.
-Partial rollout (requests carried across a weight push) is not implemented, so it has no row.
+Partial rollout (requests carried across a weight push) is not implemented, so it has no row. Sleeps wake late on a
+busy machine: each row is measured for load (benchmarks/runs.py's Meter, one job of its own), and its ratios are
+printed only where it saw no more.
 
-The other modes train `python -m dapo.training` in a process per run (seed s sets data, rollout and train seeds) and
-read its metrics.jsonl: held-out avg@n before and after, the step time with evaluation left out, the staleness, the
-importance weights' statistics and how long each side waited on the other. Printed: each run, then per k the mean
-with a 95% t-interval over seeds.
+The other modes train `python -m dapo.training` in a process per run, one at a time (seed s sets data, rollout and
+train seeds), and read its metrics.jsonl: held-out avg@n before and after, the step time with evaluation left out
+(wall and the trainer's CPU seconds), the staleness, the importance weights' statistics and how long each side
+waited on the other; each run's process CPU seconds and the load it saw are measured from outside
+(benchmarks/runs.py). Printed: each run, then per k the mean with a 95% t-interval over seeds, and the step time
+against k = 0, a ratio printed only where no run behind it shared the machine with other work.
 """
 
 from __future__ import annotations
@@ -28,10 +32,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-from runs import mean_ci, train  # noqa: E402
-
 from dapo.collect.ahead import AheadThread  # noqa: E402
 from dapo.reporting.run_log import held_out_keys  # noqa: E402
+from runs import Meter, describe, mean_ci, run_alone, time_ratio, withheld  # noqa: E402
 
 
 # ---- the pipeline with controlled latencies ---------------------------------------------------------------------
@@ -67,16 +70,24 @@ def simulated_step_s(k: int, g: float, u: float, w: float, steps: int) -> float:
 def simulate(args) -> None:
     u, w = args.update_s, args.push_s
     print(f"update U = {u} s, weight push W = {w} s, {args.sim_steps} steps per figure (after the first)")
-    print("| G/U | synchronous G+U+W | k=1 | k=2 | ideal max(G,U)+W | k=1 / ideal | speed-up of k=1 |")
-    print("|---|---|---|---|---|---|---|")
+    print("| G/U | synchronous G+U+W | k=1 | k=2 | ideal max(G,U)+W | k=1 / ideal | speed-up of k=1 | CPU s, wall s |")
+    print("|---|---|---|---|---|---|---|---|")
+    reasons = []
     for ratio in (0.5, 1, 2, 4):
         g = ratio * u
-        sync = simulated_step_s(0, g, u, w, args.sim_steps)
-        k1 = simulated_step_s(1, g, u, w, args.sim_steps)
-        k2 = simulated_step_s(2, g, u, w, args.sim_steps)
+        meter = Meter(own_jobs=1)
+        with meter:
+            sync = simulated_step_s(0, g, u, w, args.sim_steps)
+            k1 = simulated_step_s(1, g, u, w, args.sim_steps)
+            k2 = simulated_step_s(2, g, u, w, args.sim_steps)
         ideal = max(g, u) + w
-        cells = [f"{ratio:g}", *(f"{x:.3f} s" for x in (sync, k1, k2, ideal)), f"{k1 / ideal:.2f}", f"{sync / k1:.2f}x"]
-        print("| " + " | ".join(cells) + " |")
+        reason = withheld([meter.load.summary()], "ratio", unit="rows")
+        ratios = ["-", "-"] if reason else [f"{k1 / ideal:.2f}", f"{sync / k1:.2f}x"]
+        cells = [f"{ratio:g}", *(f"{x:.3f} s" for x in (sync, k1, k2, ideal)), *ratios]
+        print("| " + " | ".join(cells + [f"{meter.cpu_s:.2f}, {meter.wall_s:.1f}"]) + " |")
+        reasons += [f"G/U = {ratio:g}: {reason}"] if reason else []
+    for line in reasons:
+        print(line)
 
 
 # ---- real runs --------------------------------------------------------------------------------------------------
@@ -91,10 +102,12 @@ def summarise(rows: list[dict]) -> dict:
 
     # a step's time less its evaluation (held-out runs only every few steps; the step is what overlaps)
     step_s = [r["perf/time_step_s"] - r.get("perf/time_eval_s", 0.0) for r in steps]
+    step_cpu_s = [r.get("perf/cpu_step_s", 0.0) - r.get("perf/cpu_eval_s", 0.0) for r in steps]
     return {
         "first_acc": evals[0] if evals else None,
         "final_acc": evals[-1] if evals else None,
         "step_s": statistics.fmean(step_s[1:] or step_s),  # the first step fills the pipeline
+        "step_cpu_s": statistics.fmean(step_cpu_s[1:] or step_cpu_s),  # the trainer process's, every thread
         "staleness": mean("async/staleness_mean"),
         "is_weight_mean": mean("rollout/is_weight_mean", 1.0),
         "is_truncated_frac": mean("rollout/is_truncated_frac"),
@@ -117,7 +130,8 @@ def summarise(rows: list[dict]) -> dict:
 def line(r: dict) -> str:
     acc = "" if r["final_acc"] is None else f"held-out {r['first_acc']:.3f} -> {r['final_acc']:.3f}  "
     return (
-        f"{acc}step {r['step_s']:.2f} s  staleness {r['staleness']:.2f}  is weight {r['is_weight_mean']:.4f} "
+        f"{acc}step {r['step_s']:.2f} s ({r.get('step_cpu_s', 0.0):.2f} CPU s)  staleness {r['staleness']:.2f}  "
+        f"is weight {r['is_weight_mean']:.4f} "
         f"(truncated {r['is_truncated_frac']:.4f})  |logp gap| {r['logprob_gap']:.4f}  waits: trainer "
         f"{r['trainer_wait_s']:.2f} s, engine {r['engine_wait_s']:.2f} s  train acc {r['train_acc']:.3f} "
         f"(last third {r['train_acc_last_third']:.3f})  policy kl {r['policy_kl']:.5f}  is ess {r['is_ess']:.4f}"
@@ -181,11 +195,15 @@ def main() -> None:
                 )
                 seeded = [f"data.seed={seed}", f"rollout.seed={seed}", f"train.seed={seed}"]
                 run_dir = out / (f"lr{lr}" if lr else "") / (f"k{k}" + (f"_{mode}" if k else "")) / f"seed{seed}"
-                t0 = time.perf_counter()
-                r = summarise(train(preset, base + side + seeded + extra + args.overrides, run_dir))
-                r |= {"seed": seed, "k": k, "lr": lr, "mode": mode if k else None, "wall_s": time.perf_counter() - t0}
+                run = run_alone(preset, base + side + seeded + extra + args.overrides, run_dir)
+                r = summarise(run.rows) | {"seed": seed, "k": k, "lr": lr, "mode": mode if k else None}
+                r |= {"wall_s": run.wall_s, "cpu_s": run.cpu_s, "load": run.load.summary()}
                 results.setdefault(name, []).append(r)
-                print(f"  {name} seed {seed}  " + line(r) + f"  wall {r['wall_s']:.0f} s", flush=True)
+                print(
+                    f"  {name} seed {seed}  " + line(r) + f"  wall {r['wall_s']:.0f} s, CPU {r['cpu_s']:.0f} s"
+                    f"  ({describe(r['load'])})",
+                    flush=True,
+                )
                 if args.json:  # as it goes: a stopped sweep is picked up with --reuse
                     Path(args.json).write_text(json.dumps(results, indent=1))
     report(results)
@@ -197,7 +215,8 @@ def report(results: dict[str, list[dict]]) -> None:
     """Per side, the mean [95% CI] over seeds; then each k > 0 against k = 0 of the same learning rate, paired by
     seed (the difference of held-out and last-third train accuracy, seed by seed)."""
     print("\nmean [95% CI] over seeds")
-    keys = ("final_acc", "train_acc_last_third", "policy_kl", "is_ess", "step_s", "is_truncated_frac", "is_masked_frac")
+    keys = ("final_acc", "train_acc_last_third", "policy_kl", "is_ess", "step_s", "step_cpu_s", "is_truncated_frac")
+    keys += ("is_masked_frac",)
     for side, runs in results.items():
         cells = []
         for key in keys:
@@ -212,8 +231,11 @@ def report(results: dict[str, list[dict]]) -> None:
         if not base or runs is base:
             continue
         by_seed = {r["seed"]: r for r in base}
-        speed = statistics.fmean(r["step_s"] for r in base) / statistics.fmean(r["step_s"] for r in runs)
-        print(f"  {side}  step time against k = 0: {speed:.2f}x")
+        loads = [r.get("load") for r in base + runs]  # runs read back from an older --json have none
+        wall = time_ratio([r["step_s"] for r in base], [r["step_s"] for r in runs], loads)
+        cpu_s = [[r.get("step_cpu_s", 0.0) for r in rs] for rs in (base, runs)]
+        cpu = time_ratio(*cpu_s, loads, what="CPU")
+        print(f"  {side}  step time against k = 0: {wall} (CPU: {cpu})")
         for key in ("final_acc", "train_acc_last_third"):
             diffs = [r[key] - by_seed[r["seed"]][key] for r in runs if r["seed"] in by_seed and r.get(key) is not None]
             if diffs:

@@ -15,7 +15,9 @@ alternating run by run. Printed per mode, the median over runs of:
             it overlaps the next step: with 2 cores, about half of it shows up as a slower step).
 The share of a step is blocked / --step-s (the preset's wall seconds per step, measured by
 benchmarks/vs_trl.py --real and scaling.py) and, for the asynchronous mode, (blocked + write CPU /
-cores) / --step-s as the upper bound of what it takes from the loop.
+cores) / --step-s as the upper bound of what it takes from the loop. Each mode's saves are measured for load
+(benchmarks/runs.py's Meter: wall and CPU seconds of the process and its threads, its torch threads its own
+jobs); a mode whose saves saw more load than that gets no share, and a line says why.
 """
 
 from __future__ import annotations
@@ -23,12 +25,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runs import Meter, withheld  # noqa: E402
 
 from dapo import checkpoint
 from dapo.checkpoint import writer as checkpoint_writer
@@ -79,7 +85,8 @@ def save_once(policy: Policy, run_dir: Path, step: int, asynchronous: bool) -> d
     blocked, blocked_cpu = time.perf_counter() - t0, time.process_time() - c0
     writer.wait()
     whole = time.perf_counter() - t0
-    return {"blocked": blocked, "write": whole, "write_cpu": cpu_box.get("cpu", blocked_cpu)}
+    write_cpu = cpu_box.get("cpu", blocked_cpu)
+    return {"blocked": blocked, "blocked_cpu": blocked_cpu, "write": whole, "write_cpu": write_cpu}
 
 
 def main() -> None:
@@ -107,30 +114,37 @@ def main() -> None:
         f"state saved: {size / 2**30:.2f} GiB (weights + AdamW); load average {os.getloadavg()[0]:.2f}"
     )
     res: dict[str, list[dict]] = {"sync": [], "async": []}
+    # own jobs: the process's torch threads, which built the state just before (the load average lags a minute)
+    meters = {mode: Meter(own_jobs=torch.get_num_threads()) for mode in res}
     with tempfile.TemporaryDirectory(dir=ROOT) as tmp:  # the disk training runs write to
         step = 0
         for run in range(args.runs):
             for mode in ("sync", "async") if run % 2 == 0 else ("async", "sync"):
                 step += 1
-                r = save_once(policy, Path(tmp), step, mode == "async")
+                with meters[mode]:
+                    r = save_once(policy, Path(tmp), step, mode == "async")
                 res[mode].append(r)
                 print(
-                    f"run {run + 1} {mode:5s} blocked {r['blocked']:.2f} s, whole on disk after {r['write']:.2f} s, "
-                    f"write CPU {r['write_cpu']:.2f} s",
+                    f"run {run + 1} {mode:5s} blocked {r['blocked']:.2f} s ({r['blocked_cpu']:.2f} CPU s), whole on "
+                    f"disk after {r['write']:.2f} s, write CPU {r['write_cpu']:.2f} s",
                     flush=True,
                 )
     cores = min(2, os.cpu_count() or 1)
     print(f"\nmedian of {args.runs} runs; share of a {args.step_s:.0f} s step")
     for mode, rs in res.items():
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        reason = withheld([meters[mode].load.summary()], "share of a step", unit="modes")
+        share = "-" if reason else f"{100 * med['blocked'] / args.step_s:4.1f}%"
         line = (
-            f"{mode:5s} blocked {med['blocked']:6.2f} s ({100 * med['blocked'] / args.step_s:4.1f}% of a step), "
+            f"{mode:5s} blocked {med['blocked']:6.2f} s ({share} of a step), "
             f"whole after {med['write']:5.2f} s, write CPU {med['write_cpu']:5.2f} s"
         )
-        if mode == "async":
+        if mode == "async" and not reason:
             bound = med["blocked"] + med["write_cpu"] / cores
             line += f"; with the write's CPU taken from the step: <= {100 * bound / args.step_s:.1f}%"
-        print(line)
+        print(line + f"; saves: {meters[mode].cpu_s:.1f} CPU s, {meters[mode].wall_s:.1f} wall s")
+        if reason:
+            print(f"  {reason}")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,19 @@
 """The harness of benchmarks/gpu.py: randomly initialised models of real shapes built on the device, a Policy
-handed such a model, random rollout batches, timing with the device synchronised, and the table's rows."""
+handed such a model, random rollout batches, timing with the device synchronised (wall seconds, and the CPU seconds
+and the machine's load over the same calls: benchmarks/runs.py's Meter), and the table's rows."""
 
 from __future__ import annotations
 
 import contextlib
 import random
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runs import Meter, withheld  # noqa: E402
 
 SHAPES = {  # the configs of the published models (config.json), built with random weights
     "qwen2.5-0.5b": dict(arch="qwen2", hidden=896, inter=4864, layers=24, heads=14, kv=2, vocab=151936, tied=True),
@@ -30,6 +36,17 @@ class Harness:
         self.rows: dict[str, list[str]] = {}  # the table's rows, by the part that measured them
         self.part = ""  # the part running
         self.on_row = None  # called after each row is recorded (main: write the JSON so far)
+        self.peak_load: dict | None = None  # the load the MFU reference was measured under (Load.summary())
+        self.last: Meter | None = None  # the meter of the latest timed call
+
+    def meter(self) -> Meter:
+        """A Meter for a measurement's calls; its own jobs: the one thread that drives the GPU (on the CPU, torch's
+        threads)."""
+        return Meter(own_jobs=1 if self.cuda else torch.get_num_threads())
+
+    def withheld(self, *loads: dict | None, what: str = "MFU") -> str | None:
+        """Why a ratio of times over measurements that saw ``loads`` is no figure (benchmarks/runs.py), or None."""
+        return withheld(list(loads), what, unit="measurements")
 
     def sync(self) -> None:
         if self.cuda:
@@ -125,12 +142,17 @@ class Harness:
         the clip range, so every token has a gradient (a made-up old_logp could clip them all away)."""
         batch.old_logp, _ = policy.compute_logprobs(batch)
 
-    def timed(self, fn) -> float:
+    def timed(self, fn, meter: Meter | None = None) -> float:
+        """Wall seconds of ``fn()`` with the device synchronised; its CPU seconds and the load meanwhile go to
+        ``meter`` (added up over calls), or to a meter of its own: ``self.last`` either way."""
+        self.last = meter or self.meter()
         self.sync()
-        t0 = time.perf_counter()
-        fn()
-        self.sync()
-        return time.perf_counter() - t0
+        with self.last:
+            t0 = time.perf_counter()
+            fn()
+            self.sync()
+            seconds = time.perf_counter() - t0
+        return seconds
 
     def row(self, what: str, figure: str, note: str = "") -> None:
         line = f"| {what} | {figure} | {note} |"

@@ -10,7 +10,9 @@ DAPO-Math-17k integers for `dapo`, MATH-500 LaTeX answers for `math`.
 
 As in training, one pool lives through all runs (its workers keep their warm parser tables) and
 the in-process grader runs in one process too; after one warm-up batch, every run grades a new
-batch (new prompts, new responses). Printed: the median over runs.
+batch (new prompts, new responses). Printed: the median over runs, each way's CPU seconds (the pool's: its
+workers' too) beside its wall seconds over the timed runs, and the pool's rate over the in-process one, only where
+neither way saw more load than the benchmark's own jobs (a worker each; benchmarks/runs.py's Meter).
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from dapo.rewards import RewardPool, grade
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 from hostile_corpus import hostile_responses  # noqa: E402
+from runs import Meter, withheld  # noqa: E402
 
 GROUP = 16
 WORDS = "so we compute the sum of the terms then factor and check each case carefully modulo".split()
@@ -119,10 +123,14 @@ def main() -> None:
     with pool:
         for grader, truths, prompts, spell in setups:
             single, multi, timeouts, crashes = [], [], 0, 0
+            # own jobs: the pool's workers for both ways, which alternate within a minute of load average
+            meters = {way: Meter(own_jobs=max(1, args.workers)) for way in ("in-process", "pool")}
             for run in range(args.runs + 1):
                 responses, gts = make_batch(truths, prompts, seed=run, spell=spell)
-                rate = in_process(responses, gts, grader)
-                result = pool.score(responses, gts, grader)
+                with meters["in-process"] if run else Meter():  # the warm-up is not measured
+                    rate = in_process(responses, gts, grader)
+                with meters["pool"] if run else Meter():
+                    result = pool.score(responses, gts, grader)
                 if run == 0:
                     continue  # warm-up: imports, parser tables, first-use caches
                 single.append(rate)
@@ -134,6 +142,13 @@ def main() -> None:
                 f"in-process {statistics.median(single):,.0f}/s, "
                 f"pool x{args.workers} {statistics.median(multi):,.0f}/s "
                 f"(median of {args.runs}; timeouts {timeouts}, crashes {crashes})"
+            )
+            reason = withheld([m.load.summary() for m in meters.values()], "ratio", unit="ways")
+            print(
+                "      "
+                + ", ".join(f"{way} {m.cpu_s:.2f} CPU s / {m.wall_s:.2f} wall s" for way, m in meters.items())
+                + "; pool / in-process: "
+                + (reason or f"{statistics.median(multi) / statistics.median(single):.2f}x")
             )
 
 

@@ -20,9 +20,11 @@ training iterations: torch.mm at the model's own matmul shapes, (tokens per micr
 times each weight matrix (q, k, v, o, gate, up, down, LM head), combined as the FLOP-weighted rate
 those matmuls would run at; torch.mm of a 1024^3 square is printed for scale. A profile of one
 update says where the rest of the time goes. Printed: medians over iterations (the first dropped).
-Times are the process's CPU time (one torch thread by default), so other processes on a shared
-machine barely move the ratio; with --threads > 1 they are summed over threads, which is still
-consistent between the training phase and the matmul reference.
+Times are the process's CPU time (one torch thread by default), summed over threads with --threads > 1, which is
+consistent between the training phase and the matmul reference; wall times are printed beside them. Both the
+training phases and the torch.mm reference are measured for load (benchmarks/runs.py's Meter, the torch threads
+its own jobs): where either saw more, a busy machine may have bent the ratio, and MFU is not printed (a line says
+why). The --real mode does the same.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from dapo.tasks import arith
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mfu_matmul import mm_rate, model_shapes, reference_rate  # noqa: E402
 from mfu_real import graded_batch, real_main  # noqa: E402
+from runs import Meter, withheld  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MATMUL_OPS = (
@@ -108,23 +111,27 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def time_demo_phases(updates: int, policy: Policy, batch: RolloutBatch, loss_fn, m: int, shapes) -> tuple:
+def time_demo_phases(updates: int, policy: Policy, batch: RolloutBatch, loss_fn, m: int, shapes, meters) -> tuple:
     """``updates`` training phases after one warm-up, each after timing torch.mm at the model's shapes:
-    the medians of old log-probs, update and the torch.mm reference."""
+    the medians of old log-probs and update (CPU, then wall) and of the torch.mm reference; ``meters`` ("train",
+    "mm") measure the timed ones."""
     t_old, t_update, ref = [], [], []
     for it in range(updates + 1):
-        rate = reference_rate(m, shapes)
-        t0 = time.process_time()
-        batch.old_logp, batch.entropy = policy.compute_logprobs(batch, with_entropy=True)
-        t1 = time.process_time()
-        policy.update(batch, loss_fn)
-        t2 = time.process_time()
+        with meters["mm"] if it else Meter():  # the warm-up is not measured
+            rate = reference_rate(m, shapes)
+        with meters["train"] if it else Meter():
+            t0, w0 = time.process_time(), time.perf_counter()
+            batch.old_logp, batch.entropy = policy.compute_logprobs(batch, with_entropy=True)
+            t1, w1 = time.process_time(), time.perf_counter()
+            policy.update(batch, loss_fn)
+            t2, w2 = time.process_time(), time.perf_counter()
         if it == 0:
             continue  # warm-up: first-call allocations, optimizer state
-        t_old.append(t1 - t0)
-        t_update.append(t2 - t1)
+        t_old.append((t1 - t0, w1 - w0))
+        t_update.append((t2 - t1, w2 - w1))
         ref.append(rate)
-    return statistics.median(t_old), statistics.median(t_update), statistics.median(ref)
+    med = lambda xs, i: statistics.median(x[i] for x in xs)  # noqa: E731
+    return med(t_old, 0), med(t_update, 0), statistics.median(ref), med(t_old, 1), med(t_update, 1)
 
 
 def update_profile(policy: Policy, batch: RolloutBatch, loss_fn) -> list[str]:
@@ -169,8 +176,11 @@ def main() -> None:
     n_params = sum(p.numel() for p in policy.model.parameters())
     tokens = sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
     m = micro_batch_rows(cfg, batch, tokens)
-    old, upd, mm = time_demo_phases(args.updates, policy, batch, loss_fn, m, model_shapes(policy.model.config))
-    square = mm_rate(1024, 1024, 1024)
+    meters = {"train": Meter(args.threads), "mm": Meter(args.threads)}
+    shapes = model_shapes(policy.model.config)
+    old, upd, mm, old_wall, upd_wall = time_demo_phases(args.updates, policy, batch, loss_fn, m, shapes, meters)
+    with meters["mm"]:
+        square = mm_rate(1024, 1024, 1024)
     profile_lines = update_profile(policy, batch, loss_fn)
 
     updates = cfg.train.prompts_per_step // cfg.train.mini_batch_prompts * cfg.train.ppo_epochs
@@ -185,14 +195,22 @@ def main() -> None:
         f"{policy.model.config.vocab_size}); batch {len(batch)} responses, {tokens:,} tokens, {updates} updates, "
         f"~{m:,} tokens per micro-batch"
     )
-    print(f"old log-probs {old:.3f} s, update {upd:.3f} s (median of {args.updates})")
+    print(
+        f"old log-probs {old:.3f} s, update {upd:.3f} s (median of {args.updates}); wall {old_wall:.3f} s, "
+        f"{upd_wall:.3f} s"
+    )
     print(f"achieved, update (6N tokens / time):              {achieved / 1e9:8.2f} GFLOP/s")
     print(f"achieved, training phase (8N tokens / time):      {phase / 1e9:8.2f} GFLOP/s")
     print(f"torch.mm at the model's shapes ({m} rows):        {mm / 1e9:8.2f} GFLOP/s")
     print(f"torch.mm 1024x1024x1024:                          {square / 1e9:8.2f} GFLOP/s")
+    for name, meter in meters.items():
+        print(f"{name:5s} timed: {meter.cpu_s:.2f} CPU s, {meter.wall_s:.2f} wall s ({meter.load.describe()})")
+    reason = withheld([meter.load.summary() for meter in meters.values()], "MFU", unit="measurements")
     print(
-        f"MFU update: {achieved / mm:.1%} of the model-shape matmul rate ({achieved / square:.1%} of the square's); "
-        f"training phase: {phase / mm:.1%}"
+        f"MFU update: {reason}"
+        if reason
+        else f"MFU update: {achieved / mm:.1%} of the model-shape matmul rate ({achieved / square:.1%} of the "
+        f"square's); training phase: {phase / mm:.1%}"
     )
     for line in profile_lines:
         print(line)

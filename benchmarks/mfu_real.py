@@ -1,6 +1,8 @@
 """The --real mode of benchmarks/mfu.py: SmolLM2-135M-Instruct at its preset (configs/smollm2_135m.yaml) on a
 synthetic rollout batch of the preset's shape; old log-probs and update timed separately, wall and CPU time,
-against torch.mm at the matmul shapes each pass runs; ends with ``update MFU: NN%``."""
+against torch.mm at the matmul shapes each pass runs; ends with ``update MFU: NN%``. The training phases and the
+torch.mm reference are measured for load (benchmarks/runs.py's Meter, the torch threads its own jobs): where either
+saw more, no share of torch.mm is printed, and the last line says why instead."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from types import SimpleNamespace
 
 import torch
 from mfu_matmul import mm_rate, model_shapes, shapes_rate
+from runs import Meter, withheld
 
 from dapo.algorithm import advantages
 from dapo.algorithm.batch import RolloutBatch
@@ -209,16 +212,20 @@ def real_passes(policy: Policy, cfg, batch: RolloutBatch, head_chunk: int | None
 
 def time_real_phases(updates: int, policy: Policy, batch: RolloutBatch, loss_fn, p: SimpleNamespace):
     """``updates`` training phases, each after timing torch.mm at both passes' shapes: the medians of old
-    log-probs and update (wall and CPU) and of the two torch.mm references."""
+    log-probs and update (wall and CPU) and of the two torch.mm references, and the meters ("train", "mm") that
+    measured them."""
     t_old, t_upd, ref_old, ref_upd = [], [], [], []
+    meters = {"train": Meter(torch.get_num_threads()), "mm": Meter(torch.get_num_threads())}
     for _ in range(updates):
-        ref_old.append(shapes_rate(p.old_shapes))
-        ref_upd.append(shapes_rate(p.upd_shapes))
-        a = clock()
-        batch.old_logp, batch.entropy = policy.compute_logprobs(batch, with_entropy=True)
-        b = clock()
-        policy.update(batch, loss_fn)
-        e = clock()
+        with meters["mm"]:
+            ref_old.append(shapes_rate(p.old_shapes))
+            ref_upd.append(shapes_rate(p.upd_shapes))
+        with meters["train"]:
+            a = clock()
+            batch.old_logp, batch.entropy = policy.compute_logprobs(batch, with_entropy=True)
+            b = clock()
+            policy.update(batch, loss_fn)
+            e = clock()
         t_old.append((b[0] - a[0], b[1] - a[1]))
         t_upd.append((e[0] - b[0], e[1] - b[1]))
         print(
@@ -234,7 +241,13 @@ def time_real_phases(updates: int, policy: Policy, batch: RolloutBatch, loss_fn,
         upd_c=med(t_upd, 1),
         mm_old=statistics.median(ref_old),
         mm_upd=statistics.median(ref_upd),
+        meters=meters,
     )
+
+
+def mfu_withheld(t: SimpleNamespace) -> str | None:
+    """Why the shares of torch.mm are no figure (the phases or the reference saw more load than their own jobs)."""
+    return withheld([m.load.summary() for m in t.meters.values()], "MFU", unit="measurements")
 
 
 def print_real_setup(args, cfg, policy: Policy, batch: RolloutBatch, n_params: int, p: SimpleNamespace) -> None:
@@ -275,6 +288,11 @@ def print_real_rates(batch: RolloutBatch, n_params: int, p: SimpleNamespace, t: 
     epochs = p.epochs
     upd_6n = 6 * n_params * p.upd_tokens * epochs
     old_2n = 2 * n_params * p.old_tokens
+    reason = mfu_withheld(t)
+
+    def share(x: float) -> str:
+        return "-" if reason else f"{x:5.1%}"
+
     print("CPU-time rates (the process's CPU seconds over all threads; torch.mm measured the same way):")
     for name, flops, exec_flops, w, cpu, mm, n_tok in (
         ("old log-probs (2N/token)", old_2n, p.old_exec, t.old_w, t.old_c, t.mm_old, p.old_tokens),
@@ -284,14 +302,16 @@ def print_real_rates(batch: RolloutBatch, n_params: int, p: SimpleNamespace, t: 
             f"  {name:26s} {w:7.1f} s wall {cpu:7.1f} s CPU  {n_tok / w:7.0f} tok/s wall"
             f" ({row_tokens * (1 if 'old' in name else epochs) / w:.0f} of the rows' prompt + response)"
             f"  {flops / cpu / 1e9:6.1f} GFLOP/s per CPU s ({flops / w / 1e9:6.1f} per wall s)"
-            f"  torch.mm {mm / 1e9:6.1f}  -> {flops / cpu / mm:5.1%}; executed matmul FLOPs "
+            f"  torch.mm {mm / 1e9:6.1f}  -> {share(flops / cpu / mm)}; executed matmul FLOPs "
             f"{exec_flops / flops:.2f}x of "
-            f"that -> {exec_flops / cpu / mm:5.1%}"
+            f"that -> {share(exec_flops / cpu / mm)}"
         )
     print(f"torch.mm 1024x1024x1024: {square / 1e9:.1f} GFLOP/s per CPU s")
+    for name, m in t.meters.items():
+        print(f"{name:5s} timed: {m.cpu_s:.1f} CPU s, {m.wall_s:.1f} wall s ({m.load.describe()})")
     print(
         "training phase (old log-probs + update, 8N/token): "
-        f"{(old_2n + upd_6n) / (t.old_c + t.upd_c) / t.mm_upd:.1%} of torch.mm"
+        f"{share((old_2n + upd_6n) / (t.old_c + t.upd_c) / t.mm_upd).strip()} of torch.mm"
     )
 
 
@@ -311,10 +331,11 @@ def real_main(args) -> None:
     policy.update(warm, loss_fn)
 
     times = time_real_phases(args.updates, policy, batch, loss_fn, passes)
-    square = mm_rate(1024, 1024, 1024)
+    with times.meters["mm"]:
+        square = mm_rate(1024, 1024, 1024)
     print_real_setup(args, cfg, policy, batch, n_params, passes)
     print_real_rates(batch, n_params, passes, times, square)
     for line in profile_table(policy, batch, loss_fn):
         print(line)
     upd_6n = 6 * n_params * passes.upd_tokens * passes.epochs
-    print(f"update MFU: {upd_6n / times.upd_c / times.mm_upd:.0%}")
+    print(f"update MFU: {mfu_withheld(times) or f'{upd_6n / times.upd_c / times.mm_upd:.0%}'}")

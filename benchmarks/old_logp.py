@@ -7,7 +7,9 @@ as benchmarks/scaling.py: 8 prompts x G=8, <= 96 tokens, 2 optimizer updates, dy
 vLLM rollout in float32, no evaluation), once per setting, the settings alternating run by run.
 From the last step's metrics: the old-log-prob pass, the update and the whole step (wall), and the
 child process's CPU time over the whole run (start-up included, so only differences between settings
-mean something). Printed: medians over runs, and each setting's saving against recompute.
+mean something), and the step's CPU seconds (the trainer process's). Printed: medians over runs, and each
+setting's saving against recompute, only where no run behind it saw more load than its own (benchmarks/runs.py's
+Meter, the machine's cores its own jobs); otherwise a line says why.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runs import describe, withheld  # noqa: E402
 from scaling import BASE, MODEL, run_point  # noqa: E402
 
 SETTINGS = ("recompute", "engine")  # first_update was removed (RESULTS.md, "Old log-probs")
@@ -31,6 +34,7 @@ def main() -> None:
     if not (MODEL / "config.json").exists():
         sys.exit(f"needs {MODEL}: run `make smollm2` once")
     res: dict[str, list[dict]] = {s: [] for s in SETTINGS}
+    loads: list[dict] = []  # every run's: a saving compares them all
     for run in range(args.runs):
         for setting in SETTINGS if run % 2 == 0 else SETTINGS[::-1]:
             out = run_point(BASE, args.steps, extra=(f"algo.old_logp_source={setting}",))
@@ -40,17 +44,21 @@ def main() -> None:
                     "old": r.get("perf/time_old_logprob_s", 0.0),
                     "update": r["perf/time_update_s"],
                     "step": r["perf/time_step_s"] - r.get("perf/time_checkpoint_s", 0.0),
+                    "step_cpu": r.get("perf/cpu_step_s", float("nan")) - r.get("perf/cpu_checkpoint_s", 0.0),
                     "cpu": out["cpu_s"],
                     "entropy": r.get("actor/entropy", float("nan")),
                 }
             )
+            loads.append(out["load"])
             x = res[setting][-1]
             print(
                 f"run {run + 1} {setting:12s} old log-probs {x['old']:5.1f} s  update {x['update']:5.1f} s  "
-                f"step {x['step']:5.1f} s  process CPU {x['cpu']:6.1f} s",
+                f"step {x['step']:5.1f} s ({x['step_cpu']:.1f} CPU s)  process CPU {x['cpu']:6.1f} s  "
+                f"({describe(out['load'])})",
                 flush=True,
             )
     med = {s: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for s, rs in res.items()}
+    reason = withheld(loads, "saving")
     base = med["recompute"]
     print(f"\nmedian of {args.runs} runs (last of {args.steps} steps)")
     print(
@@ -60,9 +68,15 @@ def main() -> None:
     for s, m in med.items():
         print(
             f"{s:12s} {m['old']:10.1f} {m['update']:9.1f} {m['step']:7.1f} {m['cpu']:9.1f}  "
-            f"{base['step'] - m['step']:+.1f} s ({100 * (base['step'] - m['step']) / base['step']:+.0f}%), "
-            f"CPU {base['cpu'] - m['cpu']:+.0f} s per run"
+            + (
+                "-"
+                if reason
+                else f"{base['step'] - m['step']:+.1f} s ({100 * (base['step'] - m['step']) / base['step']:+.0f}%), "
+                f"CPU {base['cpu'] - m['cpu']:+.0f} s per run"
+            )
         )
+    if reason:
+        print(reason)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ Printed: response tokens/s (median over runs; wall time, and CPU time of the sid
 its children: vLLM's engine-core and worker processes), ours against bare-inproc (the overhead),
 bare and hf, and per round the cost of what the loop adds around generation: the
 weight push of the 135M model (update_weights) and sleep/wake (no-ops for vLLM on CPU, timed anyway).
+Each side's generation is measured for load (benchmarks/runs.py's Meter, the machine's cores its own jobs): a
+ratio between sides is printed only where no run behind it saw more load than that; otherwise a line says why.
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from runs import Meter, describe, withheld  # noqa: E402
+
 MODEL = Path("~/.cache/dapo/models/SmolLM2-135M-Instruct").expanduser()
 G, MAX_NEW, TEMPERATURE, KV_GIB = 8, 96, 0.7, 0.5
 
@@ -46,25 +50,13 @@ def prompts(tokenizer, k: int) -> list[list[int]]:
     return [encode(ex) for ex in load_examples(ROOT / "data/word_problems/train.jsonl", template="raw")[:k]]
 
 
-def cpu_seconds() -> float:
-    """CPU time of this process and every live descendant (vLLM's engine core and worker)."""
-    import psutil
-
-    me = psutil.Process()
-    total = 0.0
-    for p in [me, *me.children(recursive=True)]:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
 def timed(fn):
-    w, c = time.perf_counter(), cpu_seconds()
-    out = fn()
-    return out, time.perf_counter() - w, cpu_seconds() - c
+    """``fn()``, its wall seconds, the CPU seconds of this process and its descendants (vLLM's engine core and
+    worker), and the load meanwhile (``Load.summary()``)."""
+    meter = Meter(own_jobs=os.cpu_count() or 1)
+    with meter:
+        out = fn()
+    return out, meter.wall_s, meter.cpu_s, meter.load.summary()
 
 
 def side_ours(args) -> dict:
@@ -76,9 +68,9 @@ def side_ours(args) -> dict:
     engine = make_rollout(RolloutConfig(backend="vllm", kv_cache_gib=KV_GIB), model, tok, max_model_len=256 + MAX_NEW)
     ids = prompts(tok, args.prompts)
     engine.generate(ids, SamplingParams(n=G, temperature=TEMPERATURE, max_new_tokens=MAX_NEW, seed=999))  # warm-up
-    _, push_s, push_cpu = timed(lambda: engine.update_weights(model.named_parameters()))
-    _, sleep_s, _ = timed(lambda: (engine.sleep(), engine.wake()))
-    gen, wall, cpu = timed(
+    _, push_s, push_cpu, _ = timed(lambda: engine.update_weights(model.named_parameters()))
+    _, sleep_s, _, _ = timed(lambda: (engine.sleep(), engine.wake()))
+    gen, wall, cpu, load = timed(
         lambda: engine.generate(
             ids, SamplingParams(n=G, temperature=TEMPERATURE, max_new_tokens=MAX_NEW, seed=args.seed)
         )
@@ -87,6 +79,7 @@ def side_ours(args) -> dict:
         "tokens": gen.num_tokens,
         "wall": wall,
         "cpu": cpu,
+        "load": load,
         "push_s": push_s,
         "push_cpu": push_cpu,
         "sleep_wake_s": sleep_s,
@@ -123,8 +116,8 @@ def side_bare(args) -> dict:
         return llm.generate(reqs, params, use_tqdm=False)
 
     run(999)
-    outs, wall, cpu = timed(lambda: run(args.seed))
-    return {"tokens": sum(len(c.token_ids) for o in outs for c in o.outputs), "wall": wall, "cpu": cpu}
+    outs, wall, cpu, load = timed(lambda: run(args.seed))
+    return {"tokens": sum(len(c.token_ids) for o in outs for c in o.outputs), "wall": wall, "cpu": cpu, "load": load}
 
 
 def side_hf(args) -> dict:
@@ -136,12 +129,12 @@ def side_hf(args) -> dict:
     engine = HFRolloutEngine(model, tok)
     ids = prompts(tok, args.prompts)
     engine.generate(ids[:2], SamplingParams(n=G, temperature=TEMPERATURE, max_new_tokens=8, seed=999))
-    gen, wall, cpu = timed(
+    gen, wall, cpu, load = timed(
         lambda: engine.generate(
             ids, SamplingParams(n=G, temperature=TEMPERATURE, max_new_tokens=MAX_NEW, seed=args.seed)
         )
     )
-    return {"tokens": gen.num_tokens, "wall": wall, "cpu": cpu}
+    return {"tokens": gen.num_tokens, "wall": wall, "cpu": cpu, "load": load}
 
 
 def side_bare_inproc(args) -> dict:
@@ -192,8 +185,9 @@ def main() -> None:
             res[side].append(r)
             print(
                 f"run {run + 1} {side:11s} {r['tokens']} tokens, {r['tokens'] / r['wall']:.0f} tokens/s wall, "
-                f"{r['tokens'] / r['cpu']:.0f} per CPU s"
-                + (f"; weight push {r['push_s']:.2f} s" if "push_s" in r else ""),
+                f"{r['tokens'] / r['cpu']:.0f} per CPU s ({r['wall']:.1f} wall s, {r['cpu']:.1f} CPU s)"
+                + (f"; weight push {r['push_s']:.2f} s" if "push_s" in r else "")
+                + f"  ({'' if r['load']['clean'] else 'shared the machine: '}{describe(r['load'])})",
                 flush=True,
             )
     rate = {s: statistics.median(r["tokens"] / r["wall"] for r in rs) for s, rs in res.items()}
@@ -203,14 +197,24 @@ def main() -> None:
     )
     for s in sides:
         print(f"{s:11s} {rate[s]:7.0f} tokens/s wall  {cpu_rate[s]:7.0f} tokens per CPU s")
+
+    def loads(*names):
+        return [r["load"] for name in names for r in res[name]]
+
     for bare in ("bare-inproc", "bare"):
         if "ours" in rate and bare in rate:
+            reason = withheld(loads("ours", bare), "overhead")
             print(
-                f"ours vs {bare} vLLM: {100 * (rate[bare] / rate['ours'] - 1):+.1f}% overhead (wall), "
-                f"{100 * (cpu_rate[bare] / cpu_rate['ours'] - 1):+.1f}% (CPU)"
+                f"ours vs {bare} vLLM: "
+                + (
+                    reason
+                    or f"{100 * (rate[bare] / rate['ours'] - 1):+.1f}% overhead (wall), "
+                    f"{100 * (cpu_rate[bare] / cpu_rate['ours'] - 1):+.1f}% (CPU)"
+                )
             )
     if "ours" in rate and "hf" in rate:
-        print(f"ours vs HF generate: {rate['ours'] / rate['hf']:.2f}x")
+        reason = withheld(loads("ours", "hf"), "ratio")
+        print("ours vs HF generate: " + (reason or f"{rate['ours'] / rate['hf']:.2f}x"))
     if "ours" in res:
         push = statistics.median(r["push_s"] for r in res["ours"])
         sleep = statistics.median(r["sleep_wake_s"] for r in res["ours"])

@@ -11,8 +11,9 @@ padding is the same. Tokens are counted up to and including each row's EOS.
 The engine's time includes everything it returns beyond the ids: cutting at EOS, the truncation
 flags and the decoded texts. The two alternate within each run after a warm-up call; printed is
 the median over runs, and overhead = bare tokens/s / ours - 1, per run, then the median.
-Time is the process's CPU time (one torch thread), which other processes on a shared machine
-barely disturb; the wall-clock overhead is printed beside it.
+Time is the process's CPU time (one torch thread), printed beside wall time (each side's CPU and wall seconds
+summed over the timed runs). Each side's calls are measured for load (benchmarks/runs.py's Meter): where either
+side saw more load than its own torch threads, the overhead is not printed, and a line says why.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -32,6 +34,9 @@ from dapo.rollout.hf import HFRolloutEngine
 from dapo.tasks import arith
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from runs import Meter, withheld  # noqa: E402
+
 WORKLOADS = [  # name, split, difficulty, prompts, samples per prompt, max new tokens
     ("demo train round 32x8", "train", "demo", 32, 8, 48),
     ("demo eval 200x4", "test", "demo", 200, 4, 48),
@@ -80,22 +85,27 @@ def main() -> None:
         f"torch {torch.__version__}, {args.threads} threads, median of {args.runs} alternated runs, "
         f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
     )
-    print(f"{'workload':24s} {'tokens':>7s} {'bare tok/s':>11s} {'ours tok/s':>11s} {'overhead':>9s} {'(wall)':>9s}")
+    print(
+        f"{'workload':24s} {'tokens':>7s} {'bare tok/s':>11s} {'ours tok/s':>11s} {'overhead':>9s} {'(wall)':>9s}"
+        f"  {'bare CPU / wall s':>17s} {'ours CPU / wall s':>17s}"
+    )
     for name, split, difficulty, prompts, n, max_new in WORKLOADS:
         examples = arith.make_examples(split, prompts, seed=0, difficulty=difficulty)
         ids = [encode(ex) for ex in examples]
         texts = [ex.text() for ex in examples]
         bare_rates, ours_rates, ratios, wall_ratios = [], [], [], []
+        meters = {"bare": Meter(args.threads), "ours": Meter(args.threads)}
         for run in range(args.runs + 1):
             params = SamplingParams(n=n, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new, seed=run)
             timings = {}
             sides = ("bare", "ours") if run % 2 == 0 else ("ours", "bare")
             for side in sides:
                 t0, c0 = time.perf_counter(), time.process_time()
-                if side == "bare":
-                    tokens = bare_generate(model, tokenizer, texts, params, engine.eos_ids)
-                else:
-                    tokens = engine.generate(ids, params).num_tokens
+                with meters[side] if run else Meter(args.threads):  # the warm-up call is not measured
+                    if side == "bare":
+                        tokens = bare_generate(model, tokenizer, texts, params, engine.eos_ids)
+                    else:
+                        tokens = engine.generate(ids, params).num_tokens
                 timings[side] = (tokens, time.process_time() - c0, time.perf_counter() - t0)
             if run == 0:
                 continue  # warm-up
@@ -105,12 +115,17 @@ def main() -> None:
             ours_rates.append(ours)
             ratios.append(bare / ours)
             wall_ratios.append((timings["bare"][0] / timings["bare"][2]) / (timings["ours"][0] / timings["ours"][2]))
+        reason = withheld([m.load.summary() for m in meters.values()], "overhead", unit="sides")
+        overhead = "-" if reason else f"{100 * (statistics.median(ratios) - 1):+.1f}%"
+        wall_overhead = "-" if reason else f"{100 * (statistics.median(wall_ratios) - 1):+.1f}%"
         print(
             f"{name:24s} {timings['ours'][0]:7d} {statistics.median(bare_rates):11,.0f} "
-            f"{statistics.median(ours_rates):11,.0f} {100 * (statistics.median(ratios) - 1):+8.1f}% "
-            f"{100 * (statistics.median(wall_ratios) - 1):+8.1f}%",
+            f"{statistics.median(ours_rates):11,.0f} {overhead:>9s} {wall_overhead:>9s}  "
+            + "  ".join(f"{m.cpu_s:8.2f} / {m.wall_s:6.2f}" for m in meters.values()),
             flush=True,
         )
+        if reason:
+            print(f"  {reason}", flush=True)
 
 
 if __name__ == "__main__":

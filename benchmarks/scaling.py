@@ -9,7 +9,9 @@ last step's metrics: seconds per step (checkpoint excluded) and its phases, gene
 tokens trained, and each phase's peak resident memory (perf/peak_rss_<phase>_gb: collection, i.e.
 vLLM's generation and grading; the old-log-prob pass; the update); and the process's peak over the
 whole run (os.wait4). All of them hold vLLM's 0.5 GiB KV cache and its weights beside the trainer's
-model, gradients and AdamW state.
+model, gradients and AdamW state. Beside the step's wall seconds, its CPU seconds (the trainer process's, every
+thread); each point's process is measured for load (benchmarks/runs.py's Meter, the machine's cores its own jobs),
+and a point that saw more is flagged below its row: its times compare with no other point's.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from runs import Meter, describe  # noqa: E402
+
 MODEL = Path("~/.cache/dapo/models/SmolLM2-135M-Instruct").expanduser()
 BASE = {"G": 8, "P": 8, "L": 96}
 POINTS = {
@@ -56,7 +61,8 @@ def run_point(point: dict, steps: int, extra: tuple[str, ...] = ()) -> dict:
             "run.loggers=console",
             *extra,
         ]
-        with open(Path(tmp) / "stderr.txt", "w+") as err:
+        meter = Meter(own_jobs=os.cpu_count() or 1)
+        with open(Path(tmp) / "stderr.txt", "w+") as err, meter:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "dapo.training", str(ROOT / "configs/smollm2_135m.yaml"), *overrides],
                 cwd=ROOT,
@@ -70,7 +76,13 @@ def run_point(point: dict, steps: int, extra: tuple[str, ...] = ()) -> dict:
             if proc.returncode:
                 sys.exit(f"{point} failed:\n{err.read()[-3000:]}")
         rows = [json.loads(line) for line in (Path(tmp) / "p" / "metrics.jsonl").read_text().splitlines()]
-    return {"row": rows[-1], "peak_gb": usage.ru_maxrss / 2**20, "cpu_s": usage.ru_utime + usage.ru_stime}
+    return {
+        "row": rows[-1],
+        "peak_gb": usage.ru_maxrss / 2**20,
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+        "wall_s": meter.wall_s,
+        "load": meter.load.summary(),
+    }
 
 
 def main() -> None:
@@ -85,7 +97,7 @@ def main() -> None:
     print(
         f"{'G':>3s} {'P':>3s} {'L':>4s} {'rows':>5s} {'s/step':>7s} {'generate':>9s} {'gen %':>6s} {'old logp':>9s} "
         f"{'update':>7s} {'push':>5s} {'trained tok':>11s} {'peak GiB: collect':>17s} {'old logp':>8s} {'update':>6s} "
-        f"{'process':>7s}",
+        f"{'process':>7s} {'CPU s/step':>10s}",
         flush=True,
     )
     for name in args.points.split(","):
@@ -109,9 +121,12 @@ def main() -> None:
             f"{r.get('perf/time_update_s', 0):7.1f} "
             f"{r.get('perf/time_weight_sync_s', 0):5.2f} {tokens:11.0f} {peak('collect'):17.2f} "
             f"{peak('old_logprob'):8.2f} "
-            f"{peak('update'):6.2f} {res['peak_gb']:7.2f}",
+            f"{peak('update'):6.2f} {res['peak_gb']:7.2f} "
+            f"{r.get('perf/cpu_step_s', float('nan')) - r.get('perf/cpu_checkpoint_s', 0.0):10.1f}",
             flush=True,
         )
+        if not res["load"]["clean"]:
+            print(f"    (shared the machine: {describe(res['load'])}; its times compare with no other point's)")
 
 
 if __name__ == "__main__":

@@ -1,17 +1,25 @@
-"""What two-phase screening (`algo.screen_samples`) saves: dynamic sampling alone against screening
-on the demo's task with 600 training problems, 100 steps.
+"""What screening costs and saves, priced under equal load: dynamic sampling alone against two-phase screening
+(`algo.screen_samples`) and screening by the prompt's record (`algo.screen_by_record`), on three settings.
 
-    python benchmarks/screening.py                                   # every side, 5 seeds, 100 steps (hours on 2 cores)
-    python benchmarks/screening.py --sides ds,screen_G/2 --seeds 2   # a subset
-    python benchmarks/screening.py --seeds 1 --steps 4 --eval-every 2 --sides ds,screen_G/4   # a smoke run
+    python benchmarks/screening.py                                    # every setting, 5 seeds a side (hours)
+    python benchmarks/screening.py --settings multipass --seeds 2     # a subset
+    python benchmarks/screening.py --settings demo600 --smoke         # 2 seeds, a few steps: the script itself
 
-Each run is `python -m dapo.training configs/demo.yaml` in its own process (benchmarks/runs.py), the
-sides alternating seed by seed (seed k sets data, rollout and train seeds). Per run, from metrics.jsonl: generated
-tokens per trained token; the held-out curve (avg@n every --eval-every steps) against the tokens generated and the
-step seconds (evaluation excluded) spent until each evaluation. The target is dynamic sampling's final held-out
-accuracy (the mean over its seeds): per side, the generated tokens and the step seconds until a run first reaches
-it, the final held-out accuracy with its 95% CI, and the ratios against dynamic sampling. With --plot, held-out
-accuracy against generated tokens, one curve per side (the mean over seeds at each evaluation).
+Settings (each side with the same seeds: seed k sets data, rollout and train seeds):
+  demo600    the demo (configs/demo.yaml, G = 8) on 600 training problems for 100 steps, held-out every 10
+  multipass  the demo on 128 training problems for 60 steps: each problem drawn 15 times or more
+  smollm2    SmolLM2-135M-Instruct on its word problems (configs/smollm2_135m.yaml, vLLM, G = 8) for 12 steps,
+             held-out (100 problems, 2 samples) every 4; needs `make smollm2`
+
+A seed's sides run together, one core each on 2 cores shared by three (matched: they see the same load), in
+processes of their own. Per run, from its metrics: generated tokens per trained token; wall and CPU seconds per
+step (evaluation left out; CPU seconds are the trainer process's); the held-out curve against steps, generated
+tokens and CPU seconds. Per side: means with 95% t-intervals over seeds, held-out accuracy at equal steps (the
+last evaluation) and at equal generated tokens (each curve read at the fewest tokens any run of the setting
+generated), generated tokens and CPU seconds until a run first reaches dynamic sampling's final accuracy, and the
+ratios against dynamic sampling. A ratio of wall times is printed only where no run behind it shared the machine
+with other work (benchmarks/runs.py says why otherwise). --json writes everything, every seed and the load each
+batch saw; --markdown the tables benchmarks/RESULTS.md shows.
 """
 
 from __future__ import annotations
@@ -19,174 +27,217 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-from runs import generation, mean_ci, train  # noqa: E402
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from dapo.reporting.run_log import held_out_keys  # noqa: E402
+from runs import generation, mean_ci, run_together, time_ratio, withheld  # noqa: E402
 
-from dapo.reporting.run_log import held_out_keys, read_metrics  # noqa: E402
-
-SIDES = {  # the demo's G is 8
+SETTINGS = {
+    "demo600": (
+        "configs/demo.yaml",
+        ["data.task_train_size=600", "train.total_steps=100", "eval.every_steps=10"],
+    ),
+    "multipass": (
+        "configs/demo.yaml",
+        ["data.task_train_size=128", "train.total_steps=60", "eval.every_steps=10"],
+    ),
+    "smollm2": (
+        "configs/smollm2_135m.yaml",
+        ["train.total_steps=12", "eval.every_steps=4", "eval.num_problems=100", "eval.n=2", "rollout.backend=vllm",
+         "run.async_checkpoint=false"],
+    ),
+}  # fmt: skip
+SIDES = {
     "ds": [],
-    "screen_G/2": ["algo.screen_samples=4"],
-    "screen_G/4": ["algo.screen_samples=2"],
-    "ds_G16": ["rollout.group_size=16"],
-    "screen_G16/4": ["rollout.group_size=16", "algo.screen_samples=4"],
+    "screen": ["algo.screen_samples=4"],  # n = G/2
+    "record": ["algo.screen_samples=4", "algo.screen_by_record=true"],
 }
-# what screening's drops cost in signal: a quarter of the prompts screened out are completed anyway (never trained
-# on) to see whether the whole group would have been informative; their tokens are extra, so these runs say why,
-# not what screening costs (--sides audit_G/2,audit_G/4)
-AUDIT_SIDES = {
-    "audit_G/2": ["algo.screen_samples=4", "algo.screen_audit=0.25"],
-    "audit_G/4": ["algo.screen_samples=2", "algo.screen_audit=0.25"],
-}
+SMOKE = ["train.total_steps=4", "eval.every_steps=2", "eval.num_problems=20", "eval.n=2"]
+# the bar a sampling rule must clear to be kept (beside dynamic sampling, on a setting)
+FEWER = 1.3  # times fewer generated tokens and CPU seconds to dynamic sampling's final held-out accuracy
+POINTS_BELOW = 1.0  # at most this many points below dynamic sampling's final accuracy at equal steps
 
 
-def curve(rows: list[dict]) -> list[tuple[int, float, float, float]]:
-    """(step, generated tokens, step seconds without evaluation, held-out accuracy) at each evaluation."""
+def curve(rows: list[dict]) -> list[dict]:
+    """The held-out accuracy at each evaluation, with the generated tokens and the step seconds (wall and CPU,
+    evaluation left out) spent until then."""
     key = held_out_keys(rows)[0]
-    tokens = seconds = 0.0
+    tokens = wall = cpu = 0.0
     out = []
     for r in sorted(rows, key=lambda r: r.get("step", 0)):
         tokens += r.get("sampling/tokens_generated", 0.0)
-        seconds += r.get("perf/time_step_s", 0.0) - r.get("perf/time_eval_s", 0.0)
+        wall += r.get("perf/time_step_s", 0.0) - r.get("perf/time_eval_s", 0.0)
+        cpu += r.get("perf/cpu_step_s", 0.0) - r.get("perf/cpu_eval_s", 0.0)
         if key in r:
-            out.append((r["step"], tokens, seconds, r[key]))
+            out.append({"step": r["step"], "tokens": tokens, "wall_s": wall, "cpu_s": cpu, "acc": r[key]})
     return out
 
 
-def screening(steps: list[dict]) -> dict:
-    """Prompts screened and screened out over the run (0 without screening)."""
-
-    def total(k):
-        return sum(r.get(k, 0.0) for r in steps)
-
-    return {
-        "screened": total("sampling/screened"),
-        "out_correct": total("sampling/screened_out_all_correct"),
-        "out_wrong": total("sampling/screened_out_all_wrong"),
-        "screened_out_tokens": total("sampling/screened_out_tokens"),
-        "audited": total("sampling/screen_audited"),
-        "audit_informative": total("sampling/screen_audit_informative"),
-    }
+def at_tokens(points: list[dict], budget: float) -> float:
+    """The curve's accuracy at ``budget`` generated tokens, linear between evaluations."""
+    for a, b in zip(points, points[1:]):
+        if a["tokens"] <= budget <= b["tokens"]:
+            w = (budget - a["tokens"]) / max(b["tokens"] - a["tokens"], 1e-9)
+            return a["acc"] + w * (b["acc"] - a["acc"])
+    return points[-1]["acc"]
 
 
-def to_target(points: list, target: float) -> tuple[float, float] | None:
-    """Tokens and seconds until the curve first reaches ``target``; None if it never does."""
-    return next(((tok, sec) for _, tok, sec, acc in points if acc >= target), None)
+def to_target(points: list[dict], target: float) -> dict | None:
+    """The first evaluation at or above ``target`` (its tokens and seconds), or None."""
+    return next((p for p in points if p["acc"] >= target), None)
 
 
-def report(results: dict[str, list[dict]]) -> None:
-    base = results.get("ds")
-    target = statistics.fmean(r["curve"][-1][3] for r in base) if base else None
-    print(
-        f"\ntarget: dynamic sampling's final held-out accuracy {target:.3f}" if target else "\n(no ds side: no target)"
+def summarise(run) -> dict:
+    steps = [r for r in run.rows if "sampling/tokens_generated" in r]
+    g = generation(steps)
+    return g | {
+        "wall_s_per_step": g["step_s"] / max(g["steps"], 1),
+        "cpu_s_per_step": g["step_cpu_s"] / max(g["steps"], 1),
+        "run_wall_s": run.wall_s,
+        "run_cpu_s": run.cpu_s,
+        "load": run.load.summary(),
+        "screened": sum(r.get("sampling/screened", 0) for r in steps),
+        "whole": sum(r.get("sampling/screen_whole", 0) for r in steps),
+        "curve": curve(run.rows),
+    }  # fmt: skip
+
+
+def run_setting(name: str, args) -> dict[str, list[dict]]:
+    preset, base = SETTINGS[name]
+    base = base + (SMOKE if args.smoke else []) + args.overrides
+    sides = args.sides.split(",")
+    out = Path(args.out) / name
+    results: dict[str, list[dict]] = {side: [] for side in sides}
+    print(f"== {name}: {preset} {' '.join(base)}", flush=True)
+    for seed in range(args.seeds):
+        seeded = [f"data.seed={seed}", f"rollout.seed={seed}", f"train.seed={seed}"]
+        specs = [(preset, base + seeded + SIDES[side], out / side / f"seed{seed}") for side in sides]
+        for side, run in zip(sides, run_together(specs, threads=1)):
+            r = summarise(run) | {"seed": seed}
+            results[side].append(r)
+            c = r["curve"]
+            print(
+                f"  seed {seed} {side:<7} tokens/trained {r['tokens_per_trained']:.2f}  wall {r['wall_s_per_step']:.2f}"
+                f" s/step  CPU {r['cpu_s_per_step']:.2f} s/step  held-out {c[0]['acc']:.3f} -> {c[-1]['acc']:.3f}"
+                f"  ({run.load.describe()})",
+                flush=True,
+            )
+    return results
+
+
+def report(name: str, results: dict[str, list[dict]]) -> list[str]:
+    """The setting's table (Markdown) and the verdict on each rule against dynamic sampling."""
+    ds = results["ds"]
+    target = statistics.fmean(r["curve"][-1]["acc"] for r in ds)
+    budget = min(r["curve"][-1]["tokens"] for rs in results.values() for r in rs)
+
+    def ci(xs, scale=1.0, spec=".2f"):
+        m, h = mean_ci([x * scale for x in xs])
+        return f"{m:{spec}} ± {h:{spec}}"
+
+    lines = [
+        f"**{name}**: target (dynamic sampling's final held-out accuracy) {100 * target:.1f}%; equal-token budget "
+        f"{budget:,.0f} generated tokens",
+        "",
+        "| side | tokens per trained token | wall s / step | CPU s / step | held-out at equal steps (%) | "
+        "held-out at equal tokens (%) | reached target | tokens to target | CPU s to target |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    verdicts = []
+    for side, rs in results.items():
+        reached = [p for p in (to_target(r["curve"], target) for r in rs) if p]
+        row = [
+            side,
+            ci([r["tokens_per_trained"] for r in rs]),
+            ci([r["wall_s_per_step"] for r in rs]),
+            ci([r["cpu_s_per_step"] for r in rs]),
+            ci([r["curve"][-1]["acc"] for r in rs], 100, ".1f"),
+            ci([at_tokens(r["curve"], budget) for r in rs], 100, ".1f"),
+            f"{len(reached)}/{len(rs)}",
+            f"{statistics.fmean(p['tokens'] for p in reached):,.0f}" if reached else "-",
+            f"{statistics.fmean(p['cpu_s'] for p in reached):,.0f}" if reached else "-",
+        ]
+        lines.append("| " + " | ".join(row) + " |")
+        lines.append(per_seed(rs, budget))
+        if side != "ds":
+            verdicts.append(verdict(side, rs, ds, target))
+    return lines + [""] + verdicts
+
+
+def per_seed(rs: list[dict], budget: float) -> str:
+    """The table's row of every seed's figures, in seed order."""
+
+    def each(f):
+        return ", ".join(f(r) for r in rs)
+
+    cells = [
+        each(lambda r: f"{r['tokens_per_trained']:.2f}"),
+        each(lambda r: f"{r['wall_s_per_step']:.2f}"),
+        each(lambda r: f"{r['cpu_s_per_step']:.2f}"),
+        each(lambda r: f"{100 * r['curve'][-1]['acc']:.1f}"),
+        each(lambda r: f"{100 * at_tokens(r['curve'], budget):.1f}"),
+    ]
+    return "| per seed | " + " | ".join(cells) + " | | | |"
+
+
+def verdict(side: str, rs: list[dict], ds: list[dict], target: float) -> str:
+    """The side against dynamic sampling: ratios, and whether it clears the bar (FEWER, POINTS_BELOW)."""
+    mean = statistics.fmean
+    ds_reach = [p for p in (to_target(r["curve"], target) for r in ds) if p]
+    reach = [p for p in (to_target(r["curve"], target) for r in rs) if p]
+    below = 100 * (target - mean(r["curve"][-1]["acc"] for r in rs))
+    loads = [r["load"] for r in ds + rs]
+    busy = withheld(loads, "ratio of seconds")  # a busy machine bends wall seconds, and CPU seconds too
+    tokens_x = cpu_x = None
+    if reach and ds_reach:
+        tokens_x = mean(p["tokens"] for p in ds_reach) / mean(p["tokens"] for p in reach)
+        cpu_x = mean(p["cpu_s"] for p in ds_reach) / mean(p["cpu_s"] for p in reach)
+    per_trained = mean(r["tokens_per_trained"] for r in ds) / mean(r["tokens_per_trained"] for r in rs)
+    cpu = time_ratio([r["cpu_s_per_step"] for r in ds], [r["cpu_s_per_step"] for r in rs], loads, what="CPU")
+    wall = time_ratio([r["wall_s_per_step"] for r in ds], [r["wall_s_per_step"] for r in rs], loads)
+    to_target = "not reached"
+    if tokens_x is not None:
+        to_target = f"{tokens_x:.2f}x fewer tokens and " + (busy or f"{cpu_x:.2f}x fewer CPU seconds")
+    passes = tokens_x is not None and not busy and tokens_x >= FEWER and cpu_x >= FEWER and below <= POINTS_BELOW
+    return (
+        f"- {side} against ds: generated tokens per trained token {per_trained:.2f}x fewer; CPU s per step {cpu} "
+        f"less; wall s per step {wall} less; to ds's final accuracy {to_target} ({len(reach)}/{len(rs)} seeds); "
+        f"final {below:+.1f} points below ds; "
+        + ("clears" if passes else "does not clear" + (" (no clean seconds to judge by)" if busy else ""))
+        + f" the bar ({FEWER}x fewer tokens and CPU seconds, at most {POINTS_BELOW:g} point below)"
     )
-    means = {}
-    for side, runs in results.items():
-        finals = [r["curve"][-1][3] for r in runs]
-        m, h = mean_ci(finals)
-        reached = [x for x in (to_target(r["curve"], target) for r in runs) if x] if target else []
-        cells = {
-            "tokens/trained": statistics.fmean(r["tokens_per_trained"] for r in runs),
-            "tokens to target": statistics.fmean(t for t, _ in reached) if reached else None,
-            "seconds to target": statistics.fmean(s for _, s in reached) if reached else None,
-        }
-        means[side] = cells
-        shown = "  ".join(f"{k} {v:,.3g}" if v is not None else f"{k} -" for k, v in cells.items())
-        print(f"  {side:<22} {shown}  reached {len(reached)}/{len(runs)}  final {m:.3f} [{m - h:.3f}, {m + h:.3f}]")
-        print("    per seed final " + ", ".join(f"{x:.3f}" for x in finals))
-    if "ds" in means:
-        for side, cells in means.items():
-            if side == "ds":
-                continue
-            ratios = [
-                f"{k} {means['ds'][k] / v:.2f}x fewer" for k, v in cells.items() if v and means["ds"][k] is not None
-            ]
-            print(f"  {side} against ds: " + ", ".join(ratios))
-
-
-def plot(results: dict[str, list[dict]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for side, runs in results.items():
-        n = min(len(r["curve"]) for r in runs)
-        tokens = [statistics.fmean(r["curve"][i][1] for r in runs) for i in range(n)]
-        acc = [statistics.fmean(r["curve"][i][3] for r in runs) for i in range(n)]
-        ax.plot(tokens, acc, marker="o", ms=3, label=side)
-    ax.set_xlabel("generated tokens")
-    ax.set_ylabel("held-out accuracy (mean over seeds)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--sides", default=",".join(SIDES), help=f"a subset of {', '.join(SIDES)} (ds first)")
     ap.add_argument("--seeds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--train-size", type=int, default=600)
-    ap.add_argument("--eval-every", type=int, default=10)
-    ap.add_argument("--jobs", type=int, default=1, help="runs at a time (each its own process)")
-    ap.add_argument("--sides", default=",".join(SIDES), help=f"a subset of {', '.join(SIDES | AUDIT_SIDES)}")
+    ap.add_argument("--smoke", action="store_true", help="a few steps, fewer held-out problems: the script itself")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench_screening"))
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--plot", default=None, help="a .png: held-out accuracy against generated tokens per side")
+    ap.add_argument("--json", default=None, help="write every seed's figures and the load each batch saw")
+    ap.add_argument("--markdown", default=None, help="write the tables (benchmarks/RESULTS.md's)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    sides = args.sides.split(",")
-    base = [f"train.total_steps={args.steps}", f"data.task_train_size={args.train_size}"]
-    base += [f"eval.every_steps={args.eval_every}", "eval.before_train=true"]
-    print(f"configs/demo.yaml {' '.join(base + args.overrides)}", flush=True)
-    order = [(seed, side) for seed in range(args.seeds) for side in (sides if seed % 2 == 0 else sides[::-1])]
-    run_dirs = {key: Path(args.out) / key[1].replace("/", "_") / f"seed{key[0]}" for key in order}
-
-    def run(key: tuple[int, str]) -> list[dict]:
-        seed, side = key
-        run_dir = run_dirs[key]
-        seeded = [f"data.seed={seed}", f"rollout.seed={seed}", f"train.seed={seed}"]
-        rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
-        if max((r.get("step", 0) for r in rows), default=0) < args.steps:  # a finished run is read back
-            rows = train("configs/demo.yaml", base + seeded + (SIDES | AUDIT_SIDES)[side] + args.overrides, run_dir)
-        return rows
-
-    results: dict[str, list[dict]] = {side: [] for side in sides}
-    with ThreadPoolExecutor(args.jobs) as pool:  # each run is its own process; --jobs of them share the machine
-        for (seed, side), rows in zip(order, pool.map(run, order)):
-            steps = [r for r in rows if "sampling/tokens_generated" in r]
-            r = generation(steps) | screening(steps) | {"seed": seed, "curve": curve(rows)}
-            r.pop("record", None)
-            results[side].append(r)
-            print(
-                f"  seed {seed} {side:<22} tokens/trained {r['tokens_per_trained']:.2f}  tokens {r['tokens']:,.0f}  "
-                f"held-out {r['curve'][0][3]:.3f} -> {r['curve'][-1][3]:.3f}  step s {r['step_s']:.0f}"
-                + (
-                    f"  screened {r['screened']:.0f}: out {r['out_correct']:.0f} correct, {r['out_wrong']:.0f} wrong"
-                    if r["screened"]
-                    else ""
-                )
-                + (
-                    f"  audited {r['audited']:.0f}, informative as a group of G: {r['audit_informative']:.0f} "
-                    f"({r['audit_informative'] / r['audited']:.1%})"
-                    if r["audited"]
-                    else ""
-                ),
-                flush=True,
-            )
-    report(results)
-    if args.plot:
-        plot(results, Path(args.plot))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.smoke:
+        args.seeds = min(args.seeds, 2)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    everything, tables = {"commit": commit.stdout.strip(), "command": " ".join(sys.argv)}, []
+    for name in args.settings.split(","):
+        results = run_setting(name, args)
+        everything[name] = results
+        table = report(name, results)
+        print("\n".join(table), flush=True)
+        tables += table + [""]
+        if args.json:
+            Path(args.json).write_text(json.dumps(everything, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text("\n".join(tables))
 
 
 if __name__ == "__main__":

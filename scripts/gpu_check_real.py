@@ -15,6 +15,29 @@ step-0 evaluation) and after, the train accuracy of the first and the last steps
 The pieces are as large as the calls allow beside the working tree as it is then (64 MiB a call; the first call
 also carries the wheels the lent machine lacks), so three calls carry the model; LEASE_* below say what each
 call of one lease does, item r running with the last piece.
+
+How the project's own GPU checks ran this (kept here, not in docs/: it is about the lent machines, not dapo). On
+2026-11-27 the working tree as it travels (tracked files and untracked ones git does not ignore) was 31.1 MB, so
+the GGUF went in three pieces (32.5, 33.9 and 31.9 MB, 2 MiB to spare each), the first call also carrying the five
+wheels the lent image lacks (1.4 MB: math-verify, latex2sympy2_extended, antlr4, gguf, liger-kernel). The calls of
+one 15-minute lease, most important first, each command starting with GPU_CHECK_COMMIT=<the commit> (the
+machine's copy has no .git):
+
+    call  carries                      runs                                                         budget
+    1     5 wheels, manifest, piece 1  install,tests with GPU_CHECK_ITEMS=t (train.kernels on CUDA)  220 s
+    2     manifest, piece 2            real: keeps the piece, reports r waiting                       40 s
+    3     manifest, piece 3            real: item r joined, imported, 240 s of training, evaluated   360 s
+    4     nothing                      bench with GPU_CHECK_BENCH_PARTS=peak,kernels                 300 s
+    5     nothing                      demo with GPU_CHECK_DEMOS=demo_screening,demo_async (s, l)    130 s
+
+Each call goes as soon as the last returns: the machine goes back 30 s after a call, and the pieces it kept go
+with it. The budgets add up to 17.5 minutes, more than a 15-minute lease after a start of one to two, so the last
+calls are the ones cut, and the kernels' figures and the two demos run again alone in a later lease. Rehearsed on
+2 CPU cores (2026-11-27, GPU_CHECK_ALLOW_CPU=1, the five calls in a fresh clone given only what each call carries):
+call 1 installed nothing new and ran item t's CPU case in 35 s; call 2 kept piece 2 and reported r waiting for
+piece 3; call 3 joined the pieces, imported the model, trained until SIGTERM at GPU_CHECK_REAL_S=150 (2 steps,
+checkpoint 1.0 s after the signal, exit 75) and evaluated it, 191 s in all; call 4 ran benchmarks/gpu.py --smoke
+--parts peak,kernels in 32 s; call 5 ran the two demos shortened to 4 steps in 28 s.
 """
 
 from __future__ import annotations

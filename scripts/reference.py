@@ -5,7 +5,7 @@ command with its arguments (docs/reference/cli.md, from the argparse parsers of 
     python scripts/reference.py           # write both pages
     python scripts/reference.py --check   # exit 1 naming the page that differs from what the code generates
 
-A field without a comment stops it, naming the field: add the comment in src/dapo/config.py.
+A field without a comment stops it, naming the field: add the comment in src/dapo/config/schema.py.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from dapo import cli  # noqa: E402
 from dapo.config import Config, settings  # noqa: E402
+from dapo.config.rules import FILLED_DEFAULTS, rules_of  # noqa: E402
 from dapo.config.schema import resolve_type  # noqa: E402
 from dapo.config.shipped import SHARE  # noqa: E402
 
@@ -82,7 +83,9 @@ def descriptions() -> dict[str, str]:
     walk(Config, "")
     missing = [key for key, _, _ in settings() if not out[key]]
     if missing:
-        sys.exit(f"no description for {', '.join(missing)}: add a comment on or above the field in src/dapo/config.py")
+        sys.exit(
+            f"no description for {', '.join(missing)}: add a comment on or above the field in src/dapo/config/schema.py"
+        )
     return out
 
 
@@ -136,8 +139,15 @@ def type_name(tp) -> str:
     return name + (" or null" if optional else "")
 
 
-def allowed(tp, rule) -> str:
-    """What the setting accepts beyond its type: its choices and its Rule, as its error message says them."""
+def filled_default(filled, named: bool = True) -> str:
+    """A default that depends on another setting, as the reference says it: "`key` is `2` with ...", or in the
+    setting's own row "`2` with ..."."""
+    return (f"{code(filled.key)} is " if named else "") + f"{code(stable(filled.value))} {filled.says}"
+
+
+def allowed(key: str, tp, rule) -> str:
+    """What the setting accepts beyond its type: its choices and its Rule, as its error message says them; then
+    each rule between settings that involves it, and the defaults it fills in another setting."""
     base, _ = resolve_type(tp)
     item = typing.get_args(base)[0] if typing.get_origin(base) is list else base
     parts = []
@@ -151,6 +161,8 @@ def allowed(tp, rule) -> str:
         parts.append(rule.allowed())
     elif rule is not None and rule.null:
         parts.append(f"or null ({rule.null})")
+    parts += [between.says for between in rules_of(key)]
+    parts += [filled_default(f) for f in FILLED_DEFAULTS if key in f.keys]
     return prose("; ".join(parts)) if parts else "—"
 
 
@@ -166,7 +178,9 @@ def config_page() -> str:
     sections: dict[str, list[list[str]]] = {}
     for key, tp, rule in settings():
         section = key.rsplit(".", 1)[0]
-        row = [code(key), type_name(tp), code(stable(default(key))), allowed(tp, rule), prose(said[key])]
+        filled = [prose(filled_default(f, named=False)) for f in FILLED_DEFAULTS if f.key == key]
+        shown = [code(stable(default(key))), *filled]
+        row = [code(key), type_name(tp), "; ".join(shown), allowed(key, tp, rule), prose(said[key])]
         sections.setdefault(section, []).append(row)
     out = [
         "# Configuration reference",
@@ -175,9 +189,10 @@ def config_page() -> str:
         "",
         f"Every setting of the config tree ({len(settings())} in {len(sections)} sections), with its type, default, "
         "the values it accepts and what it does: set one in a YAML preset under its section, or on the command "
-        "line as `key=value` (`dapo train configs/demo.yaml algo.eps_high=0.28`). A number must be finite; the "
-        "rules between settings (e.g. `algo.old_logp_source=engine` needs `rollout.backend=vllm`) are checked at start "
-        "too, and a bad value stops the run there with a one-line error naming the key.",
+        "line as `key=value` (`dapo train configs/demo.yaml algo.eps_high=0.28`). A number must be finite. The "
+        "Allowed column also states the rules between settings (e.g. `algo.old_logp_source=engine` needs "
+        "`rollout.backend=vllm`), beside each setting a rule involves. Every rule is checked at start, and a bad "
+        "value stops the run there with a one-line error naming the key and the fix.",
     ]
     for section, rows in sections.items():
         out += ["", f"## {section}", ""]

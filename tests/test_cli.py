@@ -334,12 +334,36 @@ def test_checkpoints_and_exports_follow_the_umask(tiny_model_dir, tmp_path, umas
     assert _mode(mine / "model.safetensors") == 0o644
 
 
-def test_help_of_a_command_with_settings_lists_the_config_keys(capsys):
+def test_help_of_a_command_with_settings_shows_the_first_settings_defaults_and_the_reference(capsys):
+    from dapo.config import Config
+
+    defaults = Config()
     for command in ("train", "demo", "eval", "launch-ray", "ablate"):
         with pytest.raises(SystemExit):
             cli.build_parser().parse_args([command, "--help"])
         out = capsys.readouterr().out
-        assert "algo.{eps_low, eps_high," in out and "run.wandb.{project, entity, name, mode}" in out, command
+        assert f"  train.lr={defaults.train.lr!r} " in out and "train.lr=1e-06 " in out, command
+        assert "  algo.eps_high=0.28 " in out and "  run.dir=runs " in out
+        assert "  rollout.backend=hf" in out and "generation engine: hf, vllm, auto" in out
+        assert "  eval.benchmarks=[arith] " in out and "  eval.every_steps=null " in out
+        text = " ".join(out.split())
+        assert 'docs/reference/config.md ("Configuration reference" in the manual)' in text
+        assert text.endswith(
+            "Sections: model, model.lora, data, rollout, reward, algo, train, eval, tools, run, run.wandb, run.mlflow"
+        )
+        assert "schema.py" not in out
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["export", "--help"])
-    assert "algo.{" not in capsys.readouterr().out
+    assert "docs/reference/config.md" not in capsys.readouterr().out
+
+
+def test_the_help_reads_its_defaults_from_the_config_tree(monkeypatch):
+    from dapo.config import Config, summary
+
+    def other_defaults():
+        cfg = Config()
+        cfg.train.lr = 3e-5
+        return cfg
+
+    monkeypatch.setattr(summary, "Config", other_defaults)
+    assert "  train.lr=3e-05 " in summary.settings_summary()

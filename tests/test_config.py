@@ -480,18 +480,3 @@ def test_the_range_message_reads_as_declared():
         load_config(None, ["algo.eps_high=11"])
     rule = config_module.Rule(ge=0, lt=1, unit="tokens", why="why")
     assert rule.broken("a.b", 1) == "a.b=1: must be in [0, 1) tokens; why" and rule.broken("a.b", 0) is None
-
-
-@pytest.mark.parametrize("key", ["algo.prefilter", "algo.prefilter_floor", "algo.prefilter_level"])
-def test_a_removed_setting_says_it_was_removed_and_what_to_use(key, tmp_path):
-    """The prompt pre-filter was removed: a command line or a preset still naming one of its keys is told so."""
-    with pytest.raises(
-        ConfigError,
-        match=rf"^{key}: no longer a setting; the prompt pre-filter was removed: .*"
-        r"algo\.screen_samples=n",
-    ):
-        load_config("configs/demo.yaml", [f"{key}=true"])
-    preset = tmp_path / "old.yaml"
-    preset.write_text(f"base: {Path('configs/demo.yaml').resolve()}\nalgo:\n  {key.split('.')[1]}: true\n")
-    with pytest.raises(ConfigError, match=rf"^{key}: no longer a setting"):
-        load_config(preset)

@@ -160,6 +160,21 @@ def test_bad_json_line_names_row(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "line, fault",
+    [
+        ('{"problem": "1+1", "answer": 2', "Expecting ',' delimiter at line 3, column 31"),  # cut short: past its end
+        ('{"problem": "1+1", "answer" "2"}', "Expecting ':' delimiter at line 3, column 29"),
+    ],
+)
+def test_bad_json_names_the_line_and_column_of_the_fault_in_the_file(tmp_path, line, fault):
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"problem": "a", "answer": "1"}\n\n' + line + "\n")
+    with pytest.raises(DataError) as err:
+        load_examples(path)
+    assert str(err.value) == f"{path}: row 3: not valid JSON ({fault}); each line must be one JSON object"
+
+
+@pytest.mark.parametrize(
     "row, field",
     [
         ({"problem": 12, "answer": "1"}, "problem"),

@@ -2,10 +2,13 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
 from dapo.evaluation import bootstrap_ci, majority_accuracy, pass_at_k
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_pass_at_k_unbiased_estimator():
@@ -120,6 +123,31 @@ def test_dapo_eval_rejects_missing_model(tmp_path, capsys):
     assert err.startswith("error: ") and "config.json" in err and err.count("\n") == 1
 
 
+def test_dapo_eval_of_a_missing_run_or_one_without_checkpoints_is_one_line_and_exit_2(tmp_path, capsys):
+    from dapo.cli import main
+
+    missing = tmp_path / "nonexistent"
+    assert main(["eval", "--run", str(missing)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --run {missing} does not exist: give the directory a training run writes "
+        "(<run.dir>/<run.name>, e.g. runs/demo), or a model directory with --model DIR\n"
+    )
+    (tmp_path / "file").write_text("")
+    assert main(["eval", "--run", str(tmp_path / "file")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --run {tmp_path / 'file'} is not a directory: ")
+    started = tmp_path / "started"
+    (started / "checkpoints" / "step_000001").mkdir(parents=True)  # no trainer_state.pt: not a checkpoint
+    assert main(["eval", "--run", str(started), "eval.n=2"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --run {started} has no checkpoint (looked in {started / 'checkpoints'}): a run writes one every "
+        "run.save_every steps and at its end; evaluate a model directory with --model DIR instead\n"
+    )
+    assert main(["eval", "eval.n=2"]) == 2
+    assert capsys.readouterr().err == (
+        "error: dapo eval: give --model DIR (a Hugging Face model directory or Hub id) or --run RUN_DIR (a run)\n"
+    )
+
+
 def test_dapo_eval_of_a_run_reads_its_config_and_reports_beside_its_checkpoints(tiny_model_dir, tmp_path):
     from dapo.cli import main
     from dapo.config import dump_yaml, load_config
@@ -138,3 +166,18 @@ def test_dapo_eval_of_a_run_reads_its_config_and_reports_beside_its_checkpoints(
     summary = json.loads((run / "eval" / "step_000002" / "eval.json").read_text())["arith"]
     assert summary["n"] == 3 and summary["num_problems"] == 3 and summary["mean_length"] <= 8
     assert not (ckpt / "eval").exists()  # checkpoint rotation would delete it
+
+
+def test_a_data_file_as_a_benchmark_is_named_and_graded_as_training_names_its_rows(tmp_path):
+    """data/gsm8k/test.jsonl held out: its name says the split, so its folder names it (as for training rows): the
+    metrics are eval/gsm8k/*, and reward.grader=auto grades it as GSM8K, not with the strict "Answer:" grader."""
+    from dapo.evaluation import load_benchmark
+    from dapo.rewards.graders import graders_for
+
+    bench, examples = load_benchmark(str(REPO / "data" / "gsm8k" / "test.jsonl"), num_problems=3)
+    assert bench.name == "gsm8k" and {ex.data_source for ex in examples} == {"gsm8k"}
+    assert graders_for([ex.data_source for ex in examples]) == ["gsm8k"] * 3
+    own = tmp_path / "mine.jsonl"
+    own.write_text('{"problem": "1+1", "answer": "2"}\n')
+    bench, examples = load_benchmark(str(own))
+    assert bench.name == "mine" and examples[0].data_source == "mine"

@@ -363,7 +363,9 @@ def test_a_bench_part_stopped_midway_keeps_the_rows_it_printed(tmp_path, monkeyp
         if len(calls) == 3:
             raise SystemExit("stopped by the time limit")
         seconds = 2.0 if not overrides else 1.6
-        return {"tokens_per_s": 1000 / seconds, "seconds": seconds, "mfu": 0.8 / seconds, "peak_gib": None}
+        quiet = {"mean": 1.0, "own_jobs": 1, "foreign_frac": 0.0, "clean": True}  # no other work beside it
+        rate = {"tokens_per_s": 1000 / seconds, "seconds": seconds, "mfu": 0.8 / seconds, "peak_gib": None}
+        return rate | {"cpu_s": seconds, "load": quiet}
 
     monkeypatch.setattr(gpu.Bench, "update_rate", fake_rate)
     out = tmp_path / "b.json"

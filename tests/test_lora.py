@@ -300,7 +300,7 @@ def lora_runs(tiny_model_dir, tmp_path_factory):
     return root / "a" / "t", root / "b" / "t", resumed
 
 
-def test_a_lora_checkpoint_holds_the_adapters_not_the_base(lora_runs, tiny_model_dir):
+def test_a_lora_checkpoint_holds_the_adapters_not_the_base(lora_runs, tiny_model_dir, capsys):
     from safetensors.torch import load_file
 
     full, _, _ = lora_runs
@@ -320,8 +320,9 @@ def test_a_lora_checkpoint_holds_the_adapters_not_the_base(lora_runs, tiny_model
     state = checkpoint.load_trainer_state(step)
     assert len(state["policy"]["optimizer"]["state"]) == 28 and "master_weights" not in state["policy"]
     assert any(bool(w.abs().sum()) for k, w in weights.items() if ".lora_B." in k)  # trained, not the zero init
-    with pytest.raises(SystemExit, match=r"holds LoRA adapters; run `dapo export .* OUT_DIR` and evaluate --model"):
-        cli.main(["eval", "--run", str(full)])
+    assert cli.main(["eval", "--run", str(full)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {step} holds LoRA adapters; run `dapo export {step} OUT_DIR` and evaluate --model OUT_DIR\n"
 
 
 def test_a_killed_lora_run_resumes_to_the_adapters_of_an_uninterrupted_one(lora_runs):

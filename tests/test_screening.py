@@ -116,6 +116,36 @@ def test_the_continuation_rides_with_the_next_screening_and_surplus_prompts_are_
     assert engine.given[5] == 2 and stats.screen.surplus == 1 and stats.screen.surplus_tokens == 6
 
 
+def test_by_the_record_only_prompts_uniform_last_time_are_screened_the_rest_get_their_whole_group():
+    """algo.screen_by_record, G = 4, n = 2, one prompt a call: step 1 meets every prompt for the first time and gives
+    each its whole group (prompt 0 all right, dropped; prompt 1 mixed, kept). Step 2: prompt 2, never seen, whole
+    (all wrong, dropped); prompt 0, all right last time, screened with 2 (both right: out after 2); prompt 1,
+    informative last time, whole again."""
+    streams = [[1] * 6, [1, 0, 1, 1, 0, 1, 0, 0], [0] * 4]
+    cfg = AlgoConfig(screen_samples=2, screen_by_record=True)
+    engine = StreamEngine()
+    collector = BatchCollector(
+        engine=engine,
+        sampler=ListSampler([Ex(str(k), "x") for k in range(3)]),
+        scorer=stream_scorer(streams),
+        encode=lambda ex: [int(ex.uid)],
+        sampling=SamplingParams(n=G),
+        algo_cfg=cfg,
+    )
+    first, stats1 = collector.collect(1, [], round_seed=lambda k: k)
+    assert engine.calls == [[(0, 4)], [(1, 4)]] and first.example_uids == ["1"] * 4
+    assert collector.prompt_record == {"0": False, "1": True}
+    assert (stats1.screen.whole, stats1.screen.screened, stats1.groups_dropped) == (2, 0, 1)
+    second, stats2 = collector.collect(1, [], round_seed=lambda k: k + 10)
+    assert engine.calls[2:] == [[(2, 4)], [(0, 2)], [(1, 4)]]
+    assert second.example_uids == ["1"] * 4 and second.acc.tolist() == [0, 1, 0, 0]
+    assert collector.prompt_record == {"0": False, "1": True, "2": False}
+    s = stats2.screen
+    assert (s.whole, s.screened, s.out_all_correct, stats2.samples_generated) == (2, 1, 1, 10)
+    m = screen_metrics(s, group_size=G, screen_samples=2)
+    assert m["sampling/screen_whole"] == 2 and m["sampling/screened"] == 1
+
+
 def test_the_audit_completes_screened_out_prompts_without_training_them():
     streams = [[1, 1, 0, 1], [1, 0, 1, 1], [0, 0, 0, 0], [1, 1, 1, 1]]
     batch, stats, engine = collect(streams, num_prompts=1, screen_audit=1.0, oversample=4.0)
@@ -186,6 +216,32 @@ def test_a_run_with_screening_trains_says_what_it_saved_and_resumes_onto_the_sam
     assert "screening dropped" in out and "completed to audit" in out, out[-600:]
     train(load_config("configs/demo.yaml", [*args, f"run.dir={cut}"]))
     for step in (2, 3):
+        shutil.rmtree(next(cut.glob(f"*/checkpoints/step_{step:06d}")))
+    train(load_config("configs/demo.yaml", [*args, f"run.dir={cut}"]))
+    a, b = final_weights(whole), final_weights(cut)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_run_screening_by_the_record_resumes_onto_the_same_weights(tmp_path):
+    """algo.screen_by_record on 8 training prompts, so they recur: both kinds of prompt are met (screened, and given
+    their whole group), and a run stopped after step 2's checkpoint resumes with the record as it was (part of the
+    checkpoint) onto the uninterrupted run's weights, bit for bit."""
+    import shutil
+
+    from conftest import SMALL_OVERRIDES
+    from test_async_rollout import final_weights, rows_of
+
+    from dapo.training import train
+
+    args = [*SMALL_OVERRIDES, "model.path=assets/arith-base", "algo.dynamic_sampling=true", "algo.screen_samples=2"]
+    args += ["rollout.max_response_tokens=48", "algo.overlong_buffer_tokens=8", "algo.screen_by_record=true"]
+    args += ["data.task_train_size=8", "train.total_steps=4", "run.save_every=1", "run.keep_checkpoints=10"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    train(load_config("configs/demo.yaml", [*args, f"run.dir={whole}"]))
+    rows = [r for r in rows_of(whole) if "sampling/screened" in r]
+    assert sum(r.get("sampling/screen_whole", 0) for r in rows) > 0 and sum(r["sampling/screened"] for r in rows) > 0
+    train(load_config("configs/demo.yaml", [*args, f"run.dir={cut}"]))
+    for step in (3, 4):
         shutil.rmtree(next(cut.glob(f"*/checkpoints/step_{step:06d}")))
     train(load_config("configs/demo.yaml", [*args, f"run.dir={cut}"]))
     a, b = final_weights(whole), final_weights(cut)

@@ -31,7 +31,7 @@ from dapo.checkpoint import latest_checkpoint, removed_if_start_fails
 from dapo.config import Config, ConfigError, config_from_dict, load_config, to_dict
 from dapo.config.shipped import shipped
 from dapo.data.files import examples_from_rows, load_examples
-from dapo.evaluation import Benchmark, EvalResult, evaluate_model, load_benchmark, write_report
+from dapo.evaluation import Benchmark, EvalResult, evaluate_model, load_benchmark, one_reward_function, write_report
 from dapo.reporting.run_log import read_metrics, run_summary
 from dapo.rewards import pool as reward_pool
 from dapo.runtime.files import CheckpointError
@@ -85,7 +85,7 @@ def train(
         built-in graders: a call that runs out of time or crashes scores algo.wrong_reward (counted in
         reward/timeouts and reward/worker_crashes). Define it at the top level of a module, or of your
         script with the training code under ``if __name__ == "__main__":`` (the workers run the
-        script again to find it).
+        script again to find it). cfg.reward.function names one by module and name instead (not both).
     train_data: instead of data.train_files / the built-in task: a .jsonl or .parquet file (the layouts
         ``dapo train`` reads), or a list of ``{"problem": ..., "answer": ...}`` dicts.
     eval_data: instead of eval.benchmarks: one benchmark name, file, or list of such dicts.
@@ -101,6 +101,7 @@ def train(
     """
     _not_in_a_reward_worker("train")
     cfg = _checked(cfg)
+    one_reward_function(cfg, reward_fn)
     if reward_fn is not None:
         reward_pool.pickle_reward_fn(reward_pool.REWARD_FN, reward_fn)  # a lambda fails here, before any work
     inputs = training.RunInputs(reward_fn=reward_fn, tool_env=tool_env)
@@ -126,15 +127,19 @@ def evaluate(
     """Evaluate a model on one benchmark; returns its ``EvalResult`` (``avg`` = avg@n, ``ci``, ``pass_at``,
     ``maj``, ``per_problem``; ``metrics()`` as training logs them).
 
-    model: a Hugging Face model directory, a run directory (its latest checkpoint) or a checkpoint.
+    model: a Hugging Face model directory, a Hugging Face Hub model id (at cfg.model.revision), a run directory
+        (its latest checkpoint) or a checkpoint.
     data: a benchmark name (``aime2024``, ``arith``, ...), a .jsonl/.parquet file, or a list of
         ``{"problem": ..., "answer": ...}`` dicts.
     cfg: the sampling and grading settings (eval.n, eval.temperature, reward.grader, ...); default: the
         run's config.yaml for a run or checkpoint, else the defaults.
-    reward_fn: as for ``train``. out_dir: also write eval.json, eval.md and the per-problem rows there.
+    reward_fn: as for ``train`` (it replaces the reward.function of a run's config.yaml). out_dir: also write
+        eval.json, eval.md and the per-problem rows there.
     """
     _not_in_a_reward_worker("evaluate")
     model_dir, saved = _model_to_evaluate(model)
+    if cfg is None and saved is not None and reward_fn is not None:  # the caller's reward_fn replaces the run's
+        cfg = load_config(saved, ["reward.function=null"])
     cfg = _checked(cfg) if cfg is not None else load_config(saved) if saved is not None else Config()
     if reward_fn is not None:
         reward_pool.pickle_reward_fn(reward_pool.REWARD_FN, reward_fn)
@@ -176,10 +181,12 @@ def _benchmark(data, cfg: Config) -> tuple[Benchmark, list]:
 
 
 def _model_to_evaluate(model) -> tuple[Path, Path | None]:
-    """(model directory, the run's config.yaml when there is one) for a model directory, a checkpoint
-    (runs/NAME/checkpoints/step_N) or a run directory (its latest checkpoint)."""
+    """(model directory, the run's config.yaml when there is one) for a model directory, a hub model id (left for
+    the loader to fetch), a checkpoint (runs/NAME/checkpoints/step_N) or a run directory (its latest checkpoint)."""
+    from dapo.model.directory import is_hub_id
+
     path = shipped(model)
-    if (path / "config.json").is_file():
+    if (path / "config.json").is_file() or (not path.exists() and is_hub_id(model)):
         return path, None
     ckpt = path if (path / "trainer_state.pt").exists() else latest_checkpoint(path)
     if ckpt is None:

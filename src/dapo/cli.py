@@ -17,13 +17,13 @@ import argparse
 import functools
 import os
 import sys
-import textwrap
 import time
 import typing
 from pathlib import Path
 
-from dapo.config import PRESET_DIR, Config, ConfigError, load_config, resolve_preset, settings
+from dapo.config import PRESET_DIR, Config, ConfigError, load_config, resolve_preset
 from dapo.config.schema import Dtype
+from dapo.config.summary import settings_summary
 
 # each command's name, handler, one-line help, its own arguments and parser keywords, in the order of `dapo --help`;
 # build_parser adds --verbose to each, and to those that take key=value overrides the settings of the config tree
@@ -244,6 +244,32 @@ def eval_config(preset: str | None, run: Path | None, overrides: list[str]) -> C
     return load_config(layers, ([] if layers else ["eval.benchmarks=[aime2024]"]) + overrides)
 
 
+def latest_run_checkpoint(run: Path) -> Path:
+    """The checkpoint `dapo eval --run` evaluates: the run's latest, whole and holding a model directory; a
+    missing run, one without checkpoints or one whose model needs exporting first is one line naming the fix."""
+    from dapo.checkpoint import check_whole, latest_checkpoint
+    from dapo.runtime.files import CheckpointError
+
+    if not run.is_dir():
+        what = "is not a directory" if run.exists() else "does not exist"
+        raise FileNotFoundError(
+            f"--run {run} {what}: give the directory a training run writes (<run.dir>/<run.name>, e.g. runs/demo), "
+            "or a model directory with --model DIR"
+        )
+    ckpt = latest_checkpoint(run)
+    if ckpt is None:
+        raise FileNotFoundError(
+            f"--run {run} has no checkpoint (looked in {run / 'checkpoints'}): a run writes one every "
+            "run.save_every steps and at its end; evaluate a model directory with --model DIR instead"
+        )
+    if note := check_whole(ckpt):
+        print(note)
+    if not (ckpt / "model").is_dir():
+        kind = "holds LoRA adapters" if (ckpt / "adapter").is_dir() else "is sharded"
+        raise CheckpointError(f"{ckpt} {kind}; run `dapo export {ckpt} OUT_DIR` and evaluate --model OUT_DIR")
+    return ckpt
+
+
 @command(
     "eval",
     "avg@n, pass@k, maj@n on benchmarks for a model directory or a run",
@@ -253,7 +279,11 @@ def eval_config(preset: str | None, run: Path | None, overrides: list[str]) -> C
         metavar="[PRESET] [key=value ...]",
         help="a YAML preset (optional), then dotted overrides, e.g. eval.benchmarks=[arith,aime2024]",
     ),
-    _arg("--model", help="Hugging Face model directory; the report goes to ./eval/<its name>/"),
+    _arg(
+        "--model",
+        help="a Hugging Face model directory or Hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct, revision by "
+        "model.revision); the report goes to ./eval/<its name>/",
+    ),
     _arg(
         "--run",
         help="run directory: evaluates its latest checkpoint with the run's config; "
@@ -285,28 +315,23 @@ ground_truth, correct, length_tokens, truncated).
 def cmd_eval(args) -> int:
     from rich.progress import Progress
 
-    from dapo.checkpoint import check_whole, latest_checkpoint
     from dapo.evaluation import BENCHMARKS, evaluate_model, load_benchmark, write_report
 
+    if not args.run and not args.model:
+        raise ConfigError(
+            "dapo eval: give --model DIR (a Hugging Face model directory or Hub id) or --run RUN_DIR (a run)"
+        )
+    ckpt = latest_run_checkpoint(Path(args.run)) if args.run else None
     preset = args.items[0] if args.items and "=" not in args.items[0] else None
     cfg = eval_config(preset, Path(args.run) if args.run else None, args.items[1 if preset else 0 :])
-    if args.run:
-        ckpt = latest_checkpoint(Path(args.run))
-        if ckpt is None:
-            raise SystemExit(f"error: --run {args.run} has no checkpoint (looked in {args.run}/checkpoints)")
-        if note := check_whole(ckpt):
-            print(note)
+    if ckpt is not None:
         model_dir = ckpt / "model"
-        if not model_dir.is_dir():
-            kind = "holds LoRA adapters" if (ckpt / "adapter").is_dir() else "is sharded"
-            raise SystemExit(f"error: {ckpt} {kind}; run `dapo export {ckpt} OUT_DIR` and evaluate --model OUT_DIR")
         # beside the checkpoints, not inside one: rotation deletes old checkpoints with all they hold
         default_out = Path(args.run) / "eval" / ckpt.name
-    elif args.model:
-        model_dir = Path(args.model).expanduser()
-        default_out = Path("eval") / model_dir.resolve().name
-    else:
-        raise SystemExit("error: give --model DIR (a Hugging Face model directory) or --run RUN_DIR")
+    else:  # a directory, or a Hugging Face Hub id (kept as written: Path would turn ./my-model into my-model)
+        model_dir = os.path.expanduser(args.model)
+        local = os.path.exists(model_dir)
+        default_out = Path("eval") / (Path(model_dir).resolve().name if local else Path(model_dir).name)
     d, e = cfg.data, cfg.eval
     read_as = {"template": d.template, "num_problems": e.num_problems, "max_row_chars": d.max_row_chars}
     benches = [load_benchmark(name, **read_as) for name in e.benchmarks]
@@ -349,16 +374,6 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def settings_help() -> str:
-    """Every key of the config tree, by section: what the key=value overrides may set."""
-    sections: dict[str, list[str]] = {}
-    for key, _, _ in settings():
-        section, name = key.rsplit(".", 1)
-        sections.setdefault(section, []).append(name)
-    lines = [textwrap.fill(f"{s}.{{{', '.join(n)}}}", 100, subsequent_indent="    ") for s, n in sections.items()]
-    return "\n".join(["settings (key=value; their defaults, ranges and meanings: dapo/config/schema.py):", *lines])
-
-
 def build_parser() -> argparse.ArgumentParser:
     from dapo import ablate
 
@@ -388,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
             name,
             help=help,
             parents=[common],
-            **{"formatter_class": _Help, "epilog": settings_help() if takes_settings else None, **parser_kw},
+            **{"formatter_class": _Help, "epilog": settings_summary() if takes_settings else None, **parser_kw},
         )
         for a in arguments:
             a(p) if callable(a) else p.add_argument(*a[0], **a[1])
@@ -407,6 +422,7 @@ ONE_LINE = (
     "NotADirectoryError",
     "IsADirectoryError",
     "PermissionError",
+    "RewardFnError",  # a reward function (reward.function's) that returned no score
 )
 
 

@@ -57,7 +57,7 @@ def load_benchmark(
     max_row_chars: int = DEFAULT_MAX_ROW_CHARS,
 ):
     """(Benchmark, examples) for a registered name, the built-in task, or a .jsonl/.parquet file."""
-    from dapo.data.files import load_examples
+    from dapo.data.files import load_examples, source_origin
 
     if name_or_path in ("arith", "arith-hard", "arith-long"):
         from dapo.tasks import arith
@@ -76,9 +76,10 @@ def load_benchmark(
             raise FileNotFoundError(
                 f"benchmark {name_or_path!r} is neither a known name ({', '.join(BENCHMARKS)}) nor an existing file"
             )
-        # a data file has no settings of its own: it is sampled as the training run samples it
-        bench = Benchmark(path.stem, str(path), n=4, top_p=1.0, max_response_tokens=None)
-        source = path.stem
+        # a data file has no settings of its own: it is sampled as the training run samples it, and named and
+        # graded as training names a file's rows (its own data_source, else the folder's name for test.jsonl)
+        bench = Benchmark(source_origin(path)[1], str(path), n=4, top_p=1.0, max_response_tokens=None)
+        source = None
     examples = load_examples(path, template=template, data_source=source, max_row_chars=max_row_chars)
     if num_problems:
         examples = examples[:num_problems]
@@ -285,15 +286,18 @@ def evaluate_model(model_dir, benches: list, cfg, *, reward_fn=None, progress=No
     """Load the model directory and evaluate it on each (Benchmark, examples) of ``benches`` as ``cfg``
     (a Config) says: eval.* sampling, data.max_prompt_tokens, rollout.backend, reward.* and
     model.dtype/device/trust_remote_code. ``reward_fn`` (a caller's reward function) grades every
-    response instead of reward.grader, in the same worker pool. ``progress(name, total)``, if given,
-    returns the callback that hears of every k samples of that benchmark graded."""
+    response instead of reward.grader, in the same worker pool, as reward.function's function does (not both).
+    ``progress(name, total)``, if given, returns the callback that hears of every k samples of that benchmark
+    graded."""
     from dapo.model.loading import load_model_and_tokenizer, pick_device
-    from dapo.rewards import REWARD_FN
+    from dapo.rewards.reward_fn import grader_name
     from dapo.rollout import make_rollout, with_tools
 
     m, d, e = cfg.model, cfg.data, cfg.eval
+    probe_truth = next((examples[0].ground_truth for _, examples in benches if examples), "1")
+    reward_fn = grading_function(cfg, reward_fn, probe_truth=probe_truth)  # before the model: a bad one stops here
     model, tokenizer = load_model_and_tokenizer(
-        model_dir, m.dtype, pick_device(m.device), trust_remote_code=m.trust_remote_code
+        model_dir, m.dtype, pick_device(m.device), revision=m.revision, trust_remote_code=m.trust_remote_code
     )
     settings = [sampling_settings(bench, cfg) for bench, _ in benches]
     engine = make_rollout(
@@ -313,7 +317,7 @@ def evaluate_model(model_dir, benches: list, cfg, *, reward_fn=None, progress=No
                     pool,
                     SamplingParams(**setting, seed=e.seed),
                     name=bench.name,
-                    grader=cfg.reward.grader if reward_fn is None else REWARD_FN,
+                    grader=cfg.reward.grader if reward_fn is None else grader_name(reward_fn),
                     progress=progress and progress(bench.name, setting["n"] * len(examples)),
                     render=render,
                 )
@@ -344,11 +348,34 @@ class HeldOut:
         return results
 
 
-def grading_pool(cfg, reward_fn=None):
-    """The grading workers reward.* asks for (a RewardPool); a caller's ``reward_fn`` grades there as REWARD_FN."""
-    from dapo.rewards import REWARD_FN, RewardPool
+def grading_function(cfg, reward_fn=None, *, probe_truth: str = "1"):
+    """What grades every response instead of reward.grader: a caller's ``reward_fn`` (the Python API), else the
+    function reward.function names (imported here and tried on the response "Answer: <probe_truth>"), else None.
+    Both given: a ConfigError saying which to drop."""
+    from dapo.rewards.reward_fn import reward_function
 
-    reward_fns = None if reward_fn is None else {REWARD_FN: reward_fn}
+    one_reward_function(cfg, reward_fn)
+    return reward_fn if cfg.reward.function is None else reward_function(cfg.reward.function, probe_truth)
+
+
+def one_reward_function(cfg, reward_fn) -> None:
+    """A ConfigError when both reward.function and a caller's ``reward_fn`` are given, saying which to drop."""
+    from dapo.config.schema import ConfigError
+
+    if reward_fn is not None and cfg.reward.function is not None:
+        raise ConfigError(
+            f"reward.function={cfg.reward.function} and a reward_fn are both given; grade with one: leave reward_fn "
+            "out to use reward.function, or set cfg.reward.function = None to use reward_fn"
+        )
+
+
+def grading_pool(cfg, reward_fn=None):
+    """The grading workers reward.* asks for (a RewardPool); ``reward_fn`` (``grading_function``'s) grades there, as
+    REWARD_FN (a caller's) or REWARD_FUNCTION (reward.function's)."""
+    from dapo.rewards import RewardPool
+    from dapo.rewards.reward_fn import grader_name
+
+    reward_fns = None if reward_fn is None else {grader_name(reward_fn): reward_fn}
     return RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s, reward_fns=reward_fns)
 
 

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import functools
 import random
+from pathlib import Path
 
 import torch
 
@@ -18,17 +19,20 @@ from dapo.collect.collector import build_collector
 from dapo.collect.dynamic_sampling import BatchCollector
 from dapo.collect.scoring import Scorer
 from dapo.config import Config, ConfigError, dump_yaml
+from dapo.config.shipped import shipped
+from dapo.data.files import source_origin
 from dapo.data.prompts import make_encoder
 from dapo.data.sampler import PromptSampler
-from dapo.evaluation import grading_pool, load_benchmark
+from dapo.evaluation import BENCHMARKS, grading_function, grading_pool, load_benchmark
 from dapo.model.policy import BaseReference, Policy, ReferenceModel
 from dapo.reporting.run_log import RunLogger
 from dapo.reporting.trackers import check_installed, open_trackers, run_status
-from dapo.rewards.pool import REWARD_FN
+from dapo.rewards.reward_fn import grader_name
+from dapo.rewards.sources import DataSet, grading_line
 from dapo.rollout import SamplingParams, make_training_engine, resolve_backend
 from dapo.runtime import parallel, watchdog
 from dapo.runtime.libraries import setup_library_logging
-from dapo.tasks import load_train_examples
+from dapo.tasks import load_train_sets
 
 
 def setup_ranks_and_run_dir(cfg: Config, stack: contextlib.ExitStack) -> parallel.Dist:
@@ -86,11 +90,58 @@ def setup_engine(cfg: Config, d: parallel.Dist, policy: Policy, tool_env) -> tup
     return cfg, engine
 
 
-def setup_data(cfg: Config, tokenizer, train_examples: list | None) -> tuple[object, PromptSampler]:
-    """The prompt encoder, and the sampler of ``train_examples`` (None: data.train_files or the built-in task)."""
+def setup_train_sets(cfg: Config, train_examples: list | None) -> list[DataSet]:
+    """The training problems, set by set as the run's start lines name them: ``train_examples`` (given in Python),
+    else each file of data.train_files, or the built-in task."""
+    d = cfg.data
+    if train_examples is not None:
+        return [DataSet("data given to dapo.train", train_examples, d.template)]
+    return [
+        DataSet("data", examples, None)
+        if path is None
+        else DataSet(f"data {path}", examples, d.template, source_origin(shipped(path)))
+        for path, examples in load_train_sets(d)
+    ]
+
+
+def setup_reward_fn(cfg: Config, reward_fn, train_sets: list[DataSet]):
+    """What grades every response instead of reward.grader: the caller's ``reward_fn``, or reward.function's
+    function, imported and tried on one response (built by every rank, before the model: a bad one stops the
+    run at once), or None."""
+    probe_truth = train_sets[0].examples[0].ground_truth if train_sets and train_sets[0].examples else "1"
+    return grading_function(cfg, reward_fn, probe_truth=probe_truth)
+
+
+def setup_data(cfg: Config, tokenizer, train_sets: list[DataSet]) -> tuple[object, PromptSampler]:
+    """The prompt encoder, and the sampler of the training problems (``setup_train_sets``)."""
     encode = make_encoder(tokenizer, cfg.data.max_prompt_tokens)
-    train_examples = train_examples if train_examples is not None else load_train_examples(cfg.data)
-    return encode, PromptSampler(train_examples, seed=cfg.data.seed)
+    return encode, PromptSampler([ex for data in train_sets for ex in data.examples], seed=cfg.data.seed)
+
+
+def data_lines(cfg: Config, train_sets: list[DataSet], eval_sets: list, reward_fn) -> list[str]:
+    """One line per training and held-out data set: its prompt template and its grader, and why."""
+    custom = None
+    if reward_fn is not None:
+        spec = cfg.reward.function
+        custom = "your reward function" + (f" (reward.function={spec})" if spec is not None else "")
+    return [
+        grading_line(data, grader=cfg.reward.grader, custom=custom)
+        for data in [*train_sets, *(_held_out_set(bench, examples, cfg.data.template) for bench, examples in eval_sets)]
+    ]
+
+
+def _held_out_set(bench, examples: list, template: str) -> DataSet:
+    """A (Benchmark, examples) pair of the run's evaluation as its start line names it."""
+    known = BENCHMARKS.get(bench.name) == bench  # a benchmark by name, not a file of the same name
+    if bench.path is None:  # the built-in task, or rows given to dapo.train
+        return (
+            DataSet(f"eval {bench.name}", examples, None)
+            if known
+            else DataSet(f"eval {bench.name} (given to dapo.train)", examples, template)
+        )
+    if known:
+        return DataSet(f"eval {bench.name}", examples, template, ("benchmark's name", bench.name))
+    return DataSet(f"eval {bench.path}", examples, template, source_origin(Path(bench.path)))
 
 
 def setup_eval_sets(cfg: Config, eval_sets: list | None) -> list:
@@ -103,10 +154,10 @@ def setup_eval_sets(cfg: Config, eval_sets: list | None) -> list:
 
 
 def setup_rewards(cfg: Config, d: parallel.Dist, stack: contextlib.ExitStack, reward_fn) -> tuple[object, str | None]:
-    """The grading workers, and the grader of every row: REWARD_FN for a caller's ``reward_fn`` (run in the
-    workers), None for reward.grader. Under FSDP only rank 0 has workers: it grades every rank's samples, once,
-    and every rank receives the same grades."""
-    grader = REWARD_FN if reward_fn is not None else None
+    """The grading workers, and the grader of every row: for ``reward_fn`` (``setup_reward_fn``'s, run in the
+    workers) its name, REWARD_FN or REWARD_FUNCTION; None for reward.grader. Under FSDP only rank 0 has workers:
+    it grades every rank's samples, once, and every rank receives the same grades."""
+    grader = grader_name(reward_fn) if reward_fn is not None else None
     if not d.is_main:
         return parallel.OnMain(None, d), grader
     pool = stack.enter_context(grading_pool(cfg, reward_fn))

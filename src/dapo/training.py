@@ -54,18 +54,22 @@ class StepError(RuntimeError):
 
 
 class Timer:
-    """``with timer("update"): ...`` adds the block's wall time to ``timer.seconds["update"]``."""
+    """``with timer("update"): ...`` adds the block's wall time to ``timer.seconds["update"]`` and the CPU time this
+    process spent meanwhile, every thread's, to ``timer.cpu_seconds["update"]``: a busy machine stretches the first,
+    hardly the second."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self.cpu_seconds: dict[str, float] = {}
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             yield
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+            self.cpu_seconds[phase] = self.cpu_seconds.get(phase, 0.0) + time.process_time() - c0
 
 
 class StepPhases:
@@ -129,12 +133,15 @@ def start(cfg: Config, stack: contextlib.ExitStack, console=None, inputs: RunInp
 
 def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, inputs: RunInputs) -> Run:
     """The run's components, one setup step each (run_setup.py), in the order they need one another."""
+    # the data and reward.function first: a bad file or function stops the run before any model loads
+    train_sets = run_setup.setup_train_sets(cfg, inputs.train_examples)
+    eval_sets = run_setup.setup_eval_sets(cfg, inputs.eval_sets)
+    reward_fn = run_setup.setup_reward_fn(cfg, inputs.reward_fn, train_sets)
     device = d.device if d.sharded else pick_device(cfg.model.device)
     policy, reference = run_setup.setup_policy(cfg, d, device)
     cfg, engine = run_setup.setup_engine(cfg, d, policy, inputs.tool_env)  # cfg: with the backend "auto" chose
-    encode, sampler = run_setup.setup_data(cfg, policy.tokenizer, inputs.train_examples)
-    eval_sets = run_setup.setup_eval_sets(cfg, inputs.eval_sets)
-    pool, grader = run_setup.setup_rewards(cfg, d, stack, inputs.reward_fn)
+    encode, sampler = run_setup.setup_data(cfg, policy.tokenizer, train_sets)
+    pool, grader = run_setup.setup_rewards(cfg, d, stack, reward_fn)
     collector = run_setup.setup_collection(
         cfg, d, stack, engine, sampler, encode, pool, grader, tokenizer=policy.tokenizer, device=device,
         tool_env=inputs.tool_env,
@@ -144,6 +151,8 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
     stack.callback(memory.close)
     step, passed_over, resumed = run_setup.setup_resume(cfg, d, policy, engine, collector)
     logger = run_setup.setup_loggers(cfg, d, stack, console, start_step=step, saver=saver)
+    for line in run_setup.data_lines(cfg, train_sets, eval_sets, reward_fn):  # which grader, and why
+        logger.info(line)
     if policy.adapted:
         logger.info(lora.summary(policy.model))
     for line in passed_over:  # checkpoints found damaged (moved aside), or not verifiable (written without a manifest)
@@ -184,7 +193,9 @@ def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
             if step == cfg.train.total_steps or (cfg.run.save_every and step % cfg.run.save_every == 0):
                 metrics |= run.saver.wait()  # the previous save's background write (perf/checkpoint_write_s)
                 run.saver.save(step)
-    return metrics | {f"perf/time_{k}_s": v for k, v in timer.seconds.items()} | run.memory.take(), batch
+    times = {f"perf/time_{k}_s": v for k, v in timer.seconds.items()}
+    cpu_times = {f"perf/cpu_{k}_s": v for k, v in timer.cpu_seconds.items()}
+    return metrics | times | cpu_times | run.memory.take(), batch
 
 
 def _update(run: Run, taken: StepBatch, step: int, phase: StepPhases, seconds: dict[str, float]) -> dict:

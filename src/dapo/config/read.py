@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import os
 import typing
 from pathlib import Path
@@ -127,6 +128,14 @@ REPLACED = {
 RENAMED = {"algo.old_logp": "algo.old_logp_source"}
 
 
+def _closest_keys(key, names: set[str], prefix: str) -> str:
+    """The valid keys of the section, led by the one or two closest to a misspelt ``key``:
+    "did you mean algo.eps_high? (valid keys here: ...)"."""
+    valid = f"valid keys here: {', '.join(sorted(names))}"
+    close = difflib.get_close_matches(str(key), sorted(names), n=2, cutoff=0.6)
+    return f"did you mean {' or '.join(prefix + name for name in close)}? ({valid})" if close else valid
+
+
 def merge(obj, overrides: dict, prefix: str = ""):
     hints = typing.get_type_hints(type(obj))
     names = {f.name for f in dataclasses.fields(obj)}
@@ -138,7 +147,7 @@ def merge(obj, overrides: dict, prefix: str = ""):
         if full in REPLACED:
             raise ConfigError(f"{full}: no longer a setting; {REPLACED[full]}")
         if key not in names:
-            raise ConfigError(f"{full}: unknown key; valid keys here: {', '.join(sorted(names))}")
+            raise ConfigError(f"{full}: unknown key; {_closest_keys(key, names, prefix)}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):

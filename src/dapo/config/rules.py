@@ -8,20 +8,48 @@ import dataclasses
 import functools
 import math
 import typing
+from collections.abc import Callable
 from typing import Literal
 
 from dapo.config.schema import Config, ConfigError, Rule, resolve_type
 
-# the cap of the importance weight a run generating ahead (rollout.max_staleness > 0) takes when none is given:
-# its responses come from older weights, so an uncorrected run would train off-policy without saying so
+# the cap of the importance weight a run generating ahead (rollout.max_staleness > 0) takes when none is given
 ASYNC_IS_CAP = 2.0
 
 
+@dataclasses.dataclass(frozen=True)
+class FilledDefault:
+    """A default that depends on another setting, filled where the key was not given (fill_defaults)."""
+
+    key: str
+    value: typing.Any
+    keys: tuple[str, ...]  # the settings ``when`` reads
+    when: Callable[[Config], bool]
+    says: str  # when, for a user, Markdown: the reference shows "`key` is `value` <says>"
+
+
+# a run generating ahead (rollout.max_staleness > 0) samples from older weights: left uncorrected it would train
+# off-policy without saying so
+FILLED_DEFAULTS = (
+    FilledDefault(
+        "algo.rollout_is_cap",
+        ASYNC_IS_CAP,
+        ("rollout.max_staleness",),
+        lambda cfg: cfg.rollout.max_staleness > 0,
+        "with `rollout.max_staleness` > 0 and not given",
+    ),
+)
+
+
 def fill_defaults(cfg, given: set[str]) -> None:
-    """Defaults that depend on other settings, filled where the key was not given (an explicit null stays null,
-    and is refused where it cannot work); the resolved config, config.yaml, shows what was filled."""
-    if cfg.rollout.max_staleness and cfg.algo.rollout_is_cap is None and "algo.rollout_is_cap" not in given:
-        cfg.algo.rollout_is_cap = ASYNC_IS_CAP
+    """Defaults that depend on other settings (FILLED_DEFAULTS), filled where the key was not given (an explicit
+    null stays null, and is refused where it cannot work); the resolved config, config.yaml, shows what was
+    filled."""
+    for filled in FILLED_DEFAULTS:
+        section, _, name = filled.key.rpartition(".")
+        holder = functools.reduce(getattr, section.split("."), cfg)
+        if filled.key not in given and getattr(holder, name) is None and filled.when(cfg):
+            setattr(holder, name, filled.value)
 
 
 def dotted_keys(nested: dict, prefix: str = "") -> set[str]:
@@ -89,150 +117,268 @@ def check_fields(cfg, fields) -> None:
             _check(error is None, error)
 
 
-def _dependent_switches(cfg) -> None:
-    a, r = cfg.algo, cfg.rollout
-    _check(
-        a.buffer_logp == "trainer" or r.backend == "vllm",
-        f"algo.buffer_logp=engine: rollout.backend={r.backend} reports no log-probs; use "
-        "rollout.backend=vllm or trainer",
-    )
-    _check(
-        not cfg.tools.filter_void_turns or cfg.tools.python,
-        "tools.filter_void_turns=true: filters multi-turn responses, so it needs tools.python=true",
-    )
-    n, G = a.screen_samples, r.group_size
-    _check(
-        not n or (2 <= n < G and a.dynamic_sampling),
-        f"algo.screen_samples={n}: screening drops a prompt whose first n responses agree, so n is 0 (off) or "
-        f"from 2 to rollout.group_size - 1 = {G - 1}, with algo.dynamic_sampling=true",
-    )
-    _check(
-        not a.screen_audit or n,
-        f"algo.screen_audit={a.screen_audit:g}: audits the prompts screening drops; set algo.screen_samples too",
-    )
+@dataclasses.dataclass(frozen=True)
+class RuleBetween:
+    """A rule between settings, declared once: the settings it involves, what it says to a user (the configuration
+    reference prints it beside each of them), the check, and the one-line error naming the key and the fix."""
+
+    keys: tuple[str, ...]  # the settings involved; the error names the first
+    says: str  # the rule for a user, Markdown (`code` spans): what the reference's Allowed column shows
+    holds: Callable[[Config], bool]
+    error: Callable[[Config], str]  # called only where the rule is broken
 
 
-def _importance_sampling(cfg) -> None:
-    a = cfg.algo
-    _check(
-        a.rollout_is_mode == "token_truncate" or a.rollout_is_cap is not None,
-        f"algo.rollout_is_mode={a.rollout_is_mode}: corrects nothing without algo.rollout_is_cap; set the cap "
-        "(e.g. algo.rollout_is_cap=2) or leave the mode at token_truncate",
-    )
-    _check(
-        a.rollout_is_mode != "sequence_mask" or a.rollout_is_cap is None or a.rollout_is_cap > 1.0,
-        f"algo.rollout_is_cap={a.rollout_is_cap}: algo.rollout_is_mode=sequence_mask keeps responses whose ratio is "
-        "in [1/cap, cap]; a cap of 1 masks every one, use > 1",
-    )
+# the rules between settings, grouped by concern; their order says which error a config with several faults gets
+RULES = (
+    # ---- switches that need another
+    RuleBetween(
+        ("algo.buffer_logp", "rollout.backend"),
+        "`algo.buffer_logp=engine` needs `rollout.backend=vllm`",
+        lambda cfg: cfg.algo.buffer_logp == "trainer" or cfg.rollout.backend == "vllm",
+        lambda cfg: (
+            f"algo.buffer_logp=engine: rollout.backend={cfg.rollout.backend} reports no log-probs; use "
+            "rollout.backend=vllm or trainer"
+        ),
+    ),
+    RuleBetween(
+        ("tools.filter_void_turns", "tools.python"),
+        "`tools.filter_void_turns=true` needs `tools.python=true`",
+        lambda cfg: not cfg.tools.filter_void_turns or cfg.tools.python,
+        lambda cfg: "tools.filter_void_turns=true: filters multi-turn responses, so it needs tools.python=true",
+    ),
+    RuleBetween(
+        ("algo.screen_samples", "rollout.group_size", "algo.dynamic_sampling"),
+        "`algo.screen_samples` is 0 (off) or from 2 to `rollout.group_size` - 1, with `algo.dynamic_sampling=true`",
+        lambda cfg: (
+            not cfg.algo.screen_samples
+            or (2 <= cfg.algo.screen_samples < cfg.rollout.group_size and cfg.algo.dynamic_sampling)
+        ),
+        lambda cfg: (
+            f"algo.screen_samples={cfg.algo.screen_samples}: screening drops a prompt whose first n responses "
+            f"agree, so n is 0 (off) or from 2 to rollout.group_size - 1 = {cfg.rollout.group_size - 1}, with "
+            "algo.dynamic_sampling=true"
+        ),
+    ),
+    RuleBetween(
+        ("algo.screen_audit", "algo.screen_samples"),
+        "`algo.screen_audit` > 0 needs `algo.screen_samples` > 0",
+        lambda cfg: not cfg.algo.screen_audit or cfg.algo.screen_samples,
+        lambda cfg: (
+            f"algo.screen_audit={cfg.algo.screen_audit:g}: audits the prompts screening drops; set "
+            "algo.screen_samples too"
+        ),
+    ),
+    RuleBetween(
+        ("algo.screen_by_record", "algo.screen_samples"),
+        "`algo.screen_by_record=true` needs `algo.screen_samples` > 0",
+        lambda cfg: not cfg.algo.screen_by_record or cfg.algo.screen_samples,
+        lambda cfg: (
+            "algo.screen_by_record=true: chooses which prompts are screened; set algo.screen_samples (e.g. half of "
+            "rollout.group_size) too"
+        ),
+    ),
+    # ---- importance sampling
+    RuleBetween(
+        ("algo.rollout_is_mode", "algo.rollout_is_cap"),
+        "`algo.rollout_is_mode` other than `token_truncate` needs `algo.rollout_is_cap`",
+        lambda cfg: cfg.algo.rollout_is_mode == "token_truncate" or cfg.algo.rollout_is_cap is not None,
+        lambda cfg: (
+            f"algo.rollout_is_mode={cfg.algo.rollout_is_mode}: corrects nothing without algo.rollout_is_cap; "
+            "set the cap (e.g. algo.rollout_is_cap=2) or leave the mode at token_truncate"
+        ),
+    ),
+    RuleBetween(
+        ("algo.rollout_is_cap", "algo.rollout_is_mode"),
+        "with `algo.rollout_is_mode=sequence_mask`, `algo.rollout_is_cap` > 1",
+        lambda cfg: (
+            cfg.algo.rollout_is_mode != "sequence_mask"
+            or cfg.algo.rollout_is_cap is None
+            or cfg.algo.rollout_is_cap > 1.0
+        ),
+        lambda cfg: (
+            f"algo.rollout_is_cap={cfg.algo.rollout_is_cap}: algo.rollout_is_mode=sequence_mask keeps "
+            "responses whose ratio is in [1/cap, cap]; a cap of 1 masks every one, use > 1"
+        ),
+    ),
+    # ---- generating ahead (rollout.max_staleness > 0: responses up to k updates old) and the rollout ranks
+    RuleBetween(
+        ("rollout.max_staleness", "algo.rollout_is_cap"),
+        "`rollout.max_staleness` > 0 needs `algo.rollout_is_cap` (not null)",
+        lambda cfg: not cfg.rollout.max_staleness or cfg.algo.rollout_is_cap is not None,
+        lambda cfg: (
+            f"rollout.max_staleness={cfg.rollout.max_staleness}: responses sampled by older weights need the "
+            f"importance weight to the engine's log-probs; set algo.rollout_is_cap (left out, it is {ASYNC_IS_CAP:g})"
+        ),
+    ),
+    RuleBetween(
+        ("rollout.max_staleness", "algo.old_logp_source"),
+        "`rollout.max_staleness` > 0 needs `algo.old_logp_source=recompute`",
+        lambda cfg: not cfg.rollout.max_staleness or cfg.algo.old_logp_source == "recompute",
+        lambda cfg: (
+            f"rollout.max_staleness={cfg.rollout.max_staleness}: the clip is anchored at the trainer's weights "
+            "at the step's start (recomputed log-probs); use algo.old_logp_source=recompute"
+        ),
+    ),
+    RuleBetween(
+        ("rollout.max_staleness", "algo.buffer_max_groups"),
+        "`rollout.max_staleness` > 0 needs `algo.buffer_max_groups=0`",
+        lambda cfg: not cfg.rollout.max_staleness or cfg.algo.buffer_max_groups == 0,
+        lambda cfg: (
+            f"rollout.max_staleness={cfg.rollout.max_staleness}: algo.buffer_max_groups="
+            f"{cfg.algo.buffer_max_groups} would train held-over groups one version older than the bound; set "
+            "algo.buffer_max_groups=0"
+        ),
+    ),
+    RuleBetween(
+        ("rollout.ranks", "rollout.max_staleness"),
+        "`rollout.ranks` > 0 needs `rollout.max_staleness` > 0",
+        lambda cfg: cfg.rollout.ranks == 0 or cfg.rollout.max_staleness > 0,
+        lambda cfg: (
+            f"rollout.ranks={cfg.rollout.ranks}: rollout ranks generate the next steps while the others "
+            "train; set rollout.max_staleness (1 or 2), or rollout.ranks=0 for the synchronous loop"
+        ),
+    ),
+    RuleBetween(
+        ("rollout.ranks", "rollout.tensor_parallel_size"),
+        "`rollout.ranks` > 0 needs `rollout.tensor_parallel_size=1`",
+        lambda cfg: cfg.rollout.ranks == 0 or cfg.rollout.tensor_parallel_size == 1,
+        lambda cfg: (
+            f"rollout.ranks={cfg.rollout.ranks}: each rollout rank holds a whole engine; "
+            f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} across rollout ranks is not supported, "
+            "use 1"
+        ),
+    ),
+    # ---- what uses the engine's sampling log-probs: algo.rollout_is_cap, algo.old_logp_source=engine
+    RuleBetween(
+        ("algo.rollout_is_cap", "rollout.backend", "rollout.max_staleness"),
+        "`algo.rollout_is_cap` needs the engine's log-probs: `rollout.backend=vllm` or `rollout.max_staleness` > 0",
+        lambda cfg: cfg.algo.rollout_is_cap is None or cfg.rollout.backend == "vllm" or cfg.rollout.max_staleness > 0,
+        lambda cfg: (
+            f"algo.rollout_is_cap={cfg.algo.rollout_is_cap}: needs the engine's log-probs; "
+            f"rollout.backend={cfg.rollout.backend} has none (use vllm, or rollout.max_staleness > 0: its engine "
+            "reports them)"
+        ),
+    ),
+    RuleBetween(
+        ("algo.old_logp_source", "rollout.backend"),
+        "`algo.old_logp_source=engine` needs `rollout.backend=vllm` (or `auto` with vLLM installed)",
+        lambda cfg: cfg.algo.old_logp_source != "engine" or cfg.rollout.backend in ("vllm", "auto"),
+        lambda cfg: (
+            f"algo.old_logp_source=engine: rollout.backend={cfg.rollout.backend} reports no log-probs; use "
+            "rollout.backend=vllm"
+        ),
+    ),
+    RuleBetween(
+        ("algo.old_logp_source", "model.dtype"),
+        "`algo.old_logp_source=engine` needs `model.dtype=float32`",
+        lambda cfg: cfg.algo.old_logp_source != "engine" or cfg.model.dtype == "float32",
+        lambda cfg: (
+            f"algo.old_logp_source=engine: model.dtype={cfg.model.dtype} makes vLLM's log-probs differ from "
+            "the trainer's; use float32"
+        ),
+    ),
+    RuleBetween(
+        ("algo.old_logp_source", "rollout.top_p", "rollout.top_k"),
+        "`algo.old_logp_source=engine` needs `rollout.top_p=1.0` and `rollout.top_k=null`",
+        lambda cfg: cfg.algo.old_logp_source != "engine" or (cfg.rollout.top_p == 1.0 and cfg.rollout.top_k is None),
+        lambda cfg: (
+            "algo.old_logp_source=engine: vLLM's log-probs are of the top-p/top-k truncated distribution "
+            f"(rollout.top_p={cfg.rollout.top_p}, rollout.top_k={cfg.rollout.top_k}), the trainer's of the full one; "
+            "use top_p 1.0 and no top_k, or recompute"
+        ),
+    ),
+    RuleBetween(
+        ("algo.old_logp_source", "algo.rollout_is_cap"),
+        "`algo.rollout_is_cap` needs `algo.old_logp_source=recompute`",
+        lambda cfg: cfg.algo.old_logp_source == "recompute" or cfg.algo.rollout_is_cap is None,
+        lambda cfg: (
+            f"algo.old_logp_source={cfg.algo.old_logp_source}: algo.rollout_is_cap weighs by "
+            "pi_old / pi_rollout from the recomputed pass; use recompute"
+        ),
+    ),
+    # ---- rewards and their shaping
+    RuleBetween(
+        ("algo.truncated_in_group_stats", "algo.overlong_filtering"),
+        "`algo.truncated_in_group_stats=false` needs `algo.overlong_filtering=true`",
+        lambda cfg: cfg.algo.truncated_in_group_stats or cfg.algo.overlong_filtering,
+        lambda cfg: (
+            "algo.truncated_in_group_stats=false only applies with algo.overlong_filtering=true (masked "
+            "rows need no advantage)"
+        ),
+    ),
+    RuleBetween(
+        ("algo.correct_reward", "algo.wrong_reward"),
+        "`algo.correct_reward` > `algo.wrong_reward`",
+        lambda cfg: cfg.algo.correct_reward > cfg.algo.wrong_reward,
+        lambda cfg: "algo.correct_reward must be greater than algo.wrong_reward",
+    ),
+    RuleBetween(
+        ("reward.grader", "reward.function"),
+        "with `reward.function` set, `reward.grader` stays `auto`: the function grades every response",
+        lambda cfg: cfg.reward.function is None or cfg.reward.grader == "auto",
+        lambda cfg: (
+            f"reward.grader={cfg.reward.grader}: reward.function={cfg.reward.function} grades every response, so no "
+            "grader would run; leave reward.grader out (auto), or set reward.function=null to grade with it"
+        ),
+    ),
+    RuleBetween(
+        ("algo.overlong_buffer_tokens", "rollout.max_response_tokens", "algo.soft_overlong_punishment"),
+        "with `algo.soft_overlong_punishment=true`, `algo.overlong_buffer_tokens` is in "
+        "(0, `rollout.max_response_tokens`]",
+        lambda cfg: (
+            not cfg.algo.soft_overlong_punishment
+            or 0 < cfg.algo.overlong_buffer_tokens <= cfg.rollout.max_response_tokens
+        ),
+        lambda cfg: (
+            f"algo.overlong_buffer_tokens={cfg.algo.overlong_buffer_tokens}: must be in "
+            f"(0, rollout.max_response_tokens={cfg.rollout.max_response_tokens}]; the buffer cannot be longer than the "
+            "maximum length"
+        ),
+    ),
+    # ---- batches
+    RuleBetween(
+        ("train.prompts_per_step", "train.mini_batch_prompts"),
+        "`train.mini_batch_prompts` divides `train.prompts_per_step`",
+        lambda cfg: cfg.train.prompts_per_step % cfg.train.mini_batch_prompts == 0,
+        lambda cfg: (
+            f"train.prompts_per_step={cfg.train.prompts_per_step} is not divisible by "
+            f"train.mini_batch_prompts={cfg.train.mini_batch_prompts}; pick a divisor so every optimizer update sees "
+            "the same number of prompts"
+        ),
+    ),
+    RuleBetween(
+        ("train.share_prompt_prefix", "train.pack_sequences"),
+        "`train.share_prompt_prefix=true` needs `train.pack_sequences` `auto` or `false`",
+        lambda cfg: not (cfg.train.share_prompt_prefix and cfg.train.pack_sequences == "true"),
+        lambda cfg: (
+            "train.share_prompt_prefix=true shares a prompt across padded rows; packed rows "
+            "(train.pack_sequences=true) have none: set train.pack_sequences=auto or false, or "
+            "train.share_prompt_prefix=false"
+        ),
+    ),
+    RuleBetween(  # the prompts' cache is indexed by layer: torch.compile specialises on it, a graph per layer
+        ("train.kernels", "train.share_prompt_prefix"),
+        "`train.share_prompt_prefix=true` excludes `compile` from `train.kernels`",
+        lambda cfg: not (cfg.train.share_prompt_prefix and "compile" in cfg.train.kernels),
+        lambda cfg: (
+            "train.kernels=[compile] with train.share_prompt_prefix=true would compile one graph per decoder "
+            "layer (the shared prompts' cache is indexed by the layer) and run the layers past torch's recompile limit "
+            "eagerly: set train.share_prompt_prefix=false, or leave compile out of train.kernels"
+        ),
+    ),
+    # ---- the run directory
+    RuleBetween(
+        ("run.overwrite", "run.resume"),
+        "`run.overwrite=true` needs `run.resume=false`",
+        lambda cfg: not (cfg.run.overwrite and cfg.run.resume),
+        lambda cfg: "run.overwrite=true moves an earlier run aside to start afresh: set run.resume=false with it",
+    ),
+)
 
 
-def _async_rollout(cfg) -> None:
-    """rollout.max_staleness > 0 (responses up to k updates old) and the rollout ranks."""
-    a, r = cfg.algo, cfg.rollout
-    k = r.max_staleness
-    if k:
-        why = f"rollout.max_staleness={k}: "
-        _check(
-            a.rollout_is_cap is not None,
-            why + "responses sampled by older weights need the importance weight to the engine's log-probs; set "
-            "algo.rollout_is_cap (left out, it is 2)",
-        )
-        _check(
-            a.old_logp_source == "recompute",
-            why + "the clip is anchored at the trainer's weights at the step's start (recomputed log-probs); "
-            "use algo.old_logp_source=recompute",
-        )
-        _check(
-            a.buffer_max_groups == 0,
-            why + f"algo.buffer_max_groups={a.buffer_max_groups} would train held-over groups one version older "
-            "than the bound; set algo.buffer_max_groups=0",
-        )
-    _check(
-        r.ranks == 0 or k > 0,
-        f"rollout.ranks={r.ranks}: rollout ranks generate the next steps while the others train; set "
-        "rollout.max_staleness (1 or 2), or rollout.ranks=0 for the synchronous loop",
-    )
-    _check(
-        r.ranks == 0 or r.tensor_parallel_size == 1,
-        f"rollout.ranks={r.ranks}: each rollout rank holds a whole engine; rollout.tensor_parallel_size="
-        f"{r.tensor_parallel_size} across rollout ranks is not supported, use 1",
-    )
-
-
-def _engine_log_probs(cfg) -> None:
-    """What uses the engine's sampling log-probs: algo.rollout_is_cap, algo.old_logp_source=engine."""
-    a, r = cfg.algo, cfg.rollout
-    _check(
-        a.rollout_is_cap is None or r.backend == "vllm" or r.max_staleness > 0,
-        f"algo.rollout_is_cap={a.rollout_is_cap}: needs the engine's log-probs; "
-        f"rollout.backend={r.backend} has none (use vllm, or rollout.max_staleness > 0: its engine reports them)",
-    )
-    _check(
-        a.old_logp_source != "engine" or r.backend in ("vllm", "auto"),
-        f"algo.old_logp_source=engine: rollout.backend={r.backend} reports no log-probs; use rollout.backend=vllm",
-    )
-    _check(
-        a.old_logp_source != "engine" or cfg.model.dtype == "float32",
-        f"algo.old_logp_source=engine: model.dtype={cfg.model.dtype} makes vLLM's log-probs differ from the "
-        "trainer's; use float32",
-    )
-    _check(
-        a.old_logp_source != "engine" or (r.top_p == 1.0 and r.top_k is None),
-        "algo.old_logp_source=engine: vLLM's log-probs are of the top-p/top-k truncated distribution "
-        f"(rollout.top_p={r.top_p}, "
-        f"rollout.top_k={r.top_k}), the trainer's of the full one; use top_p 1.0 and no top_k, or recompute",
-    )
-    _check(
-        a.old_logp_source == "recompute" or a.rollout_is_cap is None,
-        f"algo.old_logp_source={a.old_logp_source}: algo.rollout_is_cap weighs by pi_old / pi_rollout from the "
-        "recomputed pass; use recompute",
-    )
-
-
-def _rewards(cfg) -> None:
-    a, r = cfg.algo, cfg.rollout
-    _check(
-        a.truncated_in_group_stats or a.overlong_filtering,
-        "algo.truncated_in_group_stats=false only applies with algo.overlong_filtering=true (masked "
-        "rows need no advantage)",
-    )
-    _check(a.correct_reward > a.wrong_reward, "algo.correct_reward must be greater than algo.wrong_reward")
-    _check(
-        not a.soft_overlong_punishment or 0 < a.overlong_buffer_tokens <= r.max_response_tokens,
-        f"algo.overlong_buffer_tokens={a.overlong_buffer_tokens}: must be in (0, rollout.max_response_tokens="
-        f"{r.max_response_tokens}]; the buffer cannot be longer than the maximum length",
-    )
-
-
-def _batches(cfg) -> None:
-    t = cfg.train
-    _check(
-        t.prompts_per_step % t.mini_batch_prompts == 0,
-        f"train.prompts_per_step={t.prompts_per_step} is not divisible by train.mini_batch_prompts="
-        f"{t.mini_batch_prompts}; pick a divisor so every optimizer update sees the same number of prompts",
-    )
-    _check(
-        not (t.share_prompt_prefix and t.pack_sequences == "true"),
-        "train.share_prompt_prefix=true shares a prompt across padded rows; packed rows (train.pack_sequences=true) "
-        "have none: set train.pack_sequences=auto or false, or train.share_prompt_prefix=false",
-    )
-    _check(  # the prompts' cache is indexed by layer: torch.compile specialises on it, a graph per layer
-        not (t.share_prompt_prefix and "compile" in t.kernels),
-        "train.kernels=[compile] with train.share_prompt_prefix=true would compile one graph per decoder layer (the "
-        "shared prompts' cache is indexed by the layer) and run the layers past torch's recompile limit eagerly: "
-        "set train.share_prompt_prefix=false, or leave compile out of train.kernels",
-    )
-
-
-def _run_dir(cfg) -> None:
-    _check(
-        not (cfg.run.overwrite and cfg.run.resume),
-        "run.overwrite=true moves an earlier run aside to start afresh: set run.resume=false with it",
-    )
-
-
-# the rules between settings, one concern a group; their order says which error a config with several faults gets
-RULES = (_dependent_switches, _importance_sampling, _async_rollout, _engine_log_probs, _rewards, _batches, _run_dir)
+def rules_of(key: str) -> list[RuleBetween]:
+    """The rules between settings that involve ``key``, in checking order."""
+    return [rule for rule in RULES if key in rule.keys]
 
 
 @functools.cache
@@ -250,7 +396,8 @@ def settings(cls: type | None = None, prefix: str = "") -> tuple[tuple[str, typi
 
 def validate(cfg: Config) -> None:
     """Raise ConfigError for the first bad setting; the config is left as it is. Each setting's own range is
-    declared on it (``field``); the rules between settings are ``dapo.config.RULES``."""
+    declared on it (``field``); the rules between settings are ``RULES``."""
     check_fields(cfg, settings())
-    for rules in RULES:
-        rules(cfg)
+    for rule in RULES:
+        if not rule.holds(cfg):
+            raise ConfigError(rule.error(cfg))

@@ -146,14 +146,20 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    path: str = "assets/arith-base"  # local Hugging Face causal-LM directory (nothing is downloaded)
+    # a Hugging Face causal-LM directory, or a model id on the Hugging Face Hub (Qwen/Qwen2.5-0.5B-Instruct), fetched
+    # into the Hugging Face cache (HF_HOME, HF_HUB_CACHE; HF_HUB_OFFLINE=1: the cache only); a local directory of
+    # the same name wins
+    path: str = "assets/arith-base"
+    # a hub model's branch, tag or commit (model.path a hub id); null: its default branch. A local directory has none
+    revision: str | None = None
     dtype: Dtype = "float32"  # training dtype; under FSDP the compute dtype (float32 master weights)
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
     device: Device = "auto"  # auto: cuda if available
     trust_remote_code: bool = False  # run Python files shipped in model.path (auto_map); only for directories you trust
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (off by default)
     # false: every dropout of the model is off in the policy's and the reference's passes, as the reference trains
-    # (with dropout, pi / pi_old compares two random masks); true keeps the model's own (docs/fidelity.md)
+    # (with dropout, pi / pi_old compares two random masks); true keeps the model's own dropout, a departure from the
+    # reference that the Fidelity page lists
     keep_dropout: bool = False
 
 
@@ -163,8 +169,11 @@ class DataConfig:
     task_difficulty: TaskDifficulty = "demo"  # built-in task difficulty
     task_train_size: int = 3000  # problems drawn for the built-in task's train split (demo has ~3.6k distinct)
     train_files: list[str] = field(default_factory=list)  # .jsonl/.parquet in DAPO-Math-17K or {problem, answer} layout
-    template: Template = "dapo"  # prompt template for dataset files: dapo (the paper's) or raw
-    # longer prompts are cut from the left, as the reference does (ids[-0:] would keep them whole: 0 is refused)
+    # prompt template for data files: dapo (the paper's: the problem between the instructions to reason step by step
+    # and end with a line "Answer: ..."), raw (the problem text as it is: for data that bring their own
+    # instructions) or tool (the problem and how to call the Python tool, for tools.python=true)
+    template: Template = "dapo"
+    # a longer prompt keeps its last this-many tokens (its start is cut), as the reference does (the paper's 2,048)
     max_prompt_tokens: int = field(2048, gt=0)
     # a data-file row longer than this (1M characters) stops the run at load
     max_row_chars: int = field(DEFAULT_MAX_ROW_CHARS, gt=0)
@@ -186,10 +195,12 @@ class RolloutConfig:
     # vllm: KV-cache size in GiB; null: what gpu_memory_utilization leaves on a GPU, 1 GiB on CPU
     kv_cache_gib: float | None = field(None, gt=0, null="sized from rollout.gpu_memory_utilization")
     # k > 0: the engine runs in a process of its own and collects the next steps' batches while the trainer updates;
-    # step t's responses are sampled with the weights of k updates before (dapo.collect.ahead); 0: the synchronous
-    # loop (the paper's)
+    # step t's responses are sampled with the weights of up to k updates before, corrected by algo.rollout_is_cap.
+    # 0: the synchronous loop (the paper's): generate, then train. Try 1 or 2 where generation and the update each
+    # take a large share of a step (see the manual's Asynchronous rollout page)
     max_staleness: int = field(0, ge=0, le=8)
-    # with max_staleness > 0: threads of the rollout process (torch); null: half the cores, the trainer the rest
+    # with max_staleness > 0: the CPU threads the rollout process computes with; null: half the cores, the trainer
+    # the rest
     engine_threads: int | None = field(None, ge=1, null="half the cores")
     # with max_staleness > 0 under torchrun or `dapo launch-ray`: the last `ranks` ranks of the job (one GPU each)
     # only generate, each with a full copy of the weights; the others train. 0: the rollout process beside a
@@ -204,6 +215,16 @@ class RewardConfig:
     grader: Grader = "auto"
     num_workers: int = field(2, ge=1)  # grading worker processes
     timeout_s: float = field(5.0, gt=0, unit="seconds")  # per-response time limit; a time-out scores as incorrect
+    # your own reward instead of reward.grader, as MODULE:FUNCTION: a module's name (my_rewards:reward) or a .py file
+    # (rewards/mine.py:reward); the function takes (response, ground_truth) and returns a score (correct when > 0)
+    # or (score, correct); it runs in the grading workers under reward.timeout_s; null: off
+    function: str | None = field(
+        None,
+        check=lambda spec: bool(spec.rpartition(":")[0].strip()) and spec.rpartition(":")[2].isidentifier(),
+        must="give MODULE:FUNCTION, a module's name or a .py file and the function's name, e.g. "
+        "reward.function=my_rewards:reward or reward.function=rewards/mine.py:reward",
+        null="off",
+    )
 
 
 @dataclass
@@ -216,18 +237,20 @@ class AlgoConfig:
     # token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum-norm (Dr. GRPO)
     loss_agg: LossAgg = "token-mean"
     # the surrogate: dapo (the clipped token ratio: the paper's and the reference's), gspo (the clipped sequence
-    # ratio, arXiv 2507.18071; configs/gspo.yaml) or cispo (the clipped, detached token weight, arXiv 2506.13585;
-    # configs/cispo.yaml). eps_low / eps_high are each one's clip range; docs/fidelity.md lists them
+    # ratio, arXiv 2507.18071; preset configs/gspo.yaml) or cispo (the clipped, detached token weight, arXiv
+    # 2506.13585; preset configs/cispo.yaml). eps_low / eps_high are each one's clip range; the Fidelity page lists
+    # how each departs from the paper
     objective: Objective = "dapo"
-    scale_adv_by_std: bool = True  # False gives Dr. GRPO's advantage (no division by the group std)
+    scale_adv_by_std: bool = True  # false gives Dr. GRPO's advantage (no division by the group std)
     kl_coef: float = field(0.0, ge=0)  # KL-loss weight to the initial policy; 0 means no reference model (DAPO)
-    kl_kind: KlKind = "k3"  # KL estimator
+    kl_kind: KlKind = "k3"  # the KL estimator (Schulman's k1, k2 or k3) used with kl_coef > 0
     correct_reward: float = 1.0  # rule reward for an equivalent answer (eq. 7)
     wrong_reward: float = -1.0  # rule reward otherwise
     soft_overlong_punishment: bool = True  # add eq. 13's length penalty to the reward
     overlong_buffer_tokens: int = 8  # L_cache: the penalty ramps over the last this-many tokens
     overlong_penalty_factor: float = field(1.0, ge=0)  # the penalty at L_max
-    overlong_filtering: bool = False  # mask truncated responses out of the loss (sec. 3.4; not in the reference code)
+    # mask truncated responses out of the loss (sec. 3.4); the reference implementation does not
+    overlong_filtering: bool = False
     # with overlong_filtering: masked truncated responses still set their group's mean and std (true: the paper
     # masks only their loss) or the baseline comes from the untruncated responses alone (false)
     truncated_in_group_stats: bool = True
@@ -237,9 +260,15 @@ class AlgoConfig:
     on_max_gen_rounds: OnMaxGenRounds = "train"  # when the cap is hit: train (on what was kept, with a warning) or fail
     oversample: float = field(1.0, ge=1)  # prompts generated per round = missing prompts * this (>= 1)
     adaptive_oversample: bool = False  # also divide by the measured keep rate, so most steps need one round
-    # n: each prompt first gets n responses, and G - n more only where they disagree (dapo.collect.screening; 0: off)
+    # n: each prompt first gets n responses, and the other G - n only where those disagree; a prompt whose n agree is
+    # dropped after n responses instead of G. 0: off (the paper's dynamic sampling alone). Saves generation on data
+    # whose prompts are mostly always right or always wrong; try G/2 and see algo.screen_audit
     screen_samples: int = field(0, ge=0, why="a count of responses, 0 for off")
     screen_audit: float = field(0.0, ge=0, le=1)  # share of screened-out prompts completed anyway, never trained
+    # with screen_samples: screen only the prompts whose last group in this run came back all right or all wrong;
+    # a prompt never drawn before, or informative last time, gets its whole group at once (screening saves
+    # responses only on prompts that are always right or always wrong)
+    screen_by_record: bool = False
     # surplus informative groups (beyond train.prompts_per_step) kept for the next step; 0: none, as the reference
     buffer_max_groups: int = field(0, ge=0, why="0 keeps no surplus groups")
     # a held-over group's old log-probs (those of the weights that sampled it): trainer (computed when it is held
@@ -248,8 +277,10 @@ class AlgoConfig:
     # where a step's old log-probs come from: recompute (a forward pass over the batch before the update, the
     # reference) or engine (vLLM's sampling log-probs, no pass; float32 only). Named algo.old_logp before
     old_logp_source: OldLogpSource = "recompute"
-    # C: each token's loss x min(pi_old / pi_rollout, C) on vllm's log-probs; null: off (the reference); not
-    # given with rollout.max_staleness > 0: 2 (ASYNC_IS_CAP in dapo.config.rules), as the resolved config shows
+    # C: each token's loss x min(pi_old / pi_rollout, C), the correction for the gap between the engine that sampled
+    # (its own log-probs) and the trainer; null: off (the reference). Left out with rollout.max_staleness > 0 it is
+    # 2, as the run's config.yaml shows. With rollout.backend=vllm, turn it on (2 is a usual start) when the logged
+    # rollout/logprob_abs_diff_mean is well above float noise: bf16 sampling on GPUs, long responses, large models
     rollout_is_cap: float | None = field(None, ge=1, null="off", why="a cap below 1 would shrink every token")
     # how rollout_is_cap corrects: token_truncate min(r, C), token_mask (r, 0 above C), token_m2
     # (min(r, C), 0 on the largest (log r)^2 until their mean <= rollout_is_m2), sequence_truncate / sequence_mask
@@ -289,8 +320,10 @@ class TrainConfig:
     seed: int = 0  # model init / dropout / everything not seeded elsewhere
     # FSDP (several ranks) only: keep parameter shards, gradients and AdamW state in CPU memory
     cpu_offload: bool = False
-    # faster kernels for the trainer's passes, each exact to its dtype's rounding (dapo.model.kernels): compile
-    # (torch.compile per decoder layer), liger (Liger Kernel's RMSNorm, SwiGLU and RoPE; CUDA only); []: eager
+    # faster kernels for the trainer's log-prob and update passes, each exact to its dtype's rounding: compile
+    # (torch.compile per decoder layer; the run's first update pays the compilation), liger (Liger Kernel's RMSNorm,
+    # SwiGLU and RoPE; CUDA only); []: eager PyTorch, as the reference. On a CPU compile does not pay; it is meant
+    # for GPUs, where the work outside the matmuls that it fuses is a larger share
     kernels: list[str] = field(
         default_factory=list,
         check=lambda ks: set(ks) <= {"compile", "liger"},
@@ -305,8 +338,8 @@ class EvalConfig:
     benchmarks: list[str] = field(default_factory=lambda: ["arith"])  # built-in task name, benchmark name or file
     # the first N problems of each benchmark; null: all (the built-in task: 200)
     num_problems: int | None = field(None, gt=0, null="all problems")
-    # sampling; null: the benchmark's own setting (dapo.evaluation.BENCHMARKS: AIME n=32, top_p 0.7, 20,480 tokens;
-    # arith n=4, top_p 1.0), and for a data file n=4, temperature 1.0, top_p 1.0
+    # sampling; null: the benchmark's own setting (AIME: n=32, top_p 0.7, 20,480 tokens, as the paper reports it;
+    # arith: n=4, top_p 1.0), and for a data file n=4, temperature 1.0, top_p 1.0
     n: int | None = field(None, gt=0, null="the benchmark's own")  # samples per problem (avg@n)
     # sampling temperature; 0: greedy decoding
     temperature: float | None = field(None, ge=0, null="the benchmark's own", why="0 = greedy")
@@ -319,8 +352,9 @@ class EvalConfig:
 
 @dataclass
 class ToolsConfig:
-    # multi-turn rollouts with a Python tool (dapo.rollout.multi_turn): a ```python block the model closes runs in
-    # the sandbox and its output comes back as an ```output block; off: single-turn, the paper's setting
+    # multi-turn rollouts with a Python tool: a ```python block the model closes runs in the sandbox and its output
+    # comes back as an ```output block the model continues from; off: single-turn, the paper's setting. With data
+    # files, data.template=tool tells the model how to call it
     python: bool = False
     max_turns: int = field(4, ge=1)  # stretches of the model's own writing per response (so at most 3 calls)
     max_calls: int = field(3, ge=1)  # code runs per response; a call past it is answered "no tool calls left"
@@ -329,8 +363,9 @@ class ToolsConfig:
     # mask out of the loss the responses with a void turn (SimpleTIR, arXiv 2509.02479): one that ended at a closed
     # block that was not code, or a last turn that ended without an answer; they still count in their group's stats
     filter_void_turns: bool = False
-    # where code a model wrote runs (dapo.tools.sandbox): bwrap, a bubblewrap sandbox per call; none, a bare
-    # process with the same limits (trusted setups only: it can read and write what the trainer can)
+    # where code a model wrote runs: bwrap, a bubblewrap sandbox per call (no network, a read-only Python and
+    # nothing else of the host, a private /tmp); none, a bare process with the same limits (trusted setups only: it
+    # can read and write what the trainer can). `dapo tool-run FILE` checks that this machine can sandbox
     sandbox: ToolSandbox = "bwrap"
     timeout_s: float = field(5.0, gt=0, le=600, unit="seconds")  # wall clock per call; the sandbox is killed past it
     cpu_s: int = field(5, ge=1, unit="seconds")  # CPU time per call
@@ -389,19 +424,19 @@ class RunConfig:
     overwrite: bool = False  # with resume=false: move an earlier run in the directory aside (<name>.<date-time>) first
     samples_per_step: int = 4  # decoded responses written to samples/ each step
     # where metrics go besides metrics.jsonl (always written): console (one line per step), tensorboard
-    # (<run>/tensorboard/),
-    # wandb (Weights & Biases, pip install 'dapo[wandb]'), mlflow (pip install 'dapo[mlflow]'); rank 0 only
+    # (<run>/tensorboard/), wandb (Weights & Biases, pip install 'dapo[wandb]'), mlflow (pip install 'dapo[mlflow]');
+    # rank 0 only
     loggers: list[Logger] = field(default_factory=lambda: ["console", "tensorboard"])
     wandb: WandbConfig = field(default_factory=WandbConfig)  # with wandb in run.loggers
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)  # with mlflow in run.loggers
     progress: bool = True  # console progress bar (with console in run.loggers)
     # library messages (vLLM, Ray, transformers) on the console: debug, info, warning or error; train.log has them all
     log_level: LogLevel = "warning"
-    # the step watchdog (docs/reliability.md): a phase of a step (generate, reward, old_logprob, update, weight_sync,
-    # checkpoint, eval) that runs past watchdog_factor x its slowest completed run (at least watchdog_floor_s; its first
-    # run: watchdog_first_s) writes every thread's stack to the rank's train.log and prints one line naming the rank and
-    # the phase; past watchdog_exit_factor x that limit the process ends with exit code 124, to be restarted into a
-    # resume
+    # the step watchdog (see the manual's Reliability page): a phase of a step (generate, reward, old_logprob,
+    # update, weight_sync, checkpoint, eval) that runs past watchdog_factor x its slowest completed run (at least
+    # watchdog_floor_s; its first run: watchdog_first_s) writes every thread's stack to the rank's train.log and
+    # prints one line naming the rank and the phase; past watchdog_exit_factor x that limit the process ends with
+    # exit code 124, to be restarted into a resume
     watchdog: bool = True
     # a phase's late limit: this many times its slowest completed run (at least watchdog_floor_s)
     watchdog_factor: float = field(

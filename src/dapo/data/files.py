@@ -145,10 +145,16 @@ def _examples(
 
 
 def _default_source(path: Path) -> str:
+    return source_origin(path)[1]
+
+
+def source_origin(path: Path) -> tuple[str, str]:
+    """Where the data source of a file's rows without their own comes from, and that name: ("file's name",
+    "gsm8k_x") for gsm8k_x.jsonl, ("folder's name", "gsm8k") for gsm8k/test.jsonl (its name says the split)."""
     stem = path.name.split(".")[0]
     if stem.lower() in _GENERIC_STEMS and path.parent.name:
-        return path.parent.resolve().name
-    return stem
+        return "folder's name", path.parent.resolve().name
+    return "file's name", stem
 
 
 def _iter_rows(path: Path, max_row_chars: int) -> Iterator[tuple[int, Any]]:
@@ -184,11 +190,13 @@ def _iter_jsonl(path: Path, max_row_chars: int) -> Iterator[tuple[int, Any]]:
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line)
+                    # parsed without its line end, so that a line cut short is at fault just past its last
+                    # character (with it, json puts the fault at "line 2, column 1")
+                    row = json.loads(line.rstrip("\r\n"))
                 except json.JSONDecodeError as e:
                     raise DataError(
-                        f"{path}: row {row_no}: not valid JSON ({e.msg} at column {e.colno}); "
-                        "each line must be one JSON object"
+                        f"{path}: row {row_no}: not valid JSON ({e.msg} at line {row_no + e.lineno - 1}, "
+                        f"column {e.colno}); each line must be one JSON object"
                     ) from None
                 except RecursionError:
                     raise DataError(

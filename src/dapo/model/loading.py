@@ -1,6 +1,7 @@
 """Models in and out of the project: loading Hugging Face model directories, and GGUF files to them.
 
-``load_model_and_tokenizer`` reads a local model directory (nothing is downloaded);
+``load_model_and_tokenizer`` reads a model directory, or a Hugging Face Hub model through the Hugging Face cache
+(``model_dir``, dapo.model.directory: checked first, a broken one stopped in one line);
 ``weightless_model`` builds its architecture without weights, for an engine that reads them itself.
 ``dapo import-model SRC.gguf OUT_DIR`` reads any GGUF whose architecture transformers can load
 (Llama, Qwen2, Mistral, ...) with transformers' own GGUF reader, de-quantises it, and writes a
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from dapo.config.shipped import shipped
+from dapo.model.directory import check_tokenizer, model_dir
 from dapo.runtime.files import readable_as_umask
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # float16: refused (dapo.config.rules.REFUSED_CHOICES)
@@ -31,17 +32,14 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False):
-    """A model directory's tokenizer, padding with EOS where it has no pad token (as every part of a run sees it)."""
+def load_tokenizer(path: str | Path, *, revision: str | None = None, trust_remote_code: bool = False):
+    """A model's tokenizer (``path``, ``revision``: as ``model_dir`` takes them), padding with EOS where it has no
+    pad token (as every part of a run sees it)."""
     from transformers import AutoTokenizer
 
-    path = shipped(path)  # assets/arith-base: the package's copy outside the repository
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(
-            f"model.path={str(path)!r} is not a Hugging Face model directory (no config.json); "
-            "give a local directory (nothing is downloaded)"
-        )
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    directory = model_dir(path, revision)
+    tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    check_tokenizer(tokenizer, directory, str(path))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -52,18 +50,20 @@ def load_model_and_tokenizer(
     dtype: str = "float32",
     device: str | torch.device = "cpu",
     *,
+    revision: str | None = None,
     trust_remote_code: bool = False,
     keep_dropout: bool = False,
 ):
-    """A model directory's tokenizer and causal LM. Python files it ships (config.json's auto_map) run
+    """A model's tokenizer and causal LM (``path``, ``revision``: a model directory, or a hub model at a revision,
+    as ``model_dir`` takes them). Python files it ships (config.json's auto_map) run
     only with ``trust_remote_code``; said explicitly, because left unset transformers asks on the
     terminal, where a stray 'y' (or a pipe) runs them. Dropout is switched off (``disable_dropout``)
     unless ``keep_dropout``."""
     from transformers import AutoModelForCausalLM
 
-    tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
-    path = shipped(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+    tokenizer = load_tokenizer(path, revision=revision, trust_remote_code=trust_remote_code)
+    directory = model_dir(path, revision)  # resolved once: the same directory as the tokenizer's
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
     if not keep_dropout:
         disable_dropout(model)
     return model.to(device), tokenizer
@@ -126,12 +126,13 @@ def decoder_layers(decoder) -> list[torch.nn.Module]:
     return list(max(lists, key=len)) if lists else []
 
 
-def weightless_model(path, dtype: str, *, trust_remote_code: bool = False):
-    """The model on the meta device: vLLM reads the checkpoint itself and needs only its directory,
-    dtype and generation config (a full copy here would cost every GPU the whole model)."""
+def weightless_model(path, dtype: str, *, revision: str | None = None, trust_remote_code: bool = False):
+    """The model on the meta device: vLLM reads the checkpoint itself and needs only its directory (its
+    ``name_or_path``: the local directory ``model_dir`` gives), dtype and generation config (a full copy here
+    would cost every GPU the whole model)."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    path = shipped(path)
+    path = model_dir(path, revision)
     with torch.device("meta"):
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)

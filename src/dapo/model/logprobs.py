@@ -261,6 +261,7 @@ class LogProbModel:
             model_cfg.path,
             model_cfg.dtype,
             "cpu" if self.dist.sharded else self.device,
+            revision=model_cfg.revision,
             trust_remote_code=model_cfg.trust_remote_code,
             keep_dropout=model_cfg.keep_dropout,
         )

@@ -295,7 +295,7 @@ class RunLogger:
             self.progress.update(self.task, completed=step)
 
     def info(self, text: str) -> None:
-        self.console.print(text)
+        self.console.print(text, soft_wrap=True)  # a line as written (a path in it stays whole), as the step lines
 
     def held_out(self, step: int, row: dict) -> None:
         """An evaluation on the console as it happens (every metric of it is in metrics.jsonl), with

@@ -152,12 +152,17 @@ _MATH_SOURCES = {"mathlighteval", "hendrycksmath", "competitionmath", "minervama
 
 
 def grader_for(data_source: str, default: str = "dapo") -> str:
-    """Grader name for a dataset name.
+    """Grader name for a dataset name (``default`` for a name ``known_grader`` does not know).
 
     Follows verl's routing where it has one ("math_dapo", "math", "aime*" -> the DAPO grader, so
     AIME scores are comparable with the paper); LaTeX-answer benchmarks go to `math`.
     """
     check_grader(default)
+    return known_grader(data_source) or default
+
+
+def known_grader(data_source: str) -> str | None:
+    """The grader a known data set's name routes to, or None for a name of no known data set."""
     if not isinstance(data_source, str):
         raise TypeError(f"data_source must be str, got {type(data_source).__name__}")
     # "HuggingFaceH4/MATH-500" -> "math500", "DAPO-17k" -> "dapo17k"
@@ -170,7 +175,7 @@ def grader_for(data_source: str, default: str = "dapo") -> str:
         return "gsm8k"
     if key.startswith("arith"):
         return "arith"
-    return default
+    return None
 
 
 def graders_for(data_sources: list[str], grader: str = "auto") -> list[str]:

@@ -97,11 +97,11 @@ def make_training_engine(
             "and must then send vLLM the same next turn, which a call that reads the clock or times out would break; "
             "use rollout.tensor_parallel_size=1 with tools"
         )
-    trust = model_cfg.trust_remote_code
+    load = {"revision": model_cfg.revision, "trust_remote_code": model_cfg.trust_remote_code}
     if backend == "vllm":  # vLLM reads the checkpoint itself: a full copy here would cost every GPU the whole model
-        model = weightless_model(model_cfg.path, model_cfg.dtype, trust_remote_code=trust)
+        model = weightless_model(model_cfg.path, model_cfg.dtype, **load)
     else:
-        model, _ = load_model_and_tokenizer(model_cfg.path, model_cfg.dtype, dist.device, trust_remote_code=trust)
+        model, _ = load_model_and_tokenizer(model_cfg.path, model_cfg.dtype, dist.device, **load)
     engine = make_rollout(rollout_cfg, model, tokenizer, max_model_len=max_model_len)
     engine = with_tools(engine, tokenizer, tools_cfg, tool_env)
     return ShardedRollout(engine, dist, tensor_parallel_size=k)  # each rank runs its own rows' tool calls

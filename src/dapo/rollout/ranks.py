@@ -88,7 +88,8 @@ def serve(cfg, env: dict | None = None) -> None:
     store.set(_key(index), json.dumps({"host": host, "port": port, "authkey": authkey.hex()}))
     requests, weights = Channel(listener.accept()), Channel(listener.accept())  # in the order rank 0 connects
     listener.close()
-    tokenizer = load_tokenizer(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    m = cfg.model
+    tokenizer = load_tokenizer(m.path, revision=m.revision, trust_remote_code=m.trust_remote_code)
     r = cfg.rollout
     max_model_len = cfg.data.max_prompt_tokens + max(r.max_response_tokens, cfg.eval.max_response_tokens or 0)
     threads = r.engine_threads or torch.get_num_threads()

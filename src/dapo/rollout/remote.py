@@ -12,6 +12,7 @@ Tensors cross the pipe through shared memory (torch.multiprocessing), not as pic
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
@@ -45,6 +46,10 @@ class RemoteEngine(Sleepless):
     generated, so the trainer never waits on generation to hand over weights."""
 
     def __init__(self, rollout_cfg, model_cfg, tokenizer, *, max_model_len: int, threads: int, device: str = "cpu"):
+        from dapo.model.directory import model_dir
+
+        # the directory the trainer loaded (a hub model's snapshot, resolved once), not the hub again
+        model_cfg = dataclasses.replace(model_cfg, path=str(model_dir(model_cfg.path, model_cfg.revision)))
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._weights, child_weights = ctx.Pipe()
@@ -231,13 +236,13 @@ def _build(rollout_cfg, model_cfg, tokenizer, max_model_len: int, device: str):
     from dapo.rollout import make_rollout, resolve_backend
 
     backend = resolve_backend(rollout_cfg.backend)
-    trust = model_cfg.trust_remote_code
+    load = {"revision": model_cfg.revision, "trust_remote_code": model_cfg.trust_remote_code}
     if backend == "hf":
         from dapo.rollout.hf import HFRolloutEngine
 
-        model, _ = load_model_and_tokenizer(model_cfg.path, model_cfg.dtype, device, trust_remote_code=trust)
+        model, _ = load_model_and_tokenizer(model_cfg.path, model_cfg.dtype, device, **load)
         return HFRolloutEngine(model, tokenizer, logprobs=True)
-    model = weightless_model(model_cfg.path, model_cfg.dtype, trust_remote_code=trust)
+    model = weightless_model(model_cfg.path, model_cfg.dtype, **load)
     return make_rollout(rollout_cfg, model, tokenizer, max_model_len=max_model_len)
 
 

@@ -1,0 +1,63 @@
+"""benchmarks/runs.py: a ratio of times is printed only where every run behind it saw no more load than its own jobs,
+and a Meter counts the CPU seconds of the processes a block starts as well as its own."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from runs import Load, Meter, time_ratio, withheld  # noqa: E402
+
+QUIET = {"mean": 1.2, "own_jobs": 1, "foreign_frac": 0.01, "clean": True}
+BUSY = {"mean": 6.13, "own_jobs": 1, "foreign_frac": 0.818, "clean": False}
+
+
+def test_a_ratio_of_times_is_given_only_where_no_run_shared_the_machine():
+    assert time_ratio([3.0, 3.0], [2.0, 2.0], [QUIET, QUIET]) == "1.50x"
+    assert time_ratio([3.0], [2.0], [QUIET, BUSY]) == (
+        "(no wall ratio: 1 of 2 runs shared the machine with other work, e.g. load average 6.13 for 1 own job, "
+        "81.8% of the CPU to other processes)"
+    )
+    assert time_ratio([3.0], [2.0], [QUIET, BUSY], what="CPU").startswith("(no CPU ratio: 1 of 2 runs")
+
+
+def test_withheld_names_the_busy_side_or_the_unrecorded_load():
+    assert withheld([QUIET, QUIET], "MFU") is None
+    assert withheld([BUSY], "overhead", unit="sides") == (
+        "(no overhead: it shared the machine with other work: load average 6.13 for 1 own job, 81.8% of the CPU to "
+        "other processes)"
+    )
+    assert withheld([QUIET, None, None], "ratio") == "(no ratio: the load of 2 of 3 runs was not recorded)"
+
+
+@pytest.mark.parametrize(
+    ("mean", "foreign_cpu_s", "clean"),
+    [(1.4, 0.0, True), (1.6, 0.0, False), (1.0, 0.4, False), (1.0, 0.09, True)],
+)
+def test_a_load_is_clean_up_to_its_own_jobs_and_a_little_foreign_cpu(mean, foreign_cpu_s, clean):
+    # one own job on a 2-core machine for 1 s: 0.5 of load average and 5% of the 2 CPU seconds are allowed
+    load = Load(own_jobs=1, samples=[mean], machine_cpu_s=1.0 + foreign_cpu_s, own_cpu_s=1.0, capacity_s=2.0)
+    assert load.clean() is clean
+
+
+def test_the_tick_counters_own_error_is_not_counted_as_other_processes_work():
+    # a 20 ms block reads /proc/stat's 10 ms ticks: two ticks more than its own are the counters, not other work
+    load = Load(own_jobs=1, samples=[1.0], machine_cpu_s=0.04, own_cpu_s=0.02, capacity_s=0.04, tick_s=0.03)
+    assert load.foreign_frac == 0.0
+    assert load.clean()
+
+
+def test_a_meter_counts_the_cpu_of_the_processes_a_block_starts_and_adds_blocks_up():
+    meter = Meter(own_jobs=1)
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass"
+    for _ in range(2):
+        with meter:
+            subprocess.run([sys.executable, "-c", burn], check=True)
+    assert meter.cpu_s >= 0.8  # the children's 0.4 CPU s each, interpreter start-up on top
+    assert meter.cpu_s <= 1.1 * meter.wall_s + 0.05  # one single-threaded child at a time: counted once
+    assert len(meter.load.samples) >= 4  # each block's start and end at least
+    assert meter.record()["load"]["own_jobs"] == 1
