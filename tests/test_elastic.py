@@ -262,6 +262,8 @@ def full_disk_check(model_dir: str, root: Path) -> None:
 
     from torch.distributed.checkpoint import filesystem
 
+    from dapo.checkpoint import save as checkpoint_save
+
     d = parallel.init("cpu")
     run_dir = root / "full_disk"
     policy = make_policy(small_config(run_dir, model_dir), "cpu", d)
@@ -284,7 +286,7 @@ def full_disk_check(model_dir: str, root: Path) -> None:
 
     save(1)
     lines = []
-    for rank, (where, name) in ((1, (filesystem.FileSystem, "create_stream")), (0, (checkpoint, "_complete"))):
+    for rank, (where, name) in ((1, (filesystem.FileSystem, "create_stream")), (0, (checkpoint_save, "_complete"))):
         real = getattr(where, name)
         if d.rank == rank:
             setattr(where, name, full)
