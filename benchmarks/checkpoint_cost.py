@@ -34,12 +34,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runs import Meter, withheld  # noqa: E402
-
 from dapo import checkpoint
 from dapo.checkpoint import writer as checkpoint_writer
 from dapo.config import load_config
 from dapo.model.policy import Policy
+from runs import Meter, withheld  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = Path("~/.cache/dapo/models/SmolLM2-135M-Instruct").expanduser()

@@ -22,14 +22,14 @@ import time
 from pathlib import Path
 
 import torch
-from checkpoint_cost import MODEL, ROOT
-from runs import Meter, withheld
 
+from checkpoint_cost import MODEL, ROOT
 from dapo import checkpoint
 from dapo.checkpoint import files as checkpoint_files
 from dapo.checkpoint import save as checkpoint_save
 from dapo.config import load_config
 from dapo.model.policy import Policy
+from runs import Meter, withheld
 
 
 def main() -> None:

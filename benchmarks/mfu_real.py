@@ -14,8 +14,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from mfu_matmul import mm_rate, model_shapes, shapes_rate
-from runs import Meter, withheld
 
 from dapo.algorithm import advantages
 from dapo.algorithm.batch import RolloutBatch
@@ -25,6 +23,8 @@ from dapo.data.files import load_examples
 from dapo.data.prompts import make_encoder
 from dapo.model.logprobs import head_chunk_rows
 from dapo.model.policy import Policy
+from mfu_matmul import mm_rate, model_shapes, shapes_rate
+from runs import Meter, withheld
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL_CONFIG = ROOT / "configs/smollm2_135m.yaml"

@@ -29,11 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # before the pool starts: its workers import hostile_graders
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from hostile_corpus import TRUTH, hostile_responses, prescreen_worst_inputs  # noqa: E402
-from hostile_graders import HOSTILE_GRADERS  # noqa: E402
-
 from dapo.rewards import RewardPool, grade  # noqa: E402
 from dapo.rewards.math_equiv import TAIL_CHARS, _costly, _simple_number, extract_prediction  # noqa: E402
+from hostile_corpus import TRUTH, hostile_responses, prescreen_worst_inputs  # noqa: E402
+from hostile_graders import HOSTILE_GRADERS  # noqa: E402
 from runs import Meter, withheld  # noqa: E402
 
 

@@ -21,9 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
-from sandbox_corpus import CORPUS  # noqa: E402
-
 from dapo.tools.sandbox import Limits, Sandbox  # noqa: E402
+from sandbox_corpus import CORPUS  # noqa: E402
 
 
 def timed(box: Sandbox, code: str, calls: int) -> list[float]:

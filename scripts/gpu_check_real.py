@@ -223,6 +223,28 @@ def read_run(run_dir: Path) -> dict:
     }
 
 
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def hub_cache(model_dir: Path, cache: Path) -> Path:
+    """``model_dir``'s files as the Hugging Face cache holds a download of HUB_ID (blobs named by their hash, linked
+    from snapshots/<commit>/, refs/main naming the commit), so that ``model.path=HUB_ID`` loads with no network."""
+    repo = cache / f"models--{HUB_ID.replace('/', '--')}"
+    commit = hashlib.sha1(HUB_ID.encode()).hexdigest()
+    snapshot = repo / "snapshots" / commit
+    if not snapshot.exists():
+        snapshot.mkdir(parents=True)
+        (repo / "blobs").mkdir(exist_ok=True)
+        (repo / "refs").mkdir(exist_ok=True)
+        for f in sorted(model_dir.iterdir()):
+            blob = repo / "blobs" / sha256(f)
+            if not blob.exists():
+                shutil.copyfile(f, blob)
+            (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
+        (repo / "refs" / "main").write_text(commit)
+    return cache
+
+
 def part_real(check, state_dir: Path) -> dict:
     """Item r, as described above; ``check`` is gpu_check's Check (its environment, its run with a time limit)."""
     found: dict = {"at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
@@ -240,7 +262,10 @@ def part_real(check, state_dir: Path) -> dict:
     cuda = (check.state.get("install", {}).get("env") or {}).get("device") is not None
     run_dir = state_dir / "real_run"
     shutil.rmtree(run_dir, ignore_errors=True)
-    overrides = [f"model.path={model_dir}", f"model.device={'cuda' if cuda else 'cpu'}", "rollout.backend=hf"]
+    # the model as a user names it, by its Hub id, from a Hugging Face cache with no network (a hub-layout cache
+    # made here from the imported directory): the machine's own huggingface_hub resolves it
+    hub = {"HF_HUB_CACHE": str(hub_cache(model_dir, state_dir / "hf")), "HF_HUB_OFFLINE": "1"}
+    overrides = [f"model.path={HUB_ID}", f"model.device={'cuda' if cuda else 'cpu'}", "rollout.backend=hf"]
     overrides += ["train.total_steps=1000", "eval.every_steps=null", "eval.before_train=true", "run.save_every=null"]
     overrides += [f"run.dir={run_dir.parent}", f"run.name={run_dir.name}", "run.progress=false"]
     overrides += os.environ.get("GPU_CHECK_REAL_ARGS", "").split()
@@ -248,7 +273,7 @@ def part_real(check, state_dir: Path) -> dict:
     cmd = [sys.executable, "-m", "dapo.cli", "train", PRESET, *overrides]
     t0 = time.monotonic()
     # SIGTERM at the time: the run checkpoints its last completed step and exits 75
-    code, out, _ = check.run(cmd, seconds, state_dir / "real_train.log", stop=signal.SIGTERM)
+    code, out, _ = check.run(cmd, seconds, state_dir / "real_train.log", stop=signal.SIGTERM, **hub)
     found |= {"cuda": cuda, "command": " ".join(cmd[2:]), "train_exit": code, "train_s": round(time.monotonic() - t0)}
     if code not in (0, 75) or not (run_dir / "metrics.jsonl").exists():
         return found | {"error": f"training failed: {out[-2000:]}"}
@@ -256,7 +281,7 @@ def part_real(check, state_dir: Path) -> dict:
     out_dir = state_dir / "real_eval"
     shutil.rmtree(out_dir, ignore_errors=True)
     eval_cmd = [sys.executable, "-m", "dapo.cli", "eval", "--run", str(run_dir), "--out", str(out_dir)]
-    code, out, _ = check.run(eval_cmd, 300, state_dir / "real_eval.log")
+    code, out, _ = check.run(eval_cmd, 300, state_dir / "real_eval.log", **hub)
     if code != 0 or not (out_dir / "eval.json").exists():
         return found | {"error": f"evaluation failed: {out[-2000:]}"}
     result = next(iter(json.loads((out_dir / "eval.json").read_text()).values()))

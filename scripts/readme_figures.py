@@ -27,9 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from measurement import fail, record, write  # noqa: E402
-
 from dapo.reporting.run_log import held_out_keys, read_metrics  # noqa: E402
+from measurement import fail, record, write  # noqa: E402
 
 PHASES = ("step", "generate", "old_logprob", "update", "eval", "checkpoint")
 

@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+
 import user_rewards
 from conftest import SMALL_OVERRIDES
-
 from dapo import evaluate, load_config, train
 from dapo.data.files import DataError
 from dapo.rewards import RewardFnError

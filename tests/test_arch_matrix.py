@@ -12,20 +12,20 @@ old-log-prob pass) and in training mode (the update), which must also agree with
 
 from __future__ import annotations
 
-import arch_zoo
 import pytest
 import torch
-from conftest import small_config
-from test_prefix import synthetic_batch
-from test_vllm import needs_vllm
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+import arch_zoo
+from conftest import small_config
 from dapo.algorithm.batch import RolloutBatch
 from dapo.config import ConfigError
 from dapo.model.logprobs import ResponseLogProbs, logit_transform, token_logprobs
 from dapo.model.micro_batch import make_micro_batch
 from dapo.model.policy import Policy
 from dapo.model.prefix import unsupported
+from test_prefix import synthetic_batch
+from test_vllm import needs_vllm
 
 TEMPERATURE = 0.7
 LOGP_TOL = 1e-5  # float32 on both sides: the same arithmetic in another order

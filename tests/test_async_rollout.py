@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL_OVERRIDES
 from safetensors.torch import load_file
 
+from conftest import SMALL_OVERRIDES
 from dapo.collect.ahead import AheadThread
 from dapo.config import ConfigError, dump_yaml, load_config
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_policy, small_config
 
+from conftest import make_policy, small_config
 from dapo import checkpoint, cli
 from dapo.checkpoint import files as checkpoint_files
 from dapo.checkpoint import save as checkpoint_save
@@ -164,7 +164,6 @@ def test_fresh_start_in_an_earlier_run_refuses_and_keeps_it(tiny_model_dir, tmp_
 
 def test_overwrite_moves_the_earlier_run_aside_whole(tiny_model_dir, tmp_path):
     from conftest import small_config
-
     from dapo.reporting.run_log import read_metrics
     from dapo.training import train
 

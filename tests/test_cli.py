@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL_OVERRIDES
 
+from conftest import SMALL_OVERRIDES
 from dapo import ablate, checkpoint, cli
 from dapo.checkpoint import weights as checkpoint_weights
 from dapo.cluster import Placement, check_fits

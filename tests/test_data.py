@@ -240,7 +240,6 @@ def test_a_row_over_max_row_chars_is_refused_before_parsing(tmp_path):
 
 def test_the_row_limit_is_a_setting_that_reaches_the_loader(tmp_path, tiny_model_dir):
     from conftest import small_config
-
     from dapo.tasks import load_train_examples
 
     path = write_jsonl(tmp_path / "big.jsonl", [{"problem": "x" * 3000, "answer": "1"}])

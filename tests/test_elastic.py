@@ -20,14 +20,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import make_policy, small_config  # noqa: E402
-from test_parallel import REPO, env_for_children  # noqa: E402
-
 from dapo import checkpoint, cli  # noqa: E402
 from dapo.checkpoint import shards as checkpoint_shards
 from dapo.checkpoint import weights as checkpoint_weights
 from dapo.checkpoint.weights import is_lora  # noqa: E402
 from dapo.runtime import parallel
 from dapo.runtime.files import CheckpointError
+from test_parallel import REPO, env_for_children  # noqa: E402
 
 # dynamic sampling with a buffer: held-over groups (and their behaviour log-probs) cross the world-size change, on
 # 12 problems, so prompts recur and the sampler's state is past its first pass

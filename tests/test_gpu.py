@@ -27,7 +27,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import loss_fn_of, make_policy, small_config  # noqa: E402
-
 from dapo.reporting.run_log import read_metrics  # noqa: E402
 from dapo.runtime import parallel  # noqa: E402
 

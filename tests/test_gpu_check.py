@@ -210,10 +210,11 @@ def test_the_demo_part_runs_the_demo_then_the_others_and_reads_their_lines(tmp_p
 
     check.run = fake_run
     check.part_demo()
-    assert [c[:2] for c in started] == [["demo", "model.device=cuda"]] * 4
+    assert [c[:2] for c in started] == [["demo", "model.device=cuda"]] * 5
     assert "tools.python=true" in started[1] and "model.path=assets/arith-tools-base" in started[1]
     assert "rollout.max_staleness=1" in started[2] and "rollout.max_staleness=1" not in started[0]
     assert "algo.screen_samples=4" in started[3] and "algo.screen_samples=4" not in started[0]
+    assert "algo.screen_by_record=true" in started[4] and "algo.screen_by_record=true" not in started[3]
     h, s = check.state["demo"], check.state["demo_screening"]
     assert (h["before"], h["after"], h["rise"], h["wall_s"], h["tail"]) == (28.7, 72.8, 44.1, 29.0, "")
     assert s["generation"].endswith("screening dropped 700 of 900 prompts after their first responses")
@@ -267,8 +268,14 @@ def test_the_real_model_item_imports_trains_until_its_time_then_evaluates_and_re
     check = types.SimpleNamespace(state={"install": {"env": {"device": "NVIDIA H100"}}}, env=lambda: {})
     started = []
 
-    def fake_run(cmd, timeout, log, stop=None):
+    def fake_run(cmd, timeout, log, stop=None, **env):
         started.append(cmd[3])
+        if cmd[3] == "import-model":  # the imported directory (two of its files)
+            Path(cmd[5]).mkdir(parents=True)
+            (Path(cmd[5]) / "config.json").write_text('{"model_type": "llama"}')
+            (Path(cmd[5]) / "model.safetensors").write_bytes(b"weights")
+        if cmd[3] in ("train", "eval"):  # the model by its Hub id, from a cache made on the machine, offline
+            assert env["HF_HUB_OFFLINE"] == "1" and Path(env["HF_HUB_CACHE"]).is_dir()
         if cmd[3] == "eval":
             out = Path(cmd[cmd.index("--out") + 1])
             out.mkdir(parents=True)
@@ -276,6 +283,10 @@ def test_the_real_model_item_imports_trains_until_its_time_then_evaluates_and_re
         if cmd[3] == "train":  # stopped by SIGTERM at its time: the run checkpoints and exits 75
             assert (timeout, stop) == (240, signal.SIGTERM)
             assert "model.device=cuda" in cmd and "rollout.backend=hf" in cmd
+            assert f"model.path={real.HUB_ID}" in cmd
+            repo = Path(env["HF_HUB_CACHE"]) / "models--HuggingFaceTB--SmolLM2-135M-Instruct"
+            snapshot = repo / "snapshots" / (repo / "refs" / "main").read_text()
+            assert (snapshot / "config.json").read_text() == '{"model_type": "llama"}'  # a link to its blob
             run_dir = Path(next(a for a in cmd if a.startswith("run.dir=")).split("=", 1)[1]) / "real_run"
             run_dir.mkdir(parents=True)
             rows = [{"step": 0, "eval/word/avg@4": 0.3}] + [

@@ -20,10 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import loss_fn_of, make_policy, small_config  # noqa: E402
-from test_gpu import BF16_EPS, DEVICES, HEAVY_DEVICES, REPO, env_for_children, report  # noqa: E402
-
 from dapo import checkpoint, cli  # noqa: E402
 from dapo.reporting.run_log import read_metrics  # noqa: E402
+from test_gpu import BF16_EPS, DEVICES, HEAVY_DEVICES, REPO, env_for_children, report  # noqa: E402
 
 
 # ---- b: the shared prompt prefix ---------------------------------------------------------------
@@ -148,10 +147,10 @@ def test_a_batch_without_padding_reaches_sdpa_without_a_mask_so_flash_can_take_i
     instead). Checked here on the CPU, where the same call is made; padding and the response passes over a
     cached prompt must keep theirs."""
     import torch.nn.functional as F
-    from test_prefix import synthetic_batch, tiny_lm
 
     from dapo.model.logprobs import token_logprobs
     from dapo.model.micro_batch import make_micro_batch
+    from test_prefix import synthetic_batch, tiny_lm
 
     calls, sdpa = [], F.scaled_dot_product_attention
 
@@ -193,9 +192,8 @@ def test_head_log_probs_against_full_logits_across_chunks(device, dtype):
     matmul over a chunk's rows may take another kernel than one over all rows (cuBLAS picks by shape), so a
     logit may round the other way: one rounding (BF16_EPS of the largest logit) in the target's logit and one
     in the log-sum-exp. Gradients within 2% of their largest entry (bf16 products of float32 coefficients)."""
-    from test_logprobs import _head_reference
-
     from dapo.model.logprobs import CUDA_HEAD_CHUNK_ROWS, HeadLogProbs, head_chunk_rows
+    from test_logprobs import _head_reference
 
     V, H, T = 3000, 64, 0.8
     chunk = head_chunk_rows(V, torch.device(device)) if device == "cuda" else 300
@@ -276,8 +274,9 @@ def test_lora_trains_only_adapters_and_the_merged_export_gives_its_logits(tiny_m
     """Two updates at lr 0.05 move the adapters well away from the base. The export (W + scale B A, float32)
     runs the same matmuls grouped differently from the trainer's W x + scale B (A x): 1e-5 on the CPU
     (tests/test_lora.py), 1e-4 on CUDA for its other kernels' summation order (logits here are ~1)."""
-    from test_lora import LORA, adapter_params, base_params, sampled
     from transformers import AutoModelForCausalLM
+
+    from test_lora import LORA, adapter_params, base_params, sampled
 
     cfg = small_config(tmp_path, tiny_model_dir, *LORA)
     torch.manual_seed(0)

@@ -4,13 +4,13 @@ tests/test_gpu.py)."""
 
 import pytest
 import torch
-from conftest import make_policy, small_config
 from safetensors.torch import load_file
-from test_async_rollout import final_weights, rows_of
 
+from conftest import make_policy, small_config
 from dapo.config import ConfigError, load_config
 from dapo.model import kernels
 from dapo.training import train
+from test_async_rollout import final_weights, rows_of
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,6 @@ rope and sliding-window rules."""
 
 import pytest
 import torch
-from conftest import make_policy, small_config
-from test_prefix import ROWS, synthetic_batch
 from transformers import (
     AutoModelForCausalLM,
     CohereConfig,
@@ -18,6 +16,7 @@ from transformers import (
     Qwen2Config,
 )
 
+from conftest import make_policy, small_config
 from dapo.config import ConfigError
 from dapo.model import tiny as tiny_tokenizers
 from dapo.model.loading import load_model_and_tokenizer
@@ -25,6 +24,7 @@ from dapo.model.logits import LogitTransform, UnsupportedModel, find_logit_trans
 from dapo.model.logprobs import HeadLogProbs, ResponseLogProbs, token_logprobs
 from dapo.model.micro_batch import make_micro_batch
 from dapo.model.prefix import unsupported
+from test_prefix import ROWS, synthetic_batch
 
 COMMON = dict(
     vocab_size=258,

@@ -3,8 +3,8 @@ chunked LM head, under the micro-batch plan; the frozen reference's."""
 
 import pytest
 import torch
-from conftest import loss_fn_of, make_policy, sampled_batch, small_config
 
+from conftest import loss_fn_of, make_policy, sampled_batch, small_config
 from dapo.model.logprobs import token_logprobs
 from dapo.model.micro_batch import make_micro_batch, plan_micro_batches
 

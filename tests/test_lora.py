@@ -13,7 +13,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import SMALL_OVERRIDES, loss_fn_of, make_policy, small_config  # noqa: E402
-
 from dapo import checkpoint, cli  # noqa: E402
 from dapo.config import ConfigError, load_config  # noqa: E402
 from dapo.model.loading import load_model_and_tokenizer  # noqa: E402

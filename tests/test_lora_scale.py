@@ -13,8 +13,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import loss_fn_of, make_policy, small_config, training_engine  # noqa: E402
-from test_lora import LORA, ONE_UPDATE, REPO, sampled  # noqa: E402
-
 from dapo import checkpoint  # noqa: E402
 from dapo.checkpoint import shards as checkpoint_shards
 from dapo.checkpoint import weights as checkpoint_weights  # noqa: E402
@@ -23,6 +21,7 @@ from dapo.model import lora
 from dapo.reporting.run_log import read_metrics  # noqa: E402
 from dapo.rollout import SamplingParams  # noqa: E402
 from dapo.runtime import parallel
+from test_lora import LORA, ONE_UPDATE, REPO, sampled  # noqa: E402
 
 
 # ---- FSDP: 2 ranks vs 1 --------------------------------------------------------------------------
@@ -159,11 +158,10 @@ def test_vllm_samples_from_the_merged_model_after_a_push(tmp_path):
     """After an update of the adapters, the merged weights pushed into vLLM give the trainer's log-probs
     (the peft model with its adapters on). The model is assets/arith-base: vLLM's CPU attention has no
     kernel for the conftest model's 16-wide heads."""
-    from test_vllm import LOGP_TOL_MAX, LOGP_TOL_MEAN, VLLM_OVERRIDES, logp_abs_diff
-
     from dapo.algorithm import advantages
     from dapo.algorithm.batch import RolloutBatch
     from dapo.rollout import make_rollout
+    from test_vllm import LOGP_TOL_MAX, LOGP_TOL_MEAN, VLLM_OVERRIDES, logp_abs_diff
 
     model = REPO / "assets" / "arith-base"
     cfg = small_config(tmp_path, model, *VLLM_OVERRIDES, *LORA, "rollout.temperature=0.7")
@@ -197,9 +195,8 @@ def test_vllm_samples_from_the_merged_model_after_a_push(tmp_path):
 def test_two_lora_training_steps_with_vllm_and_a_kl_term(tmp_path):
     """The loop pushes the merged weights after step 1, so step 2 samples from the trained adapters (a failed
     push would show as a large log-prob gap); the KL term's reference is the base, which step 2 has left."""
-    from test_vllm import LOGP_TOL_MAX, LOGP_TOL_MEAN, VLLM_OVERRIDES
-
     from dapo.training import train
+    from test_vllm import LOGP_TOL_MAX, LOGP_TOL_MEAN, VLLM_OVERRIDES
 
     cfg = small_config(
         tmp_path, REPO / "assets" / "arith-base", *VLLM_OVERRIDES, *LORA, "train.lr=1e-2", "algo.kl_coef=0.01"

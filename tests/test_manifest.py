@@ -15,11 +15,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import small_config  # noqa: E402
-from test_checkpoint import sharded_checkpoint  # noqa: E402
-
 from dapo import checkpoint, cli  # noqa: E402
 from dapo.checkpoint import files as checkpoint_files  # noqa: E402
 from dapo.runtime.files import CheckpointError  # noqa: E402
+from test_checkpoint import sharded_checkpoint  # noqa: E402
 
 RUN = ["train.total_steps=2", "run.save_every=1"]
 

@@ -5,8 +5,8 @@ import json
 import shutil
 
 import pytest
-from conftest import SMALL_OVERRIDES
 
+from conftest import SMALL_OVERRIDES
 from dapo import cli
 
 FIX_CONFIG = "copy the model's config.json again from where the model came from"

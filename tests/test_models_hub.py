@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL_OVERRIDES, make_policy, small_config
 
+from conftest import SMALL_OVERRIDES, make_policy, small_config
 from dapo import cli
 from dapo.model import directory
 from dapo.model.loading import load_model_and_tokenizer

@@ -18,7 +18,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import SMALL_OVERRIDES, loss_fn_of, make_policy, small_config  # noqa: E402
-
 from dapo import checkpoint, cli  # noqa: E402
 from dapo.checkpoint import files as checkpoint_files
 from dapo.checkpoint import weights as checkpoint_weights
@@ -70,7 +69,6 @@ def test_balanced_partition_by_tokens():
 
 def test_tensor_parallel_size_must_divide_the_ranks(tmp_path, tiny_model_dir):
     from conftest import training_engine
-
     from dapo.config import ConfigError
 
     cfg = small_config(tmp_path, tiny_model_dir, "rollout.backend=vllm", "rollout.tensor_parallel_size=2")

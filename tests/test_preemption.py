@@ -19,7 +19,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import SMALL_OVERRIDES, small_config  # noqa: E402
-
 from dapo import checkpoint  # noqa: E402
 from dapo.checkpoint import files as checkpoint_files
 from dapo.checkpoint import preemption

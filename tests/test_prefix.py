@@ -6,8 +6,8 @@ import random
 
 import pytest
 import torch
-from conftest import loss_fn_of, make_policy, small_config
 
+from conftest import loss_fn_of, make_policy, small_config
 from dapo.algorithm import advantages
 from dapo.algorithm.batch import RolloutBatch
 from dapo.config import ConfigError

@@ -16,11 +16,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import SMALL_OVERRIDES  # noqa: E402
-from test_parallel import REPO, env_for_children  # noqa: E402
-from test_reliability import QUICK_WATCHDOG, rows_of  # noqa: E402
-
 from dapo import checkpoint  # noqa: E402
 from dapo.checkpoint import weights as checkpoint_weights
+from test_parallel import REPO, env_for_children  # noqa: E402
+from test_reliability import QUICK_WATCHDOG, rows_of  # noqa: E402
 
 
 # ---- Ray ------------------------------------------------------------------------------------------

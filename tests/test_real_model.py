@@ -347,7 +347,6 @@ def test_steps_without_informative_groups_still_log_evaluate_and_save(tmp_path, 
     """A random model is wrong on every arith problem: every group is all wrong, no step trains,
     yet every step is logged, the last one evaluates and checkpoints, and the run says what to change."""
     from conftest import small_config
-
     from dapo.checkpoint import latest_checkpoint
     from dapo.reporting.run_log import read_metrics
     from dapo.training import train

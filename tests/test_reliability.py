@@ -19,7 +19,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import small_config  # noqa: E402
-
 from dapo import checkpoint  # noqa: E402
 from dapo.checkpoint import files as checkpoint_files  # noqa: E402
 from dapo.config import ConfigError, load_config  # noqa: E402
@@ -393,7 +392,6 @@ def test_a_nonfinite_loss_skips_the_update_and_leaves_weights_and_adamw_state(
 
 def test_nonfinite_updates_in_a_row_stop_the_run_in_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys):
     from conftest import SMALL_OVERRIDES
-
     from dapo import cli
 
     poison_updates(monkeypatch, steps={2, 3, 4})
@@ -438,7 +436,6 @@ def test_a_rollout_engine_failing_mid_generation_stops_in_one_line_and_the_run_r
     tiny_model_dir, tmp_path, monkeypatch, capsys
 ):
     from conftest import SMALL_OVERRIDES
-
     from dapo import cli
     from dapo.rollout import hf
 

@@ -10,7 +10,6 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import SMALL_OVERRIDES  # noqa: E402
-
 from dapo import api, cli  # noqa: E402
 from dapo.config import ConfigError, load_config  # noqa: E402
 from dapo.evaluation import load_benchmark  # noqa: E402

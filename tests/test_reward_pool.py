@@ -12,10 +12,10 @@ import threading
 import time
 
 import pytest
-from hostile_graders import HOSTILE_GRADERS
 
 from dapo.rewards import Grade, RewardPool, grade
 from dapo.rewards import pool as pool_module
+from hostile_graders import HOSTILE_GRADERS
 
 LIMIT_S = 1.0
 # "Never stalls", checked without timing the pool: a call that hangs on an answer sleeping far

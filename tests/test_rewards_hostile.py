@@ -5,10 +5,10 @@ from __future__ import annotations
 import threading
 
 import pytest
-from hostile_corpus import TRUTH, hostile_responses, prescreen_worst_inputs
 
 from dapo.rewards import Grade, RewardPool, grade
 from dapo.rewards.math_equiv import TAIL_CHARS, _costly, _simple_number, extract_prediction
+from hostile_corpus import TRUTH, hostile_responses, prescreen_worst_inputs
 
 POOL_TIMEOUT_S = 5.0
 # How fast the graders are on these inputs is measured by benchmarks/reward_pool_latency.py.

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL_OVERRIDES
 from safetensors.torch import load_file
 
+from conftest import SMALL_OVERRIDES
 from dapo.checkpoint import weights as checkpoint_weights
 from dapo.config import ConfigError, load_config, validate
 from dapo.runtime import parallel

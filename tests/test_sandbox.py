@@ -6,9 +6,9 @@ import time
 from pathlib import Path
 
 import pytest
-from sandbox_corpus import CORPUS
 
 from dapo.tools.sandbox import Limits, Sandbox
+from sandbox_corpus import CORPUS
 
 pytestmark = pytest.mark.sandbox
 

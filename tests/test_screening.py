@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from test_dynamic_sampling import Ex, ListSampler
 
 from dapo.algorithm import advantages
 from dapo.collect.dynamic_sampling import BatchCollector
@@ -11,6 +10,7 @@ from dapo.collect.stats import screen_metrics
 from dapo.config import AlgoConfig, ConfigError, load_config
 from dapo.reporting.run_log import _generation_line, run_summary
 from dapo.rollout.base import Generation, SamplingParams
+from test_dynamic_sampling import Ex, ListSampler
 
 G = 4
 
@@ -192,54 +192,31 @@ def test_settings_screening_cannot_honour_are_refused_in_one_line(extra, message
         load_config("configs/demo.yaml", extra)
 
 
-def test_a_run_with_screening_trains_says_what_it_saved_and_resumes_onto_the_same_weights(tmp_path):
-    """The demo's base model (about 30% right): screening at n = 2 of G = 4 with an audit, 3 steps. Stopped after
-    step 1's checkpoint (steps 2 and 3 removed, as a kill mid-step leaves them), the resumed run ends on the
-    uninterrupted run's weights, bit for bit."""
+def test_a_run_screening_by_the_record_trains_says_what_it_saved_and_resumes_onto_the_same_weights(tmp_path):
+    """The demo's base model (about 30% right) on 8 training prompts, so they recur: screening at n = 2 of G = 4 by
+    the record (a prompt met for the first time, or informative last time, gets its whole group; one whose last
+    group was all equal is screened) with an audit, 4 steps. Both kinds of prompt are met, every step trains, and
+    the run's last line says what screening saved. Stopped after step 2's checkpoint (steps 3 and 4 removed, as a
+    kill mid-step leaves them), the resumed run, the record as the checkpoint holds it, ends on the uninterrupted
+    run's weights, bit for bit."""
     import shutil
 
     from conftest import SMALL_OVERRIDES
-    from test_async_rollout import final_weights, rows_of
-
     from dapo.training import train
+    from test_async_rollout import final_weights, rows_of
 
     args = [*SMALL_OVERRIDES, "model.path=assets/arith-base", "algo.dynamic_sampling=true", "algo.screen_samples=2"]
     args += ["rollout.max_response_tokens=48", "algo.overlong_buffer_tokens=8", "algo.screen_audit=0.5"]
-    args += ["train.total_steps=3", "run.save_every=1", "run.keep_checkpoints=10"]
+    args += ["algo.screen_by_record=true", "data.task_train_size=8"]
+    args += ["train.total_steps=4", "run.save_every=1", "run.keep_checkpoints=10"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     train(load_config("configs/demo.yaml", [*args, f"run.dir={whole}"]))
     out = " ".join(run_summary(rows_of(whole), wall_s=1.0, run_dir=whole))
     rows = [r for r in rows_of(whole) if "sampling/screened" in r]
-    assert len(rows) == 3 and all(r["sampling/screened"] >= 4 for r in rows)
-    assert all(r["sampling/tokens_trained"] > 0 for r in rows)  # every step found its informative groups
+    assert len(rows) == 4 and all(r["sampling/tokens_trained"] > 0 for r in rows)  # every step trained
+    assert sum(r.get("sampling/screen_whole", 0) for r in rows) > 0 and sum(r["sampling/screened"] for r in rows) > 0
     assert sum(r["sampling/screened_out_all_correct"] + r["sampling/screened_out_all_wrong"] for r in rows) > 0
     assert "screening dropped" in out and "completed to audit" in out, out[-600:]
-    train(load_config("configs/demo.yaml", [*args, f"run.dir={cut}"]))
-    for step in (2, 3):
-        shutil.rmtree(next(cut.glob(f"*/checkpoints/step_{step:06d}")))
-    train(load_config("configs/demo.yaml", [*args, f"run.dir={cut}"]))
-    a, b = final_weights(whole), final_weights(cut)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_a_run_screening_by_the_record_resumes_onto_the_same_weights(tmp_path):
-    """algo.screen_by_record on 8 training prompts, so they recur: both kinds of prompt are met (screened, and given
-    their whole group), and a run stopped after step 2's checkpoint resumes with the record as it was (part of the
-    checkpoint) onto the uninterrupted run's weights, bit for bit."""
-    import shutil
-
-    from conftest import SMALL_OVERRIDES
-    from test_async_rollout import final_weights, rows_of
-
-    from dapo.training import train
-
-    args = [*SMALL_OVERRIDES, "model.path=assets/arith-base", "algo.dynamic_sampling=true", "algo.screen_samples=2"]
-    args += ["rollout.max_response_tokens=48", "algo.overlong_buffer_tokens=8", "algo.screen_by_record=true"]
-    args += ["data.task_train_size=8", "train.total_steps=4", "run.save_every=1", "run.keep_checkpoints=10"]
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
-    train(load_config("configs/demo.yaml", [*args, f"run.dir={whole}"]))
-    rows = [r for r in rows_of(whole) if "sampling/screened" in r]
-    assert sum(r.get("sampling/screen_whole", 0) for r in rows) > 0 and sum(r["sampling/screened"] for r in rows) > 0
     train(load_config("configs/demo.yaml", [*args, f"run.dir={cut}"]))
     for step in (3, 4):
         shutil.rmtree(next(cut.glob(f"*/checkpoints/step_{step:06d}")))
@@ -266,9 +243,8 @@ def test_screening_composes_with_what_touches_a_group(tmp_path, preset, extra):
     """Two steps each: the step logs its screening beside the other mechanism's own figures, and what it generated
     is n responses per prompt screened and G - n per prompt completed."""
     from conftest import SMALL_OVERRIDES
-    from test_async_rollout import rows_of
-
     from dapo.training import train
+    from test_async_rollout import rows_of
 
     args = [*SMALL_OVERRIDES, "model.path=assets/arith-base", "rollout.max_response_tokens=48"]
     args += ["algo.overlong_buffer_tokens=8", "algo.dynamic_sampling=true", "algo.screen_samples=2"]

@@ -6,7 +6,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import SMALL_OVERRIDES  # noqa: E402
-
 from dapo import cli, run_setup  # noqa: E402
 from dapo.config import load_config  # noqa: E402
 

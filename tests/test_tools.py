@@ -3,8 +3,8 @@ tests/test_tools_training.py)."""
 
 import pytest
 import torch
-from conftest import small_config
 
+from conftest import small_config
 from dapo.algorithm.batch import RolloutBatch
 from dapo.model import tiny
 from dapo.rollout.base import Generation, SamplingParams

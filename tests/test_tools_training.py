@@ -6,15 +6,15 @@ import math
 
 import pytest
 import torch
-from conftest import loss_fn_of, make_policy, small_config
-from test_tools import TOK, ArithToolUser, needs_bwrap
 
+from conftest import loss_fn_of, make_policy, small_config
 from dapo.algorithm import losses
 from dapo.algorithm.batch import RolloutBatch
 from dapo.algorithm.rollout_correction import MODES
 from dapo.algorithm.step import importance_weights
 from dapo.config import AlgoConfig
 from dapo.reporting.metrics import step_metrics
+from test_tools import TOK, ArithToolUser, needs_bwrap
 
 
 def masked_batch(policy):
@@ -40,7 +40,6 @@ def hand_mask(batch) -> torch.Tensor:
 
 def test_tool_tokens_are_context_only_loss_and_gradient_equal_the_hand_masked_ones(tiny_model_dir, tmp_path):
     from conftest import sgd
-
     from dapo.model.logprobs import token_logprobs
     from dapo.model.micro_batch import make_micro_batch
 

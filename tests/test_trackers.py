@@ -14,9 +14,9 @@ import warnings
 from pathlib import Path
 
 import pytest
-from conftest import SMALL_OVERRIDES
 from rich.console import Console
 
+from conftest import SMALL_OVERRIDES
 from dapo.config import ConfigError, load_config
 from dapo.reporting import trackers
 from dapo.reporting.run_log import read_metrics

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import loss_fn_of, make_policy, sampled_batch, small_config
 
+from conftest import loss_fn_of, make_policy, sampled_batch, small_config
 from dapo.checkpoint import files as checkpoint_files
 from dapo.reporting.run_log import read_metrics
 from dapo.training import train

@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-from conftest import loss_fn_of, make_policy, sampled_batch, sgd, small_config
 
+from conftest import loss_fn_of, make_policy, sampled_batch, sgd, small_config
 from dapo.algorithm import advantages, losses
 from dapo.algorithm.batch import RolloutBatch
 from dapo.algorithm.step import importance_weights, record_held_over_old_logp

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import loss_fn_of, make_policy, small_config
 
+from conftest import loss_fn_of, make_policy, small_config
 from dapo.algorithm import advantages
 from dapo.algorithm.batch import RolloutBatch
 from dapo.reporting.run_log import read_metrics

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_real_model import IM_END, SMOL_MODEL, build_tiny, needs_smollm2
 
 from dapo.algorithm.batch import RolloutBatch
 from dapo.data.prompts import Example, render_prompt
 from dapo.rollout import SamplingParams, make_rollout
+from test_real_model import IM_END, SMOL_MODEL, build_tiny, needs_smollm2
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(
@@ -49,7 +49,6 @@ def logp_gap(policy, gen, group_size: int) -> torch.Tensor:
 def one_update(policy, gen, group_size: int, cfg) -> None:
     """A real optimizer update on these samples, with made-up rewards."""
     from conftest import loss_fn_of
-
     from dapo.algorithm import advantages
 
     batch = RolloutBatch.from_generation(gen, group_size=group_size)
@@ -107,9 +106,9 @@ def test_train_eval_export_with_vllm(tmp_path, arch):
     vLLM (weights pushed after each; the push after a real update is the test above), evaluation
     before and after, then `dapo export` gives a model directory that computes what the trained
     policy computes."""
-    from conftest import small_config
     from transformers import AutoModelForCausalLM
 
+    from conftest import small_config
     from dapo.checkpoint import latest_checkpoint
     from dapo.checkpoint.weights import export_hf
     from dapo.reporting.run_log import read_metrics

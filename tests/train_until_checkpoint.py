@@ -21,9 +21,8 @@ def main() -> None:
     kill_after, _, mid_write = kill_after.partition(":")
     kill_after = int(kill_after)
 
-    from conftest import small_config  # tests/ is this script's directory, so it is on sys.path
-
     import dapo.training
+    from conftest import small_config  # tests/ is this script's directory, so it is on sys.path
     from dapo.checkpoint import save as checkpoint_save
     from dapo.checkpoint import saver
 

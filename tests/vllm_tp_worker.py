@@ -7,9 +7,9 @@ import os
 import sys
 
 import torch
-from conftest import make_policy, small_config, training_engine
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from conftest import make_policy, small_config, training_engine
 from dapo.rollout import SamplingParams
 from dapo.runtime import parallel
 
