@@ -19,13 +19,16 @@ last evaluation) and at equal generated tokens (each curve read at the fewest to
 generated), generated tokens and CPU seconds until a run first reaches dynamic sampling's final accuracy, and the
 ratios against dynamic sampling. A ratio of wall times is printed only where no run behind it shared the machine
 with other work (benchmarks/runs.py says why otherwise). --json writes everything, every seed and the load each
-batch saw; --markdown the tables benchmarks/RESULTS.md shows.
+batch saw; --markdown the tables benchmarks/RESULTS.md shows. A seed whose sides all finished before (the same
+commands; benchmark_summary.json in each run) is kept, so an interrupted benchmark resumes at its first unfinished
+seed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -107,6 +110,18 @@ def summarise(run) -> dict:
     }  # fmt: skip
 
 
+SUMMARY = "benchmark_summary.json"
+
+
+def finished(spec: tuple[str, list[str], Path]) -> dict | None:
+    """A run of the same command that finished earlier: its figures (with the load it saw), else None."""
+    path = spec[2] / SUMMARY
+    if not path.exists():
+        return None
+    r = json.loads(path.read_text())
+    return r if r.pop("command") == [spec[0], spec[1]] else None
+
+
 def run_setting(name: str, args) -> dict[str, list[dict]]:
     preset, base = SETTINGS[name]
     base = base + (SMOKE if args.smoke else []) + args.overrides
@@ -117,8 +132,17 @@ def run_setting(name: str, args) -> dict[str, list[dict]]:
     for seed in range(args.seeds):
         seeded = [f"data.seed={seed}", f"rollout.seed={seed}", f"train.seed={seed}"]
         specs = [(preset, base + seeded + SIDES[side], out / side / f"seed{seed}") for side in sides]
-        for side, run in zip(sides, run_together(specs, threads=1)):
+        kept = [finished(spec) for spec in specs]
+        if all(kept):  # an interrupted benchmark resumes at its first unfinished seed
+            for side, r in zip(sides, kept):
+                results[side].append(r)
+                print(f"  seed {seed} {side:<7} kept from {out / side / f'seed{seed}'}", flush=True)
+            continue
+        for spec in specs:  # a seed cut short starts again from nothing
+            shutil.rmtree(spec[2], ignore_errors=True)
+        for side, run, spec in zip(sides, run_together(specs, threads=1), specs):
             r = summarise(run) | {"seed": seed}
+            (spec[2] / SUMMARY).write_text(json.dumps(r | {"command": spec[:2]}))
             results[side].append(r)
             c = r["curve"]
             print(
