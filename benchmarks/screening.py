@@ -222,14 +222,14 @@ def verdict(side: str, rs: list[dict], ds: list[dict], target: float) -> str:
     per_trained = mean(r["tokens_per_trained"] for r in ds) / mean(r["tokens_per_trained"] for r in rs)
     cpu = time_ratio([r["cpu_s_per_step"] for r in ds], [r["cpu_s_per_step"] for r in rs], loads, what="CPU")
     wall = time_ratio([r["wall_s_per_step"] for r in ds], [r["wall_s_per_step"] for r in rs], loads)
-    to_target = "not reached"
+    to_reach = "not reached"
     if tokens_x is not None:
-        to_target = f"{tokens_x:.2f}x fewer tokens and " + (busy or f"{cpu_x:.2f}x fewer CPU seconds")
+        to_reach = f"{tokens_x:.2f}x fewer tokens and " + (busy or f"{cpu_x:.2f}x fewer CPU seconds")
     passes = tokens_x is not None and not busy and tokens_x >= FEWER and cpu_x >= FEWER and below <= POINTS_BELOW
     return (
         f"- {side} against ds: generated tokens per trained token {per_trained:.2f}x fewer; CPU s per step {cpu} "
-        f"less; wall s per step {wall} less; to ds's final accuracy {to_target} ({len(reach)}/{len(rs)} seeds); "
-        f"final {below:+.1f} points below ds; "
+        f"less; wall s per step {wall} less; to ds's final accuracy {to_reach} ({len(reach)}/{len(rs)} seeds); "
+        f"final held-out {-below:+.1f} points against ds's; "
         + ("clears" if passes else "does not clear" + (" (no clean seconds to judge by)" if busy else ""))
         + f" the bar ({FEWER}x fewer tokens and CPU seconds, at most {POINTS_BELOW:g} point below)"
     )
