@@ -1,5 +1,5 @@
 """What screening costs and saves, priced under equal load: dynamic sampling alone against two-phase screening
-(`algo.screen_samples`) and screening by the prompt's record (`algo.screen_by_record`), on three settings.
+(`algo.screen_samples`), on three settings.
 
     python benchmarks/screening.py                                    # every setting, 5 seeds a side (hours)
     python benchmarks/screening.py --settings multipass --seeds 2     # a subset
@@ -58,7 +58,6 @@ SETTINGS = {
 SIDES = {
     "ds": [],
     "screen": ["algo.screen_samples=4"],  # n = G/2
-    "record": ["algo.screen_samples=4", "algo.screen_by_record=true"],
 }
 SMOKE = ["train.total_steps=4", "eval.every_steps=2", "eval.num_problems=20", "eval.n=2"]
 # the bar a sampling rule must clear to be kept (beside dynamic sampling, on a setting)
@@ -105,7 +104,6 @@ def summarise(run) -> dict:
         "run_cpu_s": run.cpu_s,
         "load": run.load.summary(),
         "screened": sum(r.get("sampling/screened", 0) for r in steps),
-        "whole": sum(r.get("sampling/screen_whole", 0) for r in steps),
         "curve": curve(run.rows),
     }  # fmt: skip
 

@@ -16,8 +16,7 @@ Parts, each with its own time limit inside the whole budget (20 minutes by defau
   demo     item h: `dapo demo model.device=cuda`; held-out accuracy must rise by at least 15 points; item k:
            the tool demo's settings (configs/demo_tools.yaml: multi-turn rollouts with the Python tool; without
            bubblewrap on the machine, tools.sandbox=none); item l: the demo with rollout.max_staleness=1 (the engine
-           in a process of its own, collecting ahead; docs/async.md); item s: with screening (algo.screen_samples);
-           item u: with screening by the prompt's record (algo.screen_by_record)
+           in a process of its own, collecting ahead; docs/async.md); item s: with screening (algo.screen_samples)
   bench    benchmarks/gpu.py (the figures for benchmarks/RESULTS.md)
   real     item r, not run by default: SmolLM2-135M-Instruct, its GGUF carried in pieces over several calls
            (`make gpu-model`), imported, given by its Hub id from a cache made on the machine (offline), trained on
@@ -243,14 +242,12 @@ class Check:
     def part_demo(self) -> None:
         """Item h, the demo on CUDA; then item k, with the Python tool (configs/demo_tools.yaml's settings as
         overrides of the demo), item l, with the engine collecting ahead (rollout.max_staleness=1), and item s, with
-        screening (algo.screen_samples), and item u, with screening by the prompt's record
-        (algo.screen_by_record)."""
+        screening (algo.screen_samples)."""
         import shutil
 
         tools = [*DEMO_TOOLS, *([] if shutil.which("bwrap") else ["tools.sandbox=none"])]
         demos = {"demo": [], "demo_tools": tools, "demo_async": ASYNC}
         demos["demo_screening"] = ["algo.screen_samples=4", "algo.screen_audit=0.1"]  # item s: G = 8, n = G/2
-        demos["demo_record"] = ["algo.screen_samples=4", "algo.screen_by_record=true"]  # item u: screening by record
         chosen = [d for d in os.environ.get("GPU_CHECK_DEMOS", "").split(",") if d]  # a rerun of a few demos
         if unknown := sorted(set(chosen) - set(demos)):
             sys.exit(f"GPU_CHECK_DEMOS: unknown {unknown}; choose from {','.join(demos)}")

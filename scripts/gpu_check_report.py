@@ -69,11 +69,6 @@ DEMO_ROWS = (
         "demo_screening",
         "with algo.screen_samples=4 (screening): held-out accuracy +15 points, prompts screened out",
     ),
-    (
-        "u",
-        "demo_record",
-        "with algo.screen_by_record=true (screening by the record): held-out accuracy +15 points",
-    ),
 )
 
 

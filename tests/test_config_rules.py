@@ -31,7 +31,6 @@ BREAKS_RULE = {
     ("tools.filter_void_turns", "tools.python"): ["tools.filter_void_turns=true"],
     ("algo.screen_samples", "rollout.group_size", "algo.dynamic_sampling"): ["algo.screen_samples=8"],
     ("algo.screen_audit", "algo.screen_samples"): ["algo.screen_audit=0.1"],
-    ("algo.screen_by_record", "algo.screen_samples"): ["algo.screen_by_record=true"],
     ("algo.rollout_is_mode", "algo.rollout_is_cap"): ["algo.rollout_is_mode=token_mask"],
     ("algo.rollout_is_cap", "algo.rollout_is_mode"): [
         "algo.rollout_is_mode=sequence_mask",

@@ -210,11 +210,10 @@ def test_the_demo_part_runs_the_demo_then_the_others_and_reads_their_lines(tmp_p
 
     check.run = fake_run
     check.part_demo()
-    assert [c[:2] for c in started] == [["demo", "model.device=cuda"]] * 5
+    assert [c[:2] for c in started] == [["demo", "model.device=cuda"]] * 4
     assert "tools.python=true" in started[1] and "model.path=assets/arith-tools-base" in started[1]
     assert "rollout.max_staleness=1" in started[2] and "rollout.max_staleness=1" not in started[0]
     assert "algo.screen_samples=4" in started[3] and "algo.screen_samples=4" not in started[0]
-    assert "algo.screen_by_record=true" in started[4] and "algo.screen_by_record=true" not in started[3]
     h, s = check.state["demo"], check.state["demo_screening"]
     assert (h["before"], h["after"], h["rise"], h["wall_s"], h["tail"]) == (28.7, 72.8, 44.1, 29.0, "")
     assert s["generation"].endswith("screening dropped 700 of 900 prompts after their first responses")

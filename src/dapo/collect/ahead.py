@@ -240,15 +240,13 @@ class GeneratingAhead:
         return batch, stats, self._state()
 
     def _state(self) -> dict:
-        state = {"sampler": self.sampler.state_dict(), "gen_rounds": self.rounds, "keep_rate": self.keep_rate}
-        if self.cfg.algo.screen_by_record:  # each prompt's last outcome, as the collection (ahead) left it
-            state["prompt_record"] = self.collector.prompt_record
-        return copy.deepcopy(state)
+        return copy.deepcopy(
+            {"sampler": self.sampler.state_dict(), "gen_rounds": self.rounds, "keep_rate": self.keep_rate}
+        )
 
     def _restore(self, state: dict) -> None:
         self.sampler.load_state_dict(state["sampler"])
         self.rounds, self.keep_rate = state["gen_rounds"], state["keep_rate"]
-        self.collector.prompt_record = dict(state.get("prompt_record", {}))
 
     def take(self, step: int) -> StepBatch:
         """Step ``step``'s batch, its collection statistics, and its metrics with the async/* ones."""

@@ -56,8 +56,6 @@ class InProcessCollector:
             "keep_rate": self.counters.keep_rate,
             "buffer": [b.state() for b in self.held_over],
         }
-        if self.cfg.algo.screen_by_record:  # each prompt's last outcome decides how it is sampled next
-            state["prompt_record"] = self.collector.prompt_record
         return copy.deepcopy(state)
 
     def checkpoint_state(self, snapshot: dict, step: int) -> dict:
@@ -67,7 +65,6 @@ class InProcessCollector:
         self.sampler.load_state_dict(saved["sampler"])
         self.counters = RoundCounters(saved["gen_rounds"], saved["keep_rate"])
         self.held_over = [RolloutBatch.from_state(s) for s in saved["buffer"]]
-        self.collector.prompt_record = dict(saved.get("prompt_record", {}))
         ahead = saved.get("async")
         if ahead is not None and ahead["in_flight"]:
             raise ConfigError(

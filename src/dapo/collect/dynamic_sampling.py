@@ -59,8 +59,6 @@ class BatchCollector:
         self.sampling, self.a = sampling, algo_cfg
         # how the step's engine calls spend their responses: whole groups, or n first (screening)
         self.fill = fill_screened if algo_cfg.screen_samples else fill_rounds
-        # each training prompt's last outcome, by example uid: informative or not (algo.screen_by_record)
-        self.prompt_record: dict[str, bool] = {}
 
     def collect(
         self,

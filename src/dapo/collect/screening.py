@@ -14,13 +14,6 @@ step is short of groups. A step's last call holds only continuations. Prompts sc
 needs are not completed (``surplus``: n responses spent, G - n saved). With ``algo.screen_audit`` = p, a share p
 of the screened-out prompts, drawn with the call's seed, is completed as well and never trained on: how often
 the whole group would have been informative, the signal screening gives up.
-
-With ``algo.screen_by_record``, only the prompts whose last group (or last screen) in this run came back all equal
-are screened; a prompt never drawn before, or informative last time, gets its whole group of G at once and is kept
-or dropped as dynamic sampling does. Screening saves responses only on prompts that are always right or always
-wrong; on one answered right with a probability strictly between 0 and 1 it costs more responses per trained
-group than the whole group does (docs/objectives.md has the arithmetic), and the record says which kind a prompt
-has lately been. The record (each prompt's last outcome) is part of the collection's state.
 """
 
 from __future__ import annotations
@@ -56,7 +49,6 @@ def fill_screened(
     CollectStats, whose ``screen`` gets this step's counts."""
     a, G = collector.a, collector.sampling.n
     n = a.screen_samples
-    record = collector.prompt_record if a.screen_by_record else None  # example uid -> informative last time
     call, capped = _Call(pending=[]), False
     while True:
         short = num_prompts - len(kept) - sum(not p.audit for p in call.pending)
@@ -66,20 +58,14 @@ def fill_screened(
         if not call.new and not call.pending:
             return
         seed = round_seed(stats.rounds)
-        to_screen = [ex for ex in call.new if record is None or record.get(ex.uid) is False]
-        whole = [ex for ex in call.new if record is not None and record.get(ex.uid) is not False]
-        examples = [p.example for p in call.pending] + to_screen + whole
-        counts = [G - n] * len(call.pending) + [n] * len(to_screen) + [G] * len(whole)
+        examples = [p.example for p in call.pending] + call.new
+        counts = [G - n] * len(call.pending) + [n] * len(call.new)
         part, gen_s = collector.sample(examples, counts, seed, stats)
-        rest, mid = len(call.pending) * (G - n), len(call.pending) * (G - n) + len(to_screen) * n
+        rest = len(call.pending) * (G - n)
         dropped_tokens = _complete(collector, call.pending, part.select_rows(list(range(rest))), kept, stats)
-        # the rows of the prompts given their whole group, then of those screened (the call's part has group_size 1
-        # where counts differ)
-        whole_part = replace(part.select_rows(list(range(mid, len(part)))), group_size=G) if whole else None
-        added, whole_dropped_tokens = _whole(collector, whole, whole_part, kept, stats, record)
-        dropped_tokens += whole_dropped_tokens
-        screened = replace(part.select_rows(list(range(rest, mid))), group_size=n) if to_screen else None
-        nxt, screened_out_tokens = _screen(collector, to_screen, screened, short - added, seed, stats, record)
+        # the new prompts' rows, n each (the call's part has group_size 1 where counts differ)
+        screened = replace(part.select_rows(list(range(rest, len(part)))), group_size=n) if call.new else None
+        nxt, screened_out_tokens = _screen(collector, call.new, screened, short, seed, stats)
         dropped_tokens += screened_out_tokens
         stats.seconds_dropped += gen_s * dropped_tokens / max(int(part.response_lengths.sum()), 1)
         stats.tokens_in_dropped_groups += dropped_tokens
@@ -108,28 +94,10 @@ def _complete(collector, pending: list[_Pending], rest: RolloutBatch, kept: list
     return not_trained
 
 
-def _whole(collector, new: list, part: RolloutBatch | None, kept: list, stats, record) -> tuple[int, int]:
-    """The prompts given their whole group at once (``algo.screen_by_record``: never drawn, or informative last
-    time): kept where informative, as dynamic sampling keeps them, and their outcome recorded. Returns the groups
-    kept and the tokens of the dropped ones."""
-    if not new:
-        return 0, 0
-    G = collector.sampling.n
-    keep = collector.informative(part, G)  # (P,)
-    for i, example in enumerate(new):
-        record[example.uid] = bool(keep[i])
-    stats.screen.whole += len(new)
-    stats.count_groups(part.acc.view(-1, G).mean(dim=1), keep)
-    kept += [part.select_groups([i]) for i in torch.nonzero(keep).flatten().tolist()]
-    return int(keep.sum()), int(part.response_lengths.view(-1, G)[~keep].sum())
-
-
-def _screen(
-    collector, new: list, part: RolloutBatch | None, short: int, seed: int, stats, record=None
-) -> tuple[list, int]:
+def _screen(collector, new: list, part: RolloutBatch | None, short: int, seed: int, stats) -> tuple[list, int]:
     """Each new prompt's first n responses: screened out where they agree (some audited), pending completion
-    where they disagree, up to the ``short`` groups the step still needs; with a ``record``, each prompt's outcome
-    is kept there. Returns the pending prompts and the tokens of the screened-out prompts' responses."""
+    where they disagree, up to the ``short`` groups the step still needs. Returns the pending prompts and the
+    tokens of the screened-out prompts' responses."""
     if not new:
         return [], 0
     a, n = collector.a, collector.a.screen_samples
@@ -155,6 +123,4 @@ def _screen(
             pending.append(_Pending(example, part.select_groups([i]), audit=True))
     s.screened += len(new)
     stats.count_groups(acc, passed)  # a screen's "group" is its first n responses
-    if record is not None:
-        record.update({example.uid: bool(passed[i]) for i, example in enumerate(new)})
     return pending, out_tokens

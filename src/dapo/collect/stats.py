@@ -29,7 +29,6 @@ class ScreenCounts:
     audited: int = 0  # screened out, completed anyway (algo.screen_audit), never trained
     audit_informative: int = 0  # of those, groups of G that would have been informative
     audit_tokens: int = 0  # tokens of the audit's completions
-    whole: int = 0  # not screened: given the whole group at once, by the record (algo.screen_by_record)
 
 
 @dataclass
@@ -142,8 +141,6 @@ def screen_metrics(s: ScreenCounts, *, group_size: int, screen_samples: int) -> 
     }
     if s.audited:
         out["sampling/screen_audit_informative"] = s.audit_informative
-    if s.whole:
-        out["sampling/screen_whole"] = s.whole
     return out
 
 

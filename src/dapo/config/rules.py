@@ -168,15 +168,6 @@ RULES = (
             "algo.screen_samples too"
         ),
     ),
-    RuleBetween(
-        ("algo.screen_by_record", "algo.screen_samples"),
-        "`algo.screen_by_record=true` needs `algo.screen_samples` > 0",
-        lambda cfg: not cfg.algo.screen_by_record or cfg.algo.screen_samples,
-        lambda cfg: (
-            "algo.screen_by_record=true: chooses which prompts are screened; set algo.screen_samples (e.g. half of "
-            "rollout.group_size) too"
-        ),
-    ),
     # ---- importance sampling
     RuleBetween(
         ("algo.rollout_is_mode", "algo.rollout_is_cap"),

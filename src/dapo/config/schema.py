@@ -265,10 +265,6 @@ class AlgoConfig:
     # whose prompts are mostly always right or always wrong; try G/2 and see algo.screen_audit
     screen_samples: int = field(0, ge=0, why="a count of responses, 0 for off")
     screen_audit: float = field(0.0, ge=0, le=1)  # share of screened-out prompts completed anyway, never trained
-    # with screen_samples: screen only the prompts whose last group in this run came back all right or all wrong;
-    # a prompt never drawn before, or informative last time, gets its whole group at once (screening saves
-    # responses only on prompts that are always right or always wrong)
-    screen_by_record: bool = False
     # surplus informative groups (beyond train.prompts_per_step) kept for the next step; 0: none, as the reference
     buffer_max_groups: int = field(0, ge=0, why="0 keeps no surplus groups")
     # a held-over group's old log-probs (those of the weights that sampled it): trainer (computed when it is held
