@@ -8,8 +8,8 @@
 Settings (each side with the same seeds: seed k sets data, rollout and train seeds):
   demo600    the demo (configs/demo.yaml, G = 8) on 600 training problems for 100 steps, held-out every 10
   multipass  the demo on 128 training problems for 60 steps: each problem drawn 15 times or more
-  smollm2    SmolLM2-135M-Instruct on its word problems (configs/smollm2_135m.yaml, vLLM, G = 8) for 8 steps,
-             held-out (60 problems, 2 samples) every 4; needs `make smollm2`
+  smollm2    SmolLM2-135M-Instruct on its word problems (configs/smollm2_135m.yaml, vLLM, G = 8) for 4 steps,
+             held-out (60 problems, 2 samples) every 2; needs `make smollm2`
 
 A seed's sides run together, one core each on 2 cores shared by three (matched: they see the same load), in
 processes of their own. Per run, from its metrics: generated tokens per trained token; wall and CPU seconds per
@@ -51,7 +51,7 @@ SETTINGS = {
     ),
     "smollm2": (
         "configs/smollm2_135m.yaml",
-        ["train.total_steps=8", "eval.every_steps=4", "eval.num_problems=60", "eval.n=2", "rollout.backend=vllm",
+        ["train.total_steps=4", "eval.every_steps=2", "eval.num_problems=60", "eval.n=2", "rollout.backend=vllm",
          "run.async_checkpoint=false"],
     ),
 }  # fmt: skip
