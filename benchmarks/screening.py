@@ -32,6 +32,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -248,8 +249,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.smoke:
         args.seeds = min(args.seeds, 2)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    everything, tables = {"commit": commit.stdout.strip(), "command": " ".join(sys.argv)}, []
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    everything = {"command": "python " + " ".join(sys.argv), "date": date.today().isoformat(), "commit": commit}
+    tables = []
     for name in args.settings.split(","):
         results = run_setting(name, args)
         everything[name] = results
