@@ -12,20 +12,30 @@ from dapo import cli
 FIX_CONFIG = "copy the model's config.json again from where the model came from"
 
 
-def broken_copy(tiny_model_dir, root, *, drop=(), config=None):
-    """The tiny model directory without the files ``drop``, and with ``config`` as its config.json when given."""
+def broken_copy(tiny_model_dir, root, *, drop=(), config=None, model_type=None):
+    """The tiny model directory without the files ``drop``, with ``config`` as its config.json when given, or with
+    its config's ``model_type`` changed."""
     path = root / "model"
     shutil.copytree(tiny_model_dir, path)
     for name in drop:
         (path / name).unlink()
     if config is not None:
         (path / "config.json").write_text(config)
+    if model_type is not None:
+        settings = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps(settings | {"model_type": model_type}))
     return path
 
 
 CASES = {
     "no tokenizer files": (
         {"drop": ("tokenizer.json", "tokenizer_config.json")},
+        "model.path='{path}' has no tokenizer (tokenizer files in it: none); copy the model's tokenizer files "
+        "(tokenizer.json and tokenizer_config.json, or the vocabulary files its tokenizer reads) into it from where "
+        "the model came from",
+    ),
+    "no tokenizer files, a Llama config": (  # Llama's tokenizer class fails in its conversion, not with one token
+        {"drop": ("tokenizer.json", "tokenizer_config.json"), "model_type": "llama"},
         "model.path='{path}' has no tokenizer (tokenizer files in it: none); copy the model's tokenizer files "
         "(tokenizer.json and tokenizer_config.json, or the vocabulary files its tokenizer reads) into it from where "
         "the model came from",

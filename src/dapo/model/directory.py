@@ -233,9 +233,19 @@ def check_tokenizer(tokenizer, directory: Path, shown: str) -> None:
         return
     if size > 1:
         return
-    found = sorted(p.name for p in directory.iterdir() if any(part in p.name.lower() for part in TOKENIZER_NAME_PARTS))
-    raise FileNotFoundError(
-        f"model.path={shown!r} has no tokenizer (tokenizer files in it: {', '.join(found) or 'none'}); copy the "
-        "model's tokenizer files (tokenizer.json and tokenizer_config.json, or the vocabulary files its tokenizer "
-        "reads) into it from where the model came from"
+    raise no_tokenizer(directory, shown)
+
+
+def tokenizer_files(directory: Path) -> list[str]:
+    """The names of the files in ``directory`` a tokenizer could be read from."""
+    return sorted(p.name for p in directory.iterdir() if any(part in p.name.lower() for part in TOKENIZER_NAME_PARTS))
+
+
+def no_tokenizer(directory: Path, shown: str) -> FileNotFoundError:
+    """The one-line error for a model directory whose tokenizer cannot be read: which files it has and the fix."""
+    found = ", ".join(tokenizer_files(directory)) or "none"
+    return FileNotFoundError(
+        f"model.path={shown!r} has no tokenizer (tokenizer files in it: {found}); copy the model's tokenizer files "
+        "(tokenizer.json and tokenizer_config.json, or the vocabulary files its tokenizer reads) into it from where "
+        "the model came from"
     )

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from dapo.model.directory import check_tokenizer, model_dir
+from dapo.model.directory import check_tokenizer, model_dir, no_tokenizer, tokenizer_files
 from dapo.runtime.files import readable_as_umask
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # float16: refused (dapo.config.rules.REFUSED_CHOICES)
@@ -38,7 +38,13 @@ def load_tokenizer(path: str | Path, *, revision: str | None = None, trust_remot
     from transformers import AutoTokenizer
 
     directory = model_dir(path, revision)
-    tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    except (ValueError, OSError) as e:
+        # without tokenizer files some tokenizer classes (Llama's) try to convert a slow tokenizer and fail there
+        if not tokenizer_files(directory):
+            raise no_tokenizer(directory, str(path)) from e
+        raise
     check_tokenizer(tokenizer, directory, str(path))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
