@@ -87,8 +87,11 @@ format: $(STAMP)
 	$(PY) scripts/architecture_lines.py scripts/architecture.in.md > docs/architecture.md
 	$(PY) scripts/reference.py
 
+# the suite in TEST_WORKERS pytest processes (one per core of a 2-core machine: one process alone keeps one core
+# busy on average), each test file whole in one of them so its module fixtures are built once
+TEST_WORKERS ?= 2
 test: $(STAMP) $(VLLM_STAMP) lint sandbox docs
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # the documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link or anchor, a page missing from
 # the nav or a nav entry with no page fails the build

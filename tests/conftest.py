@@ -1,5 +1,13 @@
 """Shared fixtures: a tiny random Qwen2 model and tokenizer built locally (no downloads)."""
 
+import os
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs the suite in one worker per core: one torch thread each, for the tests and the processes
+    # they start, so two workers do not fight over the cores each would otherwise take both of
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
+
 import pytest
 
 from dapo.config import load_config
