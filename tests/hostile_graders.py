@@ -20,6 +20,15 @@ def sleep(response: str, ground_truth: str) -> tuple[float, bool, str]:
     return 1.0, True, "slept"
 
 
+def spin(response: str, ground_truth: str) -> tuple[float, bool, str]:
+    """Computes for `ground_truth` CPU seconds (a verifier that is slow, not stuck); its prediction is the pid of
+    the process that graded it."""
+    end = time.process_time() + float(ground_truth)
+    while time.process_time() < end:
+        pass
+    return 1.0, True, str(os.getpid())
+
+
 def crash(response: str, ground_truth: str) -> tuple[float, bool, str]:
     os._exit(1)
 
@@ -45,6 +54,7 @@ def own_timeout(response: str, ground_truth: str) -> tuple[float, bool, str]:
 # name -> import path, as RewardPool(extra_graders=...) takes them
 HOSTILE_GRADERS = {
     "_test_sleep": "hostile_graders:sleep",
+    "_test_spin": "hostile_graders:spin",
     "_test_crash": "hostile_graders:crash",
     "_test_segfault": "hostile_graders:segfault",
     "_test_memory": "hostile_graders:memory",

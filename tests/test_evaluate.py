@@ -92,9 +92,11 @@ def test_dapo_eval_end_to_end(tiny_model_dir, tmp_path, capsys):
         "extracted_answer",
         "ground_truth",
         "correct",
+        "ungraded",
         "length_tokens",
         "truncated",
     }
+    assert not any(s["ungraded"] for s in samples) and summary["ungraded"] == 0
     assert [s["id"] for s in samples] == [p["id"] for p in problems for _ in range(4)]
     assert [s["sample"] for s in samples] == [0, 1, 2, 3] * 3
     assert [s["ground_truth"] for s in samples] == ["5"] * 4 + ["8"] * 8

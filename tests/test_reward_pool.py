@@ -17,11 +17,12 @@ from dapo.rewards import Grade, RewardPool, grade
 from dapo.rewards import pool as pool_module
 from hostile_graders import HOSTILE_GRADERS
 
-LIMIT_S = 1.0
+LIMIT_S = 0.5  # CPU seconds
 # "Never stalls", checked without timing the pool: a call that hangs on an answer sleeping far
-# longer than this bound fails here; how fast a time-out really is lives in
-# benchmarks/reward_pool_latency.py.
-NEVER_STALLS_S = 20 * LIMIT_S
+# longer than this bound fails here (a hung item costs the wall backstop, then twice it on its
+# retry: 6 s); how fast a time-out really is lives in benchmarks/reward_pool_latency.py.
+NEVER_STALLS_S = 60.0
+HANGS = "600"  # a _test_sleep item's seconds: ten times NEVER_STALLS_S
 
 
 def _pids(pool: RewardPool) -> list[int]:
@@ -79,18 +80,18 @@ def test_results_match_in_process_and_keep_order(pool):
     assert result.num_timeouts == result.num_crashes == 0
 
 
-def test_timeout_scores_wrong_replaces_worker_and_grades_the_rest(pool):
+def test_a_hung_item_is_retried_once_then_ungraded_and_its_workers_replaced(pool):
     before = set(_pids(pool))
     responses = [f"Answer: {i}" for i in range(40)]
     truths = [str(i) for i in range(40)]
     graders = ["dapo"] * 40
-    graders[5], truths[5] = "_test_sleep", "60"  # sleeps 60 s, three times NEVER_STALLS_S; the limit is 1 s
+    graders[5], truths[5] = "_test_sleep", HANGS  # off the CPU: the wall-clock backstop stops it, twice
     result = _score_returns(pool, responses, truths, graders)
-    assert result.grades[5] == Grade(-1.0, False, "[TIMEOUT]")
-    assert result.num_timeouts == 1 and result.num_crashes == 0
-    assert all(g.acc for i, g in enumerate(result.grades) if i != 5)
+    assert result.grades[5] == Grade(-1.0, False, "[TIMEOUT]") and result.grades[5].ungraded
+    assert result.num_timeouts == 1 and result.num_retried == 1 and result.num_crashes == 0
+    assert all(g.acc and not g.ungraded for i, g in enumerate(result.grades) if i != 5)
     after = set(_pids(pool))
-    assert len(before - after) == 1  # exactly one worker was replaced
+    assert len(before - after) == 1  # the worker of the first try (the retry's, started for it, went too)
     assert all(_gone(pid) for pid in before - after)
     # and the pool, with its new worker, answers the next call correctly
     again = _score_returns(pool, ["Answer: 7", "Answer: 8"], ["7", "9"], "dapo")
@@ -107,13 +108,31 @@ def test_back_to_back_timeouts_in_one_chunk(pool, monkeypatch):
     monkeypatch.setattr(RewardPool, "_replace", lambda self, slot: (replaced.append(slot), real_replace(self, slot)))
     graders, truths = ["arith"] * n, [str(i) for i in range(n)]
     for i in (6, 7, 30):
-        graders[i], truths[i] = "_test_sleep", "60"
+        graders[i], truths[i] = "_test_sleep", HANGS
     result = _score_returns(pool, [f"Answer: {i}" for i in range(n)], truths, graders)
     assert [i for i, g in enumerate(result.grades) if g.pred == "[TIMEOUT]"] == [6, 7, 30]
     assert all(g.acc for i, g in enumerate(result.grades) if i not in (6, 7, 30))
-    assert result.num_timeouts == 3
-    assert len(replaced) == 3  # one worker killed and replaced per time-out, no more
+    assert result.num_timeouts == 3 and result.num_retried == 3
+    assert len(replaced) == 6  # per hung item, the worker of its first try and the fresh one of its retry
     assert len(set(_pids(pool))) == 2
+
+
+def test_the_limit_counts_the_workers_cpu_seconds_not_the_wall_clock(pool):
+    """A grader that waits 3 limits off the CPU is within its limit (the backstop is 4); one that computes for 1.6
+    limits runs out, and its retry, in a fresh worker with twice the limit, grades it."""
+    pids = set(_pids(pool))
+    waits, computes = str(3 * LIMIT_S), str(1.6 * LIMIT_S)
+    graders = ["_test_sleep", "_test_spin", "dapo"]
+    result = _score_returns(pool, ["x", "x", "Answer: 3"], [waits, computes, "3"], graders)
+    assert [g.acc for g in result.grades] == [True, True, True]
+    assert result.num_retried == 1 and result.num_timeouts == 0
+    assert int(result.grades[1].pred) not in pids  # graded again by a worker started for it
+
+
+def test_an_answer_that_computes_past_twice_the_limit_is_ungraded(pool):
+    result = _score_returns(pool, ["x", "Answer: 1"], [str(3 * LIMIT_S), "1"], ["_test_spin", "dapo"])
+    assert result.grades[0] == Grade(-1.0, False, "[TIMEOUT]") and result.grades[0].ungraded
+    assert result.grades[1].acc and result.num_retried == 1 and result.num_timeouts == 1
 
 
 @pytest.mark.parametrize("crasher", ["_test_crash", "_test_segfault", "_test_memory"])
@@ -136,15 +155,13 @@ def test_grader_exception_is_a_crash_but_keeps_the_worker(pool):
     assert set(_pids(pool)) == before
 
 
-def test_graders_own_time_limit_counts_as_a_timeout_and_keeps_the_worker(pool):
-    """The math grader stops math-verify itself (GradingTimeout) before the pool's limit strikes:
-    reward/timeouts must count those too."""
-    before = set(_pids(pool))
+def test_graders_own_time_limit_counts_as_a_timeout_and_is_retried_in_a_fresh_worker(pool):
+    """The math grader stops math-verify itself (GradingTimeout) before the pool's limit strikes: the item is tried
+    again in a fresh worker, and reward/timeouts counts it when that runs out too."""
     result = pool.score(["Answer: 1", "x", "Answer: 2"], ["1", "1", "2"], ["dapo", "_test_own_timeout", "dapo"])
     assert [g.pred for g in result.grades] == ["1", "[TIMEOUT]", "2"]
     assert result.grades[1] == Grade(-1.0, False, "[TIMEOUT]")
-    assert result.num_timeouts == 1 and result.num_crashes == 0
-    assert set(_pids(pool)) == before
+    assert result.num_timeouts == 1 and result.num_retried == 1 and result.num_crashes == 0
 
 
 def test_pool_still_healthy_after_failures_and_reuses_workers(pool):
@@ -167,7 +184,7 @@ def test_call_interrupted_midway_leaves_no_stale_results(pool, monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(pool_module.RewardPool, "_receive", interrupted)
         with pytest.raises(KeyboardInterrupt):
-            pool.score(["x"] * 8, ["0.3"] * 8, "_test_sleep")  # each item reports "slept"
+            pool.score(["x"] * 8, ["0.1"] * 8, "_test_sleep")  # each item reports "slept"
     result = pool.score([f"Answer: {i}" for i in range(8)], [str(i) for i in range(8)], "dapo")
     assert [g.pred for g in result.grades] == [str(i) for i in range(8)]
 

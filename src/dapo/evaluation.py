@@ -142,7 +142,7 @@ class EvalResult:
     name: str
     n: int
     num_problems: int
-    avg: float  # avg@n: mean accuracy over all samples
+    avg: float  # avg@n: mean accuracy over the graded samples
     ci: tuple[float, float]
     pass_at: dict[int, float]
     maj: float
@@ -151,11 +151,15 @@ class EvalResult:
     per_problem: list[dict] = field(default_factory=list)
     responses: list[dict] = field(default_factory=list)  # one per sample: what the model wrote and its verdict
     tools: dict[str, float] = field(default_factory=dict)  # with tools.python: how the responses used the tool
+    # samples whose grading was given up on (out of time twice): left out of avg@n, pass@k and maj@n, never
+    # counted wrong; a problem with none graded is left out of them too
+    ungraded: int = 0
 
     def metrics(self, prefix: str = "eval") -> dict[str, float]:
         avg = f"{prefix}/{self.name}/avg@{self.n}"
         return {
             avg: self.avg,
+            f"{prefix}/{self.name}/ungraded": self.ungraded,
             f"{avg}_ci_low": self.ci[0],
             f"{avg}_ci_high": self.ci[1],
             f"{prefix}/{self.name}/maj@{self.n}": self.maj,
@@ -203,26 +207,34 @@ def evaluate(
     responses, tool_errors = sample_and_grade(
         engine, encode, examples, pool, sampling, grader=grader, progress=progress, render=render
     )
-    accs = [r["correct"] for r in responses]
+    graded = [r for r in responses if not r["ungraded"]]
+    accs = [r["correct"] for r in graded]
     lengths = [r["length_tokens"] for r in responses]
     truncated = [r["truncated"] for r in responses]
     calls = [r["tool_calls"] for r in responses if "tool_calls" in r]
     per_problem = [problem_summary(ex, responses[i * n : (i + 1) * n]) for i, ex in enumerate(examples)]
-    problem_acc = [r["accuracy"] for r in per_problem]
+    scored = [r for r in per_problem if r["num_graded"]]  # problems with a graded sample
     return EvalResult(
         name=name,
         n=n,
         num_problems=len(examples),
         avg=sum(accs) / max(len(accs), 1),
-        ci=bootstrap_ci(problem_acc, seed=sampling.seed),
-        pass_at={k: sum(pass_at_k(n, r["num_correct"], k) for r in per_problem) / max(len(per_problem), 1) for k in ks},
-        maj=sum(r["maj_correct"] for r in per_problem) / max(len(per_problem), 1),
+        ci=bootstrap_ci([r["accuracy"] for r in scored], seed=sampling.seed),
+        pass_at={k: sum(problem_pass_at(r, k) for r in scored) / max(len(scored), 1) for k in ks},
+        maj=sum(r["maj_correct"] for r in scored) / max(len(scored), 1),
         mean_length=sum(lengths) / max(len(lengths), 1),
         truncated_frac=sum(truncated) / max(len(truncated), 1),
         per_problem=per_problem,
         responses=responses,
-        tools=tool_use(calls, tool_errors, accs) if calls else {},
+        tools=tool_use(calls, tool_errors, [r["correct"] for r in responses]) if calls else {},
+        ungraded=len(responses) - len(graded),
     )
+
+
+def problem_pass_at(problem: dict, k: int) -> float:
+    """pass@k of a problem from its graded samples: with fewer than k of them (some ungraded), pass@(all graded)."""
+    graded = problem["num_graded"]
+    return pass_at_k(graded, problem["num_correct"], min(k, graded))
 
 
 def sample_and_grade(
@@ -258,6 +270,7 @@ def sample_and_grade(
                     "extracted_answer": g.pred,
                     "ground_truth": ex.ground_truth,
                     "correct": g.acc,
+                    "ungraded": g.ungraded,
                     "length_tokens": len(ids),
                     "truncated": cut,
                 }
@@ -269,14 +282,17 @@ def sample_and_grade(
 
 
 def problem_summary(example, responses: list[dict]) -> dict:
-    """A line of <benchmark>.problems.jsonl: how the problem's samples (``responses``, their records) did."""
-    accs, preds = [r["correct"] for r in responses], [r["extracted_answer"] for r in responses]
+    """A line of <benchmark>.problems.jsonl: how the problem's samples (``responses``, their records) did; its
+    accuracy is over the graded ones (None when grading gave up on all)."""
+    graded = [r for r in responses if not r.get("ungraded")]
+    accs, preds = [r["correct"] for r in graded], [r["extracted_answer"] for r in graded]
     votes = Counter(p for p in preds if p not in INVALID_PREDS)
     return {
         "id": example.uid,
         "ground_truth": example.ground_truth,
-        "accuracy": sum(accs) / len(responses),
+        "accuracy": sum(accs) / len(graded) if graded else None,
         "num_correct": sum(accs),
+        "num_graded": len(graded),
         "majority_answer": votes.most_common(1)[0][0] if votes else None,
         "maj_correct": majority_accuracy(preds, accs),
     }
@@ -387,13 +403,13 @@ def write_report(results: list[EvalResult], out_dir: Path) -> Path:
     summary = {r.name: {k: v for k, v in asdict(r).items() if k not in ("per_problem", "responses")} for r in results}
     (out_dir / "eval.json").write_text(json.dumps(summary, indent=2))
     lines = [
-        "| benchmark | problems | n | avg@n | 95% CI | maj@n | pass@k | mean length | truncated |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| benchmark | problems | n | avg@n | 95% CI | ungraded | maj@n | pass@k | mean length | truncated |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         passes = ", ".join(f"@{k} {v:.3f}" for k, v in r.pass_at.items())
         lines.append(
-            f"| {r.name} | {r.num_problems} | {r.n} | {r.avg:.3f} | [{r.ci[0]:.3f}, {r.ci[1]:.3f}] | "
+            f"| {r.name} | {r.num_problems} | {r.n} | {r.avg:.3f} | [{r.ci[0]:.3f}, {r.ci[1]:.3f}] | {r.ungraded} | "
             f"{r.maj:.3f} | {passes} | {r.mean_length:.1f} | {r.truncated_frac:.3f} |"
         )
     (out_dir / "eval.md").write_text("\n".join(lines) + "\n")

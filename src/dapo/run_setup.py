@@ -177,6 +177,7 @@ def setup_collection(
         algo_cfg=a,
         max_response_tokens=r.max_response_tokens,
         reward_from_score=grader is not None,
+        leave_out_ungraded=cfg.reward.ungraded == "leave_out",
     )
     sampling = SamplingParams(
         n=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_response_tokens

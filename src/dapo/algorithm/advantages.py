@@ -43,14 +43,20 @@ def group_advantages(
     return centered.view(-1)  # (N,)
 
 
-def informative_groups(values: torch.Tensor, group_size: int) -> torch.Tensor:
+def informative_groups(values: torch.Tensor, group_size: int, counted: torch.Tensor | None = None) -> torch.Tensor:
     """(N,) -> (P,) bool: True where a group's values are not all equal.
 
     With accuracies this is the dynamic-sampling condition 0 < #correct < G (eq. 11): a group
     whose G answers are all right or all wrong has zero advantage and so no gradient.
+    ``counted`` (N,) bool: only these rows' values are compared (the others, ungraded, have none).
     """
-    grouped = values.view(-1, group_size)  # (P, G)
-    return (grouped != grouped[:, :1]).any(dim=1)  # (P,)
+    grouped = values.float().view(-1, group_size)  # (P, G)
+    if counted is None:
+        return (grouped != grouped[:, :1]).any(dim=1)  # (P,)
+    counted = counted.view(-1, group_size)  # (P, G)
+    highest = torch.where(counted, grouped, -torch.inf).max(dim=1).values  # (P,)
+    lowest = torch.where(counted, grouped, torch.inf).min(dim=1).values  # (P,)
+    return highest > lowest  # (P,): False for a group with fewer than two counted rows
 
 
 def overlong_penalty(

@@ -37,6 +37,9 @@ class RolloutBatch:
     # per row: a turn neither called the tool nor answered (tools.filter_void_turns masks such rows); empty when
     # no row called a tool
     void_turn: list[bool] = field(default_factory=list)
+    # per row: grading gave up on it (reward.ungraded=leave_out), so its reward says nothing: it sets no group
+    # baseline and is not trained on; empty when every row was graded
+    ungraded: list[bool] = field(default_factory=list)
     # per token, for groups held over in the surplus buffer: their old_logp, taken under the weights that sampled
     # them when they were held over (None for a row sampled this step, whose old_logp is computed with the step's)
     held_over_old_logp: list[list[float] | None] = field(default_factory=list)
@@ -214,5 +217,6 @@ PER_STEP = ("old_logp", "ref_logp", "entropy", "is_weights")  # computed for the
 FILL_ROWS = {
     "tool_mask": lambda b: [[0] * len(r) for r in b.response_ids],  # rows of a batch without tools: no tool token
     "void_turn": lambda b: [False] * len(b),
+    "ungraded": lambda b: [False] * len(b),
     "held_over_old_logp": lambda b: [None] * len(b),  # sampled by the weights being trained: none held over
 }

@@ -36,7 +36,8 @@ def make_loss_fn(algo_cfg: AlgoConfig, max_response_tokens: int) -> Callable:
 
 def assign_advantages(batch: RolloutBatch, algo_cfg: AlgoConfig, group_size: int, *, filter_void_turns=False) -> None:
     """Overlong filtering (sec. 3.4: truncated answers carry no learning signal) and the void-turn filter
-    (tools.filter_void_turns), then eq. 9's group-normalised advantage, one value per response."""
+    (tools.filter_void_turns), then eq. 9's group-normalised advantage, one value per response. A response whose
+    grading was given up on (``batch.ungraded``) is neither trained on nor part of its group's baseline."""
     a = algo_cfg
     if a.overlong_filtering:
         batch.trainable = ~batch.truncated
@@ -44,6 +45,10 @@ def assign_advantages(batch: RolloutBatch, algo_cfg: AlgoConfig, group_size: int
         keep = ~torch.tensor(batch.void_turn, dtype=torch.bool)
         batch.trainable = keep if batch.trainable is None else batch.trainable & keep
     in_baseline = None if a.truncated_in_group_stats else ~batch.truncated  # the paper masks only the loss
+    if any(batch.ungraded):
+        graded = ~torch.tensor(batch.ungraded, dtype=torch.bool)
+        batch.trainable = graded if batch.trainable is None else batch.trainable & graded
+        in_baseline = graded if in_baseline is None else in_baseline & graded
     batch.adv = advantages.group_advantages(
         batch.reward, group_size, scale_by_std=a.scale_adv_by_std, in_baseline=in_baseline
     )  # (N,)

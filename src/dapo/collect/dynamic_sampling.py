@@ -115,8 +115,11 @@ class BatchCollector:
 
     def informative(self, part: RolloutBatch, n: int) -> torch.Tensor:
         """(P,) bool: groups of ``n`` consecutive rows whose values are not all equal (eq. 11), on raw correctness
-        unless algo.filter_metric says reward: length shaping alone must not keep a group."""
-        return advantages.informative_groups(part.acc if self.a.filter_metric == "acc" else part.reward, n)
+        unless algo.filter_metric says reward: length shaping alone must not keep a group. Ungraded rows do not
+        count: their value is no grade."""
+        values = part.acc if self.a.filter_metric == "acc" else part.reward
+        graded = ~torch.tensor(part.ungraded, dtype=torch.bool) if part.ungraded else None
+        return advantages.informative_groups(values, n, counted=graded)
 
     def sample(self, examples: list, counts: list[int], seed: int, stats: CollectStats) -> tuple[RolloutBatch, float]:
         """``counts[i]`` responses to ``examples[i]`` in one engine call, graded and shaped, in prompt-major order
@@ -153,6 +156,7 @@ class BatchCollector:
         stats.acc_sum += float(scored.acc.sum())
         stats.timeouts += scored.timeouts
         stats.worker_crashes += scored.worker_crashes
+        stats.grading_retries += scored.retried
         # a void turn: one that ended at a block that was not code, or a last turn that ended without an answer
         void_turn = [
             log.void_turns > 0 or (not bool(cut) and pred in NO_ANSWER)
@@ -168,6 +172,7 @@ class BatchCollector:
             overlong_penalty=scored.overlong_penalty,
             preds=scored.preds,
             void_turn=void_turn,
+            ungraded=scored.ungraded if any(scored.ungraded) else [],
         )
         return part, t1 - t0
 

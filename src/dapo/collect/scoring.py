@@ -1,9 +1,10 @@
 """Scoring a round's responses: the rule reward from the grading pool (+1 / -1, or a caller's reward function's
-score), then the soft overlong punishment (eq. 13)."""
+score), then the soft overlong punishment (eq. 13). A response the pool gave up grading (out of time twice) is
+marked ungraded (reward.ungraded=leave_out: the advantage leaves it out) or scored wrong (reward.ungraded=wrong)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,8 +21,11 @@ class Scored:
     reward: torch.Tensor  # (N,) correctness reward + overlong shaping
     overlong_penalty: torch.Tensor  # (N,) <= 0: the shaping part alone
     preds: list[str]
-    timeouts: int = 0  # responses whose grading ran past the time limit (scored wrong)
+    # per response: grading gave up on it (reward.ungraded=leave_out): no advantage, no loss
+    ungraded: list[bool] = field(default_factory=list)
+    timeouts: int = 0  # responses whose grading ran out of time twice (ungraded, or scored wrong)
     worker_crashes: int = 0  # responses whose grading worker died (scored wrong)
+    retried: int = 0  # responses graded a second time, with twice the limit, after running out of time
 
 
 class Scorer:
@@ -29,14 +33,25 @@ class Scorer:
 
     With ``reward_from_score`` (a caller's reward function) the grader's own score is the reward
     instead of algo.correct_reward / wrong_reward; a response whose grading timed out or crashed
-    gets algo.wrong_reward, as under the built-in graders."""
+    gets algo.wrong_reward, as under the built-in graders. ``leave_out_ungraded`` (reward.ungraded=leave_out) marks a
+    response whose grading was given up on instead of counting it wrong."""
 
-    def __init__(self, pool, *, grader: str, algo_cfg, max_response_tokens: int, reward_from_score: bool = False):
+    def __init__(
+        self,
+        pool,
+        *,
+        grader: str,
+        algo_cfg,
+        max_response_tokens: int,
+        reward_from_score: bool = False,
+        leave_out_ungraded: bool = True,
+    ):
         self.pool = pool
         self.grader = grader
         self.a = algo_cfg
         self.max_response_tokens = max_response_tokens
         self.reward_from_score = reward_from_score
+        self.leave_out_ungraded = leave_out_ungraded
 
     def __call__(
         self, texts: list[str], ground_truths: list[str], data_sources: list[str], lengths, truncated
@@ -58,6 +73,8 @@ class Scorer:
                 overlong_buffer_tokens=self.a.overlong_buffer_tokens,
                 penalty_factor=self.a.overlong_penalty_factor,
             )
+        ungraded = [self.leave_out_ungraded and g.ungraded for g in result.grades]
+        preds = [g.pred for g in result.grades]
         return Scored(
-            acc, reward + penalty, penalty, [g.pred for g in result.grades], result.num_timeouts, result.num_crashes
+            acc, reward + penalty, penalty, preds, ungraded, result.num_timeouts, result.num_crashes, result.num_retried
         )

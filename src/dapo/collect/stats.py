@@ -48,6 +48,7 @@ class CollectStats:
     acc_sum: float = 0.0  # over every generated sample (the honest training accuracy)
     timeouts: int = 0
     worker_crashes: int = 0
+    grading_retries: int = 0
     cap_hit: bool = False
     seconds_generate: float = 0.0
     seconds_reward: float = 0.0
@@ -101,6 +102,7 @@ def sampling_metrics(cstats: CollectStats, *, buffer_groups: int, gen_rounds_tot
     return {
         "reward/timeouts": cstats.timeouts,
         "reward/worker_crashes": cstats.worker_crashes,
+        "reward/grading_retries": cstats.grading_retries,
         "rollout/acc_mean": cstats.acc_sum / max(cstats.samples_generated, 1),
         "sampling/gen_rounds": cstats.rounds,
         "sampling/prompts_generated": cstats.prompts_generated,

@@ -214,7 +214,12 @@ class RewardConfig:
     # math_dapo ("025" != "25"); dapo_relaxed: dapo + equal integers in any spelling ("025" == "25"); math, gsm8k, arith
     grader: Grader = "auto"
     num_workers: int = field(2, ge=1)  # grading worker processes
-    timeout_s: float = field(5.0, gt=0, unit="seconds")  # per-response time limit; a time-out scores as incorrect
+    # per-response limit in the grading worker's CPU seconds (a busy machine gives the same verdicts); a response
+    # that runs out is graded once more with twice the limit, then given up on (reward.ungraded)
+    timeout_s: float = field(5.0, gt=0, unit="CPU seconds")
+    # a response whose grading was given up on: leave_out leaves it out of its group's advantage and of the loss (its
+    # group's baseline is the others'); wrong scores it as a wrong answer. Counted in reward/timeouts either way
+    ungraded: Literal["leave_out", "wrong"] = "leave_out"
     # your own reward instead of reward.grader, as MODULE:FUNCTION: a module's name (my_rewards:reward) or a .py file
     # (rewards/mine.py:reward); the function takes (response, ground_truth) and returns a score (correct when > 0)
     # or (score, correct); it runs in the grading workers under reward.timeout_s; null: off

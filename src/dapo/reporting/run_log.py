@@ -101,7 +101,8 @@ def with_verl_names(metrics: dict) -> dict:
 
 def _held_out(row: dict, key: str) -> str:
     ci = f" [{100 * row[key + '_ci_low']:.1f}, {100 * row[key + '_ci_high']:.1f}]" if key + "_ci_low" in row else ""
-    return f"{100 * row[key]:.1f}%{ci}"
+    ungraded = row.get(key.rpartition("/")[0] + "/ungraded")  # samples grading gave up on: not in the figure
+    return f"{100 * row[key]:.1f}%{ci}" + (f" ({ungraded:.0f} ungraded)" if ungraded else "")
 
 
 def held_out_line(row: dict) -> str:

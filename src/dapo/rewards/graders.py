@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from dapo.rewards import math_equiv, minerva, numeric
 from dapo.rewards.math_equiv import GradingTimeout
 
-TIMEOUT_PRED = "[TIMEOUT]"  # the prediction of a response whose grading ran out of time
+TIMEOUT_PRED = "[TIMEOUT]"  # the prediction of a response whose grading ran out of time, retry included
+RETRY_FACTOR = 2.0  # an answer that ran out of time is graded once more with this many times the limit
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,12 @@ class Grade:
     score: float  # +1.0 correct, -1.0 otherwise
     acc: bool
     pred: str  # the extracted prediction ("[INVALID]" when none)
+
+    @property
+    def ungraded(self) -> bool:
+        """Whether grading gave up on the response (out of time, retry included): its score says nothing about
+        it, so training leaves it out of its group (reward.ungraded) and evaluation counts it apart."""
+        return self.pred == TIMEOUT_PRED
 
 
 def _as_grade(fn: Callable[[str, str], tuple[float, bool, str]]) -> Callable[[str, str], Grade]:
@@ -139,10 +146,17 @@ def check_batch(
 
 
 def grade(response: str, ground_truth: str, grader: str = "dapo") -> Grade:
-    """Grade one response in this process (no pool, no time limit beyond the graders' own caps)."""
+    """Grade one response in this process (no pool; the graders' own CPU-time limits, in the main thread only).
+    An answer that runs out of time is tried once more with RETRY_FACTOR times the limit, then given up on
+    (``Grade.ungraded``)."""
     check_inputs(response, ground_truth, grader)
     try:
         return GRADERS[grader](response, ground_truth)
+    except GradingTimeout:
+        pass
+    try:
+        with math_equiv.longer_limit(RETRY_FACTOR):
+            return GRADERS[grader](response, ground_truth)
     except GradingTimeout:
         return Grade(-1.0, False, TIMEOUT_PRED)
 

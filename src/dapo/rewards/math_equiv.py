@@ -4,18 +4,23 @@ The prediction is the content of the last `\\boxed{}` in the response tail, else
 `Answer:` line; math-verify parses both sides into sympy and compares them (fractions vs decimals,
 tuples, intervals, sets, percentages, units in `\\text{}`, thousands separators).
 
-Time: the work math-verify does for one comparison is bounded with SIGALRM here (not by
+Time: the work math-verify does for one comparison is bounded here in CPU seconds (not by
 math-verify, which would swallow its own time-out and report a plain "not equal"): past the limit
-`GradingTimeout` is raised, and the pool counts it in `reward/timeouts`. A signal only works in a
-process's main thread; elsewhere the caller must bound the time (RewardPool kills a worker that
-runs past its limit). A cheap screen also refuses the inputs that make sympy compute
-astronomically large integers (power towers, huge factorials), since no signal can interrupt
-a big-integer multiplication running in C.
+`GradingTimeout` is raised, and the caller retries the answer once with twice the limit before it
+gives up on it (``graders.grade``, the pool). CPU seconds, not wall seconds: a machine busy with
+other work stretches the wall time of a parse several times over, and a verdict must not depend
+on the load. One-time costs (importing math-verify and sympy, the first parse of each kind of
+expression, about 2 CPU seconds) are paid by `warm_up` before any answer's clock starts. The
+limit is a signal, so it works only in a process's main thread; elsewhere the caller must bound
+the time (RewardPool kills a worker past its limit). A cheap screen also refuses the inputs that
+make sympy compute astronomically large integers (power towers, huge factorials), since no signal
+can interrupt a big-integer multiplication running in C.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import signal
 import threading
@@ -29,10 +34,11 @@ from dapo.rewards.minerva import normalize_final_answer, normalized_truth, same_
 TAIL_CHARS = 1000
 INVALID = "[INVALID]"
 
-# Seconds math-verify may spend on one comparison (both parses and the check) where a signal can
-# stop it. Below the pool's default 5 s so that a slow-but-harmless answer scores -1 instead of
-# costing a worker.
+# CPU seconds math-verify may spend on one comparison (both parses and the check) where a signal
+# can stop it: after `warm_up`, a new kind of expression costs at most ~0.3 s on a slow core. Below
+# the pool's default 5 s so that a slow-but-harmless answer stops here instead of costing a worker.
 _INTERNAL_TIMEOUT_S = 2.0
+_limit_factor = 1.0  # 2.0 while an answer that ran out of time is tried again (`longer_limit`)
 
 
 class GradingTimeout(BaseException):
@@ -116,23 +122,61 @@ def _math_verify():
 
 
 @contextlib.contextmanager
-def _time_limit(seconds: float):
-    """Raise GradingTimeout in the block after ``seconds``; no limit outside the main thread (signals
-    go only there), where the caller bounds the time."""
+def longer_limit(factor: float):
+    """The block's comparisons get ``factor`` times the usual CPU limit (the retry of an answer that ran out)."""
+    global _limit_factor
+    previous, _limit_factor = _limit_factor, factor
+    try:
+        yield
+    finally:
+        _limit_factor = previous
+
+
+@contextlib.contextmanager
+def _cpu_time_limit(seconds: float):
+    """Raise GradingTimeout in the block once this process has spent ``seconds`` CPU seconds in it
+    (ITIMER_PROF: user + system time, which waiting for a busy core does not add to); no limit outside
+    the main thread (signals go only there), where the caller bounds the time."""
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
         yield
         return
 
     def expire(signum, frame):
-        raise GradingTimeout(f"math grading took over {seconds} s")
+        raise GradingTimeout(f"math grading took over {seconds:g} CPU seconds")
 
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    previous = signal.signal(signal.SIGPROF, expire)
+    signal.setitimer(signal.ITIMER_PROF, seconds)
     try:
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, previous)
+
+
+# One of each kind of expression whose first parse or comparison in a process costs far more than
+# later ones (sympy builds its printers, assumption tables and solvers lazily): tuples with constants,
+# polynomials, roots, intervals, sets, percentages, text, relations.
+_WARM_UP = (
+    ("\\left( 3, \\frac{\\pi}{2} \\right)", "(3,\\pi/2)"),
+    ("(x+1)^2", "x^2+2x+1"),
+    ("3\\sqrt{2}", "\\sqrt{18}"),
+    ("[2, 5)", "[2,5)"),
+    ("\\{2, 1\\}", "\\{1,2\\}"),
+    ("10\\%", "0.1"),
+    ("\\text{(C)}", "C"),
+    ("x \\in [2,5)", "[2,5)"),
+    ("\\sin(\\pi/6)", "\\frac{1}{2}"),
+)
+
+
+@cache
+def warm_up() -> None:
+    """Pay the math grader's one-time costs now, on no answer's clock: the imports and one comparison of each
+    kind in _WARM_UP (about 2 CPU seconds, once per process; a grading worker inherits it from its fork server)."""
+    mv, _ = _math_verify()
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns of every timeout it does not set
+    for pred, truth in _WARM_UP:
+        mv.verify(_parse(f"${truth}$"), _parse(f"${pred}$"), timeout_seconds=None)
 
 
 def _parse(text: str) -> list:
@@ -210,7 +254,8 @@ def equivalent(pred: str, ground_truth: str) -> bool:
             return True
     if _costly(pred) and not _costly(ground_truth):
         return False
-    with _time_limit(_INTERNAL_TIMEOUT_S):
+    warm_up()
+    with _cpu_time_limit(_INTERNAL_TIMEOUT_S * _limit_factor):
         truth = _parsed_truth(ground_truth)
         guess = _parsed_prediction(pred)
         if not truth or not guess:

@@ -1,9 +1,15 @@
 """RewardPool: grade untrusted responses in worker processes, with a time limit on every response.
 
 Workers start once and are reused. `score` sends them chunks of items; before each item a worker writes
-(index, start time) into a shared array, so the parent can SIGKILL the worker of an item past `timeout_s`
-("[TIMEOUT]") or blame the item a dead worker was on ("[CRASH]"), start a replacement and resend the
-rest of the chunk. Why not pebble (limits per task, ~10x slower one task per response): docs/architecture.md.
+(index, start time, its CPU seconds so far) into a shared array, so the parent can SIGKILL the worker of an
+item past its limit or blame the item a dead worker was on ("[CRASH]"), start a replacement and resend the rest
+of the chunk. The limit is the worker's own CPU seconds on the item (`timeout_s`), read from the kernel, so a
+machine busy with other work gives the same verdicts; a wall-clock backstop `_WALL_FACTOR` times longer stops a
+worker stuck off the CPU (sleeping, waiting on I/O). Start-up (imports, math-verify's warm-up, inherited from
+the fork server) is on no item's clock. An item that runs out of time is graded once more in a fresh worker with
+`RETRY_FACTOR` times the limit; one that runs out again is given up on ("[TIMEOUT]", `Grade.ungraded`), never
+scored as a wrong answer by the pool's callers. Why not pebble (limits per task, ~10x slower one task per
+response): docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -25,7 +31,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_for
 
-from dapo.rewards.graders import RAW_GRADERS, TIMEOUT_PRED, Grade, check_batch, check_extra_graders, resolve_grader
+from dapo.rewards import math_equiv
+from dapo.rewards.graders import (
+    RAW_GRADERS,
+    RETRY_FACTOR,
+    TIMEOUT_PRED,
+    Grade,
+    check_batch,
+    check_extra_graders,
+    resolve_grader,
+)
 from dapo.rewards.math_equiv import GradingTimeout
 from dapo.rewards.reward_fn import REWARD_FN, RewardFnError, load_reward_fns, pickle_reward_fn, pickle_reward_fns
 
@@ -33,7 +48,9 @@ CRASH_PRED = "[CRASH]"
 _FAILED = {"timeout": (-1.0, False, TIMEOUT_PRED), "crash": (-1.0, False, CRASH_PRED)}
 _FLUSH_S = 0.01  # a worker sends what it has graded at least this often
 _MAX_CHUNK, _CHUNKS_PER_WORKER = 256, 4  # balance load, yet keep pipe round trips few
-_STARTUP_TIMEOUT_S = 60.0  # importing and warming up math-verify takes ~1-2 s under spawn
+_STARTUP_TIMEOUT_S = 60.0  # importing and warming up math-verify takes ~2-3 CPU seconds under spawn
+_WALL_FACTOR = 4.0  # the wall-clock backstop, in multiples of the CPU limit: a worker on a quarter of a core passes
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _MAX_STARTUP_FAILURES = 3  # workers in a row that die before ready: the pool gives up
 _MAX_ATTEMPTS = 3  # deaths between items before the next item is blamed for them
 
@@ -44,9 +61,20 @@ IN_WORKER = False
 @dataclass
 class PoolResult:
     grades: list[Grade]
-    num_timeouts: int
+    num_timeouts: int  # given up on after their retry: ungraded
     num_crashes: int
     seconds: float
+    num_retried: int = 0  # ran out of time once and were graded again with RETRY_FACTOR times the limit
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """The CPU seconds (user + system) process ``pid`` has used, from the kernel; None where it does not say."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+        return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _limit_memory(extra_mb: int | None) -> None:
@@ -76,7 +104,7 @@ def _worker_main(conn, progress, memory_limit_mb, extra_graders, reward_fns, mai
     _limit_memory(memory_limit_mb)  # after the caller's module has loaded: the cap is on what grading adds
     fns = {**RAW_GRADERS, **{name: resolve_grader(path) for name, path in extra_graders.items()}, **user_fns}
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # it logs every timeout with the text
-    RAW_GRADERS["math"]("The answer is \\boxed{\\frac{1}{2}}", "0.5")  # warm up once, not on a real item
+    math_equiv.warm_up()  # once, on no item's clock (done already where the fork server preloaded it)
     RAW_GRADERS["dapo"]("Answer: 1", "1")
     conn.send(("ready", os.getpid()))
     while True:
@@ -85,11 +113,13 @@ def _worker_main(conn, progress, memory_limit_mb, extra_graders, reward_fns, mai
         except (EOFError, OSError):  # the pool closed the pipe
             return
         out, last_flush = [], time.monotonic()
-        for i, response, truth, name in task:
-            progress[1] = time.monotonic()  # start time first, index second: the parent reads index twice
+        for i, response, truth, name, factor in task:
+            progress[2] = time.process_time()  # start times first, index last: the parent reads index twice
+            progress[1] = time.monotonic()
             progress[0] = i
             try:
-                out.append((i, fns[name](response, truth), None, None))
+                with math_equiv.longer_limit(factor):
+                    out.append((i, fns[name](response, truth), None, None))
             except GradingTimeout:  # the grader's own, softer limit: a time-out, worker stays
                 out.append((i, _FAILED["timeout"], "timeout", None))
             except MemoryError:  # the heap may be broken: report the item, then let a fresh worker take over
@@ -111,7 +141,8 @@ def _context():
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["dapo.rewards.pool", "math_verify"])  # replacements start in ms, not seconds
+    # replacements start in ms, not seconds, with the math grader's one-time costs paid once, in the server
+    ctx.set_forkserver_preload(["dapo.rewards.pool", "dapo.rewards.warmed"])
     return ctx
 
 
@@ -132,7 +163,7 @@ class _Worker:
     """One worker process and the parent's view of it."""
 
     def __init__(self, ctx, args: tuple):
-        self.progress = ctx.RawArray(ctypes.c_double, 2)
+        self.progress = ctx.RawArray(ctypes.c_double, 3)  # item index, its wall start, the CPU seconds at its start
         self.conn, child_conn = ctx.Pipe(duplex=True)
         self.process = ctx.Process(
             target=_worker_main, args=(child_conn, self.progress, *args), daemon=True, name="dapo-reward-worker"
@@ -142,13 +173,32 @@ class _Worker:
         child_conn.close()
         self.started, self.ready = time.monotonic(), False
         self.remaining: deque[int] = deque()  # indices sent and not yet answered, in order
+        self.fresh = True  # has graded nothing: where an item that ran out of time is graded again
+        self.limit_s = math.inf  # the CPU limit of the items of the chunk it holds
 
-    def deadline(self, timeout_s: float) -> float:
-        """When start-up or the item in progress runs out of time; inf when idle, or read between items."""
+    def send(self, items: list[tuple], limit_s: float) -> None:
+        self.remaining, self.fresh, self.limit_s = deque(i for i, *_ in items), False, limit_s
+        # the clocks run from now: a worker stuck before its first item is judged too
+        self.progress[2], self.progress[1], self.progress[0] = self.cpu_seconds() or 0.0, time.monotonic(), -1
+        self.conn.send(items)
+
+    def cpu_seconds(self) -> float | None:
+        return _cpu_seconds(self.process.pid)
+
+    def over_limit(self, now: float) -> bool:
+        """Whether start-up or the item in progress has run out of time: its CPU seconds past ``limit_s``, or its
+        wall seconds past the backstop (wall seconds alone where the kernel gives no CPU seconds)."""
         if not self.ready:
-            return self.started + _STARTUP_TIMEOUT_S
-        index, start = self.progress[0], self.progress[1]
-        return start + timeout_s if self.remaining and self.progress[0] == index else math.inf
+            return now > self.started + _STARTUP_TIMEOUT_S
+        if not self.remaining:
+            return False
+        index, start, cpu_start = self.progress[0], self.progress[1], self.progress[2]
+        cpu = self.cpu_seconds()
+        if self.progress[0] != index:  # read between items: judged at the next look
+            return False
+        if cpu is None:
+            return now - start > self.limit_s
+        return cpu - cpu_start > self.limit_s or now - start > _WALL_FACTOR * self.limit_s
 
     def stop(self) -> None:
         self.process.kill()
@@ -214,7 +264,8 @@ class RewardPool:
                 raise RuntimeError("RewardPool is closed")
             results, failures = self._run(items)
         grades = [Grade(*r) for r in results]
-        return PoolResult(grades, failures["timeout"], failures["crash"], time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        return PoolResult(grades, failures["timeout"], failures["crash"], seconds, failures["retried"])
 
     def close(self) -> None:
         with self._lock:
@@ -233,35 +284,47 @@ class RewardPool:
         n = len(items)
         size = max(1, min(_MAX_CHUNK, math.ceil(n / (self.num_workers * _CHUNKS_PER_WORKER))))
         self._pending = deque(list(range(s, min(n, s + size))) for s in range(0, n, size))
+        self._retries: deque[int] = deque()  # items that ran out of time once, for a fresh worker
         self._items, self._results, self._left = items, [None] * n, n
         self._failures, self._attempts = Counter(), Counter()
         for slot, w in enumerate(self._workers):
             if w.remaining:  # still busy for a call that was interrupted: its results are stale
                 self._replace(slot)
+        # how often busy workers' CPU clocks are read: a tenth of the limit, at most 4 times a second
+        look_s = min(0.25, self.timeout_s / 10)
         while self._left:
             self._dispatch()
             workers, now = list(self._workers), time.monotonic()
-            deadline = min([now + 1.0] + [w.deadline(self.timeout_s) for w in workers])  # once a second at least
-            ready = wait_for([x for w in workers for x in (w.conn, w.process.sentinel)], max(0, deadline - now) + 1e-3)
+            busy = any(w.remaining or not w.ready for w in workers)
+            ready = wait_for([x for w in workers for x in (w.conn, w.process.sentinel)], look_s if busy else 1.0)
             for slot, w in enumerate(workers):
                 if w.conn in ready or w.process.sentinel in ready:
                     self._receive(slot)
             now = time.monotonic()
             for slot, w in enumerate(self._workers):
-                if now > w.deadline(self.timeout_s):
+                if w.over_limit(now):
                     self._lost(slot, "timeout")
         return self._results, self._failures
 
     def _dispatch(self) -> None:
+        """Idle workers get work: an item to grade again goes alone to a fresh worker (where none is ready or
+        starting, an idle one that has graded is replaced for it), the chunks in order to the others."""
         for slot, w in enumerate(self._workers):
-            if self._pending and w.ready and not w.remaining:
-                chunk = self._pending.popleft()
-                w.remaining = deque(chunk)
-                w.progress[1], w.progress[0] = time.monotonic(), -1  # the clock runs from now: "not started"
-                try:
-                    w.conn.send([(i, *self._items[i]) for i in chunk])
-                except OSError:
-                    self._lost(slot, "crash")
+            if not (w.ready and not w.remaining):
+                continue
+            if self._retries and not w.fresh and not any(x.fresh for x in self._workers):
+                self._replace(slot)
+                continue
+            if self._retries and w.fresh:
+                chunk, limit = [self._retries.popleft()], RETRY_FACTOR
+            elif self._pending:
+                chunk, limit = self._pending.popleft(), 1.0
+            else:
+                continue
+            try:
+                w.send([(i, *self._items[i], limit) for i in chunk], limit * self.timeout_s)
+            except OSError:
+                self._lost(slot, "crash")
 
     def _receive(self, slot: int) -> None:
         w = self._workers[slot]
@@ -288,6 +351,10 @@ class RewardPool:
         if failure == "invalid":
             raise RewardFnError(detail)
         w.remaining.remove(i)  # the first one, unless it is a dead worker's item
+        if failure == "timeout" and w.limit_s == self.timeout_s:  # its first time out: once more, with longer
+            self._retries.append(i)
+            self._failures["retried"] += 1
+            return
         self._results[i], self._left = result, self._left - 1
         self._failures[failure] += 1
         name = self._items[i][2]
