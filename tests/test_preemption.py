@@ -380,3 +380,33 @@ def test_a_signal_to_the_launch_ray_driver_reaches_every_rank_and_the_relaunch_i
 
 if __name__ == "__main__":
     {"ranks": ranks_worker, "resume": resume_worker}[sys.argv[1]](*sys.argv[2:])
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler of its own for ``sig`` (the SigCgt mask of /proc/PID/status)."""
+    with open(f"/proc/{pid}/status") as f:
+        caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    return bool(caught >> (sig - 1) & 1)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc/PID/status")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_dapo_train_stopped_while_it_starts_exits_75_in_one_line(tiny_model_dir, tmp_path, sig):
+    """A scheduler's signal in a run's first seconds (here: as soon as the process handles it, while it imports torch
+    and transformers) ends it as a stop mid-training does: exit code 75, one line, nothing left behind."""
+    from test_parallel import REPO, env_for_children
+
+    cmd = [sys.executable, "-m", "dapo.cli", "train", "configs/demo.yaml", *SMALL_OVERRIDES]
+    cmd += [f"model.path={tiny_model_dir}", f"run.dir={tmp_path}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env_for_children(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not _catches(proc.pid, sig) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.005)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    err = err.decode()
+    assert proc.returncode == preemption.EXIT_CODE, err[-3000:]
+    name = signal.Signals(sig).name
+    line = f"stopped by {name} before training began: nothing to save; start the run again (exit code 75)"
+    assert err.strip() == line
+    assert not (tmp_path / "t").exists()  # a start that failed leaves no run directory

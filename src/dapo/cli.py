@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import sys
@@ -24,6 +25,7 @@ from pathlib import Path
 from dapo.config import PRESET_DIR, Config, ConfigError, load_config, resolve_preset
 from dapo.config.schema import Dtype
 from dapo.config.summary import settings_summary
+from dapo.runtime import starting
 
 # each command's name, handler, one-line help, its own arguments and parser keywords, in the order of `dapo --help`;
 # build_parser adds --verbose to each, and to those that take key=value overrides the settings of the config tree
@@ -90,6 +92,7 @@ def train_and_summarise(cfg, *, title: str) -> None:
     t0 = time.perf_counter()
     with removed_if_start_fails(cfg.run_dir):
         train(cfg)
+    starting.training_ended()
     wall_s = time.perf_counter() - t0
     if os.environ.get("RANK", "0") != "0":
         return
@@ -452,6 +455,17 @@ def main(argv: list[str] | None = None) -> int:
     verbose = getattr(args, "verbose", False)
     if verbose:
         os.environ["DAPO_VERBOSE"] = "1"  # worker processes (ablate, Ray) inherit it
+    # a training command stopped while it starts (the imports below included) exits as one stopped mid-training
+    with starting.stop_while_starting() if args.command in ("train", "demo") else contextlib.nullcontext():
+        try:
+            return _run(args, verbose)
+        except starting.StoppedStarting as stop:
+            if os.environ.get("RANK", "0") == "0":  # under torchrun every rank has the same line
+                print(stop.line, file=sys.stderr, flush=True)
+            return starting.EXIT_CODE
+
+
+def _run(args, verbose: bool) -> int:
     from transformers.utils import logging as hf_logging
 
     from dapo.runtime.libraries import setup_library_logging

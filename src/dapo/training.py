@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -299,9 +300,16 @@ def train(cfg: Config, *, console=None, inputs: RunInputs | None = None) -> dict
 
 # one run in its own process, as the ablation runner starts them: python -m dapo.training PRESET [key=value ...]
 if __name__ == "__main__":
+    from dapo.runtime import starting
+
     try:
-        train(load_config(sys.argv[1], sys.argv[2:]))
+        with starting.stop_while_starting():  # a stop while the model loads: as in `dapo train`
+            train(load_config(sys.argv[1], sys.argv[2:]))
     except preemption.Stopped as stopped:  # as `dapo train`: the stop line alone (rank 0's), exit code 75
         if stopped.main:
             print(stopped, file=sys.stderr, flush=True)
         sys.exit(stopped.exit_code)
+    except starting.StoppedStarting as stop:
+        if os.environ.get("RANK", "0") == "0":
+            print(stop.line, file=sys.stderr, flush=True)
+        sys.exit(starting.EXIT_CODE)

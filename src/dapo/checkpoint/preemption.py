@@ -42,15 +42,14 @@ import torch
 
 from dapo.checkpoint import files as checkpoint_files
 from dapo.runtime import parallel, watchdog
+from dapo.runtime.starting import EXIT_CODE, SIGNALS
 
-EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): a temporary failure, start the job again; README: requeue on it
 REPEAT_S = 5.0  # a second signal this soon after the first is the same stop delivered twice
 # True where the process ends with the run (`dapo train`, a Ray rank): once the training loop is over (stopped or
 # finished) the signals stay ignored, so that a repeat of the signal (a scheduler's and a launcher's) or a late one
 # cannot turn the exit code (75, or 0 for a finished run) into a death by signal on the way out; elsewhere (a
 # caller's process, a test) the handlers in place before the run come back
 PROCESS_ENDS_WITH_RUN = False
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # the phases a single process leaves at once: before the update they only read the weights
 ABANDON = ("generate", "reward", "old_logprob")
 
