@@ -55,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "src"))
 from gpu_harness import Harness, gib, pct  # noqa: E402
+from runs import machine  # noqa: E402
 
 PAPER_RESPONSE = 20480
 
@@ -441,6 +442,7 @@ def main() -> None:
                         "failed": failed,
                         "done": done,
                         "all_parts": list(PARTS),
+                        "machine": machine(),  # the host CPU; the GPU is the header's
                     },
                     indent=1,
                     default=str,

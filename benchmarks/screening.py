@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from dapo.reporting.run_log import held_out_keys  # noqa: E402
-from runs import generation, mean_ci, run_together, time_ratio, withheld  # noqa: E402
+from runs import generation, machine, mean_ci, run_together, time_ratio, withheld  # noqa: E402
 
 SETTINGS = {
     "demo600": (
@@ -251,6 +251,7 @@ def main() -> None:
         args.seeds = min(args.seeds, 2)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     everything = {"command": "python " + " ".join(sys.argv), "date": date.today().isoformat(), "commit": commit}
+    everything["machine"] = machine()  # the load is each batch's, beside its seeds
     tables = []
     for name in args.settings.split(","):
         results = run_setting(name, args)
