@@ -19,7 +19,7 @@ last evaluation) and at equal generated tokens (each curve read at the fewest to
 generated), generated tokens and CPU seconds until a run first reaches dynamic sampling's final accuracy, and the
 ratios against dynamic sampling. A ratio of wall times is printed only where no run behind it shared the machine
 with other work (benchmarks/runs.py says why otherwise). --json writes everything, every seed and the load each
-batch saw; --markdown the tables benchmarks/RESULTS.md shows. A seed whose sides all finished before (the same
+batch saw; --markdown the tables (as in benchmarks/results/screening/). A seed whose sides all finished before (the same
 commands; benchmark_summary.json in each run) is kept, so an interrupted benchmark resumes at its first unfinished
 seed.
 """
@@ -244,7 +244,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="a few steps, fewer held-out problems: the script itself")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench_screening"))
     ap.add_argument("--json", default=None, help="write every seed's figures and the load each batch saw")
-    ap.add_argument("--markdown", default=None, help="write the tables (benchmarks/RESULTS.md's)")
+    ap.add_argument("--markdown", default=None, help="write the tables as Markdown")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     if args.smoke:
