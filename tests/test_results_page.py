@@ -1,6 +1,6 @@
 """benchmarks/RESULTS.md is what scripts/results_page.py renders from benchmarks/results/*.json, at most 400 lines,
 and every results file says when, at which commit, on what machine and under which load its figures were measured,
-or that the record does not say."""
+or that the record does not say; the screening summaries are their details files' seeds."""
 
 from __future__ import annotations
 
@@ -90,3 +90,21 @@ def test_an_unknown_group_fails():
     content = read_results()["memory"] | {"group": "Elsewhere"}
     with pytest.raises(ValueError, match="'Elsewhere'"):
         render({"memory": content})
+
+
+@pytest.mark.parametrize(("name", "details"), [("screening_on_demo", "demo"), ("screening_on_smollm2", "smollm2")])
+def test_the_screening_summaries_are_their_details_files_every_seed_as_measured(name, details):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from screening import at_tokens
+
+    runs = json.loads((ROOT / "benchmarks" / "results" / "screening" / f"{details}.json").read_text())
+    for setting, table in read_results()[name]["figures"].items():
+        measured = runs[setting.split(":")[0]]
+        budget = min(r["curve"][-1]["tokens"] for rs in measured.values() for r in rs)  # every side's, as printed
+        per_seed = {table[i]["side"]: table[i + 1] for i in range(0, len(table), 2)}  # a side, then its seeds
+        for side, row in per_seed.items():
+            rs = measured[side]
+            assert row["tokens per trained token"] == [round(r["tokens_per_trained"], 2) for r in rs]
+            assert row["CPU s / step"] == [round(r["cpu_s_per_step"], 2) for r in rs]
+            assert row["held-out at equal steps (%)"] == [round(100 * r["curve"][-1]["acc"], 1) for r in rs]
+            assert row["held-out at equal tokens (%)"] == [round(100 * at_tokens(r["curve"], budget), 1) for r in rs]
