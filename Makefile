@@ -73,19 +73,22 @@ $(QWEN_CODER_DIR)/config.json: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/dapo demo
 
-# ruff's lint and format check first: a style error fails `make test`, so CI
+# ruff's lint and format check first: a style error fails `make test`, so CI; then the generated pages
+# (docs/architecture.md, the reference, benchmarks/RESULTS.md) against what their scripts render
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	@$(PY) scripts/architecture_lines.py scripts/architecture.in.md | diff -q - docs/architecture.md >/dev/null \
 		|| { echo "docs/architecture.md is stale: make format"; exit 1; }
 	@$(PY) scripts/reference.py --check
+	@$(PY) scripts/results_page.py --check
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 	$(PY) scripts/architecture_lines.py scripts/architecture.in.md > docs/architecture.md
 	$(PY) scripts/reference.py
+	$(PY) scripts/results_page.py
 
 # the suite in TEST_WORKERS pytest processes (one per core of a 2-core machine: one process alone keeps one core
 # busy on average), each test file whole in one of them so its module fixtures are built once

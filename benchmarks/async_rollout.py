@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 from dapo.collect.ahead import AheadThread  # noqa: E402
 from dapo.reporting.run_log import held_out_keys  # noqa: E402
-from runs import Meter, describe, mean_ci, run_alone, time_ratio, withheld  # noqa: E402
+from runs import Meter, describe, machine, mean_ci, run_alone, time_ratio, withheld  # noqa: E402
 
 
 # ---- the pipeline with controlled latencies ---------------------------------------------------------------------
@@ -205,10 +205,10 @@ def main() -> None:
                     flush=True,
                 )
                 if args.json:  # as it goes: a stopped sweep is picked up with --reuse
-                    Path(args.json).write_text(json.dumps(results, indent=1))
+                    Path(args.json).write_text(json.dumps(results | {"machine": machine()}, indent=1))
     report(results)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        Path(args.json).write_text(json.dumps(results | {"machine": machine()}, indent=1))
 
 
 def report(results: dict[str, list[dict]]) -> None:

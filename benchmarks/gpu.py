@@ -1,5 +1,6 @@
 """The GPU figures (update throughput and MFU, peak memory at the paper's length, HF rollout, a preset step),
-on randomly initialised models of real shapes, printed as a markdown block for benchmarks/RESULTS.md.
+on randomly initialised models of real shapes, printed as a Markdown table (--json keeps them; a run's figures go
+into a results file under benchmarks/results/, from which benchmarks/RESULTS.md is rendered).
 
     python benchmarks/gpu.py [--parts peak,update,kernels,lora7b,memory,rollout,preset,profile] [--json OUT.json]
     python benchmarks/gpu.py --smoke     # tiny shapes on whatever device there is (CPU here): the script runs
@@ -55,6 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "src"))
 from gpu_harness import Harness, gib, pct  # noqa: E402
+from runs import machine  # noqa: E402
 
 PAPER_RESPONSE = 20480
 
@@ -441,6 +443,7 @@ def main() -> None:
                         "failed": failed,
                         "done": done,
                         "all_parts": list(PARTS),
+                        "machine": machine(),  # the host CPU; the GPU is the header's
                     },
                     indent=1,
                     default=str,

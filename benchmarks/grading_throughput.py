@@ -13,6 +13,9 @@ the in-process grader runs in one process too; after one warm-up batch, every ru
 batch (new prompts, new responses). Printed: the median over runs, each way's CPU seconds (the pool's: its
 workers' too) beside its wall seconds over the timed runs, and the pool's rate over the in-process one, only where
 neither way saw more load than the benchmark's own jobs (a worker each; benchmarks/runs.py's Meter).
+
+What it is for: checking that a change to the reward pool (rewards/pool.py) or to a grader keeps its throughput,
+the pool against grading in-process on the same batches.
 """
 
 from __future__ import annotations

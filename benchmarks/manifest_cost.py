@@ -10,6 +10,9 @@ verify of the written checkpoint (what resume, `dapo export` and `dapo eval --ru
 with the CPU seconds of the saves beside their wall seconds. The saves are measured for load (benchmarks/runs.py's
 Meter, the process's torch threads its own jobs): where they saw more, the manifest's share of a save is not
 printed, and a line says why.
+
+What it is for: pricing the manifest that resuming checks (docs/reliability.md), so that a change to how checkpoints
+are written or verified shows what it adds to every save.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ the median over runs, and overhead = bare tokens/s / ours - 1, per run, then the
 Time is the process's CPU time (one torch thread), printed beside wall time (each side's CPU and wall seconds
 summed over the timed runs). Each side's calls are measured for load (benchmarks/runs.py's Meter): where either
 side saw more load than its own torch threads, the overhead is not printed, and a line says why.
+
+What it is for: checking that the engine adds nothing to speak of over the bare call it wraps, after a change to
+rollout/hf.py. No figure of it is on the results page: the ones measured so far shared the machine with other work.
 """
 
 from __future__ import annotations

@@ -17,12 +17,16 @@ Work timed inside a benchmark's own process is measured the same way by a ``Mete
 call of a side adds its wall seconds, its CPU seconds (this process's threads, its children and its live
 descendants: a reward pool's workers, vLLM's engine core) and the load meanwhile; ``withheld`` says why a ratio
 over some sides' loads is no figure (None when there is none to say).
+
+``machine()`` is the CPU a benchmark ran on (model, AMX, AVX-512, cores), for the results file it writes: a time
+measured on one CPU says little about another (an AMX Xeon's float32 matmuls ran 2x an older one's).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import platform
 import resource
 import statistics
 import subprocess
@@ -47,6 +51,32 @@ def mean_ci(xs: list[float]) -> tuple[float, float]:
     if len(xs) < 2:
         return m, 0.0
     return m, T975.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
+
+
+def machine(cpuinfo: str | None = None) -> dict:
+    """The CPU this runs on, for a results file: its model name, whether it has AMX tiles (``amx_tile``: bf16
+    matmuls on tile units) and AVX-512 (``avx512f``), the machine's cores and the cores this process may use.
+    ``cpuinfo``: /proc/cpuinfo's text (read when None); where it says nothing (not Linux), the model is
+    platform's and AMX and AVX-512 are None (not known)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    first: dict[str, str] = {}  # the first processor's fields: the others repeat them on one machine
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            first.setdefault(key.strip(), value.strip())
+    flags = set(first["flags"].split()) if "flags" in first else None
+    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None  # not on macOS
+    return {
+        "cpu": first.get("model name") or platform.processor() or None,
+        "amx": None if flags is None else "amx_tile" in flags,
+        "avx512": None if flags is None else "avx512f" in flags,
+        "cores": os.cpu_count(),
+        "usable_cores": len(usable) if usable is not None else os.cpu_count(),
+    }
 
 
 @dataclass

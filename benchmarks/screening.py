@@ -19,7 +19,7 @@ last evaluation) and at equal generated tokens (each curve read at the fewest to
 generated), generated tokens and CPU seconds until a run first reaches dynamic sampling's final accuracy, and the
 ratios against dynamic sampling. A ratio of wall times is printed only where no run behind it shared the machine
 with other work (benchmarks/runs.py says why otherwise). --json writes everything, every seed and the load each
-batch saw; --markdown the tables benchmarks/RESULTS.md shows. A seed whose sides all finished before (the same
+batch saw; --markdown the tables (as in benchmarks/results/screening/). A seed whose sides all finished before (the same
 commands; benchmark_summary.json in each run) is kept, so an interrupted benchmark resumes at its first unfinished
 seed.
 """
@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from dapo.reporting.run_log import held_out_keys  # noqa: E402
-from runs import generation, mean_ci, run_together, time_ratio, withheld  # noqa: E402
+from runs import generation, machine, mean_ci, run_together, time_ratio, withheld  # noqa: E402
 
 SETTINGS = {
     "demo600": (
@@ -244,13 +244,14 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="a few steps, fewer held-out problems: the script itself")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench_screening"))
     ap.add_argument("--json", default=None, help="write every seed's figures and the load each batch saw")
-    ap.add_argument("--markdown", default=None, help="write the tables (benchmarks/RESULTS.md's)")
+    ap.add_argument("--markdown", default=None, help="write the tables as Markdown")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     if args.smoke:
         args.seeds = min(args.seeds, 2)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     everything = {"command": "python " + " ".join(sys.argv), "date": date.today().isoformat(), "commit": commit}
+    everything["machine"] = machine()  # the load is each batch's, beside its seeds
     tables = []
     for name in args.settings.split(","):
         results = run_setting(name, args)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
-from runs import describe, mean_ci, run_alone  # noqa: E402
+from runs import describe, machine, mean_ci, run_alone  # noqa: E402
 
 SIDES = {"text-only demo": ("configs/demo.yaml", []), "with the tool": ("configs/demo_tools.yaml", [])}
 CONTROL = {"tool base, no tool": ("configs/demo_tools.yaml", ["tools.python=false"])}
@@ -101,7 +101,7 @@ def main() -> None:
     m, h = mean_ci(gain)  # the two sides start from different base models: what each added, compared
     print(f"  gain over its own base, tool - text (paired by seed): {m:+.3f} [{m - h:+.3f}, {m + h:+.3f}]")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        Path(args.json).write_text(json.dumps(results | {"machine": machine()}, indent=1))
 
 
 if __name__ == "__main__":

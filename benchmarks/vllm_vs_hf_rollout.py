@@ -7,6 +7,9 @@ model (assets/arith-base) and threads; each is warmed up once, then the best of 
 is reported, as response tokens per second, with each engine's CPU and wall seconds over its timed rounds (this
 process and its descendants). The ratio vllm/hf is printed only where neither engine's rounds saw more load than
 its own threads (benchmarks/runs.py's Meter); otherwise a line says why.
+
+What it is for: telling, on a given machine and model, whether the vLLM backend pays over transformers' generate
+(on 2 CPU cores and the demo's 1M-parameter model it does not: docs/vllm.md).
 """
 
 import argparse

@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import runs  # noqa: E402  (the benchmarks' record of the CPU, shared)
+
 # what a measured figure depends on: changes here that are not committed are recorded with the commit
 MEASURED_CODE = ("src", "configs", "assets", "pyproject.toml")
 # how busy the machine was when the measuring script started: times measured beside other work are longer
@@ -36,7 +39,8 @@ def _session_nice() -> int | None:
 
 
 def machine() -> dict:
-    """The machine a run was measured on: CPUs, how loaded they were, the libraries that decide the arithmetic."""
+    """The machine a run was measured on: its CPU (model, AMX, AVX-512, cores: ``runs.machine()``), how loaded it
+    was, the libraries that decide the arithmetic."""
     versions = {}
     for package in ("torch", "transformers"):
         try:
@@ -44,7 +48,7 @@ def machine() -> dict:
         except metadata.PackageNotFoundError:
             pass
     return {
-        "cpus": os.cpu_count(),
+        **runs.machine(),
         "load_average_1min": {"start": round(LOAD_AT_START, 2), "end": round(os.getloadavg()[0], 2)},
         # below 0: the run had priority over the machine's other work (Linux: per process, and per session)
         "nice": os.nice(0),

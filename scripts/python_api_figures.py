@@ -27,6 +27,15 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 from measurement import fail, record, write  # noqa: E402
 from test_api import readme_example  # noqa: E402
 
+# its section of benchmarks/RESULTS.md (scripts/results_page.py renders the page from the results file)
+PAGE = {
+    "title": "The README's Python API example",
+    "group": "The demo and the Python API example",
+    "measures": "README.md's Python API example run as written, as a script in an empty directory, so it trains from "
+    "scratch: held-out avg@4 before and after (95% intervals), the evaluate() line, the training's and the whole "
+    "script's wall seconds.",
+}
+
 _PCT = r"([\d.]+)% \[([\d.]+), ([\d.]+)\]"
 SUMMARY = re.compile(rf"held-out accuracy: (\S+) avg@(\d+) {_PCT} before -> {_PCT} after step (\d+)")
 EVALUATE = re.compile(r"held-out avg@(\d+) (\d\.\d+), 95% CI \(([-\d.e]+), ([-\d.e]+)\)")
@@ -80,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         quoted = [line for line in printed.splitlines() if any(p.search(line) for p in (SUMMARY, EVALUATE, WALL))]
         written_by = shlex.join(["python", "scripts/python_api_figures.py", *(argv or sys.argv[1:])])
         command = "python example.py  # README.md's Python API example as written, in an empty directory"
-        write(args.write, record(command, written_by, fig, printed=quoted))
+        write(args.write, record(command, written_by, fig, printed=quoted, **PAGE))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """benchmarks/runs.py: a ratio of times is printed only where every run behind it saw no more load than its own jobs,
-and a Meter counts the CPU seconds of the processes a block starts as well as its own."""
+a Meter counts the CPU seconds of the processes a block starts as well as its own, and machine() says which CPU
+the figures come from."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +12,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from runs import Load, Meter, time_ratio, withheld  # noqa: E402
+from runs import Load, Meter, machine, time_ratio, withheld  # noqa: E402
 
 QUIET = {"mean": 1.2, "own_jobs": 1, "foreign_frac": 0.01, "clean": True}
 BUSY = {"mean": 6.13, "own_jobs": 1, "foreign_frac": 0.818, "clean": False}
@@ -61,3 +63,21 @@ def test_a_meter_counts_the_cpu_of_the_processes_a_block_starts_and_adds_blocks_
     assert meter.cpu_s <= 1.1 * meter.wall_s + 0.05  # one single-threaded child at a time: counted once
     assert len(meter.load.samples) >= 4  # each block's start and end at least
     assert meter.record()["load"]["own_jobs"] == 1
+
+
+def test_machine_reads_this_machines_cpuinfo():
+    cpu = machine()
+    assert set(cpu) == {"cpu", "amx", "avx512", "cores", "usable_cores"}
+    assert isinstance(cpu["cpu"], str) and cpu["cpu"]
+    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    assert cpu["amx"] is ("amx_tile" in flags.split()) and cpu["avx512"] is ("avx512f" in flags.split())
+    assert cpu["cores"] == os.cpu_count() and 1 <= cpu["usable_cores"] <= cpu["cores"]
+
+
+def test_machine_tells_amx_and_avx512_from_the_flags_and_says_none_where_there_are_no_flags():
+    xeon = "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8481C\nflags\t\t: fpu avx2 avx512f amx_tile\n"
+    epyc = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx avx2\n"
+    assert machine(xeon)["cpu"] == "Intel(R) Xeon(R) Platinum 8481C"
+    assert (machine(xeon)["amx"], machine(xeon)["avx512"]) == (True, True)
+    assert (machine(epyc)["amx"], machine(epyc)["avx512"]) == (False, False)
+    assert (machine("")["amx"], machine("")["avx512"]) == (None, None)
