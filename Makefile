@@ -94,7 +94,7 @@ format: $(STAMP)
 # busy on average), each test file whole in one of them so its module fixtures are built once
 TEST_WORKERS ?= 2
 test: $(STAMP) $(VLLM_STAMP) lint sandbox docs
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # the documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link or anchor, a page missing from
 # the nav or a nav entry with no page fails the build

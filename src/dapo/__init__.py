@@ -12,6 +12,10 @@ would otherwise replace ``dapo.train`` with a module.
 
 import importlib as _importlib
 
+from dapo.runtime.threads import wait_passively as _wait_passively
+
+_wait_passively()  # before torch loads its OpenMP runtime: threads that wait sleep (dapo.runtime.threads)
+
 __version__ = "0.1.0"
 
 _API = {

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from dapo.config import PRESET_DIR, Config, ConfigError, dump_yaml, load_config, resolve_preset
 from dapo.reporting.run_log import held_out_keys, read_metrics
+from dapo.runtime.threads import usable_cpus
 
 ROW_FILE = re.compile(r"^(\d+)_[\w-]+\.yaml$")
 # what each row adds, and its AIME 2024 avg@32 in the paper's Table 1 (Qwen2.5-32B)
@@ -190,7 +191,7 @@ def execute(run: Run, threads: int) -> float:
 
 def run_all(base_run: Run, runs: list[Run], jobs: int, threads: int = 0, log=print) -> float:
     """Every unfinished run, ``jobs`` at a time; returns the wall time of this call."""
-    threads = threads or max(1, (os.cpu_count() or 1) // max(1, jobs))
+    threads = threads or max(1, usable_cpus() // max(1, jobs))
     todo = [r for r in [base_run, *runs] if not is_done(r)]
     stale = [str(r.dir) for r in todo if conflicts(r)]
     if stale:
@@ -429,7 +430,7 @@ def main_args(args) -> int:
         if jobs <= 0:
             import torch
 
-            jobs = 1 if torch.cuda.is_available() else (os.cpu_count() or 1)
+            jobs = 1 if torch.cuda.is_available() else usable_cpus()
         wall = run_all(base_run, runs, jobs, args.threads)
     report = write_report(out, runs, command=command, wall_s=wall)
     print(report.read_text())

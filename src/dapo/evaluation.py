@@ -308,6 +308,9 @@ def evaluate_model(model_dir, benches: list, cfg, *, reward_fn=None, progress=No
     from dapo.model.loading import load_model_and_tokenizer, pick_device
     from dapo.rewards.reward_fn import grader_name
     from dapo.rollout import make_rollout, with_tools
+    from dapo.runtime.threads import fit_torch_threads
+
+    fit_torch_threads()  # no more threads than the CPUs this process may use
 
     m, d, e = cfg.model, cfg.data, cfg.eval
     probe_truth = next((examples[0].ground_truth for _, examples in benches if examples), "1")

@@ -30,7 +30,7 @@ from dapo.reporting.trackers import check_installed, open_trackers, run_status
 from dapo.rewards.reward_fn import grader_name
 from dapo.rewards.sources import DataSet, grading_line
 from dapo.rollout import SamplingParams, make_training_engine, resolve_backend
-from dapo.runtime import parallel, watchdog
+from dapo.runtime import parallel, threads, watchdog
 from dapo.runtime.libraries import setup_library_logging
 from dapo.tasks import load_train_sets
 
@@ -42,6 +42,7 @@ def setup_ranks_and_run_dir(cfg: Config, stack: contextlib.ExitStack) -> paralle
     check_installed(cfg.run.loggers)  # before anything is built
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
+    threads.fit_torch_threads()  # no more threads than the CPUs this process may use
     d = parallel.init(cfg.model.device, rollout_ranks=cfg.rollout.ranks)  # torchrun, Ray: FSDP over the ranks
     checkpoint.prepare_run_dir(cfg.run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite, dist=d)
     log_path = setup_library_logging(cfg.run_dir, cfg.run.log_level, rank=d.rank)  # vLLM, Ray, transformers: train.log

@@ -32,6 +32,7 @@ from dapo.collect.base import StepBatch
 from dapo.collect.stats import CollectStats, RoundCounters, collection_metrics, next_keep_rate, round_seeds
 from dapo.config import ConfigError
 from dapo.runtime import parallel, watchdog
+from dapo.runtime.threads import usable_cpus
 
 
 @dataclass
@@ -149,7 +150,6 @@ def start_generating_ahead(cfg, dist, tokenizer, device, *, max_model_len: int, 
     getting ``rollout.engine_threads`` (half by default) and the trainer the rest. With rollout ranks
     (``dapo.rollout.ranks``): trainer rank 0 collects with them as its engine and hands each step's batch to the
     other training ranks, which follow (``FollowingRank``)."""
-    import os
 
     import torch
 
@@ -171,7 +171,7 @@ def start_generating_ahead(cfg, dist, tokenizer, device, *, max_model_len: int, 
         )
     from dapo.rollout.remote import RemoteEngine
 
-    cores = os.cpu_count() or 2
+    cores = usable_cpus()
     threads = cfg.rollout.engine_threads or max(1, cores // 2)
     torch.set_num_threads(max(1, cores - threads))
     remote = RemoteEngine(

@@ -3,10 +3,9 @@ decides how a training run's ranks share the engines (``make_training_engine``).
 
 from __future__ import annotations
 
-import os
-
 from dapo.model import lora
 from dapo.rollout.base import Generation, RolloutEngine, SamplingParams, ShardedRollout
+from dapo.runtime.threads import usable_cpus
 
 
 def resolve_backend(name: str) -> str:
@@ -64,7 +63,7 @@ def with_tools(engine: RolloutEngine, tokenizer, tools_cfg, env=None) -> Rollout
     t = tools_cfg
     return ToolRollout(
         engine, tokenizer, env, max_turns=t.max_turns, max_calls=t.max_calls, timeout_s=t.timeout_s,
-        output_chars=t.output_chars, workers=t.workers or min(32, os.cpu_count() or 4),
+        output_chars=t.output_chars, workers=t.workers or min(32, usable_cpus()),
     )  # fmt: skip
 
 
