@@ -1,6 +1,7 @@
 """Ray: a 2-rank run placed on a private local cluster trains, checkpoints and resumes; a cluster without auth is
 refused; a worker killed mid-step ends the job in one line and a new launch resumes."""
 
+import contextlib
 import hashlib
 import os
 import re
@@ -254,8 +255,8 @@ def test_a_ray_worker_killed_mid_step_ends_the_job_in_one_line_and_a_new_launch_
         seconds < 60
     )  # well within the watchdog's limits (a minute for a first run): nobody waits out the collectives
     found = re.match(
-        r"^error: launch-ray: the worker of rank 1 \(pid (\d+) on [\d.]+\) died mid-run \((\w+): .*\); the job "
-        r"is stopped; launch it again to resume from (\S+)$",
+        r"^error: launch-ray: the worker of rank 1 \(pid (\d+) on node [\d.]+ \w{8}\) died mid-run \((\w+): .*\); "
+        r"the job is stopped; launch it again to resume from (\S+)$",
         errors[0],
     )
     assert found, errors[0]
@@ -270,3 +271,163 @@ def test_a_ray_worker_killed_mid_step_ends_the_job_in_one_line_and_a_new_launch_
     console = re.sub(r"(\x1b\[\d+m)?\(TrainWorker pid=\d+\)(\x1b\[0m)? ?", "", resumed.stdout).replace("\n", "")
     assert f"resumed from {last}" in console
     assert [r["step"] for r in rows_of(run)] == [1, 2, 3, 4, 5]
+
+
+# ---- two Ray nodes on one machine ---------------------------------------------------------------------------
+# A Ray cluster of two nodes, as Ray's own tests make one: the head on 127.0.0.2 and a second node on 127.0.0.3
+# (Linux routes all of 127/8 to loopback), one CPU slot each. Each node's Ray starts in a directory of its own, as
+# `ray start` on two machines would, so its workers resolve a relative path there. On stdin, "kill" ends every
+# process of the second node at once (a machine lost) and "add" starts it again.
+TWO_NODES = """
+import os, sys
+from ray.cluster_utils import Cluster
+
+dir_a, dir_b = sys.argv[1:3]
+os.chdir(dir_a)
+head = {"node_ip_address": "127.0.0.2", "num_cpus": 1, "include_dashboard": False}
+cluster = Cluster(initialize_head=True, head_node_args=head)
+
+def second_node():
+    os.chdir(dir_b)
+    return cluster.add_node(node_ip_address="127.0.0.3", num_cpus=1)
+
+node = second_node()
+print(cluster.address, flush=True)
+for line in sys.stdin:
+    if line.strip() == "kill":
+        cluster.remove_node(node, allow_graceful=False)
+    else:
+        node = second_node()
+    print(line.strip(), "done", flush=True)
+cluster.shutdown()
+"""
+PLACED = re.compile(r"^launch-ray: node (127\.0\.0\.[23]) (\w{8}): rank (\d) \(pid \d+\)$", re.M)
+
+
+@contextlib.contextmanager
+def two_nodes(root: Path, env: dict):
+    """The two-node cluster, started in ``root``/a and ``root``/b; yields its address and a function that tells
+    it "kill" or "add"."""
+    for d in ("a", "b"):
+        (root / d).mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", TWO_NODES, str(root / "a"), str(root / "b")],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+    def tell(what: str) -> None:
+        proc.stdin.write(what + "\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == f"{what} done"
+
+    try:
+        yield proc.stdout.readline().strip(), tell
+    finally:
+        try:
+            proc.communicate(timeout=60)  # stdin closed: the cluster shuts down
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def placed(stdout: str) -> dict[int, str]:
+    """Which node address holds each rank, from the driver's start-up lines."""
+    return {int(m.group(3)): m.group(1) for m in PLACED.finditer(stdout)}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="nodes on 127.0.0.2 and .3: all of 127/8 is loopback")
+def test_two_ray_nodes_place_ranks_on_both_refuse_an_unshared_run_dir_and_resume_after_losing_a_node(
+    tiny_model_dir, tmp_path
+):
+    """launch-ray on a cluster of two Ray nodes: a relative run.dir (another directory on each node) is refused at
+    start in one line naming the node; with a shared one the ranks land on both nodes and say so; the second node
+    killed after step 1's checkpoint ends the job in one line naming node and rank; with the node back, the same
+    command resumes and ends with the metrics, weights and AdamW state of an uninterrupted run, bit for bit."""
+    pytest.importorskip("ray")
+    sys.path.insert(0, str(REPO / "scripts"))
+    from same_runs import compare
+    from test_preemption import same_shards
+
+    home = tmp_path / "home"
+    home.mkdir()
+    ray_tmp = tempfile.mkdtemp(prefix="dray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    env = {**private_ray_env(home, ray_tmp), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.urandom(32).hex()}
+
+    def command(address: str, run_dir: str) -> list[str]:
+        return [sys.executable, "-m", "dapo.cli", "launch-ray", "configs/demo.yaml", f"model.path={tiny_model_dir}"] + [
+            f"run.dir={run_dir}",
+            *SMALL_OVERRIDES,
+            "train.total_steps=3",
+            "run.save_every=1",
+            *QUICK_WATCHDOG,
+            *("--address", address, "--nodes", "2", "--cpu-workers-per-node", "1", "--cpus-per-worker", "1"),
+        ]
+
+    def launch(address: str, run_dir: str) -> subprocess.CompletedProcess:
+        return subprocess.run(command(address, run_dir), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+    t0 = time.perf_counter()
+    try:
+        with two_nodes(tmp_path, env) as (address, tell):
+            # a relative run.dir: each node's ranks resolve it in their own directory, not the same storage
+            refused = launch(address, "runs")
+            errors = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
+            print(f"\n{refused.stdout}{errors}")
+            assert refused.returncode == 2 and len(errors) == 1, refused.stderr[-4000:]
+            where = placed(refused.stdout)
+            assert sorted(where.values()) == ["127.0.0.2", "127.0.0.3"]
+            other = "ab"[where[1] == "127.0.0.3"]  # the directory of rank 1's node
+            assert re.fullmatch(
+                rf"error: launch-ray: node {where[1]} \w{{8}} \(rank 1\) does not share the run directory: rank 0 "
+                rf"\(node {where[0]} \w{{8}}\) wrote a file into \S+ that rank 1 does not find in "
+                rf"{tmp_path / other / 'runs' / 't'}; give run.dir as an absolute path .*",
+                errors[0],
+            ), errors[0]
+
+            # an uninterrupted run on both nodes
+            ref = launch(address, str(tmp_path / "ref"))
+            assert ref.returncode == 0, ref.stderr[-4000:]
+            assert sorted(placed(ref.stdout).values()) == ["127.0.0.2", "127.0.0.3"], ref.stdout[-3000:]
+
+            # the same run, its second node killed once step 1 is checkpointed and logged
+            run = tmp_path / "runs" / "t"
+            cmd = command(address, str(run.parent))
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            deadline = time.monotonic() + 300
+            while (checkpoint.latest_checkpoint(run) is None or not rows_of(run)) and proc.poll() is None:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            tell("kill")
+            t_kill = time.perf_counter()
+            out, err = proc.communicate(timeout=300)
+            seconds = time.perf_counter() - t_kill
+            errors = [line for line in err.splitlines() if line.startswith("error: ")]
+            where = placed(out)
+            lost = next(rank for rank, ip in where.items() if ip == "127.0.0.3")
+            print(f"{out}{errors} ({seconds:.1f} s after the kill)")
+            assert proc.returncode == 2 and len(errors) == 1, err[-4000:]
+            last = checkpoint.latest_checkpoint(run)
+            assert re.fullmatch(
+                rf"error: launch-ray: the worker of rank {lost} \(pid \d+ on node 127\.0\.0\.3 \w{{8}}\) died mid-run "
+                rf"\(.*\); the job is stopped; launch it again to resume from {last}",
+                errors[0],
+            ), errors[0]
+            assert [r["step"] for r in rows_of(run)][-1] < 3
+
+            # the node back: the same command resumes from the last checkpoint
+            tell("add")
+            resumed = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+            assert resumed.returncode == 0, resumed.stderr[-4000:]
+            console = re.sub(r"(\x1b\[\d+m)?\(TrainWorker pid=\d+\)(\x1b\[0m)? ?", "", resumed.stdout)
+            print("\n".join(m.group(0) for m in PLACED.finditer(resumed.stdout)))
+            print(next(line for line in console.splitlines() if "resumed from" in line))
+            assert f"resumed from {last}" in console.replace("\n", "")
+            assert sorted(placed(resumed.stdout).values()) == ["127.0.0.2", "127.0.0.3"]
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    print(f"two nodes: {time.perf_counter() - t0:.1f} s in all, cluster start included")
+    assert compare(tmp_path / "ref" / "t", run, set()) == []  # every logged value but the clock readings
+    assert same_shards(tmp_path / "ref" / "t", run)  # weights and AdamW state
