@@ -466,7 +466,8 @@ def wait_for_ranks(runs: list, workers: list[str], run_dir, actors: list, forwar
                     run_dir,
                 ) from None
             last = latest_checkpoint(run_dir)
-            why = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            why = first.split(". ")[0][:200]  # Ray's first sentence; the rest says what it may or may not have done
             raise WorkerLostError(
                 f"launch-ray: the worker of {workers[runs.index(done[0])]} died mid-run ({type(err).__name__}: {why}); "
                 "the job is stopped; launch it again to resume from "
