@@ -32,6 +32,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from dapo.config import ConfigError
 
@@ -66,8 +67,6 @@ def _worker_class():
             """This rank's view of the run directory: its absolute path here (a relative run.dir resolves against
             the working directory of this node's Ray, where `ray start` ran) and the text of the file ``marker`` in
             it, None where there is none. With ``text`` (rank 0) the file is written first."""
-            from pathlib import Path
-
             path = Path(run_dir).absolute()
             if text is not None:
                 path.mkdir(parents=True, exist_ok=True)
@@ -78,8 +77,6 @@ def _worker_class():
                 return str(path), None
 
         def forget(self, run_dir: str, marker: str) -> None:
-            from pathlib import Path
-
             (Path(run_dir) / marker).unlink(missing_ok=True)
 
         def listen(self, host: str) -> int:
@@ -204,7 +201,8 @@ def launch(
         actors, where = start_ranks(pg, p)
         for line in placement_lines(where):
             print(line, flush=True)
-        check_shared_run_dir(actors, where, cfg.run_dir)
+        run_dir = check_shared_run_dir(actors, where, cfg.run_dir)
+        print(f"launch-ray: run directory {run_dir}, the same for all {len(actors)} ranks", flush=True)
         master_addr = where[0][0]
         master_port = ray.get(actors[0].listen.remote(master_addr))
         local_counts: dict[str, int] = {}
@@ -224,7 +222,7 @@ def launch(
         forward = Forwarder([(node, pid) for _, node, pid in where], cfg.run.preempt_grace_s)
         try:
             with forward.installed():
-                return wait_for_ranks(runs, workers, cfg.run_dir, actors, forward)[0]
+                return wait_for_ranks(runs, workers, run_dir, actors, forward)[0]
         finally:
             forward.close()
     finally:
@@ -264,8 +262,9 @@ def placement_lines(where: list[tuple[str, str, int]]) -> list[str]:
     return [f"launch-ray: {node_name(ip, node)}: {', '.join(held)}" for (ip, node), held in ranks.items()]
 
 
-def check_shared_run_dir(actors: list, where: list[tuple[str, str, int]], run_dir) -> None:
-    """Stop in one line, before any rank trains, unless every rank sees rank 0's run directory: each rank writes
+def check_shared_run_dir(actors: list, where: list[tuple[str, str, int]], run_dir) -> Path:
+    """Rank 0's run directory as an absolute path (a relative run.dir is resolved on rank 0's node, not where the
+    driver runs). Stops in one line, before any rank trains, unless every rank sees it: each rank writes
     its own shard of a checkpoint, so a node that writes elsewhere (its own disk, a relative run.dir taken from
     another working directory) would leave checkpoints no launch can resume from. Rank 0 writes a file of a new,
     random name (no node can have it cached: a network filesystem looks it up at its server) and every rank looks
@@ -292,6 +291,7 @@ def check_shared_run_dir(actors: list, where: list[tuple[str, str, int]], run_di
                 "give run.dir as an absolute path on a filesystem every node mounts (a relative one is taken "
                 "from the directory each node's `ray start` ran in)"
             )
+    return Path(home)
 
 
 def join_cluster(address: str, ray_init: dict | None) -> None:
