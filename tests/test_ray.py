@@ -1,11 +1,12 @@
-"""Ray: a 2-rank run placed on a private local cluster trains, checkpoints and resumes; a cluster without auth is
-refused; a worker killed mid-step ends the job in one line and a new launch resumes."""
+"""Ray: a 2-rank run placed on a private local cluster trains and checkpoints; a cluster without auth is refused;
+on a cluster of two Ray nodes on this machine the ranks land on both, a run directory the nodes do not share is
+refused at start, a node lost mid-run ends the job in one line and the same command resumes, bit for bit."""
 
+import contextlib
 import hashlib
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -174,99 +175,182 @@ def test_launch_ray_refuses_to_join_a_cluster_without_auth(tiny_model_dir, tmp_p
     assert not (tmp_path / "runs").exists()
 
 
-# ---- a Ray worker dies mid-step -----------------------------------------------------------------------
-def holder_of(path: Path) -> int | None:
-    """The pid of the process that has ``path`` open (the rank's log: the rank's Ray worker), from /proc."""
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if any(os.readlink(fd) == str(path) for fd in (proc / "fd").iterdir()):
-                    return int(proc.name)
-            except OSError:
-                continue
-    return None
+# ---- two Ray nodes on one machine ---------------------------------------------------------------------------
+# A Ray cluster of two nodes, as Ray's own tests make one: the head on 127.0.0.2 and a second node on 127.0.0.3
+# (Linux routes all of 127/8 to loopback), one CPU slot each. Each node's Ray starts in a directory of its own, as
+# `ray start` on two machines would, so its workers resolve a relative path there. On stdin, "kill" ends every
+# process of the second node at once (a machine lost) and "add" starts it again.
+TWO_NODES = """
+import os, sys
+from ray.cluster_utils import Cluster
+
+dir_a, dir_b = sys.argv[1:3]
+os.chdir(dir_a)
+head = {"node_ip_address": "127.0.0.2", "num_cpus": 1, "include_dashboard": False}
+cluster = Cluster(initialize_head=True, head_node_args=head)
+
+def second_node():
+    os.chdir(dir_b)
+    return cluster.add_node(node_ip_address="127.0.0.3", num_cpus=1)
+
+node = second_node()
+print(cluster.address, flush=True)
+for line in sys.stdin:
+    if line.strip() == "kill":
+        cluster.remove_node(node, allow_graceful=False)
+    else:
+        node = second_node()
+    print(line.strip(), "done", flush=True)
+cluster.shutdown()
+"""
+PLACED = re.compile(r"^launch-ray: node (127\.0\.0\.[23]) (\w{8}): rank (\d) \(pid \d+\)$", re.M)
 
 
-def launch_killing_rank1(
-    cmd: list[str], home: Path, run: Path, kill: bool
+def test_the_start_lines_say_which_node_holds_which_ranks():
+    from dapo.cluster import placement_lines
+
+    where = [("10.0.0.1", "a1" * 28, 11), ("10.0.0.1", "a1" * 28, 12), ("10.0.0.2", "b2" * 28, 21)]  # rank order
+    assert placement_lines(where) == [
+        "launch-ray: node 10.0.0.1 a1a1a1a1: rank 0 (pid 11), rank 1 (pid 12)",
+        "launch-ray: node 10.0.0.2 b2b2b2b2: rank 2 (pid 21)",
+    ]
+
+
+@contextlib.contextmanager
+def two_nodes(root: Path, env: dict):
+    """The two-node cluster, started in ``root``/a and ``root``/b; yields its address and a function that tells
+    it "kill" or "add"."""
+    for d in ("a", "b"):
+        (root / d).mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", TWO_NODES, str(root / "a"), str(root / "b")],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+    def tell(what: str) -> None:
+        proc.stdin.write(what + "\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == f"{what} done"
+
+    try:
+        yield proc.stdout.readline().strip(), tell
+    finally:
+        try:
+            proc.communicate(timeout=60)  # stdin closed: the cluster shuts down
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def placed(stdout: str) -> dict[int, str]:
+    """Which node address holds each rank, from the driver's start-up lines."""
+    return {int(m.group(3)): m.group(1) for m in PLACED.finditer(stdout)}
+
+
+def errors_of(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error: ")]
+
+
+def launch_killing_the_second_node(
+    cmd: list[str], env: dict, run: Path, tell
 ) -> tuple[subprocess.CompletedProcess, float]:
-    """``dapo launch-ray`` on a private local cluster; with ``kill``, rank 1's worker is SIGKILLed once step 1 is
-    checkpointed and logged. Returns the driver's result and its seconds (after the kill, with ``kill``)."""
-    ray_tmp = tempfile.mkdtemp(prefix="dray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    env = private_ray_env(home, ray_tmp)
-    t0 = time.perf_counter()
+    """``cmd`` with every process of the second node killed once step 1 is checkpointed and logged (its row comes
+    after the save, past a collective of both ranks). Returns the driver's result and its seconds after the kill."""
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        if kill:
-            deadline = time.monotonic() + 300
-            # step 1 checkpointed and logged (its row comes after the save, past a collective of both ranks)
-            while (checkpoint.latest_checkpoint(run) is None or not rows_of(run)) and proc.poll() is None:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
-            pid = holder_of(run / "train.rank1.log")
-            assert pid is not None
-            os.kill(pid, signal.SIGKILL)
-            t0 = time.perf_counter()
+        deadline = time.monotonic() + 300
+        while (checkpoint.latest_checkpoint(run) is None or not rows_of(run)) and proc.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        tell("kill")
+        t0 = time.perf_counter()
         out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err), time.perf_counter() - t0
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="finds the worker through /proc")
-def test_a_ray_worker_killed_mid_step_ends_the_job_in_one_line_and_a_new_launch_resumes(tiny_model_dir, tmp_path):
-    """Two CPU ranks on a private Ray cluster; rank 1's worker process is SIGKILLed once step 1's checkpoint
-    is written. The driver names the lost worker in one line and stops; launching again resumes."""
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="nodes on 127.0.0.2 and .3: all of 127/8 is loopback")
+def test_two_ray_nodes_place_ranks_on_both_refuse_an_unshared_run_dir_and_resume_after_losing_a_node(
+    tiny_model_dir, tmp_path
+):
+    """launch-ray on a cluster of two Ray nodes: a relative run.dir (another directory on each node) is refused at
+    start in one line naming the node; with a shared one the ranks land on both nodes and say so; the second node's
+    processes killed after step 1's checkpoint end the job at once, in one line naming node and rank; with the node
+    back, the same command resumes and ends with the metrics, weights and AdamW state of an uninterrupted run, bit
+    for bit."""
     pytest.importorskip("ray")
+    sys.path.insert(0, str(REPO / "scripts"))
+    from same_runs import compare
+    from test_preemption import same_shards
+
     home = tmp_path / "home"
     home.mkdir()
-    run = tmp_path / "runs" / "t"
-    cmd = [
-        sys.executable,
-        "-m",
-        "dapo.cli",
-        "launch-ray",
-        "configs/demo.yaml",
-        f"model.path={tiny_model_dir}",
-        f"run.dir={tmp_path / 'runs'}",
-        *SMALL_OVERRIDES,
-        "train.total_steps=5",
-        "run.save_every=1",
-        *QUICK_WATCHDOG,
-        "--address",
-        "local",
-        "--num-cpus",
-        "2",
-        "--cpu-workers-per-node",
-        "2",
-        "--cpus-per-worker",
-        "1",
-    ]
+    ray_tmp = tempfile.mkdtemp(prefix="dray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    env = {**private_ray_env(home, ray_tmp), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.urandom(32).hex()}
+    run, ref = tmp_path / "runs" / "t", tmp_path / "ref" / "t"
+    t0 = time.perf_counter()
+    try:
+        with two_nodes(tmp_path, env) as (address, tell):
+            laps = {"cluster start": time.perf_counter()}
+            flags = ["--address", address, "--nodes", "2", "--cpu-workers-per-node", "1", "--cpus-per-worker", "1"]
+            cmd = [sys.executable, "-m", "dapo.cli", "launch-ray", "configs/demo.yaml", f"model.path={tiny_model_dir}"]
+            cmd += [*SMALL_OVERRIDES, "train.total_steps=3", "run.save_every=1", *QUICK_WATCHDOG]
 
-    killed, seconds = launch_killing_rank1(cmd, home, run, kill=True)
-    errors = [line for line in killed.stderr.splitlines() if line.startswith("error: ")]
-    print(f"\nrank 1 killed: the driver ended {seconds:.1f} s later (exit {killed.returncode}): {errors}")
-    assert killed.returncode == 2 and len(errors) == 1, killed.stderr[-4000:]
-    assert (
-        seconds < 60
-    )  # well within the watchdog's limits (a minute for a first run): nobody waits out the collectives
-    found = re.match(
-        r"^error: launch-ray: the worker of rank 1 \(pid (\d+) on [\d.]+\) died mid-run \((\w+): .*\); the job "
-        r"is stopped; launch it again to resume from (\S+)$",
-        errors[0],
-    )
-    assert found, errors[0]
-    last = Path(found.group(3))
-    assert last.parent == run / "checkpoints" and checkpoint.latest_checkpoint(run) == last
-    done = [r["step"] for r in rows_of(run)]
-    assert done and done[-1] < 5  # it stopped mid-run
-    resumed, seconds = launch_killing_rank1(cmd, home, run, kill=False)
-    print(f"relaunch: {seconds:.1f} s")
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    # Ray prefixes each of the worker's console lines with its name, and the console wraps the path
-    console = re.sub(r"(\x1b\[\d+m)?\(TrainWorker pid=\d+\)(\x1b\[0m)? ?", "", resumed.stdout).replace("\n", "")
-    assert f"resumed from {last}" in console
-    assert [r["step"] for r in rows_of(run)] == [1, 2, 3, 4, 5]
+            def launch(run_dir) -> subprocess.CompletedProcess:
+                return subprocess.run(
+                    [*cmd, f"run.dir={run_dir}", *flags], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+                )
+
+            # a relative run.dir: each node's ranks resolve it in their own node's directory
+            refused = launch("runs")
+            laps["refusal"] = time.perf_counter()
+            errors, where = errors_of(refused.stderr), placed(refused.stdout)
+            print(f"\n{refused.stdout}{errors}")
+            assert refused.returncode == 2 and len(errors) == 1, refused.stderr[-4000:]
+            assert sorted(where.values()) == ["127.0.0.2", "127.0.0.3"]
+            theirs = tmp_path / "ab"[where[1] == "127.0.0.3"] / "runs" / "t"  # the path on rank 1's node
+            assert re.fullmatch(
+                rf"error: launch-ray: node {where[1]} \w{{8}} \(rank 1\) does not share the run directory: rank 0 "
+                rf"\(node {where[0]} \w{{8}}\) wrote a file into \S+ that rank 1 does not find in {theirs}; .*",
+                errors[0],
+            ), errors[0]
+
+            uninterrupted = launch(ref.parent)
+            laps["uninterrupted run"] = time.perf_counter()
+            assert uninterrupted.returncode == 0, uninterrupted.stderr[-4000:]
+            assert sorted(placed(uninterrupted.stdout).values()) == ["127.0.0.2", "127.0.0.3"]
+            assert f"launch-ray: run directory {ref}, the same for all 2 ranks\n" in uninterrupted.stdout
+
+            killed, seconds = launch_killing_the_second_node([*cmd, f"run.dir={run.parent}", *flags], env, run, tell)
+            laps["killed run"] = time.perf_counter()
+            errors, last = errors_of(killed.stderr), checkpoint.latest_checkpoint(run)
+            lost = next(rank for rank, ip in placed(killed.stdout).items() if ip == "127.0.0.3")
+            print(f"{killed.stdout}{errors} ({seconds:.1f} s after the kill)")
+            assert killed.returncode == 2 and len(errors) == 1 and seconds < 60, killed.stderr[-4000:]
+            assert re.fullmatch(
+                rf"error: launch-ray: the worker of rank {lost} \(pid \d+ on node 127\.0\.0\.3 \w{{8}}\) died mid-run "
+                rf"\(\w+: .*\); the job is stopped; launch it again to resume from {last}",
+                errors[0],
+            ), errors[0]
+            assert [r["step"] for r in rows_of(run)][-1] < 3  # it stopped mid-run
+
+            tell("add")  # the node back: the same command resumes from the last checkpoint
+            resumed = launch(run.parent)
+            laps["node back, resumed"] = time.perf_counter()
+            assert resumed.returncode == 0, resumed.stderr[-4000:]
+            console = re.sub(r"(\x1b\[\d+m)?\(TrainWorker pid=\d+\)(\x1b\[0m)? ?", "", resumed.stdout)
+            print(console[console.index("launch-ray: node") :])
+            assert f"resumed from {last}" in console.replace("\n", "")
+            assert sorted(placed(resumed.stdout).values()) == ["127.0.0.2", "127.0.0.3"]
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    ends = [t0, *laps.values()]
+    print(", ".join(f"{k} {b - a:.1f} s" for k, a, b in zip(laps, ends, ends[1:])))
+    print(f"two nodes: {time.perf_counter() - t0:.1f} s in all (load average {os.getloadavg()[0]:.1f})")
+    assert compare(ref, run, set()) == []  # every logged value but the clock readings, row by row
+    assert same_shards(ref, run)  # the last checkpoint's weights and AdamW state, bit for bit

@@ -8,7 +8,9 @@ per rank in a placement group ({"GPU": 1, "CPU": k}, packed node by node), start
 bundle and tells each its RANK, WORLD_SIZE, LOCAL_RANK and the address of rank 0, which then
 becomes the torch.distributed rendezvous (nccl on GPUs, gloo on CPU). Every rank samples a share
 of the prompts with its own engine on its own GPU and rank 0 grades (see training.py); Ray only
-places and starts the processes.
+places and starts the processes. Before any rank trains, the driver prints which node holds which
+ranks and checks that every rank sees rank 0's run directory (one filesystem for the checkpoint's
+shards), stopping in one line naming the node that does not.
 
 SIGTERM, SIGUSR1 or SIGINT to the driver (a scheduler preempting the job, Ctrl-C) is sent on to every rank's
 process, on whichever node it runs, by a small actor pinned to that node: the ranks stop together as a run does on
@@ -30,6 +32,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from dapo.config import ConfigError
 
@@ -59,6 +62,22 @@ def _worker_class():
 
         def address(self) -> tuple[str, str, int]:
             return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(), os.getpid()
+
+        def see_run_dir(self, run_dir: str, marker: str, text: str | None = None) -> tuple[str, str | None]:
+            """This rank's view of the run directory: its absolute path here (a relative run.dir resolves against
+            the working directory of this node's Ray, where `ray start` ran) and the text of the file ``marker`` in
+            it, None where there is none. With ``text`` (rank 0) the file is written first."""
+            path = Path(run_dir).absolute()
+            if text is not None:
+                path.mkdir(parents=True, exist_ok=True)
+                (path / marker).write_text(text)
+            try:
+                return str(path), (path / marker).read_text()
+            except OSError:
+                return str(path), None
+
+        def forget(self, run_dir: str, marker: str) -> None:
+            (Path(run_dir) / marker).unlink(missing_ok=True)
 
         def listen(self, host: str) -> int:
             """Rank 0: bind the rendezvous port on this node's address and keep the socket, which the
@@ -161,7 +180,6 @@ def launch(
         token_for_this_run(insecure=insecure)  # before Ray is imported: it reads RAY_AUTH_MODE once, then
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from dapo.config import dump_yaml
 
@@ -180,24 +198,16 @@ def launch(
     pg = placement_group([dict(bundle) for _ in range(p.world_size)], strategy="PACK")
     ray.get(pg.ready(), timeout=600)
     try:
-        worker = _worker_class()
-        actors = [
-            worker.options(
-                num_cpus=p.cpus_per_worker,
-                num_gpus=p.gpus_per_worker,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-            ).remote()
-            for i in range(p.world_size)
-        ]
-        where = ray.get([a.address.remote() for a in actors])
-        # ranks in node order, so LOCAL_RANK counts the ranks of one machine
-        order = sorted(range(len(actors)), key=lambda i: (where[i][1] != where[0][1], where[i][1], i))
-        master_addr = where[order[0]][0]
-        master_port = ray.get(actors[order[0]].listen.remote(master_addr))
+        actors, where = start_ranks(pg, p)
+        for line in placement_lines(where):
+            print(line, flush=True)
+        run_dir = check_shared_run_dir(actors, where, cfg.run_dir)
+        print(f"launch-ray: run directory {run_dir}, the same for all {len(actors)} ranks", flush=True)
+        master_addr = where[0][0]
+        master_port = ray.get(actors[0].listen.remote(master_addr))
         local_counts: dict[str, int] = {}
         runs = []
-        for rank, i in enumerate(order):
-            node = where[i][1]
+        for rank, (actor, (_, node, _)) in enumerate(zip(actors, where)):
             local_rank = local_counts.get(node, 0)
             local_counts[node] = local_rank + 1
             env = {
@@ -207,16 +217,81 @@ def launch(
                 "MASTER_ADDR": master_addr,
                 "MASTER_PORT": str(master_port),
             }
-            runs.append(actors[i].train.remote(train_fn, dump_yaml(cfg), env))
-        workers = [f"rank {rank} (pid {where[i][2]} on {where[i][0]})" for rank, i in enumerate(order)]
-        forward = Forwarder([(where[i][1], where[i][2]) for i in order], cfg.run.preempt_grace_s)
+            runs.append(actor.train.remote(train_fn, dump_yaml(cfg), env))
+        workers = [f"rank {rank} (pid {pid} on {node_name(ip, node)})" for rank, (ip, node, pid) in enumerate(where)]
+        forward = Forwarder([(node, pid) for _, node, pid in where], cfg.run.preempt_grace_s)
         try:
             with forward.installed():
-                return wait_for_ranks(runs, workers, cfg.run_dir, [actors[i] for i in order], forward)[0]
+                return wait_for_ranks(runs, workers, run_dir, actors, forward)[0]
         finally:
             forward.close()
     finally:
         remove_placement_group(pg)
+
+
+def start_ranks(pg, p: Placement) -> tuple[list, list[tuple[str, str, int]]]:
+    """One TrainWorker per bundle of ``pg``; returns the actors in rank order and where each runs (node address,
+    node id, pid). Ranks go in node order, rank 0's node first, so LOCAL_RANK counts the ranks of one machine."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    worker = _worker_class()
+    actors = [
+        worker.options(
+            num_cpus=p.cpus_per_worker,
+            num_gpus=p.gpus_per_worker,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+        ).remote()
+        for i in range(p.world_size)
+    ]
+    where = ray.get([a.address.remote() for a in actors])
+    order = sorted(range(len(actors)), key=lambda i: (where[i][1] != where[0][1], where[i][1], i))
+    return [actors[i] for i in order], [where[i] for i in order]
+
+
+def node_name(ip: str, node_id: str) -> str:
+    """A node as the console names it: its address, and the head of its Ray id (two nodes can share an address)."""
+    return f"node {ip} {node_id[:8]}"
+
+
+def placement_lines(where: list[tuple[str, str, int]]) -> list[str]:
+    """The start-up lines saying where each rank runs, one line per node (``where``: in rank order)."""
+    ranks: dict[tuple[str, str], list[str]] = {}
+    for rank, (ip, node, pid) in enumerate(where):
+        ranks.setdefault((ip, node), []).append(f"rank {rank} (pid {pid})")
+    return [f"launch-ray: {node_name(ip, node)}: {', '.join(held)}" for (ip, node), held in ranks.items()]
+
+
+def check_shared_run_dir(actors: list, where: list[tuple[str, str, int]], run_dir) -> Path:
+    """Rank 0's run directory as an absolute path (a relative run.dir is resolved on rank 0's node, not where the
+    driver runs). Stops in one line, before any rank trains, unless every rank sees it: each rank writes
+    its own shard of a checkpoint, so a node that writes elsewhere (its own disk, a relative run.dir taken from
+    another working directory) would leave checkpoints no launch can resume from. Rank 0 writes a file of a new,
+    random name (no node can have it cached: a network filesystem looks it up at its server) and every rank looks
+    for it at its own path of the run directory; rank 0 then removes it."""
+    import ray
+
+    marker, text = f".dapo-shared-{secrets.token_hex(8)}", secrets.token_hex(16)
+    try:
+        home, _ = ray.get(actors[0].see_run_dir.remote(str(run_dir), marker, text))
+    except OSError as err:
+        raise ConfigError(
+            f"launch-ray: rank 0 on {node_name(*where[0][:2])} cannot write its run directory {run_dir} "
+            f"({type(getattr(err, 'cause', err)).__name__}: {getattr(err, 'cause', err)})"
+        ) from None
+    try:
+        seen = ray.get([a.see_run_dir.remote(str(run_dir), marker) for a in actors])
+    finally:
+        ray.get(actors[0].forget.remote(home, marker))
+    for rank, ((path, got), (ip, node, _)) in enumerate(zip(seen, where)):
+        if got != text:
+            raise ConfigError(
+                f"launch-ray: {node_name(ip, node)} (rank {rank}) does not share the run directory: rank 0 "
+                f"({node_name(*where[0][:2])}) wrote a file into {home} that rank {rank} does not find in {path}; "
+                "give run.dir as an absolute path on a filesystem every node mounts (a relative one is taken "
+                "from the directory each node's `ray start` ran in)"
+            )
+    return Path(home)
 
 
 def join_cluster(address: str, ray_init: dict | None) -> None:
@@ -391,7 +466,8 @@ def wait_for_ranks(runs: list, workers: list[str], run_dir, actors: list, forwar
                     run_dir,
                 ) from None
             last = latest_checkpoint(run_dir)
-            why = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            why = first.split(". ")[0][:200]  # Ray's first sentence; the rest says what it may or may not have done
             raise WorkerLostError(
                 f"launch-ray: the worker of {workers[runs.index(done[0])]} died mid-run ({type(err).__name__}: {why}); "
                 "the job is stopped; launch it again to resume from "
