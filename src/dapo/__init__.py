@@ -12,9 +12,9 @@ would otherwise replace ``dapo.train`` with a module.
 
 import importlib as _importlib
 
-from dapo.runtime.threads import wait_passively as _wait_passively
+from dapo.runtime.threads import wait_briefly as _wait_briefly
 
-_wait_passively()  # before torch loads its OpenMP runtime: threads that wait sleep (dapo.runtime.threads)
+_wait_briefly()  # before torch loads its OpenMP runtime: threads that wait soon sleep (dapo.runtime.threads)
 
 __version__ = "0.1.0"
 

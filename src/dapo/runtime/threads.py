@@ -1,11 +1,15 @@
 """How dapo's CPU threads share a machine: as many as the CPUs this process may use, waiting without spinning.
 
-torch computes on CPU with OpenMP threads that, between two parallel regions, spin for a while before they sleep
-(libgomp's default). Alone on a machine that costs nothing; beside other work it burns the cores the other jobs
-need, and a thread spins while the one it waits for has been put off its core, so a step costs several times its
-CPU seconds. ``wait_passively`` sets OpenMP's passive wait policy (threads sleep as soon as they wait) before any
-OpenMP runtime is loaded: torch's libgomp, and vLLM's CPU threads, which run on torch's runtime in the trainer's
-process. It must run before torch is imported: ``import dapo`` does it (a user's own OMP_WAIT_POLICY stays).
+torch computes on CPU with OpenMP threads that, between two parallel regions, spin before they sleep: libgomp's
+default is 300,000 rounds of a pause instruction (milliseconds). Alone on a machine that costs nothing; beside other
+work it burns the cores the other jobs need, and a thread spins while the one it waits for has been put off its
+core: the demo's step took 2.5x its CPU seconds beside two busy processes, the wall seconds 5x. ``wait_briefly``
+caps the spin at 2,000 rounds (tens of microseconds: a thread that is woken at once still is) before the thread
+sleeps, for torch's libgomp and for vLLM's CPU threads, which run on it in the trainer's process, and asks any other
+OpenMP runtime for its passive policy. Measured on the demo (benchmarks/fair_share.py): about the same CPU seconds a
+step beside two busy processes as alone, where sleeping at once (OMP_WAIT_POLICY=PASSIVE alone) cost the demo 60%
+more wall time alone, its operations being small. It must run before torch is imported: ``import dapo`` does it;
+settings of a user's own stay.
 
 ``usable_cpus`` is what the thread counts follow: the CPUs of the process's affinity mask, bounded by a cgroup's CPU
 quota (a container given 2 CPUs of a 64-core host computes with 2 threads, not 64).
@@ -17,13 +21,15 @@ import math
 import os
 from pathlib import Path
 
-WAIT_POLICY = "PASSIVE"
+SPIN_ROUNDS = 2000  # libgomp's rounds of spinning before a waiting thread sleeps (its default: 300,000)
 
 
-def wait_passively() -> None:
-    """OpenMP threads sleep as soon as they wait (OMP_WAIT_POLICY=PASSIVE) unless the environment says otherwise;
-    read once, when the OpenMP runtime is loaded (with torch)."""
-    os.environ.setdefault("OMP_WAIT_POLICY", WAIT_POLICY)
+def wait_briefly() -> None:
+    """OpenMP threads spin briefly, then sleep, where they wait (GOMP_SPINCOUNT; OMP_WAIT_POLICY=PASSIVE for another
+    runtime), unless the environment says otherwise; read once, when the OpenMP runtime is loaded (with torch)."""
+    if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["GOMP_SPINCOUNT"] = str(SPIN_ROUNDS)
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # libgomp: the spin count above wins; others: sleep at once
 
 
 def usable_cpus() -> int:
