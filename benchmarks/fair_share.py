@@ -2,7 +2,7 @@
 
     python benchmarks/fair_share.py                                   # the demo and SmolLM2, this checkout
     python benchmarks/fair_share.py --before-src /tmp/old/src         # ... and an older checkout's src/ beside it
-    python benchmarks/fair_share.py --settings demo --repeats 3 --json benchmarks/results/fair_share.json
+    python benchmarks/fair_share.py --settings demo:3 --spins 2000,5000,300000   # libgomp's spin counts compared
 
 Settings: ``demo`` (configs/demo.yaml, 10 steps, HF generate) and ``smollm2`` (configs/smollm2_135m.yaml, 1 step,
 vLLM; needs `make smollm2`). Each run is a process of its own with no thread settings in its environment (what a user
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from dapo.reporting.run_log import read_metrics  # noqa: E402
-from runs import Load, _busy_cpu_s, describe, machine  # noqa: E402
+from runs import Load, _busy_cpu_s, machine  # noqa: E402
 
 SMOLLM2 = Path.home() / ".cache/dapo/models/SmolLM2-135M-Instruct"
 SETTINGS = {
@@ -42,11 +42,14 @@ SETTINGS = {
 }
 
 
-def run(setting: str, src: Path, busy: int, out: Path) -> dict:
-    """One run of ``setting`` with the code in ``src``, beside ``busy`` spinning processes: per-step seconds."""
+def run(setting: str, src: Path, busy: int, out: Path, spin: str | None = None) -> dict:
+    """One run of ``setting`` with the code in ``src``, beside ``busy`` spinning processes: per-step seconds.
+    ``spin``: libgomp's rounds of spinning before a waiting thread sleeps (GOMP_SPINCOUNT), else the code's own."""
     preset, overrides = SETTINGS[setting]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "MKL_", "GOMP_", "KMP_"))}
     env["PYTHONPATH"] = str(src)
+    if spin is not None:
+        env["GOMP_SPINCOUNT"] = spin
     cmd = [sys.executable, "-m", "dapo.training", str(ROOT / preset), *overrides, f"run.dir={out.parent}"]
     cmd += [f"run.name={out.name}", "run.progress=false", "run.loggers=console", "run.save_every=null"]
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
@@ -86,21 +89,24 @@ def run(setting: str, src: Path, busy: int, out: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--settings", default="demo,smollm2")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--settings", default="demo:2,smollm2:1", help="SETTING:REPEATS,...")
     p.add_argument("--busy", type=int, default=2, help="spinning processes beside a shared run")
     p.add_argument("--before-src", type=Path, help="an older checkout's src/, measured beside this one")
+    p.add_argument(
+        "--spins", default="", help="GOMP_SPINCOUNT values, each a side of this checkout (300000: libgomp's)"
+    )
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    sides = {"after": ROOT / "src", **({"before": args.before_src} if args.before_src else {})}
+    sides = {"after": (ROOT / "src", None), **({"before": (args.before_src, None)} if args.before_src else {})}
+    sides |= {f"spin {n}": (ROOT / "src", n) for n in filter(None, args.spins.split(","))}
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for setting in args.settings.split(","):
-            for k in range(args.repeats):
-                for side, src in sides.items():
+        for setting, _, repeats in (s.partition(":") for s in args.settings.split(",")):
+            for k in range(int(repeats or 1)):
+                for side, (src, spin) in sides.items():
                     for busy in (0, args.busy):
-                        name = f"{setting}-{side}-{'busy' if busy else 'alone'}-{k}"
-                        out = run(setting, src, busy, Path(tmp) / name)
+                        name = f"{setting}-{side.replace(' ', '')}-{'busy' if busy else 'alone'}-{k}"
+                        out = run(setting, src, busy, Path(tmp) / name, spin)
                         results.setdefault(setting, {}).setdefault(side, {}).setdefault(busy, []).append(out)
                         print(f"{name}: {out}", flush=True)
     figures = {}
@@ -127,10 +133,12 @@ def main() -> None:
             "measures": "CPU and wall seconds per training step, alone and beside busy processes that spin on the "
             "cores, each run with no thread settings in its environment.",
             "command": "python " + " ".join(sys.argv),
+            "written_by": "python " + " ".join(sys.argv),
             "date": date.today().isoformat(),
             "commit": commit,
             "machine": machine(),
-            "load": describe({"mean": max(loads), "own_jobs": 2, "foreign_frac": 0.0}) + " (the highest, alone)",
+            "load": "one run at a time on an otherwise idle machine; the busy runs beside their own spinning processes "
+            f"(the 1-minute load average, which lags, read up to {max(loads):.2f} in runs alone)",
             "figures": figures,
             "runs": results,
         }

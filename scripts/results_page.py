@@ -82,8 +82,14 @@ def cell(value, nested: bool = False) -> str:
 
 
 def table(rows: list[dict]) -> list[str]:
-    """A Markdown table of records: the columns are their keys, in the order they first appear."""
+    """A Markdown table of records: the columns are their keys, in the order they first appear. Many records of few
+    keys (a curve: step and value) are laid on their side, one row per key, so that a page of them stays short."""
     columns = list(dict.fromkeys(key for row in rows for key in row))
+    if len(columns) <= 4 < len(rows) and len(rows) > len(columns) + 2:
+        first, *rest = columns
+        lines = ["| " + " | ".join([cell(first)] + [cell(row.get(first)) for row in rows]) + " |"]
+        lines.append("|" + "---|" * (len(rows) + 1))
+        return lines + ["| " + " | ".join([cell(c)] + [cell(row.get(c)) for row in rows]) + " |" for c in rest]
     lines = ["| " + " | ".join(cell(c) for c in columns) + " |", "|" + "---|" * len(columns)]
     return lines + ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
 
