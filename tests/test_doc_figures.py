@@ -27,6 +27,7 @@ SMOLLM2 = "docs/real-model.md"  # the SmolLM2-135M-Instruct run, 2026-11-23
 GPU_H200 = "benchmarks/gpu_report_h200.md"  # make gpu-check, 2026-11-26, the demo at lr 5e-4
 GPU_H100 = "benchmarks/gpu_report_h100_50f02d4.md"
 MODELS = "docs/models.md"  # tests/test_arch_matrix.py's outcome, family by family
+FAIR = "benchmarks/results/fair_share.json"  # a step alone and beside busy processes (benchmarks/fair_share.py)
 
 # what counts as a figure on the pages: a percentage, a time, a ratio, a count of what a run checked or won
 FIGURE = re.compile(
@@ -85,6 +86,13 @@ def exact_architectures(text: str) -> str | None:
         return None
     listed = len(found[2].split())
     return found[1] if listed == int(found[1]) else f"{found[1]} (but {listed} listed)"
+
+
+def smollm2_step_s(content: dict) -> str | None:
+    """The wall seconds of a SmolLM2 step alone at the newer commit of the fair-share benchmark."""
+    (table,) = content["figures"].values()
+    rows = [r for r in table if r["side"].startswith("SmolLM2") and content["commit"][:7] in r["side"]]
+    return f"{rows[0]['wall s/step alone']:.0f}" if len(rows) == 1 else None
 
 
 def _gpu_demo(what: str) -> str:
@@ -149,6 +157,11 @@ FIGURES = [
         "SmolLM2-135M-Instruct went from {before} to {after} held-out on word problems in 20 steps and {minutes} "
         "minutes on 2 CPU cores",
         SMOLLM2_FIGURES,
+    ),
+    Figure(
+        "README.md",
+        "on a 2-core AMD EPYC without AVX-512 or AMX a step takes {step} s",
+        {"step": (FAIR, smollm2_step_s, as_is)},
     ),
     _architectures("README.md", "the {count} architectures checked exactly"),
     _architectures("README.md", "exact log-probs on {count} architectures"),
