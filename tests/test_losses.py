@@ -40,6 +40,7 @@ def test_policy_loss_clip_higher_hand_computed():
         "token_prob_mean": ("mean", 3.0),
         "up_clipped_prob_mean": ("mean", 1.0),
         "up_clipped_prob_max": ("max", 1.0),
+        "pg_loss": ("sum", 1.0),
     }
 
 

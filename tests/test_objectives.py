@@ -174,9 +174,9 @@ def test_actor_loss_runs_the_named_objective_and_aggregates_its_per_token_loss()
         assert set(own) < set(stats) and {"approx_kl", "token_prob_mean", "pg_loss"} < set(stats)
     # token ratios 1.5, 0.5, 1: DAPO clips both ends (1.28, 0.8), CISPO's value is the clipped weight too, GSPO's
     # sequence ratio is exp(mean log r) = 0.866 (inside the range) at every token
-    assert per_token["dapo"].detach().tolist() == pytest.approx([-1.28, -0.5, -1.0])
-    assert per_token["cispo"].detach().tolist() == pytest.approx([-1.28, -0.8, -1.0])
-    assert per_token["gspo"].detach().tolist() == pytest.approx([-(0.75 ** (1 / 3))] * 3)
+    assert per_token["dapo"].detach()[0].tolist() == pytest.approx([-1.28, -0.5, -1.0])
+    assert per_token["cispo"].detach()[0].tolist() == pytest.approx([-1.28, -0.8, -1.0])
+    assert per_token["gspo"].detach()[0].tolist() == pytest.approx([-(0.75 ** (1 / 3))] * 3)
     with pytest.raises(ValueError, match="objective must be one of"):
         losses.actor_loss(logp, old, adv, mask, losses.Objective("ppo"))
 
