@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from dapo.algorithm.batch import RolloutBatch
 from dapo.collect.base import CollectionState, StepBatch
-from dapo.collect.stats import CollectStats, RoundCounters, collection_metrics, next_keep_rate, round_seeds
+from dapo.collect.stats import CollectStats, RoundCounters, collection_metrics
 from dapo.config import ConfigError
 from dapo.runtime import parallel, watchdog
 
@@ -153,8 +153,7 @@ class GeneratingAhead:
         self.dist = dist
         self.k = cfg.rollout.max_staleness
         self.counters = RoundCounters()  # the steps the trainer has taken
-        self.rounds = 0  # generation rounds the collection (ahead) has done
-        self.keep_rate = 1.0
+        self.collected = RoundCounters()  # the steps the collection (ahead) has done
         self.ahead: AheadThread | None = None
         self.saved: dict | None = None  # a checkpoint's collection state and in-flight steps, until start
         self.last_state: dict | None = None  # the collection state after the last step the trainer took
@@ -177,7 +176,7 @@ class GeneratingAhead:
             self._restore(saved["state"])
             in_flight = [_collected_from(c) for c in saved["in_flight"]]
         else:
-            self.rounds, self.keep_rate = self.counters.gen_rounds, self.counters.keep_rate
+            self.collected = RoundCounters(self.counters.gen_rounds, self.counters.keep_rate)
         self.last_state = self._state()
         self.remote.update_weights(weights, version=step)
         self.ahead = AheadThread(
@@ -192,24 +191,22 @@ class GeneratingAhead:
         batch, stats, _ = self.sampling.fill_batch(  # nothing is held over: it would be older than the bound
             self.cfg.train.prompts_per_step,
             [],
-            round_seed=round_seeds(self.cfg.rollout.seed, self.rounds),
-            keep_rate_estimate=self.keep_rate if a.adaptive_oversample else 1.0,
+            round_seed=self.collected.round_seed(self.cfg.rollout.seed),
+            keep_rate_estimate=self.collected.keep_rate if a.adaptive_oversample else 1.0,
         )
-        self.rounds += stats.rounds
-        self.keep_rate = next_keep_rate(self.keep_rate, stats)
+        self.collected.observe(stats)
         if batch is not None:
             batch.policy_version = [version] * len(batch)
         return batch, stats, self._state()
 
     def _state(self) -> dict:
         # the prompt order under its earlier name, "sampler", as checkpoints have it in flight
-        return copy.deepcopy(
-            {"sampler": self.prompts.state_dict(), "gen_rounds": self.rounds, "keep_rate": self.keep_rate}
-        )
+        state = {"sampler": self.prompts.state_dict(), **dataclasses.asdict(self.collected)}  # gen_rounds, keep_rate
+        return copy.deepcopy(state)
 
     def _restore(self, state: dict) -> None:
         self.prompts.load_state_dict(state["sampler"])
-        self.rounds, self.keep_rate = state["gen_rounds"], state["keep_rate"]
+        self.collected = RoundCounters(state["gen_rounds"], state["keep_rate"])
 
     def take(self, step: int) -> StepBatch:
         """Step ``step``'s batch, its collection statistics, and its metrics with the async/* ones."""
@@ -311,15 +308,11 @@ def _collected_state(c: Collected) -> dict:
     return {**vars(c), "batch": None if c.batch is None else c.batch.state(), "stats": dataclasses.asdict(c.stats)}
 
 
-RENAMED_STATS = {"groups_from_buffer": "groups_from_held_over"}  # in checkpoints written before: read until 0.3
-
-
 def _collected_from(d: dict) -> Collected:
-    # every counter record inside the statistics (the tools', screening's) back to its own type; a counter that is no
-    # longer kept (the removed pre-filter's, in checkpoints written before) is passed over, until release 0.3
+    # every counter record inside the statistics (the tools', screening's) back to its own type; a counter no longer
+    # kept (the removed pre-filter's; groups_from_buffer, always 0 ahead of the trainer) is passed over, until 0.3
     hints = typing.get_type_hints(CollectStats)
     nested = {name: t for name, t in hints.items() if dataclasses.is_dataclass(t)}
-    saved = {RENAMED_STATS.get(k, k): v for k, v in d["stats"].items()}
-    stats = CollectStats(**{k: nested[k](**v) if k in nested else v for k, v in saved.items() if k in hints})
+    stats = CollectStats(**{k: nested[k](**v) if k in nested else v for k, v in d["stats"].items() if k in hints})
     batch = None if d["batch"] is None else RolloutBatch.from_state(d["batch"])
     return Collected(d["step"], d["version"], batch, stats, d["state"], d["waited_s"], d["seconds"])
