@@ -483,3 +483,15 @@ def test_the_range_message_reads_as_declared():
         load_config(None, ["algo.eps_high=11"])
     rule = config_module.Rule(ge=0, lt=1, unit="tokens", why="why")
     assert rule.broken("a.b", 1) == "a.b=1: must be in [0, 1) tokens; why" and rule.broken("a.b", 0) is None
+
+
+def test_keys_of_earlier_versions_are_read_with_one_line_naming_the_new_key():
+    with pytest.warns(UserWarning) as caught:
+        cfg = load_config("configs/demo.yaml", ["algo.buffer_max_groups=3", "algo.buffer_logp=trainer"])
+    assert cfg.algo.held_over_max_groups == 3 and cfg.algo.held_over_logp_source == "recompute"
+    assert [str(w.message) for w in caught] == [
+        "algo.buffer_max_groups is now algo.held_over_max_groups (read as algo.held_over_max_groups=3); rename it: "
+        "the old name is read until 0.3",
+        "algo.buffer_logp is now algo.held_over_logp_source (read as algo.held_over_logp_source=recompute); rename "
+        "it: the old name is read until 0.3",
+    ]
