@@ -113,7 +113,7 @@ def random_batch(encode, gen, group: int, n: int, length: int):
 
     from dapo.algorithm import advantages
     from dapo.algorithm.batch import RolloutBatch
-    from dapo.tasks import arith
+    from dapo.data import arith
 
     rows = [ex for ex in arith.make_examples("train", n // group, seed=0) for _ in range(group)]
     reward = torch.randint(0, 2, (n,), generator=gen).float() * 2 - 1

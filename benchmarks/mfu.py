@@ -41,12 +41,12 @@ import torch
 from dapo.algorithm.batch import RolloutBatch
 from dapo.algorithm.step import make_loss_fn
 from dapo.config import load_config
+from dapo.data import arith
 from dapo.data.prompts import make_encoder
 from dapo.model.policy import Policy
 from dapo.rewards import grade
 from dapo.rollout.base import SamplingParams
 from dapo.rollout.hf import HFRolloutEngine
-from dapo.tasks import arith
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mfu_matmul import mm_rate, model_shapes, reference_rate  # noqa: E402

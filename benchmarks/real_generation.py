@@ -62,10 +62,11 @@ def timed(fn):
 def side_ours(args) -> dict:
     from dapo.config import RolloutConfig
     from dapo.model.loading import load_model_and_tokenizer
-    from dapo.rollout import SamplingParams, make_rollout
+    from dapo.rollout import SamplingParams
+    from dapo.rollout.build import engine_on
 
     model, tok = load_model_and_tokenizer(MODEL)
-    engine = make_rollout(RolloutConfig(backend="vllm", kv_cache_gib=KV_GIB), model, tok, max_model_len=256 + MAX_NEW)
+    engine = engine_on(RolloutConfig(backend="vllm", kv_cache_gib=KV_GIB), model, tok, max_model_len=256 + MAX_NEW)
     ids = prompts(tok, args.prompts)
     engine.generate(ids, SamplingParams(n=G, temperature=TEMPERATURE, max_new_tokens=MAX_NEW, seed=999))  # warm-up
     _, push_s, push_cpu, _ = timed(lambda: engine.update_weights(model.named_parameters()))

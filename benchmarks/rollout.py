@@ -30,11 +30,11 @@ from pathlib import Path
 
 import torch
 
+from dapo.data import arith
 from dapo.data.prompts import make_encoder
 from dapo.model.loading import load_model_and_tokenizer
 from dapo.rollout.base import SamplingParams
 from dapo.rollout.hf import HFRolloutEngine
-from dapo.tasks import arith
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))

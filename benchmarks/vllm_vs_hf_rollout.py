@@ -20,10 +20,11 @@ from pathlib import Path
 import torch
 
 from dapo.config import RolloutConfig
+from dapo.data import arith
 from dapo.data.prompts import make_encoder
 from dapo.model.loading import load_model_and_tokenizer
-from dapo.rollout import SamplingParams, make_rollout
-from dapo.tasks import arith
+from dapo.rollout import SamplingParams
+from dapo.rollout.build import engine_on
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runs import Meter, withheld  # noqa: E402
@@ -41,8 +42,8 @@ def main() -> None:
     encode = make_encoder(tokenizer, 256)
     prompts = [encode(ex) for ex in arith.make_examples("train", args.prompts, seed=0)]
     t0 = time.perf_counter()
-    engines = {"hf": make_rollout(RolloutConfig(backend="hf"), model, tokenizer)}
-    engines["vllm"] = make_rollout(RolloutConfig(backend="vllm", kv_cache_gib=0.25), model, tokenizer)
+    engines = {"hf": engine_on(RolloutConfig(backend="hf"), model, tokenizer)}
+    engines["vllm"] = engine_on(RolloutConfig(backend="vllm", kv_cache_gib=0.25), model, tokenizer)
     print(f"vLLM engine start-up (import included): {time.perf_counter() - t0:.1f} s")
     best = {}
     meters = {name: Meter(torch.get_num_threads()) for name in engines}

@@ -192,8 +192,8 @@ def trl_dataset(st: Setting):
     """The training problems as TRL's dataset rows: the same prompt text our side trains on."""
     from datasets import Dataset
 
+    from dapo.data import arith
     from dapo.data.files import load_examples
-    from dapo.tasks import arith
 
     if st.real:  # the problems as user turns: TRL applies the chat template, as our side does
         train_examples = load_examples(ROOT / "data/word_problems/train.jsonl", template="raw")
@@ -231,10 +231,10 @@ class HeldOut:
         st = self.st
         if self.engine is None:
             from dapo.config import RolloutConfig
-            from dapo.rollout import make_rollout
+            from dapo.rollout.build import engine_on
 
             backend = "vllm" if st.real else "hf"
-            self.engine = make_rollout(
+            self.engine = engine_on(
                 RolloutConfig(backend=backend, kv_cache_gib=0.5),
                 self.model,
                 self.tokenizer,

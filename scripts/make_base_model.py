@@ -58,11 +58,11 @@ from pathlib import Path
 
 import torch
 
+from dapo.data import arith
 from dapo.model import tiny
 from dapo.rewards import grade
 from dapo.rollout.base import SamplingParams
 from dapo.rollout.hf import HFRolloutEngine
-from dapo.tasks import arith
 
 REPO = Path(__file__).resolve().parent.parent
 

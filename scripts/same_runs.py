@@ -2,10 +2,11 @@
 weights of their last checkpoints, bit for bit. For a change that must not change behaviour (a refactor, a move):
 train the same command before and after it, then
 
-    python scripts/same_runs.py RUN_DIR_BEFORE RUN_DIR_AFTER [--ignore KEY ...]
+    python scripts/same_runs.py RUN_DIR_BEFORE RUN_DIR_AFTER [--ignore KEY ...] [--renamed OLD=NEW ...]
 
 Exit code 0 when they agree, 1 with what differs. Clock readings (``perf/time_*``, rates, waits, peak memory) and
-the keys given with ``--ignore`` (a metric the change added or removed on purpose) are left out.
+the keys given with ``--ignore`` (a metric the change added or removed on purpose) are left out; a metric the change
+renamed is compared under its new name (``--renamed sampling/groups_from_buffer=sampling/groups_from_held_over``).
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ CLOCK = re.compile(
 )
 
 
-def rows(run_dir: Path, ignore: set[str]) -> list[dict]:
-    out = []
+def rows(run_dir: Path, ignore: set[str], renamed: dict[str, str] | None = None) -> list[dict]:
+    out, renamed = [], renamed or {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         if line.strip():
-            row = json.loads(line)
+            row = {renamed.get(k, k): v for k, v in json.loads(line).items()}
             out.append({k: v for k, v in row.items() if not CLOCK.match(k) and k not in ignore})
     return out
 
@@ -41,9 +42,9 @@ def last_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return {f"{f.parent.name}/{k}": v for f in files for k, v in load_file(f).items()}
 
 
-def compare(a: Path, b: Path, ignore: set[str]) -> list[str]:
+def compare(a: Path, b: Path, ignore: set[str], renamed: dict[str, str] | None = None) -> list[str]:
     problems = []
-    ra, rb = rows(a, ignore), rows(b, ignore)
+    ra, rb = rows(a, ignore, renamed), rows(b, ignore)
     if len(ra) != len(rb):
         problems.append(f"{len(ra)} rows against {len(rb)}")
     for x, y in zip(ra, rb):
@@ -68,8 +69,10 @@ def main() -> int:
     p.add_argument("before", type=Path)
     p.add_argument("after", type=Path)
     p.add_argument("--ignore", nargs="*", default=[], help="metric keys left out of the comparison")
+    p.add_argument("--renamed", nargs="*", default=[], metavar="OLD=NEW", help="metrics the change renamed")
     args = p.parse_args()
-    problems = compare(args.before, args.after, set(args.ignore))
+    renamed = dict(item.split("=", 1) for item in args.renamed)
+    problems = compare(args.before, args.after, set(args.ignore), renamed)
     n_rows, n_tensors = len(rows(args.after, set(args.ignore))), len(last_weights(args.after))
     if problems:
         print(f"{args.before} and {args.after} differ:\n  " + "\n  ".join(problems))

@@ -70,16 +70,9 @@ def make_policy(cfg, device="cpu", dist=None):
 
 def training_engine(cfg, policy, dist):
     """The rollout engine a training run with ``cfg`` builds for ``policy`` (None: only the checks)."""
-    from dapo.rollout import make_training_engine
+    from dapo.rollout import build
 
-    return make_training_engine(
-        cfg.rollout,
-        cfg.model,
-        policy and policy.model,
-        policy and policy.tokenizer,
-        dist,
-        max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens,
-    )
+    return build.training_engine(cfg, policy, dist)
 
 
 def loss_fn_of(cfg):
@@ -176,3 +169,12 @@ def pytest_terminal_summary(terminalreporter):
             f"{sandbox_unavailable()}",
             yellow=True,
         )
+
+
+def objective_loss(name, logp, old_logp, adv, mask, **settings):
+    """``losses.actor_loss`` under the objective ``name``: its settings (eps_low, loss_agg, dual_clip, ...) and the
+    batch's (num_tokens, num_seqs, is_weights, ref_logp) by keyword."""
+    from dapo.algorithm import losses
+
+    batch = {k: settings.pop(k) for k in ("num_tokens", "num_seqs", "is_weights", "ref_logp") if k in settings}
+    return losses.actor_loss(logp, old_logp, adv, mask, losses.Objective(name, **settings), **batch)

@@ -49,7 +49,7 @@ SWITCHES = (
     "dynamic_sampling",
     "filter_metric",
     "scale_adv_by_std",
-    "buffer_max_groups",
+    "held_over_max_groups",
     "rollout_is_cap",
 )
 DAPO = REPO / "configs" / "dapo_qwen2.5_32b.yaml"

@@ -228,7 +228,8 @@ def test_vllm_log_probs_are_the_trainers(model_type, tmp_path, monkeypatch):
     without the model's transform would be further off than that."""
     from dapo.model.logits import LogitTransform
     from dapo.reporting.notes import ENGINE_GAP_LIMIT, engine_gap_warning
-    from dapo.rollout import SamplingParams, make_rollout
+    from dapo.rollout import SamplingParams
+    from dapo.rollout.build import engine_on
 
     monkeypatch.setitem(
         arch_zoo.OVERRIDES,
@@ -239,9 +240,7 @@ def test_vllm_log_probs_are_the_trainers(model_type, tmp_path, monkeypatch):
     arch_zoo.save(arch_zoo.build(model_type), path)
     overrides = ("rollout.backend=vllm", "rollout.kv_cache_gib=0.0625", "model.device=cpu")
     policy = start(path, tmp_path, *overrides)
-    engine = make_rollout(
-        policy_cfg(path, tmp_path, *overrides).rollout, policy.model, policy.tokenizer, max_model_len=64
-    )
+    engine = engine_on(policy_cfg(path, tmp_path, *overrides).rollout, policy.model, policy.tokenizer, max_model_len=64)
     prompts = [[5, 17, 33, 80, 2], [100, 7, 9]]
     gen = engine.generate(prompts, SamplingParams(n=4, temperature=TEMPERATURE, max_new_tokens=12, seed=0))
     batch = RolloutBatch.from_generation(gen, group_size=4)

@@ -247,7 +247,7 @@ def test_generating_ahead_alone_takes_the_default_cap_and_an_explicit_null_still
     "extra, message",
     [
         (["algo.rollout_is_cap=null"], "rollout.max_staleness=1: .*set algo.rollout_is_cap"),
-        (["algo.buffer_max_groups=4"], "rollout.max_staleness=1: algo.buffer_max_groups=4 .*set algo.buffer_max"),
+        (["algo.held_over_max_groups=4"], "rollout.max_staleness=1: algo.held_over_max_groups=4 .*set algo.buffer_max"),
         (["algo.old_logp_source=engine"], "rollout.max_staleness=1: .*use algo.old_logp_source=recompute"),
     ],
 )

@@ -488,3 +488,20 @@ def test_a_full_disk_during_a_checkpoint_stops_the_run_in_one_line_and_a_restart
     assert cli.main(command) == 0
     assert f"resumed from {first} (step 1)" in capsys.readouterr().out
     assert [p.name for p in checkpoint_files.list_checkpoints(run_dir)] == ["step_000001", "step_000002", "step_000003"]
+
+
+def test_a_collection_state_in_the_earlier_flat_layout_is_read_onto_the_same_values():
+    from dapo.collect.base import CollectionState
+
+    order, held = {"seed": 0, "shuffle": True, "epoch": 1, "position": 5, "num_examples": 9}, [{"group_size": 4}]
+    flat = {"sampler": order, "gen_rounds": 7, "keep_rate": 0.5, "buffer": held, "step": 3, "rng": {}}
+    state = CollectionState.from_trainer_state(flat)
+    assert (state.prompt_order, state.gen_rounds, state.keep_rate, state.held_over, state.ahead) == (
+        order,
+        7,
+        0.5,
+        held,
+        None,
+    )
+    saved = {CollectionState.KEY: state.to_state(), "step": 3}
+    assert CollectionState.from_trainer_state(saved) == state and "ahead" not in saved[CollectionState.KEY]

@@ -156,7 +156,7 @@ def test_verbose_adds_the_traceback(tmp_path, capsys, monkeypatch):
 
 def test_errors_of_the_package_are_one_line_and_faults_of_libraries_are_not():
     from dapo.config import DataConfig
-    from dapo.tasks import load_train_examples
+    from dapo.data.train_sets import load_train_examples
 
     with pytest.raises(ValueError) as ours:
         load_train_examples(DataConfig(task="chess"))  # built in code, past the config's own check

@@ -6,6 +6,7 @@ import typing
 from pathlib import Path
 
 import pytest
+import torch
 
 from dapo.config import ConfigError, config_from_dict, dump_yaml, load_config, settings, validate
 from dapo.config import schema as config_module
@@ -38,7 +39,7 @@ def test_presets_load():
     assert cfg.algo.overlong_buffer_tokens == 4096 and cfg.algo.kl_coef == 0.0
     assert (cfg.eval.n, cfg.eval.top_p, cfg.train.lr, cfg.train.warmup_steps) == (32, 0.7, 1e-6, 20)
     assert cfg.rollout.tensor_parallel_size == 4  # the reference's gen_tp: 1/4 of the bf16 weights per GPU
-    assert cfg.algo.buffer_max_groups == 0 and cfg.algo.rollout_is_cap is None and cfg.reward.grader == "dapo"
+    assert cfg.algo.held_over_max_groups == 0 and cfg.algo.rollout_is_cap is None and cfg.reward.grader == "dapo"
     assert load_config("configs/dapo_qwen2.5_7b.yaml").rollout.tensor_parallel_size == 1
     grpo = load_config("configs/grpo_baseline.yaml")  # inherits the paper preset through `base:`
     assert grpo.algo.eps_high == 0.2 and grpo.algo.loss_agg == "seq-mean-token-mean" and grpo.algo.kl_coef > 0
@@ -77,8 +78,8 @@ def test_dotted_overrides_and_types():
         ("rollout.tensor_parallel_size=0", "rollout.tensor_parallel_size"),
         ("rollout.kv_cache_gib=-1", "rollout.kv_cache_gib"),
         ("rollout.gpu_memory_utilization=1.5", "rollout.gpu_memory_utilization"),
-        ("algo.buffer_max_groups=-1", "algo.buffer_max_groups"),
-        ("algo.buffer_logp=engine", "algo.buffer_logp"),  # the hf engine reports no log-probs
+        ("algo.held_over_max_groups=-1", "algo.held_over_max_groups"),
+        ("algo.held_over_logp_source=engine", "algo.held_over_logp_source"),  # the hf engine reports no log-probs
         ("algo.rollout_is_cap=0.5", "algo.rollout_is_cap"),  # below 1
         ("algo.rollout_is_cap=2", "algo.rollout_is_cap"),  # needs vllm's log-probs
         ("algo.truncated_in_group_stats=false", "algo.truncated_in_group_stats"),  # without overlong filtering
@@ -166,7 +167,7 @@ def test_every_choice_setting_is_found_by_its_type():
         "algo.kl_kind",
         "algo.filter_metric",
         "algo.on_max_gen_rounds",
-        "algo.buffer_logp",
+        "algo.held_over_logp_source",
         "train.pack_sequences",
         "model.device",
         "data.task_difficulty",
@@ -184,7 +185,7 @@ def test_a_choice_setting_refuses_other_values_and_lists_its_choices(key, tp):
         section, name = key.split(".")
         extra = (
             ["rollout.backend=vllm"]
-            if (key, choice) in (("algo.buffer_logp", "engine"), ("algo.old_logp_source", "engine"))
+            if (key, choice) in (("algo.held_over_logp_source", "engine"), ("algo.old_logp_source", "engine"))
             else []
         )
         if key == "algo.rollout_is_mode" and choice != "token_truncate":  # a sequence mode needs the cap it uses
@@ -291,24 +292,26 @@ def test_old_logp_sources_refuse_what_would_make_them_inexact(overrides, fix):
 
 
 def test_a_kept_surplus_of_zero_groups_is_a_count():
-    # buffer_max_groups is not an unset-able setting: 0 keeps no surplus group (the reference's behaviour)
-    assert config_module.AlgoConfig().buffer_max_groups == 0
-    assert load_config(None, ["algo.buffer_max_groups=0"]).algo.buffer_max_groups == 0
+    # held_over_max_groups is not an unset-able setting: 0 holds over no surplus group (the reference's behaviour)
+    assert config_module.AlgoConfig().held_over_max_groups == 0
+    assert load_config(None, ["algo.held_over_max_groups=0"]).algo.held_over_max_groups == 0
 
 
 def test_code_that_acts_on_a_choice_knows_exactly_its_choices():
     from dapo import cli
     from dapo.algorithm import losses
     from dapo.data import prompts
+    from dapo.data.arith import DIFFICULTIES
     from dapo.model.loading import DTYPES
     from dapo.rewards.graders import GRADERS
-    from dapo.tasks.arith import DIFFICULTIES
 
     assert tuple(DTYPES) == typing.get_args(config_module.Dtype)
     assert set(GRADERS) | {"auto"} == set(typing.get_args(config_module.Grader))
     assert set(DIFFICULTIES) == set(typing.get_args(config_module.TaskDifficulty))
-    assert losses.LOSS_AGG_MODES == typing.get_args(config_module.LossAgg)
-    assert losses.KL_KINDS == typing.get_args(config_module.KlKind)
+    for mode in typing.get_args(config_module.LossAgg):  # the losses take every choice the config offers
+        assert losses.aggregate(torch.ones(1, 2), torch.ones(1, 2), mode, norm_length=2).item() == 1.0
+    for kind in typing.get_args(config_module.KlKind):
+        assert losses.kl_penalty(torch.zeros(1), torch.zeros(1), kind).item() == 0.0
     assert prompts._templates() == typing.get_args(config_module.Template)
     sub = next(a for a in cli.build_parser()._actions if a.dest == "command").choices["import-model"]
     assert tuple(next(a for a in sub._actions if a.dest == "dtype").choices) == typing.get_args(config_module.Dtype)
@@ -480,3 +483,15 @@ def test_the_range_message_reads_as_declared():
         load_config(None, ["algo.eps_high=11"])
     rule = config_module.Rule(ge=0, lt=1, unit="tokens", why="why")
     assert rule.broken("a.b", 1) == "a.b=1: must be in [0, 1) tokens; why" and rule.broken("a.b", 0) is None
+
+
+def test_keys_of_earlier_versions_are_read_with_one_line_naming_the_new_key():
+    with pytest.warns(UserWarning) as caught:
+        cfg = load_config("configs/demo.yaml", ["algo.buffer_max_groups=3", "algo.buffer_logp=trainer"])
+    assert cfg.algo.held_over_max_groups == 3 and cfg.algo.held_over_logp_source == "recompute"
+    assert [str(w.message) for w in caught] == [
+        "algo.buffer_max_groups is now algo.held_over_max_groups (read as algo.held_over_max_groups=3); rename it: "
+        "the old name is read until 0.3",
+        "algo.buffer_logp is now algo.held_over_logp_source (read as algo.held_over_logp_source=recompute); rename "
+        "it: the old name is read until 0.3",
+    ]

@@ -27,7 +27,7 @@ def test_a_removed_setting_says_it_was_removed_and_what_to_use(key, tmp_path):
 
 # a config that breaks each rule between settings (and no earlier one), by the rule's settings
 BREAKS_RULE = {
-    ("algo.buffer_logp", "rollout.backend"): ["algo.buffer_logp=engine"],
+    ("algo.held_over_logp_source", "rollout.backend"): ["algo.held_over_logp_source=engine"],
     ("tools.filter_void_turns", "tools.python"): ["tools.filter_void_turns=true"],
     ("algo.screen_samples", "rollout.group_size", "algo.dynamic_sampling"): ["algo.screen_samples=8"],
     ("algo.screen_audit", "algo.screen_samples"): ["algo.screen_audit=0.1"],
@@ -43,7 +43,7 @@ BREAKS_RULE = {
         "algo.old_logp_source=engine",
         "rollout.backend=vllm",
     ],
-    ("rollout.max_staleness", "algo.buffer_max_groups"): ["rollout.max_staleness=2", "algo.buffer_max_groups=4"],
+    ("rollout.max_staleness", "algo.held_over_max_groups"): ["rollout.max_staleness=2", "algo.held_over_max_groups=4"],
     ("rollout.ranks", "rollout.max_staleness"): ["rollout.ranks=1"],
     ("rollout.ranks", "rollout.tensor_parallel_size"): [
         "rollout.ranks=1",

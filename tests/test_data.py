@@ -6,8 +6,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from dapo.data.files import DataError, load_examples
+from dapo.data.prompt_order import PromptOrder
 from dapo.data.prompts import DAPO_PROMPT_PREFIX, DAPO_PROMPT_SUFFIX, Example, Message, apply_template, render_prompt
-from dapo.data.sampler import PromptSampler
 
 REPO = Path(__file__).resolve().parent.parent
 AIME_DAPO = REPO / "data" / "aime2024" / "aime-2024.dapo.parquet"
@@ -240,7 +240,7 @@ def test_a_row_over_max_row_chars_is_refused_before_parsing(tmp_path):
 
 def test_the_row_limit_is_a_setting_that_reaches_the_loader(tmp_path, tiny_model_dir):
     from conftest import small_config
-    from dapo.tasks import load_train_examples
+    from dapo.data.train_sets import load_train_examples
 
     path = write_jsonl(tmp_path / "big.jsonl", [{"problem": "x" * 3000, "answer": "1"}])
     cfg = small_config(tmp_path, tiny_model_dir, f"data.train_files=[{path}]", "data.max_row_chars=2000")
@@ -355,17 +355,17 @@ def _examples(n):
 
 def test_sampler_is_deterministic_and_seed_dependent():
     ex = _examples(50)
-    a = [e.uid for e in PromptSampler(ex, seed=3).next(40)]
-    b = [e.uid for e in PromptSampler(ex, seed=3).next(40)]
-    c = [e.uid for e in PromptSampler(ex, seed=4).next(40)]
+    a = [e.uid for e in PromptOrder(ex, seed=3).next(40)]
+    b = [e.uid for e in PromptOrder(ex, seed=3).next(40)]
+    c = [e.uid for e in PromptOrder(ex, seed=4).next(40)]
     assert a == b and a != c
     assert a != [str(i) for i in range(40)]  # shuffled
-    assert [e.uid for e in PromptSampler(ex, seed=3, shuffle=False).next(5)] == ["0", "1", "2", "3", "4"]
+    assert [e.uid for e in PromptOrder(ex, seed=3, shuffle=False).next(5)] == ["0", "1", "2", "3", "4"]
 
 
 def test_sampler_crosses_epochs_covering_each_once_per_epoch():
     ex = _examples(7)
-    s = PromptSampler(ex, seed=0)
+    s = PromptOrder(ex, seed=0)
     first = s.next(5)
     assert s.epoch == 0
     second = s.next(5)  # 2 from epoch 0, 3 from epoch 1
@@ -375,27 +375,27 @@ def test_sampler_crosses_epochs_covering_each_once_per_epoch():
     rest = second[2:] + s.next(4)
     assert sorted((e.uid for e in rest), key=int) == [str(i) for i in range(7)]
     assert s.epoch == 1
-    big = PromptSampler(ex, seed=1).next(23)  # more than three epochs in one call
+    big = PromptOrder(ex, seed=1).next(23)  # more than three epochs in one call
     assert len(big) == 23 and sorted(e.uid for e in big[:21]).count("0") == 3
 
 
 def test_sampler_state_round_trip_continues_identically():
     ex = _examples(13)
-    s = PromptSampler(ex, seed=9)
+    s = PromptOrder(ex, seed=9)
     s.next(17)
     state = json.loads(json.dumps(s.state_dict()))
     expected = [e.uid for e in s.next(30)]
-    resumed = PromptSampler(ex, seed=123)
+    resumed = PromptOrder(ex, seed=123)
     resumed.load_state_dict(state)
     assert resumed.epoch == 1
     assert [e.uid for e in resumed.next(30)] == expected
     with pytest.raises(ValueError, match="saved for 13 examples but this data set has 12"):
-        PromptSampler(_examples(12), seed=9).load_state_dict(state)
+        PromptOrder(_examples(12), seed=9).load_state_dict(state)
 
 
 def test_sampler_rejects_empty():
     with pytest.raises(ValueError, match="at least one example"):
-        PromptSampler([], seed=0)
+        PromptOrder([], seed=0)
 
 
 # --- real files (skipped until data/ holds them) --------------------------------------------

@@ -38,7 +38,7 @@ RUN = [
     "algo.filter_metric=reward",
     "algo.max_gen_rounds=3",
     "algo.oversample=3.0",
-    "algo.buffer_max_groups=8",
+    "algo.held_over_max_groups=8",
     "data.task_train_size=12",
 ]
 LORA = ["model.lora.rank=4", "train.lr=1e-2"]
@@ -135,9 +135,11 @@ def test_a_checkpoint_resumes_at_another_world_size_as_the_run_would_have_gone_o
         assert checkpoint_weights.is_sharded(final) == (after > 1) and is_lora(final) == run.startswith("lora")
         # what is identical: the prompts drawn, the held-over groups, the counters, AdamW's step count
         a, b = checkpoint.load_trainer_state(want), checkpoint.load_trainer_state(final)
-        assert b["sampler"] == a["sampler"] and b["gen_rounds"] == a["gen_rounds"] and b["step"] == a["step"] == 3
-        assert a["sampler"]["epoch"] > 0  # 12 problems: the prompts recurred, the sampler is past its first pass
-        assert len(b["buffer"]) == len(a["buffer"])
+        ca, cb = a["collection"], b["collection"]
+        assert cb["prompt_order"] == ca["prompt_order"] and cb["gen_rounds"] == ca["gen_rounds"]
+        assert b["step"] == a["step"] == 3
+        assert ca["prompt_order"]["epoch"] > 0  # 12 problems: the prompts recurred, past the order's first pass
+        assert len(cb["held_over"]) == len(ca["held_over"])
         assert b["policy"]["scheduler"] == a["policy"]["scheduler"]
         assert b["world_size"] == after
         assert adam_steps(final) == adam_steps(want) and set(adam_steps(want)) == {6.0}  # 2 updates a step

@@ -314,7 +314,7 @@ HARD_EXIT = [
     "algo.filter_metric=reward",
     "algo.max_gen_rounds=3",
     "algo.oversample=3.0",
-    "algo.buffer_max_groups=8",
+    "algo.held_over_max_groups=8",
     "run.async_checkpoint=true",
 ]
 

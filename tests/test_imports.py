@@ -62,7 +62,7 @@ def test_the_reader_finds_imports_of_every_kind():
     g = graph()
     assert "dapo.algorithm.losses" in g["dapo.algorithm.step"]  # from dapo.algorithm import advantages, losses
     assert "dapo.rewards" in g["dapo.collect.scoring"] or "dapo.rewards.graders" in g["dapo.collect.scoring"]
-    assert "dapo.rollout.vllm" in g["dapo.rollout"]  # imported inside a function
+    assert "dapo.rollout.vllm" in g["dapo.rollout.build"]  # imported inside a function
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
@@ -76,8 +76,8 @@ def test_no_import_cycle():
 FLOORS = [
     ("config",),  # the settings: a leaf, it imports nothing else of dapo
     ("runtime",),  # ranks and FSDP, the watchdog, memory, the libraries' logging, file modes
-    ("data",),  # prompts, data files, the prompt sampler
-    ("rewards", "tools", "tasks"),  # graders of untrusted text; the sandboxed tool; the built-in task
+    ("data",),  # prompts, data files, the built-in task, the prompt order
+    ("rewards", "tools"),  # graders of untrusted text and the grading a run's settings ask for; the sandboxed tool
     ("algorithm",),  # the objectives and the step's computations: no engine, no I/O
     ("model",),  # policy, log-probs, micro-batches, LoRA, loading
     ("rollout",),  # the engines
@@ -121,12 +121,15 @@ def test_the_floor_rule_catches_an_import_upward():
     ]
 
 
-@pytest.mark.parametrize(
-    "module",
-    ["dapo.algorithm.advantages", "dapo.algorithm.losses", "dapo.algorithm.rollout_correction", "dapo.algorithm.batch"],
-)
-def test_the_algorithm_s_pure_modules_import_nothing_of_dapo(module):
-    assert not {n for n in graph()[module] if n.startswith("dapo")}
+PURE = ["dapo.algorithm.advantages", "dapo.algorithm.losses", "dapo.algorithm.rollout_correction"]
+PURE += ["dapo.algorithm.batch"]
+
+
+@pytest.mark.parametrize("module", PURE)
+def test_the_algorithm_s_pure_modules_import_nothing_of_dapo_but_the_config_s_choices(module):
+    """No I/O and no config object: of dapo, one another and the names of the choices the config offers (its
+    Literals)."""
+    assert not {n for n in graph()[module] if n.startswith("dapo")} - {"dapo.config.schema", *PURE}
 
 
 def test_the_model_runs_the_loss_it_is_given():
@@ -190,3 +193,13 @@ def test_the_architecture_doc_points_at_the_current_lines():
     assert out == (root / "docs/architecture.md").read_text(), (
         "run: python scripts/architecture_lines.py scripts/architecture.in.md > docs/architecture.md"
     )
+
+
+def test_engines_are_built_in_one_place():
+    """Only rollout/build.py turns settings into engines: outside rollout/, nothing imports a backend or the
+    transports ahead of the trainer, and collect/ only the engine interface."""
+    internals = {f"dapo.rollout.{m}" for m in ("hf", "vllm", "remote", "ranks", "multi_turn")}
+    outside = {(m, n) for m, deps in graph().items() if stage(m) != "rollout" for n in deps & internals}
+    assert not outside, sorted(outside)
+    collect = {n for m, deps in graph().items() if stage(m) == "collect" for n in deps if stage(n) == "rollout"}
+    assert collect <= {"dapo.rollout.base"}, collect

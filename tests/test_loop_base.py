@@ -6,10 +6,10 @@ from pathlib import Path
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from dapo.data import arith
 from dapo.rewards.numeric import grade_arith
 from dapo.rollout.base import SamplingParams
 from dapo.rollout.hf import HFRolloutEngine
-from dapo.tasks import arith
 
 REPO = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("make_base_model", REPO / "scripts" / "make_base_model.py")

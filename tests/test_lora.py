@@ -258,7 +258,7 @@ RESUME_OVERRIDES = [
     "algo.filter_metric=reward",
     "algo.max_gen_rounds=3",
     "algo.oversample=3.0",
-    "algo.buffer_max_groups=8",
+    "algo.held_over_max_groups=8",
     "run.async_checkpoint=true",
 ]
 
@@ -335,7 +335,7 @@ def test_a_killed_lora_run_resumes_to_the_adapters_of_an_uninterrupted_one(lora_
     )
     a = {r["step"]: r for r in read_metrics(full)}
     b = {r["step"]: r for r in read_metrics(resumed_dir)}
-    assert a[2]["sampling/groups_from_buffer"] > 0 and "actor/kl_loss" in a[3]  # buffer and reference resumed too
+    assert a[2]["sampling/groups_from_held_over"] > 0 and "actor/kl_loss" in a[3]  # buffer and reference resumed too
     for step in (2, 3):
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "reward/score_mean"):
             assert b[step][key] == a[step][key], (step, key)

@@ -160,13 +160,13 @@ def test_vllm_samples_from_the_merged_model_after_a_push(tmp_path):
     kernel for the conftest model's 16-wide heads."""
     from dapo.algorithm import advantages
     from dapo.algorithm.batch import RolloutBatch
-    from dapo.rollout import make_rollout
+    from dapo.rollout.build import engine_on
     from test_vllm import LOGP_TOL_MAX, LOGP_TOL_MEAN, VLLM_OVERRIDES, logp_abs_diff
 
     model = REPO / "assets" / "arith-base"
     cfg = small_config(tmp_path, model, *VLLM_OVERRIDES, *LORA, "rollout.temperature=0.7")
     policy = make_policy(cfg)
-    engine = make_rollout(cfg.rollout, policy.model, policy.tokenizer)
+    engine = engine_on(cfg.rollout, policy.model, policy.tokenizer)
     prompts = [policy.tokenizer(p)["input_ids"] for p in ("2+7*4=", "9=", "7-")]
     params = SamplingParams(n=4, temperature=0.7, max_new_tokens=24, seed=1)
     gen = engine.generate(prompts, params)

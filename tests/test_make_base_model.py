@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dapo.tasks import arith
+from dapo.data import arith
 
 REPO = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("make_base_model", REPO / "scripts" / "make_base_model.py")

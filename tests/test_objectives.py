@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import objective_loss
 from dapo import ablate
 from dapo.algorithm import losses, rollout_correction
 from dapo.config import ConfigError, load_config
@@ -30,7 +31,9 @@ def test_gspo_clips_the_sequence_ratio_hand_computed():
     logp, old = _logps([[2.0, 0.5], [1.5, 1.0]])
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     adv = torch.tensor([1.0, 1.0])
-    loss, stats = losses.gspo_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_agg="seq-mean-token-mean")
+    loss, stats = objective_loss(
+        "gspo", logp, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_agg="seq-mean-token-mean"
+    )
     # per sequence: -A * s_0 = -1 (inside the range); -A * clip(1.5) = -1.28 (clipped at the top)
     assert loss.item() == pytest.approx((-1.0 + -1.28) / 2, abs=1e-6)
     loss.backward()
@@ -44,7 +47,7 @@ def test_gspo_clips_the_sequence_ratio_hand_computed():
     assert value(stats["seq_ratio_min"]) == pytest.approx(1.0, abs=1e-6)
     # the same batch under DAPO's token clip: row 0's ratio-2 token is clipped and passes no gradient
     logp.grad = None
-    dapo, _ = losses.dapo_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_agg="seq-mean-token-mean")
+    dapo, _ = objective_loss("dapo", logp, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_agg="seq-mean-token-mean")
     dapo.backward()
     assert logp.grad[0, 0].item() == 0.0
 
@@ -54,8 +57,8 @@ def test_gspo_negative_advantage_is_clipped_at_the_bottom_and_dual_clipped():
     logp, old = _logps([[0.5, 0.5], [50.0, 1.0]], old_prob=0.01)
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     adv = torch.tensor([-1.0, -2.0])
-    loss, stats = losses.gspo_loss(
-        logp, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_agg="seq-mean-token-mean", dual_clip=10.0
+    loss, stats = objective_loss(
+        "gspo", logp, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_agg="seq-mean-token-mean", dual_clip=10.0
     )
     # row 0: max(0.5, 0.8) = 0.8 (clipped at the bottom); row 1: max(2 * 50, 2 * 1.28) = 100, dual clip -> 2 * 10
     assert loss.item() == pytest.approx((0.8 + 20.0) / 2, abs=1e-4)
@@ -74,9 +77,9 @@ def test_gspo_with_one_token_responses_is_the_token_level_clip(loss_agg, dual_cl
     mask = torch.ones(6, 1)
     kw = dict(eps_low=0.2, eps_high=0.28, loss_agg=loss_agg, norm_length=4, dual_clip=dual_clip)
     grads = []
-    for fn in (losses.gspo_loss, losses.dapo_loss):
+    for name in ("gspo", "dapo"):
         logp = base.clone().requires_grad_(True)
-        loss, _ = fn(logp, old, adv, mask, **kw)
+        loss, _ = objective_loss(name, logp, old, adv, mask, **kw)
         loss.backward()
         grads.append((loss.detach(), logp.grad))
     assert torch.allclose(grads[0][0], grads[1][0], atol=1e-6)
@@ -86,7 +89,7 @@ def test_gspo_with_one_token_responses_is_the_token_level_clip(loss_agg, dual_cl
 def test_cispo_clips_the_weight_not_the_update_hand_computed():
     logp, old = _logps([[1.5, 0.5, 1.0]])
     mask = torch.ones(1, 3)
-    loss, stats = losses.cispo_loss(logp, old, torch.tensor([1.0]), mask, eps_low=0.2, eps_high=0.28)
+    loss, stats = objective_loss("cispo", logp, old, torch.tensor([1.0]), mask, eps_low=0.2, eps_high=0.28)
     # weights clip(r) = [1.28, 0.8, 1.0]; the loss's value is -A * w per token, token-mean over 3
     assert loss.item() == pytest.approx(-(1.28 + 0.8 + 1.0) / 3, abs=1e-6)
     loss.backward()
@@ -107,7 +110,7 @@ def test_cispo_gradient_on_unclipped_tokens_is_the_vanilla_policy_gradient():
     mask = (torch.arange(5)[None, :] < torch.tensor([[5], [3], [1], [4]])).float()
     cispo = base.clone().requires_grad_(True)
     vanilla = base.clone().requires_grad_(True)
-    c_loss, stats = losses.cispo_loss(cispo, old, adv, mask, eps_low=0.2, eps_high=0.28)
+    c_loss, stats = objective_loss("cispo", cispo, old, adv, mask, eps_low=0.2, eps_high=0.28)
     v_loss = losses.aggregate(-adv[:, None] * (vanilla - old).exp(), mask)
     c_loss.backward()
     v_loss.backward()
@@ -116,16 +119,16 @@ def test_cispo_gradient_on_unclipped_tokens_is_the_vanilla_policy_gradient():
     assert torch.allclose(cispo.grad, vanilla.grad, atol=1e-7)
     # on-policy (ratio 1) it is REINFORCE: -A * grad log pi / num_tokens
     on = base.clone().requires_grad_(True)
-    loss, _ = losses.cispo_loss(on, base, adv, mask)
+    loss, _ = objective_loss("cispo", on, base, adv, mask)
     loss.backward()
     assert torch.allclose(on.grad, -adv[:, None] * mask / mask.sum(), atol=1e-7)
 
 
 def test_cispo_dual_clip_caps_a_negative_advantage_weight():
     logp, old = _logps([[50.0]], old_prob=0.01)
-    loss, _ = losses.cispo_loss(logp, old, torch.tensor([-2.0]), torch.ones(1, 1), eps_high=100.0, dual_clip=10.0)
+    loss, _ = objective_loss("cispo", logp, old, torch.tensor([-2.0]), torch.ones(1, 1), eps_high=100.0, dual_clip=10.0)
     assert loss.item() == pytest.approx(20.0)  # -A * min(50, c)
-    free, _ = losses.cispo_loss(logp, old, torch.tensor([-2.0]), torch.ones(1, 1), eps_high=100.0)
+    free, _ = objective_loss("cispo", logp, old, torch.tensor([-2.0]), torch.ones(1, 1), eps_high=100.0)
     assert free.item() == pytest.approx(100.0, rel=1e-5)
 
 
@@ -142,16 +145,16 @@ def test_micro_batch_split_leaves_each_objective_unchanged(objective, loss_agg):
     lengths = torch.randint(1, T + 1, (N,))
     mask = (torch.arange(T)[None, :] < lengths[:, None]).float()
     adv = torch.randn(N)
-    kw = dict(eps_low=0.2, eps_high=0.28, loss_agg=loss_agg, norm_length=T, objective=objective)
-    full, _ = losses.actor_loss(logp, old, adv, mask, **kw)
+    kw = dict(eps_low=0.2, eps_high=0.28, loss_agg=loss_agg, norm_length=T)
+    full, _ = objective_loss(objective, logp, old, adv, mask, **kw)
     full.backward()
     grad_full = logp.grad.clone()
     logp.grad = None
     num_tokens, num_seqs = mask.sum(), (mask.sum(-1) > 0).sum()
     total = 0.0
     for rows in (slice(0, 3), slice(3, 4), slice(4, 8)):
-        part, _ = losses.actor_loss(
-            logp[rows], old[rows], adv[rows], mask[rows], num_tokens=num_tokens, num_seqs=num_seqs, **kw
+        part, _ = objective_loss(
+            objective, logp[rows], old[rows], adv[rows], mask[rows], num_tokens=num_tokens, num_seqs=num_seqs, **kw
         )
         part.backward()
         total += part.item()
@@ -159,16 +162,23 @@ def test_micro_batch_split_leaves_each_objective_unchanged(objective, loss_agg):
     assert torch.allclose(logp.grad, grad_full, atol=1e-7)
 
 
-def test_actor_loss_runs_the_named_objective():
+def test_actor_loss_runs_the_named_objective_and_aggregates_its_per_token_loss():
     logp, old = _logps([[1.5, 0.5, 1.0]])
     mask, adv = torch.ones(1, 3), torch.tensor([1.0])
-    for name, fn in zip(losses.OBJECTIVES, (losses.dapo_loss, losses.gspo_loss, losses.cispo_loss)):
-        assert losses.objective_loss(name) is fn
-        loss, stats = losses.actor_loss(logp, old, adv, mask, objective=name)
-        direct, _ = fn(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_agg="token-mean")
-        assert torch.equal(loss, direct), name
+    assert tuple(losses.SURROGATES) == typing.get_args(config_module.Objective)  # each choice the config offers
+    per_token = {}
+    for name, surrogate in losses.SURROGATES.items():
+        loss, stats = losses.actor_loss(logp, old, adv, mask, losses.Objective(name))
+        per_token[name], own = surrogate(logp, old, adv[:, None], mask, losses.Objective(name))
+        assert torch.equal(loss, per_token[name].mean()), name  # token-mean over the 3 tokens
+        assert set(own) < set(stats) and {"approx_kl", "token_prob_mean", "pg_loss"} < set(stats)
+    # token ratios 1.5, 0.5, 1: DAPO clips both ends (1.28, 0.8), CISPO's value is the clipped weight too, GSPO's
+    # sequence ratio is exp(mean log r) = 0.866 (inside the range) at every token
+    assert per_token["dapo"].detach()[0].tolist() == pytest.approx([-1.28, -0.5, -1.0])
+    assert per_token["cispo"].detach()[0].tolist() == pytest.approx([-1.28, -0.8, -1.0])
+    assert per_token["gspo"].detach()[0].tolist() == pytest.approx([-(0.75 ** (1 / 3))] * 3)
     with pytest.raises(ValueError, match="objective must be one of"):
-        losses.actor_loss(logp, old, adv, mask, objective="ppo")
+        losses.actor_loss(logp, old, adv, mask, losses.Objective("ppo"))
 
 
 def test_sequence_is_weights_truncate_and_mask_hand_computed():
@@ -195,8 +205,7 @@ def test_sequence_is_weights_truncate_and_mask_hand_computed():
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_the_config_offers_exactly_the_objectives_algo_implements():
-    assert tuple(losses.OBJECTIVES) == typing.get_args(config_module.Objective)
+def test_the_paper_s_surrogate_is_the_default():
     assert load_config("configs/demo.yaml").algo.objective == "dapo"  # the paper's surrogate stays the default
 
 

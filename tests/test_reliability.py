@@ -176,7 +176,7 @@ def test_phases_nest_and_a_failure_names_the_innermost():
 
 
 def test_the_steps_blocks_reach_each_hook_and_the_watchdog_under_its_own_names():
-    from dapo.training import StepPhases, Timer
+    from dapo.runtime.step_phases import StepPhases, Timer
 
     watchdog.PHASES.slowest.clear()
     seen, timer = [], Timer()

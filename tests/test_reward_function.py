@@ -130,7 +130,7 @@ def test_a_bad_reward_function_stops_the_run_at_start_in_one_line(spec, message,
     runs = tmp_path / "runs"
     fill = {"dir": tmp_path, "cwd": Path.cwd()}
     first_truth = load_config("configs/demo.yaml")  # the probe grades the first training problem's answer
-    from dapo.tasks import load_train_examples
+    from dapo.data.train_sets import load_train_examples
 
     fill["truth"] = load_train_examples(first_truth.data)[0].ground_truth
     code = cli.main(

@@ -4,12 +4,13 @@ import torch
 
 from dapo.config import RolloutConfig
 from dapo.model.loading import load_model_and_tokenizer
-from dapo.rollout import SamplingParams, make_rollout
+from dapo.rollout import SamplingParams
+from dapo.rollout.build import engine_on
 
 
 def engine_for(model_dir):
     model, tok = load_model_and_tokenizer(model_dir)
-    return make_rollout(RolloutConfig(backend="hf"), model, tok), tok
+    return engine_on(RolloutConfig(backend="hf"), model, tok), tok
 
 
 def test_prompt_major_order_and_length_flag(tiny_model_dir):

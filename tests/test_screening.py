@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from dapo.algorithm import advantages
-from dapo.collect.dynamic_sampling import BatchCollector
+from dapo.collect.dynamic_sampling import DynamicSampling
 from dapo.collect.scoring import Scored
 from dapo.collect.stats import screen_metrics
 from dapo.config import AlgoConfig, ConfigError, load_config
 from dapo.reporting.run_log import _generation_line, run_summary
 from dapo.rollout.base import Generation, SamplingParams
-from test_dynamic_sampling import Ex, ListSampler
+from test_dynamic_sampling import Ex, ListOrder
 
 G = 4
 
@@ -54,15 +54,15 @@ def stream_scorer(streams):
 def collect(streams, *, num_prompts, group_size=G, **algo_settings):
     cfg = AlgoConfig(**({"screen_samples": 2} | algo_settings))
     engine = StreamEngine()
-    collector = BatchCollector(
+    sampling = DynamicSampling(
         engine=engine,
-        sampler=ListSampler([Ex(str(k), "x") for k in range(len(streams))]),
+        prompts=ListOrder([Ex(str(k), "x") for k in range(len(streams))]),
         scorer=stream_scorer(streams),
         encode=lambda ex: [int(ex.uid)],
         sampling=SamplingParams(n=group_size),
-        algo_cfg=cfg,
+        algo=cfg,
     )
-    batch, stats = collector.collect(num_prompts, [], round_seed=lambda k: k)
+    batch, stats, _ = sampling.fill_batch(num_prompts, [], round_seed=lambda k: k)
     return batch, stats, engine
 
 

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from dapo.tasks import arith
+from dapo.data import arith
 
 
 def independent_value(problem: str) -> int:

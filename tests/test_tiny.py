@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from dapo.data import arith
 from dapo.model import tiny
-from dapo.tasks import arith
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = REPO / "assets" / "arith-base"

@@ -266,7 +266,7 @@ def test_a_users_environment_gets_the_same_turns_masks_and_limits():
 def test_dapo_eval_with_the_tool_and_the_tool_template(tiny_model_dir, tmp_path, monkeypatch, capsys):
     import json
 
-    import dapo.rollout
+    import dapo.rollout.build
     from dapo.cli import main
     from dapo.data.prompts import TOOL_PROMPT_SUFFIX
 
@@ -281,7 +281,7 @@ def test_dapo_eval_with_the_tool_and_the_tool_template(tiny_model_dir, tmp_path,
                 TOK.encode(text.replace(TOOL_PROMPT_SUFFIX, ""), add_special_tokens=False), row, call
             )
 
-    monkeypatch.setattr(dapo.rollout, "make_rollout", lambda *a, **k: Recorded())
+    monkeypatch.setattr(dapo.rollout.build, "engine_on", lambda *a, **k: Recorded())
     bench = tmp_path / "mini.jsonl"
     bench.write_text("".join(json.dumps({"problem": p, "answer": a}) + "\n" for p, a in (("2+3=", "5"), ("4*2=", "8"))))
     out = tmp_path / "out"
@@ -352,17 +352,17 @@ def test_tools_with_a_tensor_parallel_engine_are_refused_in_one_line(tmp_path, t
     from types import SimpleNamespace
 
     from dapo.config import ConfigError
-    from dapo.rollout import make_training_engine
+    from dapo.rollout.build import training_engine
 
     cfg = small_config(tmp_path, tiny_model_dir, "tools.python=true", "rollout.backend=vllm")
     cfg.rollout.tensor_parallel_size = 2
     dist = SimpleNamespace(sharded=True, world_size=2, rank=0)
     with pytest.raises(ConfigError, match="rollout.tensor_parallel_size=2 with tools: .* use rollout.tensor_parallel"):
-        make_training_engine(cfg.rollout, cfg.model, None, TOK, dist, max_model_len=64, tools_cfg=cfg.tools)
+        training_engine(cfg, None, dist)
 
 
 def test_the_python_api_trains_with_a_users_environment(tiny_model_dir, tmp_path, monkeypatch):
-    import dapo.rollout
+    import dapo.rollout.build
     from dapo import api
 
     class AskOnce(ScriptedEngine):  # asks the table once, then answers with what it was told (or one more)
@@ -380,11 +380,11 @@ def test_the_python_api_trains_with_a_users_environment(tiny_model_dir, tmp_path
         stop = ("?\n",)
 
         def step(self, response):
-            from dapo.tasks import arith
+            from dapo.data import arith
 
             return f"[{arith.compute(response.rsplit(chr(10), 2)[-2].rstrip('?') + '=')}]\n"
 
-    monkeypatch.setattr(dapo.rollout, "make_rollout", lambda *a, **k: AskOnce())
+    monkeypatch.setattr(dapo.rollout.build, "engine_on", lambda *a, **k: AskOnce())
     cfg = small_config(tmp_path, tiny_model_dir, "rollout.max_response_tokens=32", "train.total_steps=1")
     result = api.train(cfg, tool_env=Calculator())
     (m,) = [r for r in result.history if "tools/calls_per_response" in r]

@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from conftest import loss_fn_of, make_policy, small_config
-from dapo.algorithm import losses
+from conftest import loss_fn_of, make_policy, objective_loss, small_config
 from dapo.algorithm.batch import RolloutBatch
 from dapo.algorithm.rollout_correction import MODES
 from dapo.algorithm.step import importance_weights
@@ -60,7 +59,7 @@ def test_tool_tokens_are_context_only_loss_and_gradient_equal_the_hand_masked_on
     assert batch.old_logp[1, 2:5].abs().min() > 0
     # expected: DAPO's loss on the hand-masked batch in one pass, and its gradient
     logp, _ = token_logprobs(policy.model.train(), mb, temperature=cfg.rollout.temperature)
-    loss, _ = losses.dapo_loss(logp, batch.old_logp, batch.adv, mask, eps_low=0.2, eps_high=0.28, dual_clip=10.0)
+    loss, _ = objective_loss("dapo", logp, batch.old_logp, batch.adv, mask, eps_low=0.2, eps_high=0.28, dual_clip=10.0)
     loss.backward()
     expected = [p.grad.clone() for p in policy.model.parameters()]
     policy.model.zero_grad(set_to_none=True)
@@ -112,11 +111,11 @@ def test_no_tool_tokens_engine_log_prob_enters_a_ratio(tiny_model_dir, tmp_path)
 def test_a_training_run_with_the_tool_grades_the_final_answer_and_trains_the_models_tokens(
     tiny_model_dir, tmp_path, monkeypatch
 ):
-    import dapo.rollout
+    import dapo.rollout.build
     from dapo.reporting.run_log import read_metrics
     from dapo.training import train
 
-    monkeypatch.setattr(dapo.rollout, "make_rollout", lambda *a, **k: ArithToolUser())
+    monkeypatch.setattr(dapo.rollout.build, "engine_on", lambda *a, **k: ArithToolUser())
     cfg = small_config(
         tmp_path, tiny_model_dir, "tools.python=true", "rollout.max_response_tokens=64", "algo.dynamic_sampling=true"
     )
@@ -135,7 +134,7 @@ def test_a_training_run_with_the_tool_grades_the_final_answer_and_trains_the_mod
 
 @needs_bwrap
 def test_void_turns_are_counted_and_filtered_only_when_asked(tiny_model_dir, tmp_path, monkeypatch):
-    import dapo.rollout
+    import dapo.rollout.build
     from dapo.algorithm.step import assign_advantages
     from dapo.config import ConfigError
     from dapo.reporting.run_log import read_metrics
@@ -153,7 +152,7 @@ def test_void_turns_are_counted_and_filtered_only_when_asked(tiny_model_dir, tmp
             value = int(text.split("```output\n")[-1].split("\n")[0])
             return f"Answer: {value + row % 2}<eos>"
 
-    monkeypatch.setattr(dapo.rollout, "make_rollout", lambda *a, **k: Voids())
+    monkeypatch.setattr(dapo.rollout.build, "engine_on", lambda *a, **k: Voids())
     for flag in ("false", "true"):
         cfg = small_config(
             tmp_path / flag, tiny_model_dir, "tools.python=true", "rollout.max_response_tokens=64",

@@ -61,7 +61,7 @@ def test_resume_gives_the_same_next_step(tiny_model_dir, tmp_path):
         "algo.filter_metric=reward",
         "algo.max_gen_rounds=3",
         "algo.oversample=3.0",
-        "algo.buffer_max_groups=8",
+        "algo.held_over_max_groups=8",
         "run.save_every=1",
     )  # the buffer, with its behaviour log-probs, is checkpointed
     full = small_config(tmp_path / "a", tiny_model_dir, "train.total_steps=3", *extra)
@@ -72,21 +72,22 @@ def test_resume_gives_the_same_next_step(tiny_model_dir, tmp_path):
     train(resumed)
     a, b = read_metrics(full.run_dir), read_metrics(resumed.run_dir)
     assert [r["step"] for r in b] == [1, 2, 3]
-    assert a[1]["sampling/groups_from_buffer"] > 0  # step 2 trained held-over groups, restored from the checkpoint
+    assert a[1]["sampling/groups_from_held_over"] > 0  # step 2 trained held-over groups, restored from the checkpoint
     for step in (1, 2):
         for key in (
             "reward/score_mean",
             "actor/pg_loss",
             "actor/grad_norm",
             "rollout/response_length_mean",
-            "sampling/groups_from_buffer",
+            "sampling/groups_from_held_over",
             "actor/entropy",
             "actor/approx_kl",
         ):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-5, abs=1e-7), (step, key)
     wa = torch.load(next((full.run_dir / "checkpoints").glob("step_000003")) / "trainer_state.pt", weights_only=True)
     wb = torch.load(next((resumed.run_dir / "checkpoints").glob("step_000003")) / "trainer_state.pt", weights_only=True)
-    assert wa["sampler"] == wb["sampler"] and wa["gen_rounds"] == wb["gen_rounds"]
+    ca, cb = wa["collection"], wb["collection"]
+    assert ca["prompt_order"] == cb["prompt_order"] and ca["gen_rounds"] == cb["gen_rounds"]
 
 
 def _weights(model_dir):
@@ -102,7 +103,7 @@ HARD_EXIT_OVERRIDES = [
     "algo.filter_metric=reward",
     "algo.max_gen_rounds=3",
     "algo.oversample=3.0",
-    "algo.buffer_max_groups=8",
+    "algo.held_over_max_groups=8",
     "run.async_checkpoint=true",
 ]
 
@@ -140,7 +141,7 @@ def assert_resumed_as_uninterrupted(resumed, run_dir, ref_dir, k):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{k:06d}'} (step {k})" in resumed.stdout, resumed.stdout
     ref_metrics = {r["step"]: r for r in read_metrics(ref_dir)}
-    assert ref_metrics[2]["sampling/groups_from_buffer"] > 0  # step 2 trained groups held over from step 1
+    assert ref_metrics[2]["sampling/groups_from_held_over"] > 0  # step 2 trained groups held over from step 1
     # the final weights are those of the uninterrupted run, tensor for tensor
     want = _weights(ref_dir / "checkpoints" / "step_000003" / "model")
     got = _weights(run_dir / "checkpoints" / "step_000003" / "model")

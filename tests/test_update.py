@@ -10,7 +10,7 @@ import torch
 from conftest import loss_fn_of, make_policy, sampled_batch, sgd, small_config
 from dapo.algorithm import advantages, losses
 from dapo.algorithm.batch import RolloutBatch
-from dapo.algorithm.step import importance_weights, record_held_over_old_logp
+from dapo.algorithm.step import importance_weights, with_old_logp
 from dapo.config import AlgoConfig
 from dapo.model.logprobs import token_logprobs
 from dapo.model.micro_batch import make_micro_batch
@@ -59,31 +59,30 @@ def test_update_is_invariant_to_micro_batching(tiny_model_dir, tmp_path, loss_ag
         assert s["pg_loss"].item() == pytest.approx(s0["pg_loss"].item(), abs=1e-6)
 
 
-def test_a_buffered_groups_first_update_ratio_is_against_the_policy_that_sampled_it(
+def test_a_held_over_groups_first_update_ratio_is_against_the_policy_that_sampled_it(
     tiny_model_dir, tmp_path, monkeypatch
 ):
     cfg = small_config(tmp_path, tiny_model_dir, "train.prompts_per_step=2", "train.mini_batch_prompts=2")
     policy = make_policy(cfg)
     first = sampled_batch(policy)  # three groups sampled by pi_sampling
-    held = [first.select_groups([2])]  # a surplus group, buffered at this step
-    record_held_over_old_logp(held, policy.compute_logprobs, source="trainer")
+    held = with_old_logp([first.select_groups([2])], policy.compute_logprobs, source="recompute")  # held over
     logp_sampling, _ = policy.compute_logprobs(held[0])  # (G, T)
     policy.update(first.select_groups([0, 1]), loss_fn_of(cfg))  # this step's update: the weights move to pi_theta
     logp_theta, _ = policy.compute_logprobs(held[0])
     assert (logp_theta - logp_sampling).abs().max() > 1e-2
 
-    fresh = sampled_batch(policy, prompts=("2+2=",))  # the next step samples one group, takes one from the buffer
+    fresh = sampled_batch(policy, prompts=("2+2=",))  # the next step samples one group, takes the held-over one
     nxt = RolloutBatch.concat([fresh, held[0]])
     nxt.adv = advantages.group_advantages(nxt.reward, 4)
     nxt.old_logp = nxt.old_logp_with_held_over(policy.compute_logprobs(nxt)[0])  # as train.py does
     seen = []
-    real_loss = losses.dapo_loss
+    real_surrogate = losses.SURROGATES["dapo"]
 
-    def spy(logp, old_logp, *args, **kwargs):  # the ratio the first update's loss sees
+    def spy(logp, old_logp, *args):  # the ratio the first update's loss sees
         seen.append((logp - old_logp).detach().exp())
-        return real_loss(logp, old_logp, *args, **kwargs)
+        return real_surrogate(logp, old_logp, *args)
 
-    monkeypatch.setattr(losses, "dapo_loss", spy)
+    monkeypatch.setitem(losses.SURROGATES, "dapo", spy)
     [rows] = policy.micro_batches(nxt, list(range(len(nxt))))  # one pass, rows in the update's order
     policy.update(nxt, loss_fn_of(cfg))
     ratio = seen[0]  # (8, T) in the order of `rows`

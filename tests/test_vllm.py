@@ -21,7 +21,8 @@ from conftest import loss_fn_of, make_policy, small_config
 from dapo.algorithm import advantages
 from dapo.algorithm.batch import RolloutBatch
 from dapo.reporting.run_log import read_metrics
-from dapo.rollout import Generation, SamplingParams, make_rollout
+from dapo.rollout import Generation, SamplingParams
+from dapo.rollout.build import engine_on
 from dapo.training import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,7 +40,7 @@ LOGP_TOL_MEAN, LOGP_TOL_MAX = 1e-4, 1e-3  # float32 on both sides; measured abou
 def setup(tmp_path_factory):
     cfg = small_config(tmp_path_factory.mktemp("vllm"), MODEL, *VLLM_OVERRIDES, "rollout.temperature=0.7")
     policy = make_policy(cfg)
-    engine = make_rollout(cfg.rollout, policy.model, policy.tokenizer)
+    engine = engine_on(cfg.rollout, policy.model, policy.tokenizer)
     # a well-formed problem (answered in 19 tokens) and two odd ones that ramble on
     prompts = [policy.tokenizer(p)["input_ids"] for p in ("2+7*4=", "9=", "7-")]
     return cfg, policy, engine, prompts
@@ -54,8 +55,8 @@ def logp_abs_diff(policy, gen, group_size) -> torch.Tensor:
 def test_hf_runs_never_import_vllm():
     code = (
         "import sys; from dapo.config import RolloutConfig; from dapo.model.loading import load_model_and_tokenizer;"
-        "from dapo.rollout import make_rollout; import dapo.training;"
-        f"m, t = load_model_and_tokenizer({str(MODEL)!r}); make_rollout(RolloutConfig(backend='hf'), m, t);"
+        "from dapo.rollout.build import engine_on; import dapo.training;"
+        f"m, t = load_model_and_tokenizer({str(MODEL)!r}); engine_on(RolloutConfig(backend='hf'), m, t);"
         "assert 'vllm' not in sys.modules, 'vllm imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
@@ -354,7 +355,7 @@ def test_sleep_frees_gpu_memory_and_wake_restores_the_samples(setup):
 def test_tensor_parallel_engine_agrees_with_the_trainer(setup, tmp_path):
     cfg, policy, engine, prompts = setup
     tp_cfg = small_config(tmp_path, MODEL, *VLLM_OVERRIDES, "rollout.temperature=0.7", "rollout.tensor_parallel_size=2")
-    tp = make_rollout(tp_cfg.rollout, policy.model, policy.tokenizer)
+    tp = engine_on(tp_cfg.rollout, policy.model, policy.tokenizer)
     tp.update_weights(policy.named_weights())  # through collective_rpc to the worker processes
     gen = tp.generate(prompts, SamplingParams(n=4, temperature=0.7, max_new_tokens=24, seed=0))
     diff = logp_abs_diff(policy, gen, 4)

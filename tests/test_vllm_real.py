@@ -19,7 +19,8 @@ import torch
 
 from dapo.algorithm.batch import RolloutBatch
 from dapo.data.prompts import Example, render_prompt
-from dapo.rollout import SamplingParams, make_rollout
+from dapo.rollout import SamplingParams
+from dapo.rollout.build import engine_on
 from test_real_model import IM_END, SMOL_MODEL, build_tiny, needs_smollm2
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,7 +80,7 @@ def test_seeded_batch_past_the_prefill_budget_then_push_then_again(tmp_path, arc
         "train.max_tokens_per_micro_batch=8192",
     )
     policy = make_policy(cfg)
-    engine = make_rollout(cfg.rollout, policy.model, policy.tokenizer, max_model_len=512)
+    engine = engine_on(cfg.rollout, policy.model, policy.tokenizer, max_model_len=512)
     _, prompts = word_prompts(policy.tokenizer, 64, pad_sentences=8)
     assert min(map(len, prompts)) >= 150 and sum(map(len, prompts)) > 8192
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=8, seed=11)
@@ -168,7 +169,7 @@ def test_real_smollm2_logprob_gap_after_push(tmp_path):
         "train.share_prompt_prefix=true",  # as configs/smollm2_135m.yaml: each prompt once per micro-batch
     )
     policy = make_policy(cfg)
-    engine = make_rollout(cfg.rollout, policy.model, policy.tokenizer, max_model_len=352)
+    engine = engine_on(cfg.rollout, policy.model, policy.tokenizer, max_model_len=352)
     _, prompts = word_prompts(policy.tokenizer, 8, pad_sentences=3)
     assert min(map(len, prompts)) >= 100 and len(prompts) == 8
     params = SamplingParams(n=4, temperature=0.7, max_new_tokens=6, seed=5)

@@ -1,5 +1,5 @@
 """torchrun worker for tests/test_vllm.py: two gloo ranks train with FSDP and share one vLLM engine
-(rollout.tensor_parallel_size=2, external_launcher), built by ``rollout.make_training_engine`` as a training run
+(rollout.tensor_parallel_size=2, external_launcher), built by ``rollout.build.training_engine`` as a training run
 builds it. Writes, per rank, the samples before and after a weight push from the sharded trainer."""
 
 import json

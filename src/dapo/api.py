@@ -31,9 +31,10 @@ from dapo.checkpoint import latest_checkpoint, removed_if_start_fails
 from dapo.config import Config, ConfigError, config_from_dict, load_config, to_dict
 from dapo.config.shipped import shipped
 from dapo.data.files import examples_from_rows, load_examples
-from dapo.evaluation import Benchmark, EvalResult, evaluate_model, load_benchmark, one_reward_function, write_report
+from dapo.evaluation import Benchmark, EvalResult, evaluate_model, load_benchmark, write_report
 from dapo.reporting.run_log import read_metrics, run_summary
 from dapo.rewards import pool as reward_pool
+from dapo.rewards.setup import one_reward_function
 from dapo.runtime.files import CheckpointError
 
 RewardFn = Callable[[str, str], "float | tuple[float, bool]"]

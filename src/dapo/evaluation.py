@@ -60,7 +60,7 @@ def load_benchmark(
     from dapo.data.files import load_examples, source_origin
 
     if name_or_path in ("arith", "arith-hard", "arith-long"):
-        from dapo.tasks import arith
+        from dapo.data import arith
 
         bench = BENCHMARKS[name_or_path]
         difficulty = name_or_path.partition("-")[2] or "demo"
@@ -307,7 +307,8 @@ def evaluate_model(model_dir, benches: list, cfg, *, reward_fn=None, progress=No
     graded."""
     from dapo.model.loading import load_model_and_tokenizer, pick_device
     from dapo.rewards.reward_fn import grader_name
-    from dapo.rollout import make_rollout, with_tools
+    from dapo.rewards.setup import grading_function, grading_pool
+    from dapo.rollout import build
     from dapo.runtime.threads import fit_torch_threads
 
     fit_torch_threads()  # no more threads than the CPUs this process may use
@@ -319,10 +320,8 @@ def evaluate_model(model_dir, benches: list, cfg, *, reward_fn=None, progress=No
         model_dir, m.dtype, pick_device(m.device), revision=m.revision, trust_remote_code=m.trust_remote_code
     )
     settings = [sampling_settings(bench, cfg) for bench, _ in benches]
-    engine = make_rollout(
-        cfg.rollout, model, tokenizer, max_model_len=d.max_prompt_tokens + max(s["max_new_tokens"] for s in settings)
-    )
-    engine = with_tools(engine, tokenizer, cfg.tools)  # tools.python: the model may run code while it answers
+    longest = d.max_prompt_tokens + max(s["max_new_tokens"] for s in settings)
+    engine = build.evaluation_engine(cfg, model, tokenizer, max_model_len=longest)
     encode = make_encoder(tokenizer, d.max_prompt_tokens)
     render = functools.partial(render_prompt, tokenizer=tokenizer)
     results = []
@@ -365,37 +364,6 @@ class HeldOut:
                 )
             )  # fmt: skip
         return results
-
-
-def grading_function(cfg, reward_fn=None, *, probe_truth: str = "1"):
-    """What grades every response instead of reward.grader: a caller's ``reward_fn`` (the Python API), else the
-    function reward.function names (imported here and tried on the response "Answer: <probe_truth>"), else None.
-    Both given: a ConfigError saying which to drop."""
-    from dapo.rewards.reward_fn import reward_function
-
-    one_reward_function(cfg, reward_fn)
-    return reward_fn if cfg.reward.function is None else reward_function(cfg.reward.function, probe_truth)
-
-
-def one_reward_function(cfg, reward_fn) -> None:
-    """A ConfigError when both reward.function and a caller's ``reward_fn`` are given, saying which to drop."""
-    from dapo.config.schema import ConfigError
-
-    if reward_fn is not None and cfg.reward.function is not None:
-        raise ConfigError(
-            f"reward.function={cfg.reward.function} and a reward_fn are both given; grade with one: leave reward_fn "
-            "out to use reward.function, or set cfg.reward.function = None to use reward_fn"
-        )
-
-
-def grading_pool(cfg, reward_fn=None):
-    """The grading workers reward.* asks for (a RewardPool); ``reward_fn`` (``grading_function``'s) grades there, as
-    REWARD_FN (a caller's) or REWARD_FUNCTION (reward.function's)."""
-    from dapo.rewards import RewardPool
-    from dapo.rewards.reward_fn import grader_name
-
-    reward_fns = None if reward_fn is None else {grader_name(reward_fn): reward_fn}
-    return RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s, reward_fns=reward_fns)
 
 
 def write_report(results: list[EvalResult], out_dir: Path) -> Path:

@@ -14,25 +14,26 @@ import torch
 
 from dapo import checkpoint
 from dapo.checkpoint.saver import Saver
-from dapo.collect.base import Collector
+from dapo.collect.base import CollectionState, Collector
 from dapo.collect.collector import build_collector
-from dapo.collect.dynamic_sampling import BatchCollector
+from dapo.collect.dynamic_sampling import DynamicSampling
 from dapo.collect.scoring import Scorer
 from dapo.config import Config, ConfigError, dump_yaml
 from dapo.config.shipped import shipped
 from dapo.data.files import source_origin
+from dapo.data.prompt_order import PromptOrder
 from dapo.data.prompts import make_encoder
-from dapo.data.sampler import PromptSampler
-from dapo.evaluation import BENCHMARKS, grading_function, grading_pool, load_benchmark
+from dapo.data.train_sets import load_train_sets
+from dapo.evaluation import BENCHMARKS, load_benchmark
 from dapo.model.policy import BaseReference, Policy, ReferenceModel
 from dapo.reporting.run_log import RunLogger
 from dapo.reporting.trackers import check_installed, open_trackers, run_status
 from dapo.rewards.reward_fn import grader_name
+from dapo.rewards.setup import grading_function, grading_pool
 from dapo.rewards.sources import DataSet, grading_line
-from dapo.rollout import SamplingParams, make_training_engine, resolve_backend
+from dapo.rollout import SamplingParams, build
 from dapo.runtime import parallel, threads, watchdog
 from dapo.runtime.libraries import setup_library_logging
-from dapo.tasks import load_train_sets
 
 
 def setup_ranks_and_run_dir(cfg: Config, stack: contextlib.ExitStack) -> parallel.Dist:
@@ -67,22 +68,12 @@ def setup_policy(
     return policy, reference
 
 
-def engine_max_len(cfg: Config) -> int:
-    """The longest sequence an engine holds: a prompt and the longer of a training and a held-out response."""
-    return cfg.data.max_prompt_tokens + max(cfg.rollout.max_response_tokens, cfg.eval.max_response_tokens or 0)
-
-
 def setup_engine(cfg: Config, d: parallel.Dist, policy: Policy, tool_env) -> tuple[Config, object]:
     """The rollout engine, and the config with the backend it runs (rollout.backend=auto resolved)."""
     # the saved config says which engine ran ("auto" resolved)
-    r = dataclasses.replace(cfg.rollout, backend=resolve_backend(cfg.rollout.backend))
+    r = dataclasses.replace(cfg.rollout, backend=build.resolve_backend(cfg.rollout.backend))
     cfg = dataclasses.replace(cfg, rollout=r)
-    # with rollout.max_staleness the training rollouts are the rollout process's; this engine evaluates, the HF one
-    # sharing the policy's model (a second vLLM beside the rollout process's would need its memory again)
-    engine = make_training_engine(
-        dataclasses.replace(r, backend="hf") if r.max_staleness else r, cfg.model, policy.model, policy.tokenizer, d,
-        max_model_len=engine_max_len(cfg), tools_cfg=cfg.tools, tool_env=tool_env,
-    )  # fmt: skip
+    engine = build.training_engine(cfg, policy, d, tool_env=tool_env)
     if cfg.algo.old_logp_source == "engine" and engine.backend != "vllm":
         raise ConfigError(
             f"algo.old_logp_source=engine: rollout.backend=auto chose {engine.backend}, which reports no "
@@ -113,10 +104,10 @@ def setup_reward_fn(cfg: Config, reward_fn, train_sets: list[DataSet]):
     return grading_function(cfg, reward_fn, probe_truth=probe_truth)
 
 
-def setup_data(cfg: Config, tokenizer, train_sets: list[DataSet]) -> tuple[object, PromptSampler]:
-    """The prompt encoder, and the sampler of the training problems (``setup_train_sets``)."""
+def setup_data(cfg: Config, tokenizer, train_sets: list[DataSet]) -> tuple[object, PromptOrder]:
+    """The prompt encoder, and the order in which the training problems (``setup_train_sets``) are drawn."""
     encode = make_encoder(tokenizer, cfg.data.max_prompt_tokens)
-    return encode, PromptSampler([ex for data in train_sets for ex in data.examples], seed=cfg.data.seed)
+    return encode, PromptOrder([ex for data in train_sets for ex in data.examples], seed=cfg.data.seed)
 
 
 def data_lines(cfg: Config, train_sets: list[DataSet], eval_sets: list, reward_fn) -> list[str]:
@@ -166,7 +157,7 @@ def setup_rewards(cfg: Config, d: parallel.Dist, stack: contextlib.ExitStack, re
 
 
 def setup_collection(
-    cfg: Config, d: parallel.Dist, stack, engine, sampler, encode, pool, grader, *, tokenizer, device, tool_env
+    cfg: Config, d: parallel.Dist, stack, engine, prompts, encode, pool, grader, *, tokenizer, device, tool_env
 ) -> Collector:
     """The run's collector (generation, grading, dynamic sampling, screening): in process on ``engine``, or with
     rollout.max_staleness the same collection ahead of the trainer, its engine in a rollout process of its own or
@@ -184,17 +175,15 @@ def setup_collection(
         n=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_response_tokens
     )
 
-    def batch_collector(on_engine, *, local: bool) -> BatchCollector:
+    def dynamic_sampling(on_engine, *, local: bool) -> DynamicSampling:
         # ahead of the trainer, rank 0 grades alone: its own pool, no broadcast
         scorer = scorer_of(pool.local if local and d.sharded else pool)
-        return BatchCollector(
-            engine=on_engine, sampler=sampler, scorer=scorer, encode=encode, sampling=sampling, algo_cfg=a
+        return DynamicSampling(
+            engine=on_engine, prompts=prompts, scorer=scorer, encode=encode, sampling=sampling, algo=a
         )
 
-    collector = build_collector(
-        cfg, d, engine, batch_collector, tokenizer=tokenizer, device=device, max_model_len=engine_max_len(cfg),
-        tool_env=tool_env,
-    )  # fmt: skip
+    ahead = functools.partial(build.ahead_engines, cfg, tokenizer, device, tool_env=tool_env)
+    collector = build_collector(cfg, d, engine, dynamic_sampling, ahead)
     stack.callback(collector.close)
     return collector
 
@@ -212,20 +201,26 @@ def setup_resume(
     )
     step, resumed = 0, None
     if resume_from is not None:
-        step, saved_world_size = resume(resume_from, policy, engine, collector)
+        step, saved_world_size, earlier = resume(resume_from, policy, engine, collector)
         resharded = (
             f"; written by {saved_world_size} rank{'s' * (saved_world_size > 1)}, resharded onto {d.world_size}"
             if saved_world_size not in (None, d.world_size)
             else ""
         )
         resumed = f"resumed from {resume_from} (step {step}){resharded}"
+        if earlier:
+            resumed += (
+                "; its collection state has the earlier layout (sampler, buffer), read as the prompt order and the "
+                "held-over groups (the layout is read until 0.3)"
+            )
     collector.start(step, policy.named_weights())  # from the step resumed (its weights are version ``step``)
     return step, passed_over, resumed
 
 
-def resume(path, policy: Policy, engine, collector: Collector) -> tuple[int, int | None]:
-    """Continue from checkpoint ``path``, written at this world size or another; returns the steps it had done and
-    the number of ranks that wrote it (None: not recorded, an older checkpoint).
+def resume(path, policy: Policy, engine, collector: Collector) -> tuple[int, int | None, bool]:
+    """Continue from checkpoint ``path``, written at this world size or another; returns the steps it had done, the
+    number of ranks that wrote it (None: not recorded, an older checkpoint) and whether its collection state has the
+    earlier layout.
 
     Across world sizes the run goes on as it would have: the prompt stream is one seeded order for the whole run
     (every rank draws the same prompts and the engines split them), the held-over groups, step, generation-round
@@ -235,9 +230,9 @@ def resume(path, policy: Policy, engine, collector: Collector) -> tuple[int, int
     saved = checkpoint.load_trainer_state(path)
     checkpoint.load_policy(policy, path, saved.get("policy"))
     engine.update_weights(policy.named_weights())  # an engine with its own copy starts from the checkpoint
-    collector.load_state_dict(saved)
+    collector.load_state(CollectionState.from_trainer_state(saved))
     checkpoint.set_rng_state(saved["rng"])
-    return saved["step"], saved.get("world_size")
+    return saved["step"], saved.get("world_size"), CollectionState.KEY not in saved
 
 
 def setup_loggers(cfg: Config, d: parallel.Dist, stack: contextlib.ExitStack, console, *, start_step: int,

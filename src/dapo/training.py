@@ -23,7 +23,6 @@ import contextlib
 import logging
 import os
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,6 +44,7 @@ from dapo.reporting.run_log import RunLogger
 from dapo.runtime import parallel, watchdog
 from dapo.runtime.libraries import raised_outside, rank_log_path
 from dapo.runtime.memory import PhaseMemory
+from dapo.runtime.step_phases import StepPhases, Timer
 
 __all__ = ["NonFiniteError", "Run", "RunInputs", "StepError", "checked_step", "start", "train", "train_step"]
 
@@ -52,41 +52,6 @@ __all__ = ["NonFiniteError", "Run", "RunInputs", "StepError", "checked_step", "s
 class StepError(RuntimeError):
     """A step that failed inside a library (the rollout engine, a CUDA call): one line saying where, and how to
     resume."""
-
-
-class Timer:
-    """``with timer("update"): ...`` adds the block's wall time to ``timer.seconds["update"]`` and the CPU time this
-    process spent meanwhile, every thread's, to ``timer.cpu_seconds["update"]``: a busy machine stretches the first,
-    hardly the second."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-        self.cpu_seconds: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str):
-        t0, c0 = time.perf_counter(), time.process_time()
-        try:
-            yield
-        finally:
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
-            self.cpu_seconds[phase] = self.cpu_seconds.get(phase, 0.0) + time.process_time() - c0
-
-
-class StepPhases:
-    """The step's blocks: ``with phase("update"): ...`` enters each hook's own context for the block, ``hook(name)``,
-    in the order given (the memory recorder, the timer, the watchdog). A block may go by another name for one hook:
-    ``phase("checkpoint", watchdog="checkpoint_wait")``."""
-
-    def __init__(self, **hooks: Callable[[str], contextlib.AbstractContextManager]):
-        self.hooks = hooks
-
-    @contextlib.contextmanager
-    def __call__(self, name: str, **renamed: str):
-        with contextlib.ExitStack() as stack:
-            for key, hook in self.hooks.items():
-                stack.enter_context(hook(renamed.get(key, name)))
-            yield
 
 
 @dataclass
@@ -141,10 +106,10 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
     device = d.device if d.sharded else pick_device(cfg.model.device)
     policy, reference = run_setup.setup_policy(cfg, d, device)
     cfg, engine = run_setup.setup_engine(cfg, d, policy, inputs.tool_env)  # cfg: with the backend "auto" chose
-    encode, sampler = run_setup.setup_data(cfg, policy.tokenizer, train_sets)
+    encode, prompts = run_setup.setup_data(cfg, policy.tokenizer, train_sets)
     pool, grader = run_setup.setup_rewards(cfg, d, stack, reward_fn)
     collector = run_setup.setup_collection(
-        cfg, d, stack, engine, sampler, encode, pool, grader, tokenizer=policy.tokenizer, device=device,
+        cfg, d, stack, engine, prompts, encode, pool, grader, tokenizer=policy.tokenizer, device=device,
         tool_env=inputs.tool_env,
     )  # fmt: skip
     saver = Saver(cfg, d, policy, collector, CheckpointWriter(asynchronous=cfg.run.async_checkpoint and not d.sharded))
@@ -185,7 +150,7 @@ def train_step(run: Run, step: int) -> tuple[dict, RolloutBatch | None]:
             run.notes.engine_gap(metrics, step)  # the engine's log-probs against the trainer's; stale samples' drift
         else:  # nothing trained: the same weights are this step's version (a collector ahead waits on it)
             with phase("weight_sync"):
-                collector.publish(step, policy.named_weights())
+                collector.publish(step, policy.named_weights(), held_over=taken.held_over)
         if step == cfg.train.total_steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0):
             with phase("eval"):
                 metrics |= _evaluate(run, step)
@@ -206,7 +171,7 @@ def _update(run: Run, taken: StepBatch, step: int, phase: StepPhases, seconds: d
     assign_advantages(batch, cfg.algo, cfg.rollout.group_size, filter_void_turns=cfg.tools.filter_void_turns)
     engine.sleep()  # a colocated engine frees its memory for the trainer; no-op for hf
     with phase("old_logprob"):
-        old = old_logprobs(batch, policy, cfg.algo, reference=run.reference, held_over=run.collector.held_over)
+        old = old_logprobs(batch, policy, cfg.algo, reference=run.reference, held_over=taken.held_over)
     run.boundary("old_logprob")  # the last point a stop abandons the step: past it the update is finished
     # an asynchronous save writes the weights and AdamW state from live memory (for the watchdog a phase of its
     # own: a wait of nothing must not set the limit of the save itself)
@@ -219,7 +184,7 @@ def _update(run: Run, taken: StepBatch, step: int, phase: StepPhases, seconds: d
     with phase("weight_sync"):
         engine.wake()
         engine.update_weights(policy.named_weights())
-        run.collector.publish(step, policy.named_weights())
+        run.collector.publish(step, policy.named_weights(), held_over=old.held_over)
     metrics = old.metrics | step_metrics(
         batch,
         taken.stats,
@@ -267,9 +232,9 @@ def train(cfg: Config, *, console=None, inputs: RunInputs | None = None) -> dict
     """Run (or resume) training; returns the last logged row (with eval/* before and after). On a rollout rank
     (rollout.ranks) it serves generation to trainer rank 0 until the run ends, and returns {}."""
     if parallel.is_rollout_rank(cfg.rollout.ranks):
-        from dapo.rollout.ranks import serve
+        from dapo.rollout.build import serve_rollout_rank
 
-        serve(cfg)
+        serve_rollout_rank(cfg)
         return {}
     with contextlib.ExitStack() as stack:
         run = start(cfg, stack, console, inputs)

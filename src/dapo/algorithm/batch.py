@@ -211,7 +211,8 @@ class RolloutBatch:
         return torch.where(stale[:, None], held, recomputed)
 
 
-RENAMED_FIELDS = {"overlong": "overlong_penalty", "behaviour_logp": "held_over_old_logp"}  # old name -> new
+# old name -> new, as checkpoints written before hold them; read until release 0.3
+RENAMED_FIELDS = {"overlong": "overlong_penalty", "behaviour_logp": "held_over_old_logp"}
 PER_STEP = ("old_logp", "ref_logp", "entropy", "is_weights")  # computed for the step's whole batch, never carried over
 # per-row lists a batch may leave empty, and what its rows hold in a concatenation with a batch that has them
 FILL_ROWS = {

@@ -3,7 +3,7 @@
 A token was sampled by pi_behaviour (the rollout engine's kernels, and with ``rollout.max_staleness`` > 0 weights
 one or more updates older); the loss is anchored at pi_old, the trainer's log-probs under the current weights.
 Each function below turns r_t = pi_old(o_t) / pi_behaviour(o_t) into a weight per token, by which the token's
-clipped surrogate is multiplied (``algo.dapo_loss``'s ``is_weights``). Pure tensor functions, no I/O.
+clipped surrogate is multiplied (``losses.actor_loss``'s ``is_weights``). Pure tensor functions, no I/O.
 
   token_truncate      min(r_t, C)                                         (Yao et al. 2025; verl's rollout_is=token)
   token_mask          r_t where r_t <= C, 0 above                          (AReaL's decoupled PPO, arXiv 2505.24298)
@@ -19,13 +19,14 @@ re-weighting the tokens kept.
 
 from __future__ import annotations
 
+import typing
+
 import torch
 
-MODES = ("token_truncate", "token_mask", "token_m2", "sequence_truncate", "sequence_mask")  # config.RolloutIsMode
+from dapo.algorithm.losses import LOG_RATIO_BOUND, log_ratio
+from dapo.config.schema import RolloutIsMode
 
-
-def _log_ratio(old_logp: torch.Tensor, rollout_logp: torch.Tensor) -> torch.Tensor:
-    return (old_logp - rollout_logp).clamp(-20.0, 20.0)  # (N, T); exp of a huge value is inf
+MODES = typing.get_args(RolloutIsMode)  # the modes the config offers: rollout_is_weights covers each
 
 
 def truncated_is_weights(
@@ -34,7 +35,7 @@ def truncated_is_weights(
     """w = min(pi_old / pi_rollout, cap) per token (token_truncate): the cap bounds the variance and keeps
     every token. Statistics: is_weight_mean and is_truncated_frac (the share of tokens above the cap)."""
     mask = response_mask.to(old_logp.dtype)  # (N, T)
-    ratio = _log_ratio(old_logp, rollout_logp).exp()  # (N, T)
+    ratio = log_ratio(old_logp, rollout_logp).exp()  # (N, T)
     weights = ratio.clamp(max=cap) * mask  # (N, T)
     n_valid = mask.sum().clamp(min=1.0)
     stats = {
@@ -48,10 +49,10 @@ def masked_is_weights(
     old_logp: torch.Tensor, rollout_logp: torch.Tensor, response_mask: torch.Tensor, *, cap: float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """w = r_t where r_t <= cap, 0 above (token_mask): a token the current weights favour far more than its
-    sampler did does not train at all, where truncation would still train it at weight cap. Statistics:
+    sampling engine did does not train at all, where truncation would still train it at weight cap. Statistics:
     is_weight_mean and is_masked_frac (the share of tokens above the cap)."""
     mask = response_mask.to(old_logp.dtype)  # (N, T)
-    ratio = _log_ratio(old_logp, rollout_logp).exp()  # (N, T)
+    ratio = log_ratio(old_logp, rollout_logp).exp()  # (N, T)
     above = ratio > cap  # (N, T)
     weights = torch.where(above, torch.zeros_like(ratio), ratio) * mask  # (N, T)
     n_valid = mask.sum().clamp(min=1.0)
@@ -85,14 +86,14 @@ def m2_is_weights(
     """w = min(r_t, cap) on the tokens second_moment_mask keeps, 0 on the rest (token_m2). Statistics:
     is_weight_mean, is_masked_frac (share of tokens dropped) and is_m2 (the second moment before dropping)."""
     mask = response_mask.to(old_logp.dtype)  # (N, T)
-    log_ratio = _log_ratio(old_logp, rollout_logp)  # (N, T)
-    kept = second_moment_mask(log_ratio, response_mask, threshold=threshold)  # (N, T)
-    weights = log_ratio.exp().clamp(max=cap) * kept.to(mask.dtype)  # (N, T)
+    log_r = log_ratio(old_logp, rollout_logp)  # (N, T)
+    kept = second_moment_mask(log_r, response_mask, threshold=threshold)  # (N, T)
+    weights = log_r.exp().clamp(max=cap) * kept.to(mask.dtype)  # (N, T)
     n_valid = mask.sum().clamp(min=1.0)
     stats = {
         "is_weight_mean": weights.sum() / n_valid,
         "is_masked_frac": 1.0 - kept.to(mask.dtype).sum() / n_valid,
-        "is_m2": (log_ratio.pow(2) * mask).sum() / n_valid,
+        "is_m2": (log_r.pow(2) * mask).sum() / n_valid,
     }
     return weights.detach(), stats
 
@@ -106,7 +107,7 @@ def sequence_is_weights(
     the engine sampled from a visibly other distribution does not train. Statistics over valid sequences:
     is_weight_mean (over tokens), is_seq_ratio_mean / _max / _min, and is_truncated_frac or is_masked_frac."""
     mask = response_mask.to(old_logp.dtype)  # (N, T)
-    rho = (_log_ratio(old_logp, rollout_logp) * mask).sum(dim=-1).clamp(-20.0, 20.0).exp()  # (N,)
+    rho = (log_ratio(old_logp, rollout_logp) * mask).sum(dim=-1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()  # (N,)
     if mask_outside:
         outside = (rho > cap) | (rho < 1.0 / cap)  # (N,)
         seq_w = (~outside).to(mask.dtype)

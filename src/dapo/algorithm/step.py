@@ -5,6 +5,7 @@ loss the update minimises. Each takes what it needs (the policy, the algorithm's
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,22 +17,18 @@ from dapo.algorithm.batch import RolloutBatch
 from dapo.config import AlgoConfig
 
 
-def make_loss_fn(algo_cfg: AlgoConfig, max_response_tokens: int) -> Callable:
-    """The loss ``Policy.update`` minimises (its ``LossFn``): the surrogate ``algo_cfg.objective`` names as
-    ``algo_cfg`` sets it, with the KL term to the reference model when ``algo_cfg.kl_coef`` > 0
-    (``max_response_tokens``: Dr. GRPO's constant length)."""
+def objective_of(algo_cfg: AlgoConfig, max_response_tokens: int) -> losses.Objective:
+    """The objective algo.* sets (``max_response_tokens``: Dr. GRPO's constant length)."""
     a = algo_cfg
-    return functools.partial(
-        losses.actor_loss,
-        eps_low=a.eps_low,
-        eps_high=a.eps_high,
-        loss_agg=a.loss_agg,
-        norm_length=max_response_tokens,
-        dual_clip=a.dual_clip,
-        kl_coef=a.kl_coef,
-        kl_kind=a.kl_kind,
-        objective=a.objective,
+    return losses.Objective(
+        a.objective, a.eps_low, a.eps_high, a.loss_agg, max_response_tokens, a.dual_clip, a.kl_coef, a.kl_kind
     )
+
+
+def make_loss_fn(algo_cfg: AlgoConfig, max_response_tokens: int) -> Callable:
+    """The loss ``Policy.update`` minimises (its ``LossFn``): ``losses.actor_loss`` with the objective algo.* sets,
+    the KL term to the reference model included when ``algo_cfg.kl_coef`` > 0."""
+    return functools.partial(losses.actor_loss, objective=objective_of(algo_cfg, max_response_tokens))
 
 
 def assign_advantages(batch: RolloutBatch, algo_cfg: AlgoConfig, group_size: int, *, filter_void_turns=False) -> None:
@@ -62,6 +59,7 @@ class OldLogprobs:
     metrics: dict
     tokens_computed: int
     entropy_from_update: bool = False
+    held_over: list[RolloutBatch] = dataclasses.field(default_factory=list)  # with their old log-probs
 
 
 def old_logprobs(
@@ -69,14 +67,14 @@ def old_logprobs(
 ) -> OldLogprobs:
     """old_logp (and entropy) under the weights that sampled, the reference's log-probs for a KL term, and the
     importance weights when they are on. ``policy`` and ``reference`` give ``compute_logprobs`` / ``logprobs``;
-    ``held_over``: the groups the collection keeps for the next step, which get their old log-probs now, while
-    the policy still holds the weights that sampled them.
+    ``held_over``: the groups the collection keeps for a later step; the new ones get their old log-probs now,
+    while the policy still holds the weights that sampled them, and all come back in ``OldLogprobs.held_over``.
 
     algo.old_logp_source: ``recompute`` runs the log-prob pass over every row; ``engine`` takes vLLM's
     log-probs and runs no pass (entropy from the update's forwards).
     """
     a = algo_cfg
-    record_held_over_old_logp(held_over, policy.compute_logprobs, source=a.buffer_logp)
+    held_over = with_old_logp(held_over, policy.compute_logprobs, source=a.held_over_logp_source)
     if a.old_logp_source == "engine":
         if not batch.rollout_logp:
             raise ValueError(
@@ -92,7 +90,7 @@ def old_logprobs(
     if reference is not None:
         batch.ref_logp = reference.logprobs(batch)  # (N, T)
     metrics = importance_weights(batch, a)  # engine vs trainer; off without a cap
-    return OldLogprobs(metrics, tokens, entropy_from_update=a.old_logp_source == "engine")
+    return OldLogprobs(metrics, tokens, entropy_from_update=a.old_logp_source == "engine", held_over=held_over)
 
 
 def importance_weights(batch: RolloutBatch, algo_cfg: AlgoConfig) -> dict:
@@ -111,31 +109,32 @@ def importance_weights(batch: RolloutBatch, algo_cfg: AlgoConfig) -> dict:
     return {f"rollout/{k}": v for k, v in stats.items()}
 
 
-def record_held_over_old_logp(
+def with_old_logp(
     held_over: Sequence[RolloutBatch], logprobs: Callable[[RolloutBatch], tuple], *, source: str
-) -> None:
-    """Give each newly held-over group the log-probs of the weights that sampled it (its old_logp when it is trained
-    in a later step), in place.
+) -> list[RolloutBatch]:
+    """The held-over groups, each newly held over given the log-probs of the weights that sampled it (its old_logp
+    when a later step trains it); the others as they are.
 
     Call it after the collection and before the update, while the trainer still holds those weights.
-    ``source`` (algo.buffer_logp): ``trainer`` computes them with ``logprobs`` (``Policy.compute_logprobs``),
-    ``engine`` takes the rollout engine's own (vLLM reports them; they include its numerical difference from the
-    trainer).
+    ``source`` (algo.held_over_logp_source): ``recompute`` computes them with ``logprobs``
+    (``Policy.compute_logprobs``), ``engine`` takes the rollout engine's own (vLLM reports them; they include its
+    numerical difference from the trainer).
     """
     new = [b for b in held_over if not b.held_over_old_logp]
     if not new:
-        return
+        return list(held_over)
     if source == "engine":
         for b in new:
             if not b.rollout_logp:
                 raise ValueError(
-                    "algo.buffer_logp=engine: the rollout engine reported no log-probs (use rollout.backend=vllm)"
+                    "algo.held_over_logp_source=engine: the rollout engine reported no log-probs (use "
+                    "rollout.backend=vllm)"
                 )
-            b.held_over_old_logp = [list(lp) for lp in b.rollout_logp]
-        return
-    joined = RolloutBatch.concat(new)
-    logp, _ = logprobs(joined)  # (N, T), one pass for every new group
-    start = 0
-    for b in new:
-        b.held_over_old_logp = [logp[start + j, : len(r)].tolist() for j, r in enumerate(b.response_ids)]
-        start += len(b)
+        given = {id(b): [list(lp) for lp in b.rollout_logp] for b in new}
+    else:
+        logp, _ = logprobs(RolloutBatch.concat(new))  # (N, T), one pass for every new group
+        given, start = {}, 0
+        for b in new:
+            given[id(b)] = [logp[start + j, : len(r)].tolist() for j, r in enumerate(b.response_ids)]
+            start += len(b)
+    return [dataclasses.replace(b, held_over_old_logp=given[id(b)]) if id(b) in given else b for b in held_over]

@@ -2,7 +2,7 @@
 
     <run>/checkpoints/step_000020/
         model/              Hugging Face format (config, safetensors, tokenizer): loadable anywhere
-        trainer_state.pt    optimizer, scheduler, sampler position, dynamic-sampling buffer, RNG, counters
+        trainer_state.pt    optimizer, scheduler, the collection (prompt order, held-over groups, counters), RNG
         config.yaml         the resolved config
 Under FSDP (several ranks) the weights are saved in shards instead, each rank writing its own:
 

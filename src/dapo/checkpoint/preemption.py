@@ -160,7 +160,9 @@ class Signals:
 
     def finish(self, stop: Stop) -> Stopped:
         """Write the checkpoint of the last completed step (or wait for the one in flight); the line to exit with."""
-        snapshot = self.snapshot if stop.abandoned else None  # an abandoned step changed the sampler, counters, RNG
+        snapshot = (
+            self.snapshot if stop.abandoned else None
+        )  # an abandoned step changed the prompt order, counters, RNG
         step = snapshot["step"] if snapshot else self.completed
         self.saver.wait()  # a write in flight (its step's) is completed first
         last = checkpoint_files.latest_checkpoint(self.run_dir)

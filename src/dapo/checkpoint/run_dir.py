@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from dapo.checkpoint.files import checkpoint_dir, unused_name
+from dapo.config import ConfigError
 from dapo.runtime import parallel
 
 
@@ -17,8 +18,6 @@ def prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, dist: paral
     """Create the run directory. A fresh start (resume=false) never writes into an earlier run: its
     metrics.jsonl would be truncated and the checkpoint rotation would mix (and delete) steps of
     both. It stops instead, or with ``overwrite`` first moves the earlier run aside, whole."""
-    from dapo.config import ConfigError
-
     d = dist or parallel.Dist()
     run_dir = Path(run_dir)
     earlier = not resume and _holds_results(run_dir)

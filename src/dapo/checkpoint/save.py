@@ -99,7 +99,7 @@ def save_checkpoint(
         # The weights and the policy's optimizer state are written from live memory, not copied: a copy
         # (1.6 GB for a 135M model in float32 with AdamW) costs about what the write does. The caller
         # keeps them unchanged until writer.wait() (the loop waits before its next update); the rest of
-        # the trainer state (sampler, buffer, RNG: small) is copied now.
+        # the trainer state (prompt order, held-over groups, RNG: small) is copied now.
         live = {k: state.pop(k) for k in LIVE_STATE_KEYS if k in state}
         weights = lora.adapter_state(model) if lora.is_adapted(model) else model.state_dict()
         state = {**writer.snapshot(state), **live}

@@ -1,6 +1,7 @@
 """What of a training run a checkpoint holds, and writing it: the policy (weights, AdamW state, schedule), the
-collection's state (prompt sampler, round counters, held-over groups, the batches collected ahead), the step and
-the RNG. A snapshot taken before each step lets a stop save the run as it was before a step it abandons."""
+collection's state (prompt order, round counters, held-over groups, the batches collected ahead:
+``dapo.collect.base.CollectionState``), the step and the RNG. A snapshot taken before each step lets a stop save the
+run as it was before a step it abandons."""
 
 from __future__ import annotations
 
@@ -21,13 +22,18 @@ class Saver:
 
     def snapshot(self, step: int) -> dict:
         """The state a step changes before its update (the collection's, the RNG), as after ``step`` steps, copied."""
-        return copy.deepcopy({**self.collector.snapshot(), "step": step, "rng": rng_state()})
+        return copy.deepcopy({"collection": self.collector.snapshot(), "step": step, "rng": rng_state()})
 
     def save(self, step: int, snapshot: dict | None = None) -> None:
         """Checkpoint the run as it is after ``step`` steps, or as ``snapshot`` (from ``snapshot``) has it."""
-        state = snapshot if snapshot is not None else {**self.collector.snapshot(), "step": step}
-        state = self.collector.checkpoint_state(state, state["step"])
-        trainer_state = {"policy": self.policy.trainer_state(), **state, "world_size": self.dist.world_size}
+        state = dict(snapshot) if snapshot is not None else {"collection": self.collector.snapshot(), "step": step}
+        collection = self.collector.checkpoint_state(state.pop("collection"), state["step"])
+        trainer_state = {
+            "policy": self.policy.trainer_state(),
+            collection.KEY: collection.to_state(),
+            **state,
+            "world_size": self.dist.world_size,
+        }
         save_checkpoint(
             self.cfg.run_dir,
             state["step"],

@@ -45,7 +45,7 @@ def write_failed(final: Path, why: str) -> CheckpointError:
 class CheckpointWriter:
     """Writes single-process checkpoints, in a background thread when ``asynchronous``, one at a time.
 
-    ``snapshot`` copies the small part of what is saved (sampler, buffer, RNG) into CPU buffers kept from
+    ``snapshot`` copies the small part of what is saved (prompt order, held-over groups, RNG) into CPU buffers kept from
     one save to the next, so the training loop can go on changing it; the weights and optimizer state
     are written as they are, and the loop waits for the write before it changes them. ``start`` runs the
     write in a thread; ``wait`` (called by the next save, and at the end of training) joins it and raises

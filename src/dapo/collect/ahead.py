@@ -12,7 +12,7 @@ A thread of the trainer's process runs the collection (``AheadThread``; its gene
 ``dapo.rollout.remote``, or on rollout ranks, ``dapo.rollout.ranks``; grading in the grading pool's workers), one
 step after the other, at most k + 1 steps ahead of the trainer. ``GeneratingAhead`` is the loop's collector around
 it (``dapo.collect.base.Collector``); ``FollowingRank``, that of the training ranks beside rank 0 with rollout
-ranks. After each step the thread copies its state (prompt sampler, round count, keep-rate estimate), so that a
+ranks. After each step the thread copies its state (prompt order, round count, keep-rate estimate), so that a
 checkpoint after step s holds the state at the end of step s + k's collection together with the batches of steps
 s + 1 .. s + k, collected and not yet trained: what is in flight is kept, not regenerated.
 """
@@ -28,11 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dapo.algorithm.batch import RolloutBatch
-from dapo.collect.base import StepBatch
-from dapo.collect.stats import CollectStats, RoundCounters, collection_metrics, next_keep_rate, round_seeds
+from dapo.collect.base import CollectionState, StepBatch
+from dapo.collect.stats import CollectStats, RoundCounters, collection_metrics
 from dapo.config import ConfigError
 from dapo.runtime import parallel, watchdog
-from dapo.runtime.threads import usable_cpus
 
 
 @dataclass
@@ -43,7 +42,7 @@ class Collected:
     version: int  # the weights version it was sampled with
     batch: object  # RolloutBatch or None
     stats: object  # CollectStats
-    state: dict  # the collection state after this step (sampler, rounds, keep rate)
+    state: dict  # the collection state after this step (prompt order, rounds, keep rate)
     waited_s: float  # how long the collecting thread waited for the weights version (the engine on the trainer)
     seconds: float  # how long the collection itself took
 
@@ -142,64 +141,26 @@ class AheadThread:
                 self._cond.notify_all()
 
 
-def start_generating_ahead(cfg, dist, tokenizer, device, *, max_model_len: int, tool_env, batch_collector):
-    """The rollout side and the collection around it; ``batch_collector(engine)`` builds the ``BatchCollector`` that
-    samples with ``engine`` (wrapped here for tools where they are on).
-
-    With ``rollout.ranks`` = 0: a rollout process beside the one trainer; the cores are split, the rollout process
-    getting ``rollout.engine_threads`` (half by default) and the trainer the rest. With rollout ranks
-    (``dapo.rollout.ranks``): trainer rank 0 collects with them as its engine and hands each step's batch to the
-    other training ranks, which follow (``FollowingRank``)."""
-
-    import torch
-
-    from dapo.rollout import with_tools
-
-    k = cfg.rollout.max_staleness
-    if cfg.rollout.ranks:
-        if not dist.is_main:
-            return FollowingRank(cfg, dist)
-        from dapo.rollout.ranks import RankEngines
-
-        remote = RankEngines(cfg.rollout.ranks)
-        return GeneratingAhead(cfg, remote, batch_collector(with_tools(remote, tokenizer, cfg.tools, tool_env)), dist)
-    if dist.sharded:
-        raise ConfigError(
-            f"rollout.max_staleness={k} with {dist.world_size} training ranks: give the rollout ranks of its own, "
-            f"rollout.ranks=1 or more (the job's last ranks generate, the others train), or use "
-            "rollout.max_staleness=0"
-        )
-    from dapo.rollout.remote import RemoteEngine
-
-    cores = usable_cpus()
-    threads = cfg.rollout.engine_threads or max(1, cores // 2)
-    torch.set_num_threads(max(1, cores - threads))
-    remote = RemoteEngine(
-        cfg.rollout, cfg.model, tokenizer, max_model_len=max_model_len, threads=threads, device=str(device)
-    )
-    return GeneratingAhead(cfg, remote, batch_collector(with_tools(remote, tokenizer, cfg.tools, tool_env)))
-
-
 class GeneratingAhead:
-    """The loop's collector with ``rollout.max_staleness`` > 0: the rollout side (``remote``), the collecting thread,
-    and the collection's own state (prompt sampler, round count, keep-rate estimate), which runs ahead of the
-    trainer's. ``collector`` is a ``BatchCollector`` whose engine is ``remote`` (wrapped for tools if on)."""
+    """The loop's collector with ``rollout.max_staleness`` > 0: the rollout side (``remote``, the transport to a
+    rollout process or to rollout ranks), the collecting thread, and the collection's own state (prompt order,
+    round count, keep-rate estimate), which runs ahead of the trainer's. ``sampling`` is the ``DynamicSampling``
+    that samples through ``remote`` (wrapped for tools where they are on). ``dist``: training ranks beside rank 0
+    (rollout ranks) are handed each step's batch."""
 
-    def __init__(self, cfg, remote, collector, dist=None):
-        self.cfg, self.remote, self.collector, self.sampler = cfg, remote, collector, collector.sampler
-        self.dist = dist  # training ranks beside rank 0 (rollout ranks): each step's batch is handed to them
+    def __init__(self, cfg, remote, sampling, dist=None):
+        self.cfg, self.remote, self.sampling, self.prompts = cfg, remote, sampling, sampling.prompts
+        self.dist = dist
         self.k = cfg.rollout.max_staleness
-        self.held_over: list = []  # none: a held-over group would be older than the bound (refused by the config)
         self.counters = RoundCounters()  # the steps the trainer has taken
-        self.rounds = 0  # generation rounds the collection (ahead) has done
-        self.keep_rate = 1.0
+        self.collected = RoundCounters()  # the steps the collection (ahead) has done
         self.ahead: AheadThread | None = None
         self.saved: dict | None = None  # a checkpoint's collection state and in-flight steps, until start
         self.last_state: dict | None = None  # the collection state after the last step the trainer took
 
-    def load_state_dict(self, saved: dict) -> None:
-        self.counters = RoundCounters(saved["gen_rounds"], saved["keep_rate"])
-        self.saved = saved.get("async")
+    def load_state(self, saved: CollectionState) -> None:
+        self.counters = RoundCounters(saved.gen_rounds, saved.keep_rate)
+        self.saved = saved.ahead
 
     def start(self, step: int, weights) -> None:
         """Collect from step ``step`` + 1 on, the engine holding ``weights`` (version ``step``): from the
@@ -215,7 +176,7 @@ class GeneratingAhead:
             self._restore(saved["state"])
             in_flight = [_collected_from(c) for c in saved["in_flight"]]
         else:
-            self.rounds, self.keep_rate = self.counters.gen_rounds, self.counters.keep_rate
+            self.collected = RoundCounters(self.counters.gen_rounds, self.counters.keep_rate)
         self.last_state = self._state()
         self.remote.update_weights(weights, version=step)
         self.ahead = AheadThread(
@@ -227,26 +188,25 @@ class GeneratingAhead:
         """One step's collection, in the collecting thread: as the synchronous loop's, with weights ``version``."""
         self.remote.use_version(version)
         a = self.cfg.algo
-        batch, stats = self.collector.collect(
+        batch, stats, _ = self.sampling.fill_batch(  # nothing is held over: it would be older than the bound
             self.cfg.train.prompts_per_step,
             [],
-            round_seed=round_seeds(self.cfg.rollout.seed, self.rounds),
-            keep_rate_estimate=self.keep_rate if a.adaptive_oversample else 1.0,
+            round_seed=self.collected.round_seed(self.cfg.rollout.seed),
+            keep_rate_estimate=self.collected.keep_rate if a.adaptive_oversample else 1.0,
         )
-        self.rounds += stats.rounds
-        self.keep_rate = next_keep_rate(self.keep_rate, stats)
+        self.collected.observe(stats)
         if batch is not None:
             batch.policy_version = [version] * len(batch)
         return batch, stats, self._state()
 
     def _state(self) -> dict:
-        return copy.deepcopy(
-            {"sampler": self.sampler.state_dict(), "gen_rounds": self.rounds, "keep_rate": self.keep_rate}
-        )
+        # the prompt order under its earlier name, "sampler", as checkpoints have it in flight
+        state = {"sampler": self.prompts.state_dict(), **dataclasses.asdict(self.collected)}  # gen_rounds, keep_rate
+        return copy.deepcopy(state)
 
     def _restore(self, state: dict) -> None:
-        self.sampler.load_state_dict(state["sampler"])
-        self.rounds, self.keep_rate = state["gen_rounds"], state["keep_rate"]
+        self.prompts.load_state_dict(state["sampler"])
+        self.collected = RoundCounters(state["gen_rounds"], state["keep_rate"])
 
     def take(self, step: int) -> StepBatch:
         """Step ``step``'s batch, its collection statistics, and its metrics with the async/* ones."""
@@ -268,25 +228,24 @@ class GeneratingAhead:
             parallel.broadcast_object(taken, self.dist)
         return taken
 
-    def publish(self, step: int, weights) -> None:
+    def publish(self, step: int, weights, held_over=()) -> None:
         """Step ``step`` is trained: its weights (version ``step``) go to the engine, and the collections that
         wait on them may start."""
         self.ahead.release(step)
         self.remote.update_weights(weights, version=step)
         self.ahead.publish(step)
 
-    def snapshot(self) -> dict:
-        """The trainer's side (the sampler is the collection's, ahead: ``checkpoint_state`` adds it)."""
-        return {"sampler": {}, "gen_rounds": self.counters.gen_rounds, "keep_rate": self.counters.keep_rate,
-                "buffer": []}  # fmt: skip
+    def snapshot(self) -> CollectionState:
+        """The trainer's side (the prompt order is the collection's, ahead: ``checkpoint_state`` adds it)."""
+        return CollectionState({}, self.counters.gen_rounds, self.counters.keep_rate)
 
-    def checkpoint_state(self, snapshot: dict, step: int) -> dict:
+    def checkpoint_state(self, snapshot: CollectionState, step: int) -> CollectionState:
         """What a checkpoint as of after step ``step`` holds of the collection: its state at the end of the last
-        in-flight step (the sampler), and those steps' batches."""
+        in-flight step (the prompt order), and those steps' batches."""
         in_flight = self.ahead.in_flight(step)
         state = in_flight[-1].state if in_flight else self.last_state
         ahead = {"max_staleness": self.k, "state": state, "in_flight": [_collected_state(c) for c in in_flight]}
-        return {**snapshot, "sampler": state["sampler"], "async": ahead}
+        return dataclasses.replace(snapshot, prompt_order=state["sampler"], ahead=ahead)
 
     def close(self) -> None:
         if self.ahead is not None:
@@ -301,11 +260,10 @@ class FollowingRank:
 
     def __init__(self, cfg, dist):
         self.cfg, self.dist, self.k = cfg, dist, cfg.rollout.max_staleness
-        self.held_over: list = []
         self.counters = RoundCounters()
 
-    def load_state_dict(self, saved: dict) -> None:
-        self.counters = RoundCounters(saved["gen_rounds"], saved["keep_rate"])
+    def load_state(self, saved: CollectionState) -> None:
+        self.counters = RoundCounters(saved.gen_rounds, saved.keep_rate)
 
     def start(self, step: int, weights) -> None:
         for _ in weights:  # rank 0 pushes the first version: every rank gathers (FSDP)
@@ -317,17 +275,16 @@ class FollowingRank:
         self.counters.observe(taken.stats)
         return taken
 
-    def publish(self, step: int, weights) -> None:
+    def publish(self, step: int, weights, held_over=()) -> None:
         for _ in weights:
             pass
 
-    def snapshot(self) -> dict:
-        return {"sampler": {}, "gen_rounds": self.counters.gen_rounds, "keep_rate": self.counters.keep_rate,
-                "buffer": []}  # fmt: skip
+    def snapshot(self) -> CollectionState:
+        return CollectionState({}, self.counters.gen_rounds, self.counters.keep_rate)
 
-    def checkpoint_state(self, snapshot: dict, step: int) -> dict:
+    def checkpoint_state(self, snapshot: CollectionState, step: int) -> CollectionState:
         ahead = {"max_staleness": self.k, "state": {"sampler": {}}, "in_flight": []}  # rank 0's is written
-        return {**snapshot, "async": ahead}
+        return dataclasses.replace(snapshot, ahead=ahead)
 
     def close(self) -> None:
         pass
@@ -352,8 +309,8 @@ def _collected_state(c: Collected) -> dict:
 
 
 def _collected_from(d: dict) -> Collected:
-    # every counter record inside the statistics (the tools', screening's) back to its own type; a counter that is no
-    # longer kept (the removed pre-filter's, in checkpoints written before) is passed over
+    # every counter record inside the statistics (the tools', screening's) back to its own type; a counter no longer
+    # kept (the removed pre-filter's; groups_from_buffer, always 0 ahead of the trainer) is passed over, until 0.3
     hints = typing.get_type_hints(CollectStats)
     nested = {name: t for name, t in hints.items() if dataclasses.is_dataclass(t)}
     stats = CollectStats(**{k: nested[k](**v) if k in nested else v for k, v in d["stats"].items() if k in hints})

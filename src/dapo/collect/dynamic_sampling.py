@@ -2,15 +2,15 @@
 
 A group whose G responses are all right (or all wrong) has zero advantage and contributes no gradient, so it is
 dropped and more prompts are sampled. Informative groups beyond the batch are discarded, as the reference does
-(``batch[:train_batch_size]``); with ``algo.buffer_max_groups`` > 0 they are held over for the next step, each
+(``batch[:train_batch_size]``); with ``algo.held_over_max_groups`` > 0 they are held over for the next step, each
 given the log-probs of the weights that sampled it before the update (``dapo.algorithm.step``), which its loss then
 uses as old_logp: a held-over group is off-policy, and the clip must bound the step from the policy that sampled
 it. Unlike the reference, hitting the cap on generation rounds trains on what was kept
 (``algo.on_max_gen_rounds=train``) instead of stopping the run.
 
-How a step's engine calls spend their responses is chosen once, when the collector is made: ``fill_rounds`` gives
-every drawn prompt its whole group (the paper's), ``dapo.collect.screening.fill_screened`` screens each with a few
-responses first (``algo.screen_samples``). Both fill the batch through ``BatchCollector``'s public methods.
+How a step's engine calls spend their responses is chosen once, when ``DynamicSampling`` is made: ``fill_rounds``
+gives every drawn prompt its whole group (the paper's), ``dapo.collect.screening.fill_screened`` screens each with a
+few responses first (``algo.screen_samples``). Both fill the batch through ``DynamicSampling``'s public methods.
 """
 
 from __future__ import annotations
@@ -36,61 +36,62 @@ class GenerationCapError(RuntimeError):
     pass
 
 
-class BatchCollector:
+class DynamicSampling:
     """Fills a training batch with informative groups (DAPO sec. 3.2): generate G responses for
     each of a round's prompts, grade and shape them, drop the groups whose G values are all equal,
     and go again until ``num_prompts`` groups are kept.
 
-    ``sampler.next(k)`` gives k examples, ``encode(example)`` their prompt ids; ``sampling`` holds G (``n``) and the
-    sampling settings, each round getting its own seed.
+    ``prompts.next(k)`` gives the next k examples (a ``PromptOrder``), ``encode(example)`` their prompt ids;
+    ``sampling`` holds G (``n``) and how tokens are sampled, each round getting its own seed; ``algo`` the
+    algorithm's settings (AlgoConfig).
     """
 
     def __init__(
         self,
         *,
         engine,
-        sampler,
+        prompts,
         scorer: Callable[..., Scored],
         encode: Callable[[object], list[int]],
         sampling: SamplingParams,
-        algo_cfg,
+        algo,
     ):
-        self.engine, self.sampler, self.scorer, self.encode = engine, sampler, scorer, encode
-        self.sampling, self.a = sampling, algo_cfg
+        self.engine, self.prompts, self.scorer, self.encode = engine, prompts, scorer, encode
+        self.sampling, self.algo = sampling, algo
         # how the step's engine calls spend their responses: whole groups, or n first (screening)
-        self.fill = fill_screened if algo_cfg.screen_samples else fill_rounds
+        self.fill = fill_screened if algo.screen_samples else fill_rounds
 
-    def collect(
+    def fill_batch(
         self,
         num_prompts: int,
         held_over: list[RolloutBatch],
         *,
         round_seed: Callable[[int], int],
         keep_rate_estimate: float = 1.0,
-    ) -> tuple[RolloutBatch | None, CollectStats]:
-        """A batch of ``num_prompts`` informative groups (None if none came), and what it took.
+    ) -> tuple[RolloutBatch | None, CollectStats, list[RolloutBatch]]:
+        """A batch of ``num_prompts`` informative groups (None if none came), what it took, and the groups held
+        over after it.
 
-        ``held_over`` (single-group batches kept from earlier steps) is consumed first and refilled
-        in place with up to ``algo.buffer_max_groups`` surplus groups (none: the reference's behaviour).
-        ``round_seed(k)`` is the sampling seed of this step's k-th round; ``keep_rate_estimate`` the
-        share of groups expected to survive, by which each round over-samples (with adaptive_oversample).
+        ``held_over`` (single-group batches kept from earlier steps) is used first; the groups held over after the
+        step are those not used and the step's surplus groups, at most ``algo.held_over_max_groups`` of them, the
+        oldest dropped first (none: the reference's behaviour). ``round_seed(k)`` is the sampling seed of this
+        step's k-th round; ``keep_rate_estimate`` the share of groups expected to survive, by which each round
+        over-samples (with adaptive_oversample).
         """
         stats = CollectStats()
-        kept: list[RolloutBatch] = []
-        while held_over and len(kept) < num_prompts:
-            kept.append(held_over.pop(0))
-            stats.groups_from_buffer += 1
+        kept = list(held_over[:num_prompts])
+        stats.groups_from_held_over = len(kept)
         self.fill(self, num_prompts, kept, round_seed=round_seed, keep_rate_estimate=keep_rate_estimate, stats=stats)
-        held_over.extend(kept[num_prompts:])
-        del held_over[: max(0, len(held_over) - self.a.buffer_max_groups)]  # the oldest (stalest) go first
+        after = held_over[num_prompts:] + kept[num_prompts:]
+        after = after[max(0, len(after) - self.algo.held_over_max_groups) :]  # the oldest (stalest) go first
         kept = kept[:num_prompts]
         stats.groups_kept = len(kept)
-        return (RolloutBatch.concat(kept) if kept else None), stats
+        return (RolloutBatch.concat(kept) if kept else None), stats, after
 
     def at_round_cap(self, stats: CollectStats, num_kept: int, num_prompts: int) -> bool:
         """Whether the step has had its ``algo.max_gen_rounds`` engine calls: then it trains on what it kept, with a
         warning (``algo.on_max_gen_rounds=fail``: GenerationCapError)."""
-        a = self.a
+        a = self.algo
         if not a.max_gen_rounds or stats.rounds < a.max_gen_rounds:
             return False
         stats.cap_hit = True
@@ -105,19 +106,19 @@ class BatchCollector:
 
     def draw(self, missing: int, keep_rate_estimate: float) -> list:
         """The next prompts for ``missing`` kept groups (``to_draw`` of them)."""
-        return self.sampler.next(self.to_draw(missing, keep_rate_estimate))
+        return self.prompts.next(self.to_draw(missing, keep_rate_estimate))
 
     def to_draw(self, missing: int, keep_rate_estimate: float) -> int:
         """Prompts a round draws for ``missing`` kept groups: over-sampled in proportion to the measured keep rate,
         so most steps need one round."""
-        factor = self.a.oversample / max(keep_rate_estimate, 0.05) if self.a.dynamic_sampling else 1.0
+        factor = self.algo.oversample / max(keep_rate_estimate, 0.05) if self.algo.dynamic_sampling else 1.0
         return max(missing, math.ceil(missing * factor))
 
     def informative(self, part: RolloutBatch, n: int) -> torch.Tensor:
         """(P,) bool: groups of ``n`` consecutive rows whose values are not all equal (eq. 11), on raw correctness
         unless algo.filter_metric says reward: length shaping alone must not keep a group. Ungraded rows do not
         count: their value is no grade."""
-        values = part.acc if self.a.filter_metric == "acc" else part.reward
+        values = part.acc if self.algo.filter_metric == "acc" else part.reward
         graded = ~torch.tensor(part.ungraded, dtype=torch.bool) if part.ungraded else None
         return advantages.informative_groups(values, n, counted=graded)
 
@@ -178,21 +179,21 @@ class BatchCollector:
 
 
 def fill_rounds(
-    collector: BatchCollector, num_prompts: int, kept: list[RolloutBatch], *, round_seed, keep_rate_estimate, stats
+    sampling: DynamicSampling, num_prompts: int, kept: list[RolloutBatch], *, round_seed, keep_rate_estimate, stats
 ) -> None:
     """Append informative groups of G to ``kept`` round by round until it holds ``num_prompts`` or the round cap
     stops it: every drawn prompt gets its whole group, and the uninformative groups are dropped (the paper's)."""
-    while len(kept) < num_prompts and not collector.at_round_cap(stats, len(kept), num_prompts):
+    while len(kept) < num_prompts and not sampling.at_round_cap(stats, len(kept), num_prompts):
         missing = num_prompts - len(kept)
-        kept += _round(collector, missing, round_seed(stats.rounds), keep_rate_estimate, stats)
+        kept += _round(sampling, missing, round_seed(stats.rounds), keep_rate_estimate, stats)
 
 
-def _round(collector: BatchCollector, missing: int, seed: int, keep_rate_estimate: float, stats) -> list:
+def _round(sampling: DynamicSampling, missing: int, seed: int, keep_rate_estimate: float, stats) -> list:
     """One generation round for ``missing`` prompts (more when over-sampling): its informative groups."""
-    a, G = collector.a, collector.sampling.n
-    examples = collector.draw(missing, keep_rate_estimate)
-    part, gen_s = collector.sample(examples, [G] * len(examples), seed, stats)
-    keep = collector.informative(part, G) if a.dynamic_sampling else torch.ones(len(examples), dtype=torch.bool)
+    a, G = sampling.algo, sampling.sampling.n
+    examples = sampling.draw(missing, keep_rate_estimate)
+    part, gen_s = sampling.sample(examples, [G] * len(examples), seed, stats)
+    keep = sampling.informative(part, G) if a.dynamic_sampling else torch.ones(len(examples), dtype=torch.bool)
     group_acc = part.acc.view(-1, G).mean(dim=1)  # (P,)
     lengths = part.response_lengths
     dropped_tokens = int(lengths.view(-1, G)[~keep].sum())

@@ -41,46 +41,46 @@ class _Call:
 
 
 def fill_screened(
-    collector, num_prompts: int, kept: list[RolloutBatch], *, round_seed, keep_rate_estimate: float, stats
+    sampling, num_prompts: int, kept: list[RolloutBatch], *, round_seed, keep_rate_estimate: float, stats
 ) -> None:
     """Append to ``kept`` informative groups of G until it holds ``num_prompts`` (or the round cap stops new
-    screening), screening each prompt with n responses first. ``collector``: the BatchCollector, whose ``draw``
-    gives the prompts, ``sample`` makes each engine call and ``at_round_cap`` counts them; ``stats``: the step's
-    CollectStats, whose ``screen`` gets this step's counts."""
-    a, G = collector.a, collector.sampling.n
+    screening), screening each prompt with n responses first. ``sampling``: the step's ``DynamicSampling``, whose
+    ``draw`` gives the prompts, ``sample`` makes each engine call and ``at_round_cap`` counts them; ``stats``: the
+    step's CollectStats, whose ``screen`` gets this step's counts."""
+    a, G = sampling.algo, sampling.sampling.n
     n = a.screen_samples
     call, capped = _Call(pending=[]), False
     while True:
         short = num_prompts - len(kept) - sum(not p.audit for p in call.pending)
-        capped = capped or (short > 0 and collector.at_round_cap(stats, num_prompts - short, num_prompts))
+        capped = capped or (short > 0 and sampling.at_round_cap(stats, num_prompts - short, num_prompts))
         if short > 0 and not capped:  # the cap stops new screening; what was screened in is still completed
-            call.new = collector.draw(short, keep_rate_estimate)
+            call.new = sampling.draw(short, keep_rate_estimate)
         if not call.new and not call.pending:
             return
         seed = round_seed(stats.rounds)
         examples = [p.example for p in call.pending] + call.new
         counts = [G - n] * len(call.pending) + [n] * len(call.new)
-        part, gen_s = collector.sample(examples, counts, seed, stats)
+        part, gen_s = sampling.sample(examples, counts, seed, stats)
         rest = len(call.pending) * (G - n)
-        dropped_tokens = _complete(collector, call.pending, part.select_rows(list(range(rest))), kept, stats)
+        dropped_tokens = _complete(sampling, call.pending, part.select_rows(list(range(rest))), kept, stats)
         # the new prompts' rows, n each (the call's part has group_size 1 where counts differ)
         screened = replace(part.select_rows(list(range(rest, len(part)))), group_size=n) if call.new else None
-        nxt, screened_out_tokens = _screen(collector, call.new, screened, short, seed, stats)
+        nxt, screened_out_tokens = _screen(sampling, call.new, screened, short, seed, stats)
         dropped_tokens += screened_out_tokens
         stats.seconds_dropped += gen_s * dropped_tokens / max(int(part.response_lengths.sum()), 1)
         stats.tokens_in_dropped_groups += dropped_tokens
         call = _Call(pending=nxt)
 
 
-def _complete(collector, pending: list[_Pending], rest: RolloutBatch, kept: list, stats) -> int:
+def _complete(sampling, pending: list[_Pending], rest: RolloutBatch, kept: list, stats) -> int:
     """Join each pending prompt's first n responses with its G - n new ones: a group for training, or for the
     audit. Returns the tokens that will not be trained (the audit's)."""
-    G, n = collector.sampling.n, collector.a.screen_samples
+    G, n = sampling.sampling.n, sampling.algo.screen_samples
     not_trained = 0
     for i, p in enumerate(pending):
         more = rest.select_rows(list(range(i * (G - n), (i + 1) * (G - n))))
         group = replace(RolloutBatch.concat([p.first, more]), group_size=G)
-        informative = bool(collector.informative(group, G)[0])
+        informative = bool(sampling.informative(group, G)[0])
         if p.audit:
             stats.screen.audited += 1
             stats.screen.audit_informative += int(informative)
@@ -94,14 +94,14 @@ def _complete(collector, pending: list[_Pending], rest: RolloutBatch, kept: list
     return not_trained
 
 
-def _screen(collector, new: list, part: RolloutBatch | None, short: int, seed: int, stats) -> tuple[list, int]:
+def _screen(sampling, new: list, part: RolloutBatch | None, short: int, seed: int, stats) -> tuple[list, int]:
     """Each new prompt's first n responses: screened out where they agree (some audited), pending completion
     where they disagree, up to the ``short`` groups the step still needs. Returns the pending prompts and the
     tokens of the screened-out prompts' responses."""
     if not new:
         return [], 0
-    a, n = collector.a, collector.a.screen_samples
-    passed = collector.informative(part, n)  # (P,)
+    a, n = sampling.algo, sampling.algo.screen_samples
+    passed = sampling.informative(part, n)  # (P,)
     acc = part.acc.view(-1, n).mean(dim=1)  # (P,)
     tokens = part.response_lengths.view(-1, n).sum(dim=1)  # (P,)
     audit = torch.rand(len(new), generator=torch.Generator().manual_seed(seed)) < a.screen_audit  # (P,)

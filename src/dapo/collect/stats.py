@@ -44,7 +44,7 @@ class CollectStats:
     groups_dropped: int = 0
     groups_all_correct: int = 0
     groups_all_wrong: int = 0
-    groups_from_buffer: int = 0
+    groups_from_held_over: int = 0  # groups held over from an earlier step that this step trains
     acc_sum: float = 0.0  # over every generated sample (the honest training accuracy)
     timeouts: int = 0
     worker_crashes: int = 0
@@ -97,7 +97,7 @@ def next_keep_rate(estimate: float, stats: CollectStats) -> float:
     return KEEP_RATE_MOMENTUM * estimate + (1 - KEEP_RATE_MOMENTUM) * measured
 
 
-def sampling_metrics(cstats: CollectStats, *, buffer_groups: int, gen_rounds_total: int) -> dict:
+def sampling_metrics(cstats: CollectStats, *, held_over: int, gen_rounds_total: int) -> dict:
     """What generation produced this step, trained on or not."""
     return {
         "reward/timeouts": cstats.timeouts,
@@ -108,7 +108,7 @@ def sampling_metrics(cstats: CollectStats, *, buffer_groups: int, gen_rounds_tot
         "sampling/prompts_generated": cstats.prompts_generated,
         "sampling/groups_kept": cstats.groups_kept,
         "sampling/groups_dropped": cstats.groups_dropped,
-        "sampling/groups_from_buffer": cstats.groups_from_buffer,
+        "sampling/groups_from_held_over": cstats.groups_from_held_over,
         "sampling/all_correct_frac": cstats.groups_all_correct / max(cstats.prompts_generated, 1),
         "sampling/all_wrong_frac": cstats.groups_all_wrong / max(cstats.prompts_generated, 1),
         "sampling/samples_generated": cstats.samples_generated,
@@ -117,7 +117,7 @@ def sampling_metrics(cstats: CollectStats, *, buffer_groups: int, gen_rounds_tot
         "sampling/tokens_generated": cstats.tokens_generated,
         "sampling/informative_frac": (cstats.prompts_generated - cstats.groups_dropped)
         / max(cstats.prompts_generated, 1),
-        "sampling/buffer_groups": buffer_groups,
+        "sampling/held_over_groups": held_over,
         "sampling/gen_rounds_total": gen_rounds_total,
         "sampling/cap_hit": float(cstats.cap_hit),
         "perf/time_generate_s": cstats.seconds_generate,
@@ -149,7 +149,7 @@ def screen_metrics(s: ScreenCounts, *, group_size: int, screen_samples: int) -> 
 def collection_metrics(stats: CollectStats, *, held_over: int, gen_rounds_total: int, group_size: int,
                        screen_samples: int) -> dict:  # fmt: skip
     """A step's sampling/* metrics, screening's with them when it is on (``screen_samples`` > 0)."""
-    out = sampling_metrics(stats, buffer_groups=held_over, gen_rounds_total=gen_rounds_total)
+    out = sampling_metrics(stats, held_over=held_over, gen_rounds_total=gen_rounds_total)
     if screen_samples:
         out |= screen_metrics(stats.screen, group_size=group_size, screen_samples=screen_samples)
     return out

@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import os
 import typing
+import warnings
 from pathlib import Path
 from typing import Literal
 
@@ -124,8 +125,23 @@ REPLACED = {
 }
 
 
-# keys of earlier versions read as the setting that took their name (presets and saved configs keep working)
-RENAMED = {"algo.old_logp": "algo.old_logp_source"}
+# keys of earlier versions read as the setting that took their name (presets and saved configs keep working), each
+# with one line naming the new key; read until release 0.3. Values the new key spells otherwise: old -> new.
+RENAMED = {
+    "algo.old_logp": ("algo.old_logp_source", {}),
+    "algo.buffer_max_groups": ("algo.held_over_max_groups", {}),
+    "algo.buffer_logp": ("algo.held_over_logp_source", {"trainer": "recompute"}),
+}
+
+
+def _renamed(full: str, value):
+    """(new key, value) for a key of an earlier version, with the line that says so."""
+    new, values = RENAMED[full]
+    value = values.get(value, value) if isinstance(value, str) else value
+    warnings.warn(
+        f"{full} is now {new} (read as {new}={value}); rename it: the old name is read until 0.3", stacklevel=4
+    )
+    return new, value
 
 
 def _closest_keys(key, names: set[str], prefix: str) -> str:
@@ -142,8 +158,8 @@ def merge(obj, overrides: dict, prefix: str = ""):
     for key, value in overrides.items():
         full = f"{prefix}{key}"
         if full in RENAMED:
-            key = RENAMED[full].rpartition(".")[2]
-            full = RENAMED[full]
+            full, value = _renamed(full, value)
+            key = full.rpartition(".")[2]
         if full in REPLACED:
             raise ConfigError(f"{full}: no longer a setting; {REPLACED[full]}")
         if key not in names:

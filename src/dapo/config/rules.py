@@ -132,12 +132,12 @@ class RuleBetween:
 RULES = (
     # ---- switches that need another
     RuleBetween(
-        ("algo.buffer_logp", "rollout.backend"),
-        "`algo.buffer_logp=engine` needs `rollout.backend=vllm`",
-        lambda cfg: cfg.algo.buffer_logp == "trainer" or cfg.rollout.backend == "vllm",
+        ("algo.held_over_logp_source", "rollout.backend"),
+        "`algo.held_over_logp_source=engine` needs `rollout.backend=vllm`",
+        lambda cfg: cfg.algo.held_over_logp_source == "recompute" or cfg.rollout.backend == "vllm",
         lambda cfg: (
-            f"algo.buffer_logp=engine: rollout.backend={cfg.rollout.backend} reports no log-probs; use "
-            "rollout.backend=vllm or trainer"
+            f"algo.held_over_logp_source=engine: rollout.backend={cfg.rollout.backend} reports no log-probs; use "
+            "rollout.backend=vllm or algo.held_over_logp_source=recompute"
         ),
     ),
     RuleBetween(
@@ -211,13 +211,13 @@ RULES = (
         ),
     ),
     RuleBetween(
-        ("rollout.max_staleness", "algo.buffer_max_groups"),
-        "`rollout.max_staleness` > 0 needs `algo.buffer_max_groups=0`",
-        lambda cfg: not cfg.rollout.max_staleness or cfg.algo.buffer_max_groups == 0,
+        ("rollout.max_staleness", "algo.held_over_max_groups"),
+        "`rollout.max_staleness` > 0 needs `algo.held_over_max_groups=0`",
+        lambda cfg: not cfg.rollout.max_staleness or cfg.algo.held_over_max_groups == 0,
         lambda cfg: (
-            f"rollout.max_staleness={cfg.rollout.max_staleness}: algo.buffer_max_groups="
-            f"{cfg.algo.buffer_max_groups} would train held-over groups one version older than the bound; set "
-            "algo.buffer_max_groups=0"
+            f"rollout.max_staleness={cfg.rollout.max_staleness}: algo.held_over_max_groups="
+            f"{cfg.algo.held_over_max_groups} would train held-over groups one version older than the bound; set "
+            "algo.held_over_max_groups=0"
         ),
     ),
     RuleBetween(

@@ -90,7 +90,6 @@ Objective = Literal["dapo", "gspo", "cispo"]
 RolloutIsMode = Literal["token_truncate", "token_mask", "token_m2", "sequence_truncate", "sequence_mask"]
 FilterMetric = Literal["acc", "reward"]
 OnMaxGenRounds = Literal["train", "fail"]
-BufferLogp = Literal["trainer", "engine"]
 OldLogpSource = Literal["recompute", "engine"]
 PackSequences = Literal["auto", "true", "false"]
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -270,11 +269,12 @@ class AlgoConfig:
     # whose prompts are mostly always right or always wrong; try G/2 and see algo.screen_audit
     screen_samples: int = field(0, ge=0, why="a count of responses, 0 for off")
     screen_audit: float = field(0.0, ge=0, le=1)  # share of screened-out prompts completed anyway, never trained
-    # surplus informative groups (beyond train.prompts_per_step) kept for the next step; 0: none, as the reference
-    buffer_max_groups: int = field(0, ge=0, why="0 keeps no surplus groups")
-    # a held-over group's old log-probs (those of the weights that sampled it): trainer (computed when it is held
-    # over) or engine (vLLM's sampling log-probs)
-    buffer_logp: BufferLogp = "trainer"
+    # surplus informative groups (beyond train.prompts_per_step) held over for the next step; 0: none, as the
+    # reference. Named algo.buffer_max_groups before
+    held_over_max_groups: int = field(0, ge=0, why="0 holds over no surplus groups")
+    # where a held-over group's old log-probs (those of the weights that sampled it) come from: recompute (a pass
+    # when it is held over) or engine (vLLM's sampling log-probs). Named algo.buffer_logp (trainer|engine) before
+    held_over_logp_source: OldLogpSource = "recompute"
     # where a step's old log-probs come from: recompute (a forward pass over the batch before the update, the
     # reference) or engine (vLLM's sampling log-probs, no pass; float32 only). Named algo.old_logp before
     old_logp_source: OldLogpSource = "recompute"
@@ -409,10 +409,10 @@ class RunConfig:
     save_every: int | None = field(20, gt=0, null="only at the end")  # checkpoint every N steps (and at the end)
     keep_checkpoints: int = field(2, ge=1)  # newest checkpoints kept
     # write single-process checkpoints in a background thread: at the step's end the loop copies only the small
-    # trainer state (sampler, buffer, RNG); the weights and AdamW state are written from live memory, and the next
-    # step waits for the write before its update changes them (generation and old log-probs overlap with it). The
-    # directory still appears under its name only when whole; the end of the run waits for the write and raises its
-    # error. false: write before going on. Under FSDP (several ranks): always synchronous.
+    # trainer state (prompt order, held-over groups, RNG); the weights and AdamW state are written from live memory,
+    # and the next step waits for the write before its update changes them (generation and old log-probs overlap
+    # with it). The directory still appears under its name only when whole; the end of the run waits for the write
+    # and raises its error. false: write before going on. Under FSDP (several ranks): always synchronous.
     async_checkpoint: bool = False
     resume: bool = True  # continue from the run directory's latest checkpoint
     # a checkpoint that fails its manifest's check on resume: skip (move it aside to damaged.step_*, resume from the

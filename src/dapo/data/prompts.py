@@ -1,7 +1,7 @@
 """Prompts: the ``Example`` records (a problem, its ground truth, its data source), the prompt templates
 (the DAPO paper's, the raw problem, the Python tool's) and the prompt encoder.
 
-Data files and rows given in Python become ``Example``s in ``dapo.data.files``; ``dapo.data.sampler`` draws them.
+Data files and rows given in Python become ``Example``s in ``dapo.data.files``; ``dapo.data.prompt_order`` draws them.
 """
 
 from __future__ import annotations

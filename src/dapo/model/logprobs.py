@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from dapo.algorithm.batch import RolloutBatch
+from dapo.config import ConfigError
 from dapo.model.loading import DTYPES, decoder_layers, decoder_of, load_model_and_tokenizer
 from dapo.model.logits import LogitTransform, UnsupportedModel, find_logit_transform, padding_problem
 from dapo.model.micro_batch import MicroBatch, make_micro_batch, micro_batch_rows, prompt_of_rows
@@ -269,8 +270,6 @@ class LogProbModel:
         self.pad_id = self.tokenizer.pad_token_id
         self.temperature = temperature  # log-probs are of the distribution that sampled: at its temperature
         self.share_prompts = train_cfg.share_prompt_prefix
-        from dapo.config import ConfigError
-
         if self.share_prompts and (why := unsupported(lm, max_seq_tokens)):
             raise ConfigError(
                 f"train.share_prompt_prefix=true: {model_cfg.path} has {why}; set train.share_prompt_prefix=false"

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from dapo.config import ConfigError
 from dapo.runtime import parallel
 from dapo.runtime.files import CheckpointError
 
@@ -54,8 +55,6 @@ def add_adapters(model, cfg: LoraConfig, *, seed: int):
     A target name that matches none of its linear layers is a ConfigError naming them."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
-
-    from dapo.config import ConfigError
 
     linear = linear_layers(model)
     # peft's rule for a list of names: a module whose name is the target or ends with "." + target

@@ -55,7 +55,7 @@ class LossFn(Protocol):
 
     It returns the loss and its statistics by name (``dapo.algorithm.losses.Stat``: a value and how it combines over
     micro-batches and ranks), the same names at every call; each becomes a metric of the step
-    (``actor/<name>``). ``dapo.algorithm.losses.actor_loss`` gives pg_loss, kl_loss with a KL term, and dapo_loss's.
+    (``actor/<name>``). ``dapo.algorithm.losses.actor_loss`` gives pg_loss, kl_loss with a KL term, and its surrogate's.
     The name ``loss`` is the update's own: the loss itself, whose sum skips a non-finite update.
     """
 
@@ -411,7 +411,8 @@ class Policy(LogProbModel):
             self._sync_from_master()
         self.scheduler.load_state_dict(state["scheduler"])
         self.skipped_updates = int(state["skipped_updates"])
-        self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))  # (checkpoints written before it was saved)
+        # checkpoints written before it was saved have none: read as 0 until release 0.3
+        self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
 
 
 class BaseReference:

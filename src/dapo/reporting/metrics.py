@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from dapo.algorithm.batch import RolloutBatch
+from dapo.algorithm.losses import log_ratio
 from dapo.collect.stats import CollectStats
 
 
@@ -85,10 +86,10 @@ def behaviour_drift(old_logp: torch.Tensor, behaviour_logp: torch.Tensor) -> dic
     pi_behaviour (unbiased on the behaviour's samples, never negative); ``rollout/is_ess``, the effective
     sample size of the importance weights r as a share of the tokens, (sum r)^2 / (n sum r^2): 1 when nothing
     moved, small when a few tokens carry the weight."""
-    log_ratio = (old_logp - behaviour_logp).clamp(-20.0, 20.0)  # exp of a huge value is inf
-    ratio = log_ratio.exp()
+    log_r = log_ratio(old_logp, behaviour_logp)
+    ratio = log_r.exp()
     return {
-        "async/policy_kl": (ratio - 1.0 - log_ratio).mean(),
+        "async/policy_kl": (ratio - 1.0 - log_r).mean(),
         "rollout/is_ess": ratio.sum() ** 2 / (ratio.numel() * (ratio**2).sum()).clamp(min=1e-30),
     }
 

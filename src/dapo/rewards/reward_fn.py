@@ -26,6 +26,8 @@ from collections.abc import Callable, Container, Mapping
 from multiprocessing import spawn
 from pathlib import Path
 
+from dapo.config import ConfigError
+
 REWARD_FN = "reward_fn"  # the grader name of a reward function given to dapo.train or dapo.evaluate
 REWARD_FUNCTION = "reward.function"  # the grader name of the function reward.function names
 
@@ -184,8 +186,6 @@ class ImportedRewardFn:
 
 def _setting_error(message: str) -> Exception:
     """A ConfigError: a bad reward.function is a bad setting (``dapo`` says it in one line)."""
-    from dapo.config.schema import ConfigError  # here: the grading workers start without the config's YAML reader
-
     return ConfigError(message)
 
 

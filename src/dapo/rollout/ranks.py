@@ -71,10 +71,11 @@ def _reachable_host(master: str) -> str:
         return master
 
 
-def serve(cfg, env: dict | None = None) -> None:
-    """A rollout rank's whole life: listen, say where, build the engine, answer trainer rank 0 until it stops."""
+def serve(cfg, build, *, max_model_len: int, env: dict | None = None) -> None:
+    """A rollout rank's whole life: listen, say where, build the engine (``build``, as ``RemoteEngine`` takes it),
+    answer trainer rank 0 until it stops."""
     from dapo.model.loading import load_tokenizer
-    from dapo.rollout.remote import _serve
+    from dapo.rollout import remote
     from dapo.runtime import parallel
 
     env = os.environ if env is None else env
@@ -90,10 +91,8 @@ def serve(cfg, env: dict | None = None) -> None:
     listener.close()
     m = cfg.model
     tokenizer = load_tokenizer(m.path, revision=m.revision, trust_remote_code=m.trust_remote_code)
-    r = cfg.rollout
-    max_model_len = cfg.data.max_prompt_tokens + max(r.max_response_tokens, cfg.eval.max_response_tokens or 0)
-    threads = r.engine_threads or torch.get_num_threads()
-    _serve(requests, weights, r, cfg.model, tokenizer, max_model_len, threads, device)
+    threads = cfg.rollout.engine_threads or torch.get_num_threads()
+    remote.serve(requests, weights, build, cfg.rollout, cfg.model, tokenizer, max_model_len, threads, device)
     requests.close()
     weights.close()
     if "TORCHELASTIC_RUN_ID" in env:  # a torchrun worker: its process has nothing left to do

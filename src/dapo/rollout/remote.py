@@ -45,7 +45,11 @@ class RemoteEngine(Sleepless):
     weights go over two pipes: a push is received (by a thread of the rollout process) while a request is being
     generated, so the trainer never waits on generation to hand over weights."""
 
-    def __init__(self, rollout_cfg, model_cfg, tokenizer, *, max_model_len: int, threads: int, device: str = "cpu"):
+    def __init__(
+        self, build, rollout_cfg, model_cfg, tokenizer, *, max_model_len: int, threads: int, device: str = "cpu"
+    ):
+        """``build(rollout_cfg, model_cfg, tokenizer, max_model_len=, device=, logprobs=True)``: the engine the
+        process answers with (``dapo.rollout.build.engine_of_its_own``; a module-level function, passed by name)."""
         from dapo.model.directory import model_dir
 
         # the directory the trainer loaded (a hub model's snapshot, resolved once), not the hub again
@@ -57,8 +61,8 @@ class RemoteEngine(Sleepless):
         self._lock = threading.Lock()  # one request and its answer at a time
         self._weights_lock = threading.Lock()
         self._proc = ctx.Process(
-            target=_serve,
-            args=(child, child_weights, rollout_cfg, model_cfg, tokenizer, max_model_len, threads, device),
+            target=serve,
+            args=(child, child_weights, build, rollout_cfg, model_cfg, tokenizer, max_model_len, threads, device),
             name="dapo-rollout",
             daemon=False,  # it may start processes of its own (vLLM's)
         )
@@ -190,15 +194,16 @@ class _Versions:
             return tensors
 
 
-def _serve(conn, weights_conn, rollout_cfg, model_cfg, tokenizer, max_model_len: int, threads: int, device: str):
-    """The rollout process (or a rollout rank): build the engine, then answer requests until told to stop."""
+def serve(conn, weights_conn, build, rollout_cfg, model_cfg, tokenizer, max_model_len: int, threads: int, device: str):
+    """The rollout process (or a rollout rank): build the engine (``build``, as ``RemoteEngine`` takes it), then
+    answer requests until told to stop."""
     from dapo.runtime.libraries import setup_library_logging
 
     setup_library_logging()  # a spawned process starts bare: the libraries' harmless noise stays off the console
     ignore_stop_signals()
     torch.set_num_threads(threads)
     try:
-        engine = _build(rollout_cfg, model_cfg, tokenizer, max_model_len, device)
+        engine = build(rollout_cfg, model_cfg, tokenizer, max_model_len=max_model_len, device=device, logprobs=True)
         conn.send(("ok", engine.backend))
     except Exception as err:
         conn.send(("error", _describe(err)))
@@ -229,21 +234,6 @@ def ignore_stop_signals() -> None:
     pipe or connection closes and the rollout side ends; SIGKILL still ends it at once."""
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
-
-
-def _build(rollout_cfg, model_cfg, tokenizer, max_model_len: int, device: str):
-    from dapo.model.loading import load_model_and_tokenizer, weightless_model
-    from dapo.rollout import make_rollout, resolve_backend
-
-    backend = resolve_backend(rollout_cfg.backend)
-    load = {"revision": model_cfg.revision, "trust_remote_code": model_cfg.trust_remote_code}
-    if backend == "hf":
-        from dapo.rollout.hf import HFRolloutEngine
-
-        model, _ = load_model_and_tokenizer(model_cfg.path, model_cfg.dtype, device, **load)
-        return HFRolloutEngine(model, tokenizer, logprobs=True)
-    model = weightless_model(model_cfg.path, model_cfg.dtype, **load)
-    return make_rollout(rollout_cfg, model, tokenizer, max_model_len=max_model_len)
 
 
 def _describe(err: BaseException) -> str:

@@ -14,6 +14,8 @@ import os
 import sys
 from pathlib import Path
 
+from dapo.config import ConfigError
+
 # vLLM installs its own stdout handler when imported unless told not to: its records then reach
 # the handlers below like every other library's (rollout/vllm.py imports vLLM after this module)
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
@@ -129,8 +131,6 @@ def setup_library_logging(run_dir: Path | None = None, console_level: str = "war
     the messages of ``HARMLESS``. With ``--verbose`` the console shows INFO and everything. Calling it
     again replaces what an earlier call installed. Returns the log file."""
     if console_level.lower() not in LEVELS:
-        from dapo.config import ConfigError
-
         raise ConfigError(f"run.log_level={console_level!r}: choose one of {', '.join(LEVELS)}")
     level = logging.INFO if verbose() else getattr(logging, console_level.upper())
     close_library_logging()

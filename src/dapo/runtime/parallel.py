@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dapo.config import ConfigError
 from dapo.runtime.watchdog import waiting
 
 
@@ -102,8 +103,6 @@ _JOB_STORE: list = []  # the job's store, made once (rank 0's serves it for the 
 def check_rollout_split(rollout_ranks: int, job_size: int) -> None:
     """One line for a split of the job's ranks that leaves no rank to train, or asks for rollout ranks alone."""
     if rollout_ranks and job_size <= rollout_ranks:
-        from dapo.config import ConfigError
-
         raise ConfigError(
             f"rollout.ranks={rollout_ranks}: the job has {job_size} rank{'s' * (job_size > 1)} (WORLD_SIZE), which "
             f"leaves none to train; launch at least {rollout_ranks + 1} (torchrun --nproc_per_node, launch-ray "
@@ -187,8 +186,6 @@ def wrap(
     """
     if not d.sharded:
         if cpu_offload:
-            from dapo.config import ConfigError
-
             raise ConfigError(
                 "train.cpu_offload=true: FSDP does the offloading, across several ranks (torchrun "
                 "--nproc-per-node N ... or dapo launch-ray); a single process would offload nothing: "
@@ -202,8 +199,6 @@ def wrap(
     kwargs = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)}
     if cpu_offload:
         if d.device.type != "cuda":
-            from dapo.config import ConfigError
-
             raise ConfigError(
                 "train.cpu_offload=true: offloading moves shards between GPU and CPU memory; "
                 "it needs CUDA devices (set train.cpu_offload=false on CPU)"

@@ -1,4 +1,5 @@
-"""The resumable, seeded stream of training prompts."""
+"""The prompt order: the resumable, seeded stream of training prompts (which prompt comes next; dynamic sampling
+decides what is kept of their responses, ``SamplingParams`` how tokens are drawn)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Iterator, Sequence
 from dapo.data.prompts import Example
 
 
-class PromptSampler:
+class PromptOrder:
     """Endless, seeded stream of examples: each epoch is a fresh permutation of all examples.
 
     The order of epoch ``e`` depends only on ``(seed, e)``, so the state is just three integers
@@ -17,7 +18,7 @@ class PromptSampler:
 
     def __init__(self, examples: Sequence[Example], *, seed: int, shuffle: bool = True):
         if len(examples) == 0:
-            raise ValueError("PromptSampler needs at least one example; the data set is empty")
+            raise ValueError("PromptOrder needs at least one example; the data set is empty")
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"seed must be an integer, got {seed!r}")
         self._examples = list(examples)
@@ -38,6 +39,7 @@ class PromptSampler:
     def _permutation(self, epoch: int) -> list[int]:
         order = list(range(len(self._examples)))
         if self._shuffle:
+            # the text keeps the class's earlier name: the same seed gives the same order as in earlier runs
             random.Random(f"dapo-sampler:{self._seed}:{epoch}").shuffle(order)
         return order
 
@@ -72,14 +74,14 @@ class PromptSampler:
     def load_state_dict(self, state: dict) -> None:
         missing = {"seed", "shuffle", "epoch", "position", "num_examples"} - set(state)
         if missing:
-            raise ValueError(f"sampler state is missing {sorted(missing)}; pass the dict from state_dict()")
+            raise ValueError(f"prompt order state is missing {sorted(missing)}; pass the dict from state_dict()")
         if state["num_examples"] != len(self._examples):
             raise ValueError(
-                f"sampler state was saved for {state['num_examples']} examples but this data set has "
+                f"prompt order state was saved for {state['num_examples']} examples but this data set has "
                 f"{len(self._examples)}; resume with the same data files and options"
             )
         if not 0 <= int(state["position"]) <= len(self._examples):
-            raise ValueError(f"sampler state has position {state['position']} outside the data set")
+            raise ValueError(f"prompt order state has position {state['position']} outside the data set")
         self._seed = int(state["seed"])
         self._shuffle = bool(state["shuffle"])
         self._epoch = int(state["epoch"])

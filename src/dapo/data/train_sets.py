@@ -1,4 +1,4 @@
-"""Built-in synthetic tasks (``arith``), and the choice between them and data files for training."""
+"""The training problems a run's data settings name: its data files, or the built-in task."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def load_train_sets(data_cfg) -> list[tuple[str | None, list[Example]]]:
 def _builtin_examples(data_cfg) -> list[Example]:
     if data_cfg.task != "arith":
         raise ValueError(f"data.task={data_cfg.task!r}: the built-in task is arith; or give data.train_files")
-    from dapo.tasks import arith
+    from dapo.data import arith
 
     return arith.make_examples(
         "train", data_cfg.task_train_size, seed=data_cfg.seed, difficulty=data_cfg.task_difficulty
