@@ -81,7 +81,8 @@ def test_dapo_eval_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert "| mini | 3 | 4 |" in (out / "eval.md").read_text()
     # every sample, one JSON line each, in problem-major order, with the verdicts the report counted
     path = out / "mini.responses.jsonl"
-    assert f"responses: {path}  (12 samples, one JSON line each)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"responses: {path}  (12 samples, one JSON line each)" in printed
     samples = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(samples) == 12
     assert set(samples[0]) == {
@@ -91,11 +92,19 @@ def test_dapo_eval_end_to_end(tiny_model_dir, tmp_path, capsys):
         "response",
         "extracted_answer",
         "ground_truth",
+        "grader",
         "correct",
         "ungraded",
         "length_tokens",
         "truncated",
     }
+    assert {s["grader"] for s in samples} == {"arith"}
+    # which template and grader, and why: on the console before the samples, in eval.json and in eval.md
+    said = (
+        f"eval {bench}: layout plain (problem, answer), template raw (data.template), grader arith "
+        "(reward.grader=arith)"
+    )
+    assert summary["grading"] == said and f"- {said}" in (out / "eval.md").read_text()
     assert not any(s["ungraded"] for s in samples) and summary["ungraded"] == 0
     assert [s["id"] for s in samples] == [p["id"] for p in problems for _ in range(4)]
     assert [s["sample"] for s in samples] == [0, 1, 2, 3] * 3
@@ -109,6 +118,7 @@ def test_dapo_eval_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert all(s["truncated"] == (s["length_tokens"] == 8) or not s["truncated"] for s in samples)
     # the prompt as the model saw it (this tokenizer has no chat template: the problem text as it is)
     assert [s["prompt"] for s in samples[::4]] == ["2+3=", "4*2=", "9-1="]
+    assert printed.index(said) < printed.index("| mini | 3 | 4 |")
     # the response is the decoded sample and the extracted answer is what the arith grader reads from it
     from dapo.rewards.graders import grade
 

@@ -89,6 +89,7 @@ FLOORS = [
     ("training",),
     ("cluster", "ablate"),
     ("api",),
+    ("command_line",),  # the command's frame: its parser and the line an error becomes
     ("cli",),
 ]
 FLOOR_OF = {name: i for i, names in enumerate(FLOORS) for name in names}
@@ -121,7 +122,12 @@ def test_the_floor_rule_catches_an_import_upward():
     ]
 
 
-PURE = ["dapo.algorithm.advantages", "dapo.algorithm.losses", "dapo.algorithm.rollout_correction", "dapo.algorithm.batch"]
+PURE = [
+    "dapo.algorithm.advantages",
+    "dapo.algorithm.losses",
+    "dapo.algorithm.rollout_correction",
+    "dapo.algorithm.batch",
+]
 
 
 @pytest.mark.parametrize("module", PURE)
@@ -202,4 +208,3 @@ def test_engines_are_built_in_one_place():
     assert not outside, sorted(outside)
     collect = {n for m, deps in graph().items() if stage(m) == "collect" for n in deps if stage(n) == "rollout"}
     assert collect <= {"dapo.rollout.base"}, collect
-

@@ -29,14 +29,14 @@ def test_each_file_says_its_template_and_the_grader_its_name_picked(tmp_path):
     mine = write_rows(tmp_path / "mine.jsonl", ROWS)
     split = write_rows(tmp_path / "math500" / "test.jsonl", ROWS)  # a split's name: the folder names the data set
     assert lines_of(f"data.train_files=[{gsm},{mine},{split}]", "data.template=raw", f"eval.benchmarks=[{mine}]") == [
-        f"data {gsm}: layout plain (problem, answer), template raw (data.template), grader gsm8k (from the file's name 'gsm8k_x'; set reward.grader "
-        "to change it)",
-        f"data {mine}: layout plain (problem, answer), template raw (data.template), grader dapo (reward.grader=auto: the file's name 'mine' names "
-        "no known data set; set reward.grader to change it)",
-        f"data {split}: layout plain (problem, answer), template raw (data.template), grader math (from the folder's name 'math500'; set "
-        "reward.grader to change it)",
-        f"eval {mine}: layout plain (problem, answer), template raw (data.template), grader dapo (reward.grader=auto: the file's name 'mine' names "
-        "no known data set; set reward.grader to change it)",
+        f"data {gsm}: layout plain (problem, answer), template raw (data.template), grader gsm8k (from the file's "
+        "name 'gsm8k_x'; set reward.grader to change it)",
+        f"data {mine}: layout plain (problem, answer), template raw (data.template), grader dapo (reward.grader=auto: "
+        "the file's name 'mine' names no known data set; set reward.grader to change it)",
+        f"data {split}: layout plain (problem, answer), template raw (data.template), grader math (from the folder's "
+        "name 'math500'; set reward.grader to change it)",
+        f"eval {mine}: layout plain (problem, answer), template raw (data.template), grader dapo (reward.grader=auto: "
+        "the file's name 'mine' names no known data set; set reward.grader to change it)",
     ]
 
 
@@ -49,11 +49,12 @@ def test_rows_with_their_own_data_source_are_counted_by_source(tmp_path):
     mixed = write_rows(tmp_path / "mixed.jsonl", [*dapo_rows, no_source])
     one = write_rows(tmp_path / "one.jsonl", dapo_rows[:2])
     assert lines_of(f"data.train_files=[{mixed},{one}]", "eval.benchmarks=[aime2024]") == [
-        f"data {mixed}: layout DAPO's (prompt, reward_model.ground_truth), template dapo (data.template), graders by each row's data_source: math_dapo -> dapo (3 rows), "
+        f"data {mixed}: layout DAPO's (prompt, reward_model.ground_truth), template dapo (data.template), graders by "
+        "each row's data_source: math_dapo -> dapo (3 rows), "
         "my_set -> dapo (1 row, no known data set), mixed -> dapo (1 row, no known data set, the file's name) "
         "(reward.grader=auto; set reward.grader to change it)",
-        f"data {one}: layout DAPO's (prompt, reward_model.ground_truth), template dapo (data.template), grader dapo (from the rows' data_source 'math_dapo'; set "
-        "reward.grader to change it)",
+        f"data {one}: layout DAPO's (prompt, reward_model.ground_truth), template dapo (data.template), grader dapo "
+        "(from the rows' data_source 'math_dapo'; set reward.grader to change it)",
         "eval aime2024: layout DAPO's (prompt, reward_model.ground_truth), template dapo (data.template), grader dapo "
         "(from the benchmark's name 'aime2024'; set reward.grader to change it)",
     ]
@@ -97,8 +98,9 @@ def test_a_python_callers_rows_are_named_as_given():
     cfg = load_config("configs/demo.yaml", ["data.template=raw"])
     train_sets = run_setup.setup_train_sets(cfg, _examples(ROWS, "train_data", cfg))
     assert run_setup.data_lines(cfg, train_sets, [_benchmark(ROWS, cfg)], None) == [
-        "data given to dapo.train: layout plain (problem, answer), template raw (data.template), grader dapo (reward.grader=auto: the data source "
-        "'train_data' names no known data set; set reward.grader to change it)",
-        "eval eval_data (given to dapo.train): layout plain (problem, answer), template raw (data.template), grader dapo (reward.grader=auto: the "
-        "data source 'eval_data' names no known data set; set reward.grader to change it)",
+        "data given to dapo.train: layout plain (problem, answer), template raw (data.template), grader dapo "
+        "(reward.grader=auto: the data source 'train_data' names no known data set; set reward.grader to change it)",
+        "eval eval_data (given to dapo.train): layout plain (problem, answer), template raw (data.template), grader "
+        "dapo (reward.grader=auto: the data source 'eval_data' names no known data set; set reward.grader to change "
+        "it)",
     ]
