@@ -192,9 +192,9 @@ class DataConfig:
     # the longest prompt, in tokens (the paper's 2,048); capped at start at the model's context less the response
     # budget, with a line saying so
     max_prompt_tokens: int = field(2048, gt=0)
-    # a longer prompt: truncate (keep its last max_prompt_tokens tokens, as the reference) or drop (leave it out, as
-    # verl's filter_overlong_prompts); counted at start either way
-    overlong_prompts: OverlongPrompts = "truncate"
+    # a longer prompt: drop (leave it out, as verl's filter_overlong_prompts) or truncate (keep its last
+    # max_prompt_tokens tokens, as the reference); counted at start either way, never cut silently
+    overlong_prompts: OverlongPrompts = "drop"
     # a data-file row longer than this (1M characters) stops the run at load
     max_row_chars: int = field(DEFAULT_MAX_ROW_CHARS, gt=0)
     seed: int = 0  # prompt order

@@ -106,8 +106,8 @@ def _cached_snapshot(repo: str) -> Path | None:
 def _not_cached(spec: str, repo: str, config: str | None) -> str:
     from huggingface_hub import constants
 
-    offline = "HF_HUB_OFFLINE=1 is set" if constants.HF_HUB_OFFLINE else "the Hugging Face Hub cannot be reached"
     datasets = _datasets(spec)
+    offline = "HF_HUB_OFFLINE=1 is set" if datasets.config.HF_HUB_OFFLINE else "the Hugging Face Hub cannot be reached"
     load = f"datasets.load_dataset('{repo}'" + (f", '{config}')" if config else ")")
     return (
         f"{spec}: {offline} and neither the datasets cache ({datasets.config.HF_DATASETS_CACHE}) nor the Hugging "
