@@ -175,7 +175,8 @@ def test_bad_rows_skipped_are_counted_in_the_start_line_and_stopping_names_each(
 def test_the_prompt_limit_is_capped_to_the_model_and_longer_prompts_are_dropped_with_a_count(
     tiny_model_dir, tmp_path, capsys
 ):
-    long_row = {"problem": "Add these: " + " + ".join(["1"] * 400) + " =", "answer": "400"}  # 1,610 characters: a token each
+    # 1,610 characters, a token each under the tiny model's byte tokenizer
+    long_row = {"problem": "Add these: " + " + ".join(["1"] * 400) + " =", "answer": "400"}
     rows = [*ROWS, {"problem": "3+4=", "answer": "7"}, {"problem": "6+1=", "answer": "7"}, long_row]
     path = write_rows(tmp_path / "mine.jsonl", rows)
     code = cli.main(
