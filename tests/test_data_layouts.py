@@ -66,6 +66,12 @@ def test_gsm8k_as_the_hub_stores_it_is_named_by_its_folder_and_read_after_the_ha
     assert [ex.ground_truth for ex in test.examples] == ["72", "10", "5", "42"] and test.named[1] == "gsm8k"
     with pytest.raises(DataError, match=r"main: holds the splits test, train, not validation; give one file"):
         read_data(shard.parent, split="validation")
+    # as a benchmark it is gsm8k too, its test split where it is given the folder
+    from dapo.evaluation import load_benchmark
+
+    for given in (shard.parent / "test-00000-of-00001.parquet", shard.parent):
+        bench, examples = load_benchmark(str(given), template="raw")
+        assert bench.name == "gsm8k" and [ex.ground_truth for ex in examples] == ["72", "10", "5", "42"]
 
 
 @pytest.mark.parametrize(

@@ -193,3 +193,30 @@ def test_a_data_file_as_a_benchmark_is_named_and_graded_as_training_names_its_ro
     own.write_text('{"problem": "1+1", "answer": "2"}\n')
     bench, examples = load_benchmark(str(own))
     assert bench.name == "mine" and examples[0].data_source == "mine"
+
+
+def test_dapo_eval_caps_the_prompt_limit_to_the_model_and_drops_longer_prompts_with_a_count(
+    tiny_model_dir, tmp_path, capsys
+):
+    from dapo.cli import main
+
+    bench = tmp_path / "mixed.jsonl"
+    long_problem = "Add these: " + " + ".join(["1"] * 200) + " ="  # 810 characters, a token each (byte tokenizer)
+    rows = [
+        {"problem": "2+3=", "answer": "5"},
+        {"problem": long_problem, "answer": "200"},
+        {"problem": "4*2=", "answer": "8"},
+    ]
+    bench.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["eval", "--model", str(tiny_model_dir), f"eval.benchmarks=[{bench}]", "eval.n=1", "data.template=raw"]
+    args += ["eval.max_response_tokens=8", "reward.num_workers=1", "model.device=cpu", "--out", str(tmp_path / "out")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    # the tiny model holds 512 positions, 8 of them for the response
+    assert (
+        "data.max_prompt_tokens=2,048 capped at 504: the model holds 512 tokens, 8 of them for the response "
+        f"(eval.max_response_tokens)\neval {bench}: 1 of 3 prompts are longer than 504 tokens; left out "
+        "(data.overlong_prompts=drop)\n"
+    ) in out
+    summary = json.loads((tmp_path / "out" / "eval.json").read_text())["mixed"]
+    assert summary["num_problems"] == 2
