@@ -259,3 +259,18 @@ def test_data_columns_is_checked_and_reaches_the_loader(tmp_path, tiny_model_dir
     )
     ((_, read),) = load_train_sets(cfg.data)
     assert len(read.examples) == 20 and read.layout == "plain (problem <- instruction, answer <- output)"
+
+
+def test_a_missing_path_under_a_folder_that_is_here_is_a_path_not_a_dataset_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    with pytest.raises(DataError) as err:
+        read_data("data/gsm8k_mine")
+    assert str(err.value) == (
+        "data/gsm8k_mine: no such file or folder, and not a Hugging Face dataset id (ORG/NAME[:CONFIG[:SPLIT]]); "
+        "check the path (data files live under data/)"
+    )
+    from dapo.data import hub
+
+    assert hub.is_dataset_id("openai/gsm8k:main:train") and not hub.is_dataset_id("data/gsm8k_mine")
+    assert not hub.is_dataset_id("openai/gsm8k.jsonl")

@@ -25,9 +25,12 @@ INSTALL = "pip install 'dapo[datasets]'"
 
 
 def is_dataset_id(spec: str) -> bool:
-    """Whether ``spec`` is spelled as a Hub dataset id (a missing local file named like one is not)."""
+    """Whether ``spec`` is spelled as a Hub dataset id. A missing local file named like one is not, nor a missing
+    path under a folder that is here (data/mine: a path mistyped, not the Hub's "data" organisation)."""
     found = _ID.match(spec)
-    return found is not None and not _FILE_LIKE.search(found["repo"])
+    if found is None or _FILE_LIKE.search(found["repo"]):
+        return False
+    return not Path(found["repo"]).parent.is_dir()
 
 
 def dataset_id(spec: str) -> str:
