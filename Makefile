@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --upgrade pip
 	# torch first, pinned to the CPU wheel, so no other requirement pulls a CUDA build
 	$(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e '.[dev,ray,gguf,wandb,mlflow]'
+	$(PY) -m pip install -e '.[dev,ray,gguf,wandb,mlflow,datasets]'
 	touch $(STAMP)
 
 # vLLM for CPU, only for the tests of the vLLM rollout backend; `make demo` does not need it

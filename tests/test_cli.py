@@ -338,7 +338,7 @@ def test_help_of_a_command_with_settings_shows_the_first_settings_defaults_and_t
     from dapo.config import Config
 
     defaults = Config()
-    for command in ("train", "demo", "eval", "launch-ray", "ablate"):
+    for command in ("train", "demo", "launch-ray", "ablate"):
         with pytest.raises(SystemExit):
             cli.build_parser().parse_args([command, "--help"])
         out = capsys.readouterr().out
@@ -367,3 +367,86 @@ def test_the_help_reads_its_defaults_from_the_config_tree(monkeypatch):
 
     monkeypatch.setattr(summary, "Config", other_defaults)
     assert "  train.lr=3e-05 " in summary.settings_summary()
+
+
+# ---- the command's frame: --version, a misspelt command, eval's own help ---------------------------------------------
+
+
+def test_version_prints_the_version_and_the_commit_of_the_checkout(capsys):
+    import dapo
+
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--version"])
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    assert stop.value.code == 0
+    assert capsys.readouterr().out == f"dapo {dapo.__version__} (commit {head.stdout.strip()})\n"
+
+
+@pytest.mark.parametrize(
+    "typed, meant",
+    [("trian", "did you mean train? "), ("evl", "did you mean eval? "), ("exprot", "did you mean export? ")],
+)
+def test_a_misspelt_command_is_told_the_nearest_one(typed, meant, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main([typed, "configs/demo.yaml"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"dapo: error: unknown command {typed!r}; {meant}the commands are train, demo, export, import-model, "
+        "tool-run, launch-ray, eval, ablate (dapo --help)"
+    )
+    assert cli.misspelt_command(["zzzz"]) == (
+        "unknown command 'zzzz'; the commands are train, demo, export, import-model, tool-run, launch-ray, eval, "
+        "ablate (dapo --help)"
+    )
+    assert cli.misspelt_command(["train", "x"]) is None and cli.misspelt_command(["--version"]) is None
+
+
+def test_eval_help_shows_evaluations_own_settings_with_the_defaults_it_runs_with(capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["eval", "--help"])
+    out = capsys.readouterr().out
+    settings = out.split("the settings dapo eval reads")[1]
+    # without --run or a preset, dapo eval runs AIME 2024 with the benchmark's own sampling (n=32 etc.)
+    assert "  eval.benchmarks=[aime2024] " in settings and "  eval.n=null " in settings
+    assert "  reward.grader=auto " in settings and "  data.overlong_prompts=drop " in settings
+    assert "  eval.seed=1234 " in settings and "  rollout.backend=hf " in settings
+    # the training settings are not evaluation's
+    assert "train.lr" not in out and "algo.eps_high" not in out and "eval.benchmarks=[arith]" not in out
+
+
+def test_eval_refuses_model_and_run_together_in_one_line(tmp_path, capsys):
+    run = tmp_path / "runs" / "demo"
+    run.mkdir(parents=True)
+    assert cli.main(["eval", "--model", str(tmp_path / "m"), "--run", str(run)]) == 2
+    assert capsys.readouterr().err == (
+        "error: dapo eval: give --model DIR or --run RUN_DIR, not both (--run evaluates the run's latest checkpoint "
+        "with the run's config)\n"
+    )
+
+
+def test_a_warning_keeps_its_line_whole_when_the_console_is_not_a_terminal(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from dapo.reporting.run_log import RunLogger
+
+    sink = io.StringIO()
+    logger = RunLogger(
+        tmp_path / "run", total_steps=4, tensorboard=False, progress=False, console=Console(file=sink, width=40)
+    )
+    text = "warning (step 3): dynamic sampling hit algo.max_gen_rounds=2 with 1/4 prompts kept; raise it"
+    logger.warn(text)
+    assert text + "\n" in sink.getvalue() and len(text) > 40
+
+
+def test_the_generation_line_gives_no_ratio_when_nothing_was_trained():
+    from dapo.reporting.run_log import _generation_line
+
+    row = {"sampling/tokens_generated": 1536.0, "sampling/dropped_gen_s": 3.0, "perf/time_generate_s": 4.0}
+    none = _generation_line([{**row, "sampling/tokens_trained": 0.0}] * 2)
+    assert (
+        none == "generation: 3,072 tokens generated, none trained; 6 s of 8 s generating went to dropped groups (75%)"
+    )
+    some = _generation_line([{**row, "sampling/tokens_trained": 512.0}])
+    assert some.startswith("generation: 3.00 tokens generated per token trained; 3 s of 4 s")

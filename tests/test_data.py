@@ -208,7 +208,7 @@ def test_unknown_layout_extension_empty_and_missing_file(tmp_path):
         load_examples(path)
     csv = tmp_path / "a.csv"
     csv.write_text("problem,answer\n")
-    with pytest.raises(DataError, match=r"unsupported file type '.csv'; use a .jsonl or .parquet file"):
+    with pytest.raises(DataError, match=r"unsupported file type '.csv'; use a .jsonl, .json or .parquet file"):
         load_examples(csv)
     empty = tmp_path / "e.jsonl"
     empty.write_text("\n")

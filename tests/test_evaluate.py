@@ -81,7 +81,8 @@ def test_dapo_eval_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert "| mini | 3 | 4 |" in (out / "eval.md").read_text()
     # every sample, one JSON line each, in problem-major order, with the verdicts the report counted
     path = out / "mini.responses.jsonl"
-    assert f"responses: {path}  (12 samples, one JSON line each)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"responses: {path}  (12 samples, one JSON line each)" in printed
     samples = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(samples) == 12
     assert set(samples[0]) == {
@@ -91,11 +92,19 @@ def test_dapo_eval_end_to_end(tiny_model_dir, tmp_path, capsys):
         "response",
         "extracted_answer",
         "ground_truth",
+        "grader",
         "correct",
         "ungraded",
         "length_tokens",
         "truncated",
     }
+    assert {s["grader"] for s in samples} == {"arith"}
+    # which template and grader, and why: on the console before the samples, in eval.json and in eval.md
+    said = (
+        f"eval {bench}: layout plain (problem, answer), template raw (data.template), grader arith "
+        "(reward.grader=arith)"
+    )
+    assert summary["grading"] == said and f"- {said}" in (out / "eval.md").read_text()
     assert not any(s["ungraded"] for s in samples) and summary["ungraded"] == 0
     assert [s["id"] for s in samples] == [p["id"] for p in problems for _ in range(4)]
     assert [s["sample"] for s in samples] == [0, 1, 2, 3] * 3
@@ -109,6 +118,7 @@ def test_dapo_eval_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert all(s["truncated"] == (s["length_tokens"] == 8) or not s["truncated"] for s in samples)
     # the prompt as the model saw it (this tokenizer has no chat template: the problem text as it is)
     assert [s["prompt"] for s in samples[::4]] == ["2+3=", "4*2=", "9-1="]
+    assert printed.index(said) < printed.index("| mini | 3 | 4 |")
     # the response is the decoded sample and the extracted answer is what the arith grader reads from it
     from dapo.rewards.graders import grade
 
@@ -183,3 +193,30 @@ def test_a_data_file_as_a_benchmark_is_named_and_graded_as_training_names_its_ro
     own.write_text('{"problem": "1+1", "answer": "2"}\n')
     bench, examples = load_benchmark(str(own))
     assert bench.name == "mine" and examples[0].data_source == "mine"
+
+
+def test_dapo_eval_caps_the_prompt_limit_to_the_model_and_drops_longer_prompts_with_a_count(
+    tiny_model_dir, tmp_path, capsys
+):
+    from dapo.cli import main
+
+    bench = tmp_path / "mixed.jsonl"
+    long_problem = "Add these: " + " + ".join(["1"] * 200) + " ="  # 810 characters, a token each (byte tokenizer)
+    rows = [
+        {"problem": "2+3=", "answer": "5"},
+        {"problem": long_problem, "answer": "200"},
+        {"problem": "4*2=", "answer": "8"},
+    ]
+    bench.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["eval", "--model", str(tiny_model_dir), f"eval.benchmarks=[{bench}]", "eval.n=1", "data.template=raw"]
+    args += ["eval.max_response_tokens=8", "reward.num_workers=1", "model.device=cpu", "--out", str(tmp_path / "out")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    # the tiny model holds 512 positions, 8 of them for the response
+    assert (
+        "data.max_prompt_tokens=2,048 capped at 504: the model holds 512 tokens, 8 of them for the response "
+        f"(eval.max_response_tokens)\neval {bench}: 1 of 3 prompts are longer than 504 tokens; left out "
+        "(data.overlong_prompts=drop)\n"
+    ) in out
+    summary = json.loads((tmp_path / "out" / "eval.json").read_text())["mixed"]
+    assert summary["num_problems"] == 2

@@ -89,6 +89,7 @@ FLOORS = [
     ("training",),
     ("cluster", "ablate"),
     ("api",),
+    ("command_line",),  # the command's frame: its parser and the line an error becomes
     ("cli",),
 ]
 FLOOR_OF = {name: i for i, names in enumerate(FLOORS) for name in names}
@@ -121,8 +122,12 @@ def test_the_floor_rule_catches_an_import_upward():
     ]
 
 
-PURE = ["dapo.algorithm.advantages", "dapo.algorithm.losses", "dapo.algorithm.rollout_correction"]
-PURE += ["dapo.algorithm.batch"]
+PURE = [
+    "dapo.algorithm.advantages",
+    "dapo.algorithm.losses",
+    "dapo.algorithm.rollout_correction",
+    "dapo.algorithm.batch",
+]
 
 
 @pytest.mark.parametrize("module", PURE)

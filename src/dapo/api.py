@@ -30,7 +30,8 @@ from dapo import training
 from dapo.checkpoint import latest_checkpoint, removed_if_start_fails
 from dapo.config import Config, ConfigError, config_from_dict, load_config, to_dict
 from dapo.config.shipped import shipped
-from dapo.data.files import examples_from_rows, load_examples
+from dapo.data.files import DataRead, read_data, rows_read
+from dapo.data.train_sets import read_settings
 from dapo.evaluation import Benchmark, EvalResult, evaluate_model, load_benchmark, write_report
 from dapo.reporting.run_log import read_metrics, run_summary
 from dapo.rewards import pool as reward_pool
@@ -38,7 +39,8 @@ from dapo.rewards.setup import one_reward_function
 from dapo.runtime.files import CheckpointError
 
 RewardFn = Callable[[str, str], "float | tuple[float, bool]"]
-Data = "str | os.PathLike | Sequence[dict]"  # a file (or benchmark name), or rows {"problem": ..., "answer": ...}
+# a file, folder, dataset id (or benchmark name), or rows: {"problem": ..., "answer": ...} dicts or a datasets.Dataset
+Data = "str | os.PathLike | Sequence[dict] | datasets.Dataset"
 
 
 @dataclass
@@ -87,9 +89,10 @@ def train(
         reward/timeouts and reward/worker_crashes). Define it at the top level of a module, or of your
         script with the training code under ``if __name__ == "__main__":`` (the workers run the
         script again to find it). cfg.reward.function names one by module and name instead (not both).
-    train_data: instead of data.train_files / the built-in task: a .jsonl or .parquet file (the layouts
-        ``dapo train`` reads), or a list of ``{"problem": ..., "answer": ...}`` dicts.
-    eval_data: instead of eval.benchmarks: one benchmark name, file, or list of such dicts.
+    train_data: instead of data.train_files / the built-in task: a file, folder or Hugging Face dataset id (what
+        ``dapo train`` reads, in any of its layouts), a list of dicts such as ``{"problem": ..., "answer": ...}``,
+        or a ``datasets.Dataset``.
+    eval_data: instead of eval.benchmarks: one benchmark name, file, dataset id, list of such dicts or Dataset.
     tool_env: your own tool, for multi-turn rollouts (``dapo.tools.Environment``): an object with ``stop``, the
         texts after which a turn ends, and ``step(response_so_far)``, which returns the text to append (its
         tokens are context, never trained on), ``dapo.tools.DONE`` to end the response, or None to let the model
@@ -130,8 +133,8 @@ def evaluate(
 
     model: a Hugging Face model directory, a Hugging Face Hub model id (at cfg.model.revision), a run directory
         (its latest checkpoint) or a checkpoint.
-    data: a benchmark name (``aime2024``, ``arith``, ...), a .jsonl/.parquet file, or a list of
-        ``{"problem": ..., "answer": ...}`` dicts.
+    data: a benchmark name (``aime2024``, ``arith``, ...), a data file, folder or Hugging Face dataset id, a list of
+        ``{"problem": ..., "answer": ...}`` dicts, or a ``datasets.Dataset``.
     cfg: the sampling and grading settings (eval.n, eval.temperature, reward.grader, ...); default: the
         run's config.yaml for a run or checkpoint, else the defaults.
     reward_fn: as for ``train`` (it replaces the reward.function of a run's config.yaml). out_dir: also write
@@ -162,23 +165,22 @@ def _checked(cfg) -> Config:
     return config_from_dict(to_dict(cfg))
 
 
-def _examples(data, name: str, cfg: Config) -> list:
-    d = cfg.data
+def _examples(data, name: str, cfg: Config, split: str = "train") -> DataRead:
+    """How ``data`` (a file, folder or dataset id; a list of rows or a ``datasets.Dataset``) reads under data.*."""
     if isinstance(data, (str, os.PathLike)):
-        return load_examples(data, template=d.template, max_row_chars=d.max_row_chars)
-    return examples_from_rows(data, name=name, template=d.template, max_row_chars=d.max_row_chars)
+        return read_data(data, split=split, **read_settings(cfg.data))
+    return rows_read(data, name=name, **read_settings(cfg.data))
 
 
 def _benchmark(data, cfg: Config) -> tuple[Benchmark, list]:
-    """(Benchmark, examples): a registered name or a file as ``dapo eval`` reads them, or a list of rows,
-    sampled as a data file is (eval.* where set, else n=4, temperature 1, top-p 1)."""
-    d, e = cfg.data, cfg.eval
+    """(Benchmark, examples): a registered name, a file or a dataset id as ``dapo eval`` reads them, or rows (a
+    list or a ``datasets.Dataset``), sampled as a data file is (eval.* where set, else n=4, temperature 1, top-p 1)."""
+    e = cfg.eval
     if isinstance(data, (str, os.PathLike)):
-        return load_benchmark(
-            str(data), template=d.template, num_problems=e.num_problems, max_row_chars=d.max_row_chars
-        )
-    examples = _examples(data, "eval_data", cfg)
-    return Benchmark("eval_data", None, n=4, top_p=1.0, max_response_tokens=None), examples[: e.num_problems]
+        return load_benchmark(str(data), num_problems=e.num_problems, **read_settings(cfg.data))
+    read = _examples(data, "eval_data", cfg, split="test")
+    bench = Benchmark("eval_data", None, n=4, top_p=1.0, max_response_tokens=None, read=read)
+    return bench, read.examples[: e.num_problems]
 
 
 def _model_to_evaluate(model) -> tuple[Path, Path | None]:

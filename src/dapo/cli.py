@@ -22,29 +22,12 @@ import time
 import typing
 from pathlib import Path
 
-from dapo.config import PRESET_DIR, Config, ConfigError, load_config, resolve_preset
+from dapo.command_line import ONE_LINE, build_parser, command, misspelt_command, user_error  # noqa: F401
+from dapo.command_line import arg as _arg
+from dapo.config import Config, ConfigError, load_config, resolve_preset
 from dapo.config.schema import Dtype
-from dapo.config.summary import settings_summary
+from dapo.config.summary import EVAL_SETTINGS, settings_summary
 from dapo.runtime import starting
-
-# each command's name, handler, one-line help, its own arguments and parser keywords, in the order of `dapo --help`;
-# build_parser adds --verbose to each, and to those that take key=value overrides the settings of the config tree
-COMMANDS: dict[str, tuple] = {}
-
-
-def _arg(*names, **kw) -> tuple:
-    return names, kw
-
-
-def command(name: str, help: str, *arguments, **parser_kw):
-    """Register the decorated function as ``dapo NAME``; an argument is an ``_arg`` or a function that adds some."""
-
-    def register(func):
-        COMMANDS[name] = (func, help, arguments, parser_kw)
-        return func
-
-    return register
-
 
 CONFIG = _arg("config", help="YAML preset, e.g. configs/demo.yaml")
 OVERRIDES = _arg("overrides", nargs="*", metavar="key=value", help="settings, e.g. algo.eps_high=0.28 (keys below)")
@@ -295,12 +278,20 @@ def latest_run_checkpoint(run: Path) -> Path:
     _arg("--out", help="output directory instead"),
     usage="dapo eval [PRESET] (--model DIR | --run RUN_DIR) [--out DIR] [key=value ...]",
     formatter_class=argparse.RawDescriptionHelpFormatter,
+    # evaluation's own settings, with the defaults `dapo eval` runs with (AIME 2024 without --run or a preset)
+    settings=lambda: settings_summary(
+        EVAL_SETTINGS,
+        eval_config(None, None, []),
+        "the settings dapo eval reads, with the defaults it runs with (--run: the run's; any setting is key=value):",
+    ),
     description="""\
 Evaluate a model on the benchmarks in eval.benchmarks. Settings come from the run's saved
 config.yaml (with --run), then PRESET, then dotted overrides as for `dapo train`; the keys read
 are eval.* (benchmarks, n, temperature, top_p, max_response_tokens, num_problems, seed),
-data.template, data.max_prompt_tokens, reward.grader/num_workers/timeout_s, rollout.backend
-(hf unless the config says otherwise) and model.dtype/device/trust_remote_code.
+data.template/max_prompt_tokens/overlong_prompts/columns/on_bad_row, reward.grader/function/
+num_workers/timeout_s, rollout.backend (hf unless the config says otherwise) and
+model.dtype/device/trust_remote_code. Each benchmark's layout, template and grader, and why,
+are printed first and kept in eval.json and eval.md.
 
 With neither --run nor PRESET the benchmark is AIME 2024, sampled as the DAPO paper reports it:
 n=32 samples per problem, temperature 1.0, top-p 0.7, up to 20,480 tokens each. That takes hours
@@ -310,7 +301,7 @@ setting (a data file: n=4, temperature 1.0, top-p 1.0, rollout.max_response_toke
 
 The report (eval.json, eval.md, <benchmark>.problems.jsonl) comes with <benchmark>.responses.jsonl:
 every sampled response, one JSON line each (id, sample, prompt, response, extracted_answer,
-ground_truth, correct, length_tokens, truncated).
+ground_truth, grader, correct, length_tokens, truncated).
 
   dapo eval --model ~/models/SmolLM2-135M-Instruct eval.benchmarks=[word] data.template=raw
   dapo eval --run runs/demo eval.n=8 rollout.backend=vllm""",
@@ -318,11 +309,17 @@ ground_truth, correct, length_tokens, truncated).
 def cmd_eval(args) -> int:
     from rich.progress import Progress
 
+    from dapo.data.train_sets import read_settings
     from dapo.evaluation import BENCHMARKS, evaluate_model, load_benchmark, write_report
 
     if not args.run and not args.model:
         raise ConfigError(
             "dapo eval: give --model DIR (a Hugging Face model directory or Hub id) or --run RUN_DIR (a run)"
+        )
+    if args.run and args.model:
+        raise ConfigError(
+            "dapo eval: give --model DIR or --run RUN_DIR, not both (--run evaluates the run's latest checkpoint with "
+            "the run's config)"
         )
     ckpt = latest_run_checkpoint(Path(args.run)) if args.run else None
     preset = args.items[0] if args.items and "=" not in args.items[0] else None
@@ -335,9 +332,8 @@ def cmd_eval(args) -> int:
         model_dir = os.path.expanduser(args.model)
         local = os.path.exists(model_dir)
         default_out = Path("eval") / (Path(model_dir).resolve().name if local else Path(model_dir).name)
-    d, e = cfg.data, cfg.eval
-    read_as = {"template": d.template, "num_problems": e.num_problems, "max_row_chars": d.max_row_chars}
-    benches = [load_benchmark(name, **read_as) for name in e.benchmarks]
+    read_as = {"num_problems": cfg.eval.num_problems, **read_settings(cfg.data)}
+    benches = [load_benchmark(name, **read_as) for name in cfg.eval.benchmarks]
     with Progress() as progress:
         results = evaluate_model(
             model_dir,
@@ -363,89 +359,10 @@ def cmd_eval(args) -> int:
     return 0
 
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Every option's help ends with its default (none for flags and options without one)."""
-
-    def _fill_text(self, text, width, indent):  # the settings come wrapped, one section a line
-        return text if "\n" in text else super()._fill_text(text, width, indent)
-
-    def _get_help_string(self, action):
-        if any(action.default is x for x in (None, False, argparse.SUPPRESS)) or "default" in (action.help or ""):
-            return action.help
-        if action.nargs in ("*", "?") and action.option_strings == []:
-            return action.help
-        return super()._get_help_string(action)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from dapo import ablate
-
-    parser = argparse.ArgumentParser(prog="dapo", description="DAPO reinforcement learning for language models")
-    sub = parser.add_subparsers(dest="command", required=True)
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--verbose",
-        action="store_true",
-        help="show every library message (vLLM, Ray, transformers) and the traceback of an error",
-    )
-    rows = len(ablate.find_rows(PRESET_DIR / "ablation"))
-    ablate_command = (
-        ablate.main_args,
-        "the paper's ablation: every row x seed trained, evaluated and reported",
-        (ablate.add_arguments,),
-        {
-            "description": f"The paper's ablation: every row (configs/ablation/<k>_<name>.yaml) x seed is one "
-            f"training run, then evaluated and reported. Bare, it runs all {rows} rows x 5 seeds "
-            f"({5 * rows} runs and one base-model evaluation) into runs/ablation: about 30 minutes on "
-            "2 CPU cores (docs/ablation.md). A quick look: dapo ablate --rows grpo no_overlong_filtering --seeds 1"
-        },
-    )
-    for name, (func, help, arguments, parser_kw) in {**COMMANDS, "ablate": ablate_command}.items():
-        takes_settings = any(callable(a) or a[0] in (("overrides",), ("items",)) for a in arguments)  # key=value
-        p = sub.add_parser(
-            name,
-            help=help,
-            parents=[common],
-            **{"formatter_class": _Help, "epilog": settings_summary() if takes_settings else None, **parser_kw},
-        )
-        for a in arguments:
-            a(p) if callable(a) else p.add_argument(*a[0], **a[1])
-        p.set_defaults(func=func)
-    return parser
-
-
-# errors a user causes (config, data, paths, checkpoints) and whose message says what to change
-ONE_LINE = (
-    "ConfigError",
-    "DataError",
-    "GenerationCapError",
-    "CheckpointError",
-    "FileNotFoundError",
-    "FileExistsError",
-    "NotADirectoryError",
-    "IsADirectoryError",
-    "PermissionError",
-    "RewardFnError",  # a reward function (reward.function's) that returned no score
-)
-
-
-def user_error(err: BaseException) -> str | None:
-    """The one line ``error: ...`` for an error the user can fix, or None for a fault to show in full.
-    A ValueError, RuntimeError or ImportError counts when this package raised it (its messages name
-    the setting and the fix); from inside a library it is a fault."""
-    known = any(t.__name__ in ONE_LINE for t in type(err).__mro__)
-    maybe_ours = isinstance(err, (ValueError, RuntimeError, ImportError)) and not isinstance(err, NotImplementedError)
-    if not known and maybe_ours:
-        from dapo.runtime.libraries import raised_outside
-
-        known = not raised_outside(err)
-    if not known:
-        return None
-    return "error: " + (" ".join(str(err).split()) or type(err).__name__)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    if wrong := misspelt_command(sys.argv[1:] if argv is None else argv):
+        parser.error(wrong)
     # `dapo eval --model DIR eval.n=8`: overrides may follow the flags, which one positional list cannot take
     args, extra = parser.parse_known_args(argv)
     if extra and (args.command != "eval" or any(x.startswith("-") for x in extra)):

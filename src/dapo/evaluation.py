@@ -11,13 +11,15 @@ import json
 import math
 import random
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from dapo.config.schema import DEFAULT_MAX_ROW_CHARS
 from dapo.config.shipped import SHARE
-from dapo.data.prompts import make_encoder, render_prompt
+from dapo.data.prompts import fit_prompts, make_encoder, model_context, prompt_limit, render_prompt
 from dapo.reporting.run_log import write_responses
+from dapo.rewards.sources import DataSet
 from dapo.rollout.base import SamplingParams
 
 INVALID_PREDS = {"[INVALID]", "[TIMEOUT]", "[CRASH]", ""}
@@ -33,6 +35,8 @@ class Benchmark:
     temperature: float = 1.0
     top_p: float = 0.7
     max_response_tokens: int | None = 20480  # None: rollout.max_response_tokens
+    # how its rows were read (a dapo.data.files.DataRead; None: the built-in task or rows given in Python)
+    read: object = field(default=None, compare=False, repr=False)
 
 
 BENCHMARKS = {
@@ -55,9 +59,13 @@ def load_benchmark(
     template: str = "dapo",
     num_problems: int | None = None,
     max_row_chars: int = DEFAULT_MAX_ROW_CHARS,
+    columns: Sequence[str] = (),
+    on_bad_row: str = "stop",
 ):
-    """(Benchmark, examples) for a registered name, the built-in task, or a .jsonl/.parquet file."""
-    from dapo.data.files import load_examples, source_origin
+    """(Benchmark, examples) for a registered name, the built-in task, a data file, a folder of them or a Hugging
+    Face dataset id (its test split, unless it names one)."""
+    from dapo.data import hub
+    from dapo.data.files import read_data, source_origin
 
     if name_or_path in ("arith", "arith-hard", "arith-long"):
         from dapo.data import arith
@@ -66,24 +74,39 @@ def load_benchmark(
         difficulty = name_or_path.partition("-")[2] or "demo"
         examples = arith.make_examples("test", num_problems or 200, difficulty=difficulty)
         return bench, examples
+    read_as = {"template": template, "max_row_chars": max_row_chars, "columns": columns, "on_bad_row": on_bad_row}
     if name_or_path in BENCHMARKS:
         bench = BENCHMARKS[name_or_path]
-        path = SHARE / "data" / bench.path
-        source = name_or_path
+        read = read_data(SHARE / "data" / bench.path, data_source=name_or_path, split="test", **read_as)
     else:
         path = Path(name_or_path)
-        if not path.exists():
+        if not path.exists() and not hub.is_dataset_id(name_or_path):
             raise FileNotFoundError(
-                f"benchmark {name_or_path!r} is neither a known name ({', '.join(BENCHMARKS)}) nor an existing file"
+                f"benchmark {name_or_path!r} is neither a known name ({', '.join(BENCHMARKS)}), an existing file or "
+                "folder, nor a Hugging Face dataset id (ORG/NAME[:CONFIG[:SPLIT]])"
             )
         # a data file has no settings of its own: it is sampled as the training run samples it, and named and
         # graded as training names a file's rows (its own data_source, else the folder's name for test.jsonl)
-        bench = Benchmark(source_origin(path)[1], str(path), n=4, top_p=1.0, max_response_tokens=None)
-        source = None
-    examples = load_examples(path, template=template, data_source=source, max_row_chars=max_row_chars)
-    if num_problems:
-        examples = examples[:num_problems]
-    return bench, examples
+        read = read_data(name_or_path, split="test", **read_as)
+        name = source_origin(path)[1] if path.exists() else hub.dataset_id(name_or_path).rsplit("/", 1)[-1]
+        bench = Benchmark(name, name_or_path, n=4, top_p=1.0, max_response_tokens=None)
+    examples = read.examples[:num_problems] if num_problems else read.examples
+    return replace(bench, read=read), examples
+
+
+def held_out_set(bench: Benchmark, examples: list, template: str) -> DataSet:
+    """A (Benchmark, examples) pair of an evaluation as its start line names it."""
+    known = BENCHMARKS.get(bench.name) == bench  # a benchmark by name, not a file of the same name
+    if bench.path is None:  # the built-in task, or rows given to dapo.train
+        if known:
+            return DataSet(f"eval {bench.name}", examples, None)
+        label = f"eval {bench.name} (given to dapo.train)"
+    else:
+        label = f"eval {bench.name}" if known else f"eval {bench.path}"
+    if bench.read is None:
+        return DataSet(label, examples, template)
+    named = ("benchmark's name", bench.name) if known else bench.read.named
+    return replace(DataSet.of(label, bench.read, template), examples=examples, named=named)
 
 
 def sampling_settings(bench: Benchmark, cfg, *, in_training: bool = False) -> dict:
@@ -154,6 +177,8 @@ class EvalResult:
     # samples whose grading was given up on (out of time twice): left out of avg@n, pass@k and maj@n, never
     # counted wrong; a problem with none graded is left out of them too
     ungraded: int = 0
+    # which template and grader it was read and graded with, and why (the line `dapo eval` prints first)
+    grading: str = ""
 
     def metrics(self, prefix: str = "eval") -> dict[str, float]:
         avg = f"{prefix}/{self.name}/avg@{self.n}"
@@ -252,9 +277,8 @@ def sample_and_grade(
         part = examples[start : start + chunk]
         gen = engine.generate([encode(ex) for ex in part], replace(sampling, seed=seed + start))
         rows = [ex for ex in part for _ in range(n)]
-        result = pool.score(
-            gen.texts, [ex.ground_truth for ex in rows], graders_for([ex.data_source for ex in rows], grader)
-        )
+        names = graders_for([ex.data_source for ex in rows], grader)
+        result = pool.score(gen.texts, [ex.ground_truth for ex in rows], names)
         if gen.tool_logs is not None:
             errors += [log.errors for log in gen.tool_logs]
         prompts = {ex.uid: render(ex) if render is not None else ex.text() for ex in part}
@@ -269,6 +293,7 @@ def sample_and_grade(
                     "response": text,
                     "extracted_answer": g.pred,
                     "ground_truth": ex.ground_truth,
+                    "grader": names[j],
                     "correct": g.acc,
                     "ungraded": g.ungraded,
                     "length_tokens": len(ids),
@@ -298,13 +323,14 @@ def problem_summary(example, responses: list[dict]) -> dict:
     }
 
 
-def evaluate_model(model_dir, benches: list, cfg, *, reward_fn=None, progress=None) -> list[EvalResult]:
+def evaluate_model(model_dir, benches: list, cfg, *, reward_fn=None, progress=None, say=print) -> list[EvalResult]:
     """Load the model directory and evaluate it on each (Benchmark, examples) of ``benches`` as ``cfg``
-    (a Config) says: eval.* sampling, data.max_prompt_tokens, rollout.backend, reward.* and
+    (a Config) says: eval.* sampling, data.max_prompt_tokens and overlong_prompts, rollout.backend, reward.* and
     model.dtype/device/trust_remote_code. ``reward_fn`` (a caller's reward function) grades every
     response instead of reward.grader, in the same worker pool, as reward.function's function does (not both).
     ``progress(name, total)``, if given, returns the callback that hears of every k samples of that benchmark
-    graded."""
+    graded. ``say`` hears the lines saying what it does: each benchmark's template and grader, and why (also in
+    each result's ``grading``), a prompt limit capped to the model, the prompts over it."""
     from dapo.model.loading import load_model_and_tokenizer, pick_device
     from dapo.rewards.reward_fn import grader_name
     from dapo.rewards.setup import grading_function, grading_pool
@@ -316,31 +342,57 @@ def evaluate_model(model_dir, benches: list, cfg, *, reward_fn=None, progress=No
     m, d, e = cfg.model, cfg.data, cfg.eval
     probe_truth = next((examples[0].ground_truth for _, examples in benches if examples), "1")
     reward_fn = grading_function(cfg, reward_fn, probe_truth=probe_truth)  # before the model: a bad one stops here
+    sets = [held_out_set(bench, examples, d.template) for bench, examples in benches]
+    grader, lines = eval_grading(cfg, sets, reward_fn)
+    for line in lines:
+        say(line)
     model, tokenizer = load_model_and_tokenizer(
         model_dir, m.dtype, pick_device(m.device), revision=m.revision, trust_remote_code=m.trust_remote_code
     )
     settings = [sampling_settings(bench, cfg) for bench, _ in benches]
-    longest = d.max_prompt_tokens + max(s["max_new_tokens"] for s in settings)
-    engine = build.evaluation_engine(cfg, model, tokenizer, max_model_len=longest)
-    encode = make_encoder(tokenizer, d.max_prompt_tokens)
+    budget = max(s["max_new_tokens"] for s in settings)
+    limit, capped = prompt_limit(d.max_prompt_tokens, model_context(model.config), budget, "eval.max_response_tokens")
+    encode = make_encoder(tokenizer, limit)
+    kept = []
+    for (bench, examples), data in zip(benches, sets):
+        examples, counted = fit_prompts(data.label, examples, encode, d.overlong_prompts)
+        kept.append((bench, examples))
+        for line in filter(None, [capped, counted]):
+            say(line)
+            capped = None
+    engine = build.evaluation_engine(cfg, model, tokenizer, max_model_len=limit + budget)
     render = functools.partial(render_prompt, tokenizer=tokenizer)
     results = []
     with grading_pool(cfg, reward_fn) as pool:
-        for (bench, examples), setting in zip(benches, settings):
-            results.append(
-                evaluate(
-                    engine,
-                    encode,
-                    examples,
-                    pool,
-                    SamplingParams(**setting, seed=e.seed),
-                    name=bench.name,
-                    grader=cfg.reward.grader if reward_fn is None else grader_name(reward_fn),
-                    progress=progress and progress(bench.name, setting["n"] * len(examples)),
-                    render=render,
-                )
+        for (bench, examples), setting, line in zip(kept, settings, lines):
+            result = evaluate(
+                engine,
+                encode,
+                examples,
+                pool,
+                SamplingParams(**setting, seed=e.seed),
+                name=bench.name,
+                grader=grader if reward_fn is None else grader_name(reward_fn),
+                progress=progress and progress(bench.name, setting["n"] * len(examples)),
+                render=render,
             )
+            results.append(replace(result, grading=line))
     return results
+
+
+def eval_grading(cfg, sets: list[DataSet], reward_fn) -> tuple[str | dict[str, str], list[str]]:
+    """What grades the held-out ``sets``: reward.grader, or for auto the graders their rows chose by data source
+    (``dapo.rewards.sources.auto_graders``); and each set's line saying its template and grader, and why."""
+    from dapo.rewards.sources import auto_graders, grading_line, row_graders
+
+    custom = None
+    if reward_fn is not None:
+        spec = cfg.reward.function
+        custom = "your reward function" + (f" (reward.function={spec})" if spec is not None else "")
+    auto = cfg.reward.grader == "auto" and reward_fn is None
+    chosen = row_graders(sets) if auto else {}
+    lines = [grading_line(data, grader=cfg.reward.grader, custom=custom, chosen=chosen) for data in sets]
+    return (auto_graders(sets) if auto else cfg.reward.grader), lines
 
 
 class HeldOut:
@@ -383,6 +435,8 @@ def write_report(results: list[EvalResult], out_dir: Path) -> Path:
             f"| {r.name} | {r.num_problems} | {r.n} | {r.avg:.3f} | [{r.ci[0]:.3f}, {r.ci[1]:.3f}] | {r.ungraded} | "
             f"{r.maj:.3f} | {passes} | {r.mean_length:.1f} | {r.truncated_frac:.3f} |"
         )
+    graded = [f"- {r.grading}" for r in results if r.grading]  # which template and grader, and why
+    lines += ["", "Read and graded as:", "", *graded] if graded else []
     (out_dir / "eval.md").write_text("\n".join(lines) + "\n")
     for r in results:
         with open(out_dir / f"{r.name}.problems.jsonl", "w") as f:

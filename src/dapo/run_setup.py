@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import functools
 import random
-from pathlib import Path
 
 import torch
 
@@ -19,18 +18,17 @@ from dapo.collect.collector import build_collector
 from dapo.collect.dynamic_sampling import DynamicSampling
 from dapo.collect.scoring import Scorer
 from dapo.config import Config, ConfigError, dump_yaml
-from dapo.config.shipped import shipped
-from dapo.data.files import source_origin
+from dapo.data.files import DataRead
 from dapo.data.prompt_order import PromptOrder
-from dapo.data.prompts import make_encoder
-from dapo.data.train_sets import load_train_sets
-from dapo.evaluation import BENCHMARKS, load_benchmark
+from dapo.data.prompts import fit_prompts, make_encoder, model_context, prompt_limit
+from dapo.data.train_sets import load_train_sets, read_settings
+from dapo.evaluation import held_out_set, load_benchmark
 from dapo.model.policy import BaseReference, Policy, ReferenceModel
 from dapo.reporting.run_log import RunLogger
 from dapo.reporting.trackers import check_installed, open_trackers, run_status
 from dapo.rewards.reward_fn import grader_name
 from dapo.rewards.setup import grading_function, grading_pool
-from dapo.rewards.sources import DataSet, grading_line
+from dapo.rewards.sources import DataSet, auto_graders, grading_line, row_graders
 from dapo.rollout import SamplingParams, build
 from dapo.runtime import parallel, threads, watchdog
 from dapo.runtime.libraries import setup_library_logging
@@ -83,16 +81,16 @@ def setup_engine(cfg: Config, d: parallel.Dist, policy: Policy, tool_env) -> tup
 
 
 def setup_train_sets(cfg: Config, train_examples: list | None) -> list[DataSet]:
-    """The training problems, set by set as the run's start lines name them: ``train_examples`` (given in Python),
-    else each file of data.train_files, or the built-in task."""
+    """The training problems, set by set as the run's start lines name them: ``train_examples`` (given in Python:
+    a list of Examples, or a ``DataRead`` of them), else each file of data.train_files, or the built-in task."""
     d = cfg.data
     if train_examples is not None:
+        if isinstance(train_examples, DataRead):
+            return [DataSet.of("data given to dapo.train", train_examples, d.template)]
         return [DataSet("data given to dapo.train", train_examples, d.template)]
     return [
-        DataSet("data", examples, None)
-        if path is None
-        else DataSet(f"data {path}", examples, d.template, source_origin(shipped(path)))
-        for path, examples in load_train_sets(d)
+        DataSet.of("data", read, None) if path is None else DataSet.of(f"data {path}", read, d.template)
+        for path, read in load_train_sets(d)
     ]
 
 
@@ -104,44 +102,63 @@ def setup_reward_fn(cfg: Config, reward_fn, train_sets: list[DataSet]):
     return grading_function(cfg, reward_fn, probe_truth=probe_truth)
 
 
-def setup_data(cfg: Config, tokenizer, train_sets: list[DataSet]) -> tuple[object, PromptOrder]:
-    """The prompt encoder, and the order in which the training problems (``setup_train_sets``) are drawn."""
+def setup_prompt_limit(cfg: Config, policy: Policy) -> tuple[Config, str | None]:
+    """The config with data.max_prompt_tokens at most the model's context less the longest response the run asks
+    for (training or held-out), and the line saying it was capped (None: it fits)."""
+    r, e = cfg.rollout, cfg.eval
+    budget, key = max(
+        (r.max_response_tokens, "rollout.max_response_tokens"), (e.max_response_tokens or 0, "eval.max_response_tokens")
+    )
+    context = model_context(policy.model.config)
+    limit, line = prompt_limit(cfg.data.max_prompt_tokens, context, budget, key)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_prompt_tokens=limit)), line
+
+
+def setup_data(
+    cfg: Config, tokenizer, train_sets: list[DataSet], eval_sets: list
+) -> tuple[object, PromptOrder, list, list[str]]:
+    """The prompt encoder, the order in which the training problems (``setup_train_sets``) are drawn, the held-out
+    sets, and the lines counting each set's prompts over data.max_prompt_tokens (dropped with
+    data.overlong_prompts=drop)."""
     encode = make_encoder(tokenizer, cfg.data.max_prompt_tokens)
-    return encode, PromptOrder([ex for data in train_sets for ex in data.examples], seed=cfg.data.seed)
+    rule, lines, prompts, kept_eval = cfg.data.overlong_prompts, [], [], []
+    for data in train_sets:
+        examples, line = fit_prompts(data.label, list(data.examples), encode, rule)
+        prompts += examples
+        lines += [line] if line else []
+    for bench, examples in eval_sets:
+        examples, line = fit_prompts(held_out_set(bench, examples, cfg.data.template).label, examples, encode, rule)
+        kept_eval.append((bench, examples))
+        lines += [line] if line else []
+    return encode, PromptOrder(prompts, seed=cfg.data.seed), kept_eval, lines
 
 
 def data_lines(cfg: Config, train_sets: list[DataSet], eval_sets: list, reward_fn) -> list[str]:
-    """One line per training and held-out data set: its prompt template and its grader, and why."""
+    """One line per training and held-out data set: how its rows were read, its prompt template and its grader,
+    and why."""
     custom = None
     if reward_fn is not None:
         spec = cfg.reward.function
         custom = "your reward function" + (f" (reward.function={spec})" if spec is not None else "")
-    return [
-        grading_line(data, grader=cfg.reward.grader, custom=custom)
-        for data in [*train_sets, *(_held_out_set(bench, examples, cfg.data.template) for bench, examples in eval_sets)]
-    ]
+    sets = [*train_sets, *(held_out_set(bench, examples, cfg.data.template) for bench, examples in eval_sets)]
+    chosen = row_graders(sets) if cfg.reward.grader == "auto" and reward_fn is None else {}
+    return [grading_line(data, grader=cfg.reward.grader, custom=custom, chosen=chosen) for data in sets]
 
 
-def _held_out_set(bench, examples: list, template: str) -> DataSet:
-    """A (Benchmark, examples) pair of the run's evaluation as its start line names it."""
-    known = BENCHMARKS.get(bench.name) == bench  # a benchmark by name, not a file of the same name
-    if bench.path is None:  # the built-in task, or rows given to dapo.train
-        return (
-            DataSet(f"eval {bench.name}", examples, None)
-            if known
-            else DataSet(f"eval {bench.name} (given to dapo.train)", examples, template)
-        )
-    if known:
-        return DataSet(f"eval {bench.name}", examples, template, ("benchmark's name", bench.name))
-    return DataSet(f"eval {bench.path}", examples, template, source_origin(Path(bench.path)))
+def auto_grader(cfg: Config, train_sets: list[DataSet], eval_sets: list) -> str | dict[str, str]:
+    """reward.grader, or for auto the graders the run's rows chose for the data sources whose names say none
+    (``dapo.rewards.sources.auto_graders``): what the grading pool is told."""
+    if cfg.reward.grader != "auto":
+        return cfg.reward.grader
+    held_out = [held_out_set(bench, examples, cfg.data.template) for bench, examples in eval_sets]
+    return auto_graders([*train_sets, *held_out]) or "auto"
 
 
 def setup_eval_sets(cfg: Config, eval_sets: list | None) -> list:
     """The (Benchmark, examples) pairs the run evaluates on: ``eval_sets``, or None: eval.benchmarks."""
     if eval_sets is not None:
         return eval_sets
-    d = cfg.data
-    read_as = {"template": d.template, "num_problems": cfg.eval.num_problems, "max_row_chars": d.max_row_chars}
+    read_as = {"num_problems": cfg.eval.num_problems, **read_settings(cfg.data)}
     return [load_benchmark(b, **read_as) for b in cfg.eval.benchmarks]
 
 
@@ -157,15 +174,17 @@ def setup_rewards(cfg: Config, d: parallel.Dist, stack: contextlib.ExitStack, re
 
 
 def setup_collection(
-    cfg: Config, d: parallel.Dist, stack, engine, prompts, encode, pool, grader, *, tokenizer, device, tool_env
-) -> Collector:
+    cfg: Config, d: parallel.Dist, stack, engine, prompts, encode, pool, grader, *, tokenizer, device, tool_env,
+    auto=None,
+) -> Collector:  # fmt: skip
     """The run's collector (generation, grading, dynamic sampling, screening): in process on ``engine``, or with
     rollout.max_staleness the same collection ahead of the trainer, its engine in a rollout process of its own or
-    on rollout ranks (closed with ``stack``)."""
+    on rollout ranks (closed with ``stack``). ``grader``: a caller's reward function's name, else ``auto``
+    (``auto_grader``'s) or reward.grader grades."""
     r, a = cfg.rollout, cfg.algo
     scorer_of = functools.partial(
         Scorer,
-        grader=grader or cfg.reward.grader,
+        grader=grader or auto or cfg.reward.grader,
         algo_cfg=a,
         max_response_tokens=r.max_response_tokens,
         reward_from_score=grader is not None,

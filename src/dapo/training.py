@@ -105,12 +105,14 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
     reward_fn = run_setup.setup_reward_fn(cfg, inputs.reward_fn, train_sets)
     device = d.device if d.sharded else pick_device(cfg.model.device)
     policy, reference = run_setup.setup_policy(cfg, d, device)
+    cfg, capped = run_setup.setup_prompt_limit(cfg, policy)  # cfg: data.max_prompt_tokens within the model's context
     cfg, engine = run_setup.setup_engine(cfg, d, policy, inputs.tool_env)  # cfg: with the backend "auto" chose
-    encode, prompts = run_setup.setup_data(cfg, policy.tokenizer, train_sets)
+    encode, prompts, eval_sets, overlong = run_setup.setup_data(cfg, policy.tokenizer, train_sets, eval_sets)
     pool, grader = run_setup.setup_rewards(cfg, d, stack, reward_fn)
+    auto = run_setup.auto_grader(cfg, train_sets, eval_sets)  # reward.grader=auto, with what the rows chose
     collector = run_setup.setup_collection(
         cfg, d, stack, engine, prompts, encode, pool, grader, tokenizer=policy.tokenizer, device=device,
-        tool_env=inputs.tool_env,
+        tool_env=inputs.tool_env, auto=auto,
     )  # fmt: skip
     saver = Saver(cfg, d, policy, collector, CheckpointWriter(asynchronous=cfg.run.async_checkpoint and not d.sharded))
     memory = PhaseMemory(cuda=device.type == "cuda")
@@ -118,6 +120,8 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
     step, passed_over, resumed = run_setup.setup_resume(cfg, d, policy, engine, collector)
     logger = run_setup.setup_loggers(cfg, d, stack, console, start_step=step, saver=saver)
     for line in run_setup.data_lines(cfg, train_sets, eval_sets, reward_fn):  # which grader, and why
+        logger.info(line)
+    for line in filter(None, [capped, *overlong]):  # the prompt limit, and the prompts past it
         logger.info(line)
     if policy.adapted:
         logger.info(lora.summary(policy.model))
@@ -128,7 +132,7 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
     return Run(
         cfg, d, policy, reference, engine, collector,
         loss_fn=make_loss_fn(cfg.algo, cfg.rollout.max_response_tokens),
-        evaluate=HeldOut(cfg, engine, encode, eval_sets, pool, grader, policy.tokenizer),
+        evaluate=HeldOut(cfg, engine, encode, eval_sets, pool, grader or auto, policy.tokenizer),
         saver=saver, logger=logger, notes=RunNotes(cfg, logger), memory=memory, step=step,
     )  # fmt: skip
 

@@ -99,6 +99,10 @@ WandbMode = Literal["online", "offline", "disabled"]
 ToolSandbox = Literal["bwrap", "none"]
 # prompt templates: the paper's, the problem text as it is, or the problem and how to call the Python tool
 Template = Literal["dapo", "raw", "tool"]
+OnBadRow = Literal["stop", "skip"]
+OverlongPrompts = Literal["truncate", "drop"]
+# the columns a data row's layout is read from, which data.columns may rename a column to
+COLUMN_NAMES = ("prompt", "problem", "question", "ground_truth", "answer", "solution", "data_source", "id")
 
 # A data-file row's size limit, in characters (data.max_row_chars). The longest row of the data sets in data/ has
 # about 10k; a million keeps any real problem and stops a hostile or broken row before it costs memory and time.
@@ -167,13 +171,30 @@ class DataConfig:
     task: Task = "arith"  # built-in task used when train_files is empty
     task_difficulty: TaskDifficulty = "demo"  # built-in task difficulty
     task_train_size: int = 3000  # problems drawn for the built-in task's train split (demo has ~3.6k distinct)
-    train_files: list[str] = field(default_factory=list)  # .jsonl/.parquet in DAPO-Math-17K or {problem, answer} layout
+    # .jsonl, .json, .parquet (.jsonl.gz, .json.gz) files, folders of them, or Hugging Face dataset ids
+    # (ORG/NAME[:CONFIG[:SPLIT]], e.g. openai/gsm8k:main:train), in the layouts of the manual's own-data page
+    train_files: list[str] = field(default_factory=list)
+    # columns renamed before a row's layout is read, THEIRS=OURS, e.g. [instruction=problem,output=answer]
+    columns: list[str] = field(
+        default_factory=list,
+        check=lambda items: all(
+            i.count("=") == 1 and i.split("=")[0] and i.split("=")[1] in COLUMN_NAMES for i in items
+        ),
+        must=f"give THEIRS=OURS items, OURS one of {', '.join(COLUMN_NAMES)}, e.g. data.columns=[instruction=problem]",
+    )
+    # a row that fits no layout or breaks its file's: stop (the run stops at load naming the first 10 and how many
+    # there are) or skip (it loads without them and says how many)
+    on_bad_row: OnBadRow = "stop"
     # prompt template for data files: dapo (the paper's: the problem between the instructions to reason step by step
     # and end with a line "Answer: ..."), raw (the problem text as it is: for data that bring their own
     # instructions) or tool (the problem and how to call the Python tool, for tools.python=true)
     template: Template = "dapo"
-    # a longer prompt keeps its last this-many tokens (its start is cut), as the reference does (the paper's 2,048)
+    # the longest prompt, in tokens (the paper's 2,048); capped at start at the model's context less the response
+    # budget, with a line saying so
     max_prompt_tokens: int = field(2048, gt=0)
+    # a longer prompt: drop (leave it out, as verl's filter_overlong_prompts) or truncate (keep its last
+    # max_prompt_tokens tokens, as the reference); counted at start either way, never cut silently
+    overlong_prompts: OverlongPrompts = "drop"
     # a data-file row longer than this (1M characters) stops the run at load
     max_row_chars: int = field(DEFAULT_MAX_ROW_CHARS, gt=0)
     seed: int = 0  # prompt order

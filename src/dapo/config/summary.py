@@ -15,7 +15,7 @@ from dapo.config.schema import Config, resolve_type
 # read from the config tree
 FIRST_SETTINGS = {
     "model.path": "Hugging Face model directory (or Hub id)",
-    "data.train_files": ".jsonl/.parquet training data ([]: the built-in task)",
+    "data.train_files": "training data: files, folders, Hub dataset ids ([]: the built-in task)",
     "data.template": "prompt template",
     "reward.grader": "answer grader",
     "rollout.backend": "generation engine",
@@ -31,6 +31,24 @@ FIRST_SETTINGS = {
     "run.name": "the run's name",
     "run.dir": "where runs live: <run.dir>/<run.name>",
 }
+# what `dapo eval --help` lists instead: the settings an evaluation reads
+EVAL_SETTINGS = {
+    "eval.benchmarks": "benchmarks: names, data files or Hub dataset ids",
+    "eval.num_problems": "the first N problems of each (null: all)",
+    "eval.n": "samples per problem (null: the benchmark's own)",
+    "eval.temperature": "sampling temperature (null: the benchmark's own)",
+    "eval.top_p": "nucleus sampling (null: the benchmark's own)",
+    "eval.max_response_tokens": "longest response (null: the benchmark's own)",
+    "eval.seed": "seed of the sampling and the intervals",
+    "data.template": "prompt template",
+    "data.max_prompt_tokens": "longest prompt, in tokens (capped to the model)",
+    "data.overlong_prompts": "a prompt longer than that",
+    "reward.grader": "answer grader",
+    "reward.function": "your own reward, MODULE:FUNCTION",
+    "rollout.backend": "generation engine",
+    "model.dtype": "dtype of the weights",
+    "model.device": "where the model runs",
+}
 CONFIG_REFERENCE = "docs/reference/config.md"
 
 
@@ -45,13 +63,16 @@ def spelled(value) -> str:
     return str(value)
 
 
-def settings_summary() -> str:
-    """The settings a new user changes first, each with its default (Config()'s) and its choices, then where
-    every setting is described and the sections of the config tree."""
+HEADING = "most-used settings, with their defaults (a preset may change them; any setting is key=value):"
+
+
+def settings_summary(first: dict | None = None, defaults: Config | None = None, heading: str = HEADING) -> str:
+    """The settings a new user changes first (``first``: FIRST_SETTINGS), each with its default (``defaults``:
+    Config()'s) and its choices, then where every setting is described and the sections of the config tree."""
     types = {key: tp for key, tp, _ in settings()}
-    defaults = Config()
-    lines = ["most-used settings, with their defaults (a preset may change them; any setting is key=value):"]
-    for key, words in FIRST_SETTINGS.items():
+    defaults = defaults or Config()
+    lines = [heading]
+    for key, words in (first or FIRST_SETTINGS).items():
         value = functools.reduce(getattr, key.split("."), defaults)
         base, _ = resolve_type(types[key])
         if typing.get_origin(base) is typing.Literal:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass
 
-from dapo.config.schema import Template
+from dapo.config.schema import ConfigError, Template
 
 DAPO_PROMPT_PREFIX = (
     "Solve the following math problem step by step. The last line of your response should be of "
@@ -101,20 +101,87 @@ def render_prompt(example: Example, tokenizer) -> str:
     return example.text()
 
 
-def make_encoder(tokenizer, max_prompt_tokens: int):
-    """``encode(example) -> prompt token ids``: the example rendered (chat template or plain text),
-    tokenised, and cut from the left to ``max_prompt_tokens`` (the question's end matters most)."""
-    # No token spans more characters than the vocabulary's longest entry, so the kept tokens lie within
-    # this many characters of the end (with a margin for the word cut in two): a prompt of megabytes
-    # is cut before it is tokenised, which would otherwise take the whole text's time and memory.
-    max_chars = (max_prompt_tokens + 16) * max(map(len, tokenizer.get_vocab()), default=1)
-    cache: dict = {}
+def make_encoder(tokenizer, max_prompt_tokens: int) -> PromptEncoder:
+    """``encode(example) -> prompt token ids``: the example rendered (chat template or plain text), tokenised, and
+    cut from the left to ``max_prompt_tokens`` (the question's end matters most); ``encode.cut(example)`` says
+    whether it was cut."""
+    return PromptEncoder(tokenizer, max_prompt_tokens)
 
-    def encode(example: Example) -> list[int]:
-        if example not in cache:  # examples are frozen and hashable; templates render once each
-            text = render_prompt(example, tokenizer)[-max_chars:]
-            ids = tokenizer(text, add_special_tokens=not getattr(tokenizer, "chat_template", None))["input_ids"]
-            cache[example] = ids[-max_prompt_tokens:]
-        return cache[example]
 
-    return encode
+class PromptEncoder:
+    """Examples into prompt token ids, each rendered and tokenised once (see ``make_encoder``)."""
+
+    def __init__(self, tokenizer, max_prompt_tokens: int):
+        self.tokenizer, self.max_prompt_tokens = tokenizer, max_prompt_tokens
+        # No token spans more characters than the vocabulary's longest entry, so the kept tokens lie within
+        # this many characters of the end (with a margin for the word cut in two): a prompt of megabytes
+        # is cut before it is tokenised, which would otherwise take the whole text's time and memory.
+        self.max_chars = (max_prompt_tokens + 16) * max(map(len, tokenizer.get_vocab()), default=1)
+        self.cache: dict = {}  # example -> (its ids, whether they were cut); examples are frozen and hashable
+
+    def _encoded(self, example: Example) -> tuple[list[int], bool]:
+        if example not in self.cache:
+            text = render_prompt(example, self.tokenizer)[-self.max_chars :]
+            # verbose=False: a text longer than the tokenizer's model_max_length is cut here, on purpose
+            ids = self.tokenizer(
+                text, add_special_tokens=not getattr(self.tokenizer, "chat_template", None), verbose=False
+            )["input_ids"]
+            self.cache[example] = (ids[-self.max_prompt_tokens :], len(ids) > self.max_prompt_tokens)
+        return self.cache[example]
+
+    def __call__(self, example: Example) -> list[int]:
+        return self._encoded(example)[0]
+
+    def cut(self, example: Example) -> bool:
+        """Whether ``example``'s prompt is longer than max_prompt_tokens (its start cut)."""
+        return self._encoded(example)[1]
+
+
+def model_context(model_config) -> int | None:
+    """The positions a model holds (its config's max_position_embeddings or n_positions); None where it says none."""
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(model_config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def prompt_limit(
+    max_prompt_tokens: int, context: int | None, response_tokens: int, response_key: str
+) -> tuple[int, str | None]:
+    """The prompt limit a run keeps, and the line saying it was capped: ``max_prompt_tokens``, at most the model's
+    ``context`` less the ``response_tokens`` a response may take (``response_key`` sets them). A response budget that
+    fills the context alone is a ConfigError naming ``response_key``."""
+    if context is None or max_prompt_tokens + response_tokens <= context:
+        return max_prompt_tokens, None
+    room = context - response_tokens
+    if room < 1:
+        raise ConfigError(
+            f"{response_key}={response_tokens:,}: responses that long fill the model's context of {context:,} "
+            f"tokens and leave no room for a prompt; set {response_key} below {context:,}"
+        )
+    return room, (
+        f"data.max_prompt_tokens={max_prompt_tokens:,} capped at {room:,}: the model holds {context:,} tokens, "
+        f"{response_tokens:,} of them for the response ({response_key})"
+    )
+
+
+def fit_prompts(label: str, examples: list, encode: PromptEncoder, rule: str) -> tuple[list, str | None]:
+    """The examples a run keeps under data.overlong_prompts ``rule`` (truncate: all, their start cut; drop: those
+    within the limit), and the line counting the prompts over the limit (None: none is)."""
+    over = sum(encode.cut(ex) for ex in examples)
+    if not over:
+        return examples, None
+    said = f"{label}: {over:,} of {len(examples):,} prompts are longer than {encode.max_prompt_tokens:,} tokens"
+    if rule == "truncate":
+        return (
+            examples,
+            f"{said}; their start is cut (data.overlong_prompts=truncate, as the reference; drop leaves them out)",
+        )
+    kept = [ex for ex in examples if not encode.cut(ex)]
+    if not kept:
+        raise ConfigError(
+            f"{said}, every one: data.overlong_prompts=drop leaves nothing; raise data.max_prompt_tokens (the model's "
+            "context allowing) or set data.overlong_prompts=truncate"
+        )
+    return kept, f"{said}; left out (data.overlong_prompts=drop)"

@@ -119,9 +119,16 @@ def _generation_line(rows: list[dict]) -> str | None:
     if not steps:
         return None
     total = {k: sum(r.get(k, 0.0) for r in steps) for k in _GENERATION_KEYS}
+    generated, trained = total["sampling/tokens_generated"], total["sampling/tokens_trained"]
+    # nothing trained (every group dropped): a ratio to zero would say nothing
+    per = (
+        f"{generated / trained:.2f} tokens generated per token trained"
+        if trained
+        else f"{generated:,.0f} tokens generated, none trained"
+    )
     line = (
-        f"generation: {total['sampling/tokens_generated'] / max(total['sampling/tokens_trained'], 1):.2f} tokens "
-        f"generated per token trained; {total['sampling/dropped_gen_s']:.0f} s of "
+        f"generation: {per}; "
+        f"{total['sampling/dropped_gen_s']:.0f} s of "
         f"{total['perf/time_generate_s']:.0f} s generating went to dropped groups "
         f"({100 * total['sampling/dropped_gen_s'] / max(total['perf/time_generate_s'], 1e-9):.0f}%)"
     )
@@ -239,7 +246,9 @@ class RunLogger:
 
                 self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step + 1)
             except ImportError:
-                self.console.print("[yellow]tensorboard is not installed; metrics go to metrics.jsonl only[/]")
+                self.console.print(
+                    "[yellow]tensorboard is not installed; metrics go to metrics.jsonl only[/]", soft_wrap=True
+                )
         self.progress = None
         if progress and step_lines and self.run_dir is not None and self.console.is_terminal:
             self.progress = Progress(
@@ -316,7 +325,8 @@ class RunLogger:
         return path
 
     def warn(self, text: str) -> None:
-        self.console.print(f"[yellow]{escape(text)}[/]")
+        # whole, never wrapped at a width: a warning read in a log file or a pipe keeps its lines as written
+        self.console.print(f"[yellow]{escape(text)}[/]", soft_wrap=True)
 
     @contextlib.contextmanager
     def warnings_of(self, step: int):

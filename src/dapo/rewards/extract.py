@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from decimal import Decimal
 
+from dapo.data.layouts import last_boxed  # noqa: F401 (one reader of \boxed{} for the data's answers and the graders')
+
 # The DAPO prompt asks for "Answer: $Answer" on the last line; the reference grader takes the last
 # match of this exact pattern (verl math_dapo.is_correct_minerva), so the `dapo` grader must too.
 ANSWER_LINE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
@@ -21,38 +23,11 @@ _NUMBER = re.compile(r"(?:(?<![\w)\]}])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?",
 # A plain literal: what "025", "27.0", "1,000", "-3" look like once spaces are gone.
 _PLAIN_LITERAL = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?", re.ASCII)
 
-_BOX_OPENERS = ("\\boxed{", "\\fbox{")
-
 
 def last_answer_line(text: str) -> str | None:
     """Content of the last `Answer: ...` line (case-insensitive), or None."""
     found = ANSWER_LINE.findall(text)
     return found[-1] if found else None
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` (or `\\fbox{...}`), braces matched; None if absent or unterminated.
-
-    Like the MATH reference (last_boxed_only_string) only the last opener counts: an unterminated
-    last box is usually a truncated response, and an earlier box is often an intermediate result.
-    """
-    start = max(text.rfind(opener) for opener in _BOX_OPENERS)
-    if start < 0:
-        return None
-    i = text.index("{", start) + 1
-    depth = 1
-    body_start = i
-    n = len(text)
-    while i < n:  # linear in the (capped) text length
-        c = text[i]
-        if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return text[body_start:i]
-        i += 1
-    return None
 
 
 def numbers(text: str) -> list[str]:

@@ -192,6 +192,10 @@ def known_grader(data_source: str) -> str | None:
     return None
 
 
-def graders_for(data_sources: list[str], grader: str = "auto") -> list[str]:
-    """The grader of each row: ``grader`` for all, or with ``auto`` each row's by its data source."""
+def graders_for(data_sources: list[str], grader: str | Mapping[str, str] = "auto") -> list[str]:
+    """The grader of each row: ``grader`` for all, or with ``auto`` each row's by its data source. A mapping is
+    ``auto`` with the graders a run chose by their rows for the data sources whose names say none
+    (``dapo.rewards.sources.auto_graders``)."""
+    if isinstance(grader, Mapping):
+        return [grader.get(s) or grader_for(s) for s in data_sources]
     return [grader_for(s) for s in data_sources] if grader == "auto" else [grader] * len(data_sources)
