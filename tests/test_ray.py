@@ -1,6 +1,7 @@
 """Ray: a 2-rank run placed on a private local cluster trains and checkpoints; a cluster without auth is refused;
 on a cluster of two Ray nodes on this machine the ranks land on both, a run directory the nodes do not share is
-refused at start, a node lost mid-run ends the job in one line and the same command resumes, bit for bit."""
+refused at start, SIGTERM to the driver reaches the rank on each node and stops the job at one checkpoint (exit
+code 75), a node lost mid-run ends the job in one line, and after either the same command resumes, bit for bit."""
 
 import contextlib
 import hashlib
@@ -35,12 +36,14 @@ def private_ray_env(home, ray_tmp: str) -> dict:
 
 
 @pytest.mark.slow
-def test_ray_two_cpu_workers_grade_with_the_configs_reward_function_train_two_steps_and_checkpoint(
+@pytest.mark.timeout(900)  # about a minute on a loaded 2-core machine, nearly 3 on a slower one
+def test_ray_two_cpu_workers_grade_with_the_configs_reward_function_train_a_step_and_checkpoint(
     tiny_model_dir, tmp_path
 ):
-    """launch-ray on a private local cluster, 2 CPU workers: reward.function reaches the Ray ranks in their config
-    (rank 0 imports the file and its grading workers grade with it), two steps train and the checkpoint holds one
-    shard per rank; no token file is written."""
+    """launch-ray on a private local cluster, 2 CPU workers on its one node: reward.function reaches the Ray ranks in
+    their config (rank 0 imports the file and its grading workers grade with it, in training and in the evaluation
+    at the end), a step trains and the checkpoint holds one shard per rank; no token file is written. One step: the
+    two-node test trains several, resumed."""
     pytest.importorskip("ray")
     home = tmp_path / "home"
     home.mkdir()
@@ -62,6 +65,7 @@ def test_ray_two_cpu_workers_grade_with_the_configs_reward_function_train_two_st
         f"model.path={tiny_model_dir}",
         f"run.dir={tmp_path / 'runs'}",
         *SMALL_OVERRIDES,
+        "train.total_steps=1",
         "algo.soft_overlong_punishment=false",
         f"reward.function={spec}",
         "--address",
@@ -75,19 +79,19 @@ def test_ray_two_cpu_workers_grade_with_the_configs_reward_function_train_two_st
     ]
     t0 = time.perf_counter()
     try:
-        out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+        out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     seconds = time.perf_counter() - t0
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    print(f"\nRay, 2 CPU workers, 2 steps: {seconds:.1f} s including cluster start")
+    print(f"\nRay, 2 CPU workers, 1 step: {seconds:.1f} s including cluster start")
     run = tmp_path / "runs" / "t"
     ckpt = checkpoint.latest_checkpoint(run)
-    assert ckpt is not None and ckpt.name == "step_000002" and checkpoint_weights.is_sharded(ckpt)
+    assert ckpt is not None and ckpt.name == "step_000001" and checkpoint_weights.is_sharded(ckpt)
     assert len(list((ckpt / "shards").glob("*.distcp"))) == 2  # one file per rank
     assert f"data: built-in arith task, grader: your reward function (reward.function={spec})" in out.stdout
     rows = rows_of(run)
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1]
     assert all(r["rollout/acc_mean"] == 1.0 and r["reward/score_mean"] == 0.25 for r in rows)
     assert rows[-1]["eval/arith/avg@2"] == 1.0
     assert not (home / ".ray" / "auth_token").exists()
