@@ -127,6 +127,7 @@ def test_the_rollout_process_samples_what_the_engine_in_process_does(tiny_model_
     still answers."""
     from dapo.model.loading import load_model_and_tokenizer
     from dapo.rollout.base import SamplingParams
+    from dapo.rollout.build import engine_of_its_own
     from dapo.rollout.hf import HFRolloutEngine
     from dapo.rollout.remote import RemoteEngine, RemoteEngineError
 
@@ -138,7 +139,9 @@ def test_the_rollout_process_samples_what_the_engine_in_process_does(tiny_model_
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=10, seed=7)
     prompts = [tok.encode("1+2="), tok.encode("9*9=")]
     here = HFRolloutEngine(model, tok, logprobs=True).generate(prompts, params)
-    remote = RemoteEngine(cfg.rollout, cfg.model, tok, max_model_len=64, threads=torch.get_num_threads())
+    remote = RemoteEngine(
+        engine_of_its_own, cfg.rollout, cfg.model, tok, max_model_len=64, threads=torch.get_num_threads()
+    )
     try:
         remote.update_weights(model.named_parameters(), version=3)
         remote.use_version(3)
@@ -247,7 +250,10 @@ def test_generating_ahead_alone_takes_the_default_cap_and_an_explicit_null_still
     "extra, message",
     [
         (["algo.rollout_is_cap=null"], "rollout.max_staleness=1: .*set algo.rollout_is_cap"),
-        (["algo.held_over_max_groups=4"], "rollout.max_staleness=1: algo.held_over_max_groups=4 .*set algo.buffer_max"),
+        (
+            ["algo.held_over_max_groups=4"],
+            "rollout.max_staleness=1: algo.held_over_max_groups=4 .*set algo.held_over_max_groups=0",
+        ),
         (["algo.old_logp_source=engine"], "rollout.max_staleness=1: .*use algo.old_logp_source=recompute"),
     ],
 )
