@@ -2,6 +2,9 @@
 the log-probs and in training; Liger Kernel is refused in one line where it cannot run (its CUDA check is in
 tests/test_gpu.py)."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -82,12 +85,37 @@ def test_an_unknown_kernel_is_refused_in_one_line():
 
 @pytest.mark.slow
 def test_compiled_layers_under_fsdp_on_two_ranks_train_as_eager_ones(tiny_model_dir, tmp_path):
-    """torchrun, 2 ranks (gloo, FSDP2): the layers compiled before sharding give the eager run's gradient norms."""
-    from test_rollout_ranks import rows, run
+    """torchrun, 2 ranks (gloo, FSDP2), the layers compiled before sharding, against one eager process: the same
+    samples and gradient norms. Two ranks give one process's gradients to within 5e-8 (tests/test_parallel.py), so
+    the eager side runs here, in this process; the ranks sample the whole batch with its seed (``whole_batches``)."""
+    from test_parallel import torchrun
 
-    run(tiny_model_dir, tmp_path / "eager", nproc=2)
-    run(tiny_model_dir, tmp_path / "compiled", "train.kernels=[compile]", nproc=2)
-    a, b = rows(tmp_path / "eager"), rows(tmp_path / "compiled")
+    train(small_config(tmp_path / "eager", tiny_model_dir, *NO_EVAL))
+    torchrun(__file__, "compiled", tiny_model_dir, tmp_path / "compiled", timeout=TORCHRUN_TIMEOUT_S)
+    a, b = ({r["step"]: r for r in rows_of(tmp_path / n) if "actor/grad_norm" in r} for n in ("eager", "compiled"))
     for t in (1, 2):
         assert a[t]["rollout/response_length_mean"] == b[t]["rollout/response_length_mean"]
         assert abs(a[t]["actor/grad_norm"] - b[t]["actor/grad_norm"]) < 1e-5 * a[t]["actor/grad_norm"]
+
+
+NO_EVAL = ["eval.benchmarks=[]"]  # the held-out evaluation at the last step: not what these runs compare
+TORCHRUN_TIMEOUT_S = 900  # the launch takes about 150 s on a loaded 2-core machine
+
+
+def whole_batches() -> None:
+    """Every rank samples all of a round's prompts with the round's seed, as one process does (a run samples a
+    share per rank, with a seed per share), so the ranks train on the one process's samples."""
+    from dapo.rollout import ShardedRollout
+
+    ShardedRollout.generate = lambda self, prompt_ids, params: self.engine.generate(prompt_ids, params)
+
+
+def compiled_worker(model_dir: str, run_dir: str) -> None:
+    """Under torchrun: two steps with the decoder layers compiled before FSDP shards them."""
+    whole_batches()
+    train(small_config(Path(run_dir), model_dir, "train.kernels=[compile]", *NO_EVAL))
+
+
+if __name__ == "__main__":  # the torchrun worker
+    mode, *rest = sys.argv[1:]
+    {"compiled": compiled_worker}[mode](*rest)

@@ -3,8 +3,9 @@ grading, in the old log-probs, in the update, during a checkpoint write; asynchr
 leaves a checkpoint of the last completed step, and the resumed run ends with the weights and AdamW state of an
 uninterrupted run, bit for bit. The moment is made deterministic by having the run signal itself from a hook at
 that phase; benchmarks/preempt_sweep.py sends SIGTERM at random moments instead. With 2 gloo ranks: a signal to
-one rank stops both, and they write one checkpoint together; a signal to the launcher (torchrun, the driver of
-``dapo launch-ray``) reaches both ranks, and the resumed run is bit-identical too."""
+one rank stops both, and they write one checkpoint together; a signal to the torchrun launcher reaches both ranks,
+and the resumed run is bit-identical too. (A signal to the driver of ``dapo launch-ray``, forwarded to the ranks on
+two Ray nodes: tests/test_ray.py.)"""
 
 import os
 import re
@@ -307,75 +308,6 @@ def test_sigterm_to_torchrun_stops_both_ranks_at_one_checkpoint_and_the_resume_i
     _torchrun(tiny_model_dir, tmp_path, "resume")
     assert checkpoint.step_of(checkpoint.latest_checkpoint(run)) == 4
     assert same_shards(tmp_path / "ref" / "t", run), "the resumed run's weights differ"
-
-
-RAY_STEPS = ["train.total_steps=6", "run.save_every=null"]  # the signal reaches the ranks a step or two later
-
-
-def launch_ray(model_dir: Path, runs: Path, sig: signal.Signals | None = None):
-    """``dapo launch-ray`` with 2 CPU ranks on a private Ray cluster; ``sig`` to the driver once step 1's row is
-    written. Returns the finished process, its stderr and the seconds from the signal to the driver's exit."""
-    import shutil
-    import tempfile
-
-    from test_parallel import REPO, env_for_children
-
-    cmd = [sys.executable, "-m", "dapo.cli", "launch-ray", "configs/demo.yaml", *SMALL_OVERRIDES, *RAY_STEPS]
-    cmd += [f"model.path={model_dir}", f"run.dir={runs}", "--address", "local", "--num-cpus", "2"]
-    cmd += ["--cpu-workers-per-node", "2", "--cpus-per-worker", "1"]
-    home = runs.parent / "home"
-    home.mkdir(exist_ok=True)
-    ray_tmp = tempfile.mkdtemp(prefix="dray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    env = env_for_children(HOME=str(home), RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0", COLUMNS="500")
-    env = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH")}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        if sig is not None:
-            wait_for_rows(proc, runs / "t", timeout=300)
-            proc.send_signal(sig)
-        t0 = time.perf_counter()
-        out, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    return proc, err, time.perf_counter() - t0
-
-
-@pytest.fixture(scope="module")
-def ray_uninterrupted(tiny_model_dir, tmp_path_factory):
-    pytest.importorskip("ray")
-    runs = tmp_path_factory.mktemp("ray_ref") / "runs"
-    proc, err, _ = launch_ray(tiny_model_dir, runs)
-    assert proc.returncode == 0, err[-4000:]
-    return runs / "t"
-
-
-# SIGTERM only: the driver forwards the three SIGNALS through one handler (cluster.py); SIGUSR1 and SIGINT took
-# 4.6 and 5.0 s to exit when this test ran with them too (benchmarks/RESULTS.md), and each launch costs CI 2 minutes
-@pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM], ids=lambda s: s.name)
-def test_a_signal_to_the_launch_ray_driver_reaches_every_rank_and_the_relaunch_is_bit_identical(
-    tiny_model_dir, tmp_path, ray_uninterrupted, sig
-):
-    """The driver of ``dapo launch-ray`` sends the signal on to each rank's process (a small actor pinned to its node):
-    both ranks stop at one checkpoint of their last completed step, the driver prints rank 0's line and exits
-    with 75; launched again, the run ends with the weights and AdamW state of an uninterrupted launch."""
-    runs = tmp_path / "runs"
-    proc, err, seconds = launch_ray(tiny_model_dir, runs, sig)
-    lines = [x for x in err.splitlines() if "stopped by" in x]
-    print(f"\ndriver exit {proc.returncode} {seconds:.1f} s after {sig.name}: {lines}")
-    assert proc.returncode == preemption.EXIT_CODE, err[-4000:]
-    assert len(lines) == 1 and LINE.fullmatch(lines[0]), err[-4000:]  # the driver's line, rank 0's
-    m = LINE.fullmatch(lines[0])
-    assert m.group(1) == sig.name and 1 <= int(m.group(2)) < 6
-    assert [checkpoint.step_of(p) for p in checkpoint_files.list_checkpoints(runs / "t")] == [int(m.group(2))]
-    assert "Traceback" not in err and "died mid-run" not in err
-    proc, err, seconds = launch_ray(tiny_model_dir, runs)
-    print(f"relaunch: exit {proc.returncode}")
-    assert proc.returncode == 0, err[-4000:]
-    assert checkpoint.step_of(checkpoint.latest_checkpoint(runs / "t")) == 6
-    assert same_shards(ray_uninterrupted, runs / "t"), "the relaunched run's weights differ"
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 """Ray: a 2-rank run placed on a private local cluster trains and checkpoints; a cluster without auth is refused;
 on a cluster of two Ray nodes on this machine the ranks land on both, a run directory the nodes do not share is
-refused at start, a node lost mid-run ends the job in one line and the same command resumes, bit for bit."""
+refused at start, SIGTERM to the driver reaches the rank on each node and stops the job at one checkpoint (exit
+code 75), a node lost mid-run ends the job in one line, and after either the same command resumes, bit for bit."""
 
 import contextlib
 import hashlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -18,6 +20,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import SMALL_OVERRIDES  # noqa: E402
 from dapo import checkpoint  # noqa: E402
+from dapo.checkpoint import files as checkpoint_files
+from dapo.checkpoint import preemption
 from dapo.checkpoint import weights as checkpoint_weights
 from test_parallel import REPO, env_for_children  # noqa: E402
 from test_reliability import QUICK_WATCHDOG, rows_of  # noqa: E402
@@ -32,12 +36,14 @@ def private_ray_env(home, ray_tmp: str) -> dict:
 
 
 @pytest.mark.slow
-def test_ray_two_cpu_workers_grade_with_the_configs_reward_function_train_two_steps_and_checkpoint(
+@pytest.mark.timeout(900)  # about a minute on a loaded 2-core machine, nearly 3 on a slower one
+def test_ray_two_cpu_workers_grade_with_the_configs_reward_function_train_a_step_and_checkpoint(
     tiny_model_dir, tmp_path
 ):
-    """launch-ray on a private local cluster, 2 CPU workers: reward.function reaches the Ray ranks in their config
-    (rank 0 imports the file and its grading workers grade with it), two steps train and the checkpoint holds one
-    shard per rank; no token file is written."""
+    """launch-ray on a private local cluster, 2 CPU workers on its one node: reward.function reaches the Ray ranks in
+    their config (rank 0 imports the file and its grading workers grade with it, in training and in the evaluation
+    at the end), a step trains and the checkpoint holds one shard per rank; no token file is written. One step: the
+    two-node test trains several, resumed."""
     pytest.importorskip("ray")
     home = tmp_path / "home"
     home.mkdir()
@@ -59,6 +65,7 @@ def test_ray_two_cpu_workers_grade_with_the_configs_reward_function_train_two_st
         f"model.path={tiny_model_dir}",
         f"run.dir={tmp_path / 'runs'}",
         *SMALL_OVERRIDES,
+        "train.total_steps=1",
         "algo.soft_overlong_punishment=false",
         f"reward.function={spec}",
         "--address",
@@ -72,19 +79,19 @@ def test_ray_two_cpu_workers_grade_with_the_configs_reward_function_train_two_st
     ]
     t0 = time.perf_counter()
     try:
-        out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+        out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     seconds = time.perf_counter() - t0
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    print(f"\nRay, 2 CPU workers, 2 steps: {seconds:.1f} s including cluster start")
+    print(f"\nRay, 2 CPU workers, 1 step: {seconds:.1f} s including cluster start")
     run = tmp_path / "runs" / "t"
     ckpt = checkpoint.latest_checkpoint(run)
-    assert ckpt is not None and ckpt.name == "step_000002" and checkpoint_weights.is_sharded(ckpt)
+    assert ckpt is not None and ckpt.name == "step_000001" and checkpoint_weights.is_sharded(ckpt)
     assert len(list((ckpt / "shards").glob("*.distcp"))) == 2  # one file per rank
     assert f"data: built-in arith task, grader: your reward function (reward.function={spec})" in out.stdout
     rows = rows_of(run)
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1]
     assert all(r["rollout/acc_mean"] == 1.0 and r["reward/score_mean"] == 0.25 for r in rows)
     assert rows[-1]["eval/arith/avg@2"] == 1.0
     assert not (home / ".ray" / "auth_token").exists()
@@ -203,7 +210,7 @@ for line in sys.stdin:
     print(line.strip(), "done", flush=True)
 cluster.shutdown()
 """
-PLACED = re.compile(r"^launch-ray: node (127\.0\.0\.[23]) (\w{8}): rank (\d) \(pid \d+\)$", re.M)
+PLACED = re.compile(r"^launch-ray: node (127\.0\.0\.[23]) (\w{8}): rank (\d) \(pid (\d+)\)$", re.M)
 
 
 def test_the_start_lines_say_which_node_holds_which_ranks():
@@ -273,16 +280,119 @@ def launch_killing_the_second_node(
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err), time.perf_counter() - t0
 
 
+def pending(pid: int, sig: int) -> bool:
+    """Whether ``sig`` waits for delivery to process ``pid`` (its SigPnd and ShdPnd masks in /proc/PID/status)."""
+    with open(f"/proc/{pid}/status") as f:
+        masks = [int(line.split()[1], 16) for line in f if line.startswith(("SigPnd:", "ShdPnd:"))]
+    return any(mask >> (sig - 1) & 1 for mask in masks)
+
+
+def launch_with_sigterm(cmd: list[str], env: dict, run: Path, logs: Path) -> tuple[subprocess.CompletedProcess, list]:
+    """``cmd`` with SIGTERM to the driver once step 1's row is written. The ranks' processes are frozen (SIGSTOP) from
+    then until the signal the driver sends on is pending in each of them: so the test sees it reach the rank on each
+    node, and no rank runs on (to the end of the run) while the signal travels, however fast or loaded the machine.
+    Returns the driver's result and the addresses of the nodes whose rank the signal reached."""
+    from test_preemption import wait_for_rows
+
+    # files, not pipes: nothing reads the driver's output while the ranks are frozen, and a full pipe would stall it
+    with open(logs / "stdout", "w") as out, open(logs / "stderr", "w") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err)
+    frozen, reached, t0 = [], [], time.monotonic()
+    try:
+        wait_for_rows(proc, run, timeout=400)
+        ranks = [(m.group(1), int(m.group(4))) for m in PLACED.finditer((logs / "stdout").read_text())]
+        for _, pid in ranks:
+            os.kill(pid, signal.SIGSTOP)
+            frozen.append(pid)
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        while not all(pending(pid, signal.SIGTERM) for _, pid in ranks) and time.monotonic() < t0 + 200:
+            time.sleep(0.05)
+        reached = sorted(ip for ip, pid in ranks if pending(pid, signal.SIGTERM))
+        print(f"\nSIGTERM pending in the ranks on {reached} {time.monotonic() - t0:.1f} s after it was sent")
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        try:
+            proc.wait(timeout=400)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    print(f"the driver exited {time.monotonic() - t0:.1f} s after the signal")
+    out, err = ((logs / name).read_text() for name in ("stdout", "stderr"))
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), reached
+
+
+def check_stopped_by_sigterm(stopped: subprocess.CompletedProcess, reached: list, run: Path) -> None:
+    """The driver exited 75 with rank 0's line alone, the checkpoint it names the run's only one (of a step before
+    the last, so that the relaunch trains), the signal having reached the rank on each node."""
+    from test_preemption import LINE
+
+    lines = [x for x in (stopped.stdout + stopped.stderr).splitlines() if "stopped by" in x]
+    print(f"SIGTERM to the driver reached the ranks on {reached}: exit {stopped.returncode}, {lines}")
+    assert stopped.returncode == preemption.EXIT_CODE and len(lines) == 1, stopped.stderr[-4000:]
+    assert reached == ["127.0.0.2", "127.0.0.3"]
+    m = LINE.fullmatch(lines[0])
+    assert m and m.group(1) == "SIGTERM" and 1 <= int(m.group(2)) < 3 and m.group(5) == "written", lines[0]
+    assert [checkpoint.step_of(p) for p in checkpoint_files.list_checkpoints(run)] == [int(m.group(2))]
+    assert m.group(4) == str(checkpoint.latest_checkpoint(run))
+    assert "Traceback" not in stopped.stderr and "died mid-run" not in stopped.stderr
+
+
+def check_refused(refused: subprocess.CompletedProcess, root: Path) -> None:
+    """A relative run.dir, which each node resolves in its own directory: refused at start in one line naming the
+    node, the rank and both paths, the ranks having been placed on both nodes."""
+    errors, where = errors_of(refused.stderr), placed(refused.stdout)
+    print(f"\n{refused.stdout}{errors}")
+    assert refused.returncode == 2 and len(errors) == 1, refused.stderr[-4000:]
+    assert sorted(where.values()) == ["127.0.0.2", "127.0.0.3"]
+    theirs = root / "ab"[where[1] == "127.0.0.3"] / "runs" / "t"  # the path on rank 1's node
+    assert re.fullmatch(
+        rf"error: launch-ray: node {where[1]} \w{{8}} \(rank 1\) does not share the run directory: rank 0 "
+        rf"\(node {where[0]} \w{{8}}\) wrote a file into \S+ that rank 1 does not find in {theirs}; .*",
+        errors[0],
+    ), errors[0]
+
+
+def check_ended_at_once(killed: subprocess.CompletedProcess, seconds: float, run: Path) -> None:
+    """The second node lost after step 1's checkpoint: the job ended within seconds, in one line naming the rank
+    and node lost and the checkpoint to resume from."""
+    errors, last = errors_of(killed.stderr), checkpoint.latest_checkpoint(run)
+    lost = next(rank for rank, ip in placed(killed.stdout).items() if ip == "127.0.0.3")
+    print(f"{killed.stdout}{errors} ({seconds:.1f} s after the kill)")
+    # 3-6 s when measured, on an idle machine and a loaded one: the bound tells "at once" from a timeout's end
+    assert killed.returncode == 2 and len(errors) == 1 and seconds < 60, killed.stderr[-4000:]
+    assert re.fullmatch(
+        rf"error: launch-ray: the worker of rank {lost} \(pid \d+ on node 127\.0\.0\.3 \w{{8}}\) died mid-run "
+        rf"\(\w+: .*\); the job is stopped; launch it again to resume from {last}",
+        errors[0],
+    ), errors[0]
+    assert [r["step"] for r in rows_of(run)][-1] < 3  # it stopped mid-run
+
+
+def check_resumed(resumed: subprocess.CompletedProcess, run: Path, last: Path) -> None:
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    console = re.sub(r"(\x1b\[\d+m)?\(TrainWorker pid=\d+\)(\x1b\[0m)? ?", "", resumed.stdout)
+    print(console[console.index("launch-ray: node") :])
+    assert f"resumed from {last}" in console.replace("\n", "")
+    assert sorted(placed(resumed.stdout).values()) == ["127.0.0.2", "127.0.0.3"]
+    assert checkpoint.step_of(checkpoint.latest_checkpoint(run)) == 3
+
+
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # about 5 minutes on a loaded 2-core machine: six launches and a cluster start
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="nodes on 127.0.0.2 and .3: all of 127/8 is loopback")
-def test_two_ray_nodes_place_ranks_on_both_refuse_an_unshared_run_dir_and_resume_after_losing_a_node(
+def test_two_ray_nodes_place_ranks_on_both_refuse_an_unshared_run_dir_and_resume_after_sigterm_or_a_lost_node(
     tiny_model_dir, tmp_path
 ):
     """launch-ray on a cluster of two Ray nodes: a relative run.dir (another directory on each node) is refused at
-    start in one line naming the node; with a shared one the ranks land on both nodes and say so; the second node's
-    processes killed after step 1's checkpoint end the job at once, in one line naming node and rank; with the node
-    back, the same command resumes and ends with the metrics, weights and AdamW state of an uninterrupted run, bit
-    for bit."""
+    start in one line naming the node; with a shared one the ranks land on both nodes and say so. SIGTERM to the
+    driver reaches the rank on each node (through the small actor the driver starts there): the ranks stop at one
+    checkpoint of their last completed step and the driver exits 75 with rank 0's line. The second node's processes
+    killed after step 1's checkpoint end the job at once, in one line naming node and rank. Each run launched again
+    by the same command (the node back) resumes and ends with the metrics, weights and AdamW state of an
+    uninterrupted run, bit for bit."""
     pytest.importorskip("ray")
     sys.path.insert(0, str(REPO / "scripts"))
     from same_runs import compare
@@ -292,65 +402,53 @@ def test_two_ray_nodes_place_ranks_on_both_refuse_an_unshared_run_dir_and_resume
     home.mkdir()
     ray_tmp = tempfile.mkdtemp(prefix="dray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     env = {**private_ray_env(home, ray_tmp), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.urandom(32).hex()}
-    run, ref = tmp_path / "runs" / "t", tmp_path / "ref" / "t"
+    env["COLUMNS"] = "500"  # the driver's stop line unwrapped
+    run, ref, sigterm = (tmp_path / d / "t" for d in ("runs", "ref", "sigterm"))
     t0 = time.perf_counter()
     try:
         with two_nodes(tmp_path, env) as (address, tell):
             laps = {"cluster start": time.perf_counter()}
             flags = ["--address", address, "--nodes", "2", "--cpu-workers-per-node", "1", "--cpus-per-worker", "1"]
             cmd = [sys.executable, "-m", "dapo.cli", "launch-ray", "configs/demo.yaml", f"model.path={tiny_model_dir}"]
-            cmd += [*SMALL_OVERRIDES, "train.total_steps=3", "run.save_every=1", *QUICK_WATCHDOG]
+            cmd += [*SMALL_OVERRIDES, "train.total_steps=3"]
+            saving = ["run.save_every=1", *QUICK_WATCHDOG]
+            # a checkpoint at the end only, so that the stop writes its own; a grace no loaded machine runs out of
+            # (the run's default watchdog: the test freezes the ranks)
+            stopping = [f"run.dir={sigterm.parent}", "run.save_every=null", "run.preempt_grace_s=120"]
 
-            def launch(run_dir) -> subprocess.CompletedProcess:
-                return subprocess.run(
-                    [*cmd, f"run.dir={run_dir}", *flags], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-                )
+            def launch(*overrides) -> subprocess.CompletedProcess:
+                argv = [*cmd, *overrides, *flags]
+                return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
 
-            # a relative run.dir: each node's ranks resolve it in their own node's directory
-            refused = launch("runs")
+            check_refused(launch(*saving, "run.dir=runs"), tmp_path)  # each node's ranks resolve it in its own dir
             laps["refusal"] = time.perf_counter()
-            errors, where = errors_of(refused.stderr), placed(refused.stdout)
-            print(f"\n{refused.stdout}{errors}")
-            assert refused.returncode == 2 and len(errors) == 1, refused.stderr[-4000:]
-            assert sorted(where.values()) == ["127.0.0.2", "127.0.0.3"]
-            theirs = tmp_path / "ab"[where[1] == "127.0.0.3"] / "runs" / "t"  # the path on rank 1's node
-            assert re.fullmatch(
-                rf"error: launch-ray: node {where[1]} \w{{8}} \(rank 1\) does not share the run directory: rank 0 "
-                rf"\(node {where[0]} \w{{8}}\) wrote a file into \S+ that rank 1 does not find in {theirs}; .*",
-                errors[0],
-            ), errors[0]
 
-            uninterrupted = launch(ref.parent)
+            uninterrupted = launch(*saving, f"run.dir={ref.parent}")
             laps["uninterrupted run"] = time.perf_counter()
             assert uninterrupted.returncode == 0, uninterrupted.stderr[-4000:]
             assert sorted(placed(uninterrupted.stdout).values()) == ["127.0.0.2", "127.0.0.3"]
             assert f"launch-ray: run directory {ref}, the same for all 2 ranks\n" in uninterrupted.stdout
 
-            killed, seconds = launch_killing_the_second_node([*cmd, f"run.dir={run.parent}", *flags], env, run, tell)
-            laps["killed run"] = time.perf_counter()
-            errors, last = errors_of(killed.stderr), checkpoint.latest_checkpoint(run)
-            lost = next(rank for rank, ip in placed(killed.stdout).items() if ip == "127.0.0.3")
-            print(f"{killed.stdout}{errors} ({seconds:.1f} s after the kill)")
-            assert killed.returncode == 2 and len(errors) == 1 and seconds < 60, killed.stderr[-4000:]
-            assert re.fullmatch(
-                rf"error: launch-ray: the worker of rank {lost} \(pid \d+ on node 127\.0\.0\.3 \w{{8}}\) died mid-run "
-                rf"\(\w+: .*\); the job is stopped; launch it again to resume from {last}",
-                errors[0],
-            ), errors[0]
-            assert [r["step"] for r in rows_of(run)][-1] < 3  # it stopped mid-run
+            stopped = launch_with_sigterm([*cmd, *stopping, *flags], env, sigterm, tmp_path)
+            laps["SIGTERM"] = time.perf_counter()
+            check_stopped_by_sigterm(*stopped, sigterm)
+            last = checkpoint.latest_checkpoint(sigterm)
+            check_resumed(launch(*stopping), sigterm, last)  # the same command again
+            laps["SIGTERM, relaunched"] = time.perf_counter()
 
+            argv = [*cmd, *saving, f"run.dir={run.parent}", *flags]
+            killed, seconds = launch_killing_the_second_node(argv, env, run, tell)
+            laps["killed run"] = time.perf_counter()
+            check_ended_at_once(killed, seconds, run)
             tell("add")  # the node back: the same command resumes from the last checkpoint
-            resumed = launch(run.parent)
+            last = checkpoint.latest_checkpoint(run)
+            check_resumed(launch(*saving, f"run.dir={run.parent}"), run, last)
             laps["node back, resumed"] = time.perf_counter()
-            assert resumed.returncode == 0, resumed.stderr[-4000:]
-            console = re.sub(r"(\x1b\[\d+m)?\(TrainWorker pid=\d+\)(\x1b\[0m)? ?", "", resumed.stdout)
-            print(console[console.index("launch-ray: node") :])
-            assert f"resumed from {last}" in console.replace("\n", "")
-            assert sorted(placed(resumed.stdout).values()) == ["127.0.0.2", "127.0.0.3"]
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     ends = [t0, *laps.values()]
     print(", ".join(f"{k} {b - a:.1f} s" for k, a, b in zip(laps, ends, ends[1:])))
     print(f"two nodes: {time.perf_counter() - t0:.1f} s in all (load average {os.getloadavg()[0]:.1f})")
-    assert compare(ref, run, set()) == []  # every logged value but the clock readings, row by row
-    assert same_shards(ref, run)  # the last checkpoint's weights and AdamW state, bit for bit
+    for stopped in (run, sigterm):
+        assert compare(ref, stopped, set()) == []  # every logged value but the clock readings, row by row
+        assert same_shards(ref, stopped)  # the last checkpoint's weights and AdamW state, bit for bit

@@ -21,6 +21,11 @@ from dapo.runtime import parallel
 
 ROOT = Path(__file__).resolve().parents[1]
 ASYNC = ["train.total_steps=3", "rollout.max_staleness=1", "algo.rollout_is_cap=2", "rollout.engine_threads=1"]
+NO_EVAL = ["eval.benchmarks=[]"]  # the held-out evaluation after the last step: no test here reads it
+# two-phase screening, on assets/arith-base (whose answers are sometimes right), with its room to answer
+SCREEN = ["algo.dynamic_sampling=true", "algo.screen_samples=2", "rollout.max_response_tokens=48",
+          "algo.overlong_buffer_tokens=8"]  # fmt: skip
+LAUNCH_TIMEOUT_S = 600  # a launch takes up to about 150 s on a loaded 2-core machine
 
 
 def env() -> dict:
@@ -31,11 +36,11 @@ def env() -> dict:
     }
 
 
-def run(model_dir, run_dir: Path, *extra, nproc: int = 1) -> None:
+def run(model_dir, run_dir: Path, *extra, nproc: int = 1, timeout: float = LAUNCH_TIMEOUT_S) -> None:
     launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else []
     cmd = [sys.executable, *launch, "-m", "dapo.cli", "train", "configs/demo.yaml", *SMALL_OVERRIDES,
            f"model.path={model_dir}", f"run.dir={run_dir}", *extra]  # fmt: skip
-    out = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    out = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
 
 
@@ -52,33 +57,29 @@ def weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(next(ckpt.rglob("model*.safetensors")))
 
 
-@pytest.fixture(scope="module")
-def one_process(tiny_model_dir, tmp_path_factory):
-    """The reference at staleness k: one trainer with its rollout process (each k run once for the module)."""
-    made: dict[int, Path] = {}
-
-    def at(k: int) -> Path:
-        if k not in made:
-            made[k] = tmp_path_factory.mktemp(f"one-process-k{k}")
-            run(tiny_model_dir, made[k], *ASYNC, f"rollout.max_staleness={k}", "run.save_every=1")
-        return made[k]
-
-    return at
+def one_process(model_dir, run_dir: Path, *extra) -> Path:
+    """The reference: one trainer with its rollout process, on the same schedule and seeds."""
+    run(model_dir, run_dir, *ASYNC, *NO_EVAL, *extra)
+    return run_dir
 
 
 @pytest.mark.slow
-def test_a_trainer_and_a_rollout_rank_train_as_the_rollout_process_does_and_resume_exactly(
-    one_process, tiny_model_dir, tmp_path
-):
-    """2 ranks, 1 of them generating: the same samples step by step and the same final weights, bit for bit, as
-    the trainer with its rollout process; stopped after step 2 (step 3's batch in flight) and started again, the
-    same weights again."""
-    a, reference = tmp_path / "ranks", one_process(1)
-    run(tiny_model_dir, a, *ASYNC, "rollout.ranks=1", "run.save_every=1", nproc=2)
+@pytest.mark.timeout(3 * LAUNCH_TIMEOUT_S)
+def test_a_trainer_and_a_rollout_rank_screen_and_train_as_the_rollout_process_does_and_resume_exactly(tmp_path):
+    """2 ranks, 1 of them generating, with two-phase screening (n = 2 of G = 4) on the demo's base model (which
+    answers some problems right, so prompts are both screened out and completed): the same screening counts, samples
+    step by step and final weights, bit for bit, as the trainer with its rollout process; stopped after step 2
+    (step 3's batch in flight) and started again, the same weights again."""
+    model, a = ROOT / "assets" / "arith-base", tmp_path / "ranks"
+    reference = one_process(model, tmp_path / "process", *SCREEN, "run.save_every=1")
+    run(model, a, *ASYNC, *NO_EVAL, *SCREEN, "rollout.ranks=1", "run.save_every=1", nproc=2)
     ref, got = rows(reference), rows(a)
+    assert all(ref[t]["sampling/groups_kept"] > 0 and ref[t]["sampling/screened"] > ref[t]["sampling/groups_kept"]
+               for t in (1, 2, 3))  # fmt: skip
     assert [got[t]["async/staleness_max"] for t in (1, 2, 3)] == [0, 1, 1]
-    for t in (1, 2, 3):  # the same tokens: the same lengths, rewards and losses to the bit
-        for key in ("rollout/response_length_mean", "critic/rewards/mean", "actor/pg_loss"):
+    for t in (1, 2, 3):  # the same tokens: the same screening, lengths, rewards and losses to the bit
+        for key in ("sampling/screened", "sampling/screened_out_tokens", "sampling/samples_generated",
+                    "rollout/response_length_mean", "critic/rewards/mean", "actor/pg_loss"):  # fmt: skip
             assert got[t][key] == ref[t][key], (t, key)
     for t in (1, 2, 3):  # each sample says which weights sampled it: version t - 1 - k, at least 0
         text = next(a.glob(f"*/samples/step_{t:06d}.md")).read_text()
@@ -86,23 +87,26 @@ def test_a_trainer_and_a_rollout_rank_train_as_the_rollout_process_does_and_resu
     w_ref, w = weights(reference, 3), weights(a, 3)
     assert all(torch.equal(w_ref[n], w[n]) for n in w_ref)
     shutil.rmtree(next(a.glob("*/checkpoints/step_000003")))  # as if killed after step 2's checkpoint
-    run(tiny_model_dir, a, *ASYNC, "rollout.ranks=1", "run.save_every=1", nproc=2)
+    run(model, a, *ASYNC, *NO_EVAL, *SCREEN, "rollout.ranks=1", "run.save_every=1", nproc=2)
     w_resumed = weights(a, 3)
     assert all(torch.equal(w_ref[n], w_resumed[n]) for n in w_ref)
 
 
 @pytest.mark.slow
-def test_two_training_ranks_beside_a_rollout_rank_train_on_the_same_samples(one_process, tiny_model_dir, tmp_path):
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)
+def test_two_training_ranks_beside_a_rollout_rank_train_on_the_same_samples(tiny_model_dir, tmp_path):
     """3 ranks at k = 2, 2 training with FSDP on the batches rank 0 collects through the third: the samples of the
     one-process run, and its weights up to the float noise of summing gradients over two ranks."""
-    k, reference = 2, one_process(2)
-    run(tiny_model_dir, tmp_path, *ASYNC, f"rollout.max_staleness={k}", "rollout.ranks=1", "run.save_every=3", nproc=3)
-    ref, got = rows(reference), rows(tmp_path)
+    k, ranks = 2, tmp_path / "ranks"
+    reference = one_process(tiny_model_dir, tmp_path / "process", f"rollout.max_staleness={k}", "run.save_every=3")
+    run(tiny_model_dir, ranks, *ASYNC, *NO_EVAL, f"rollout.max_staleness={k}", "rollout.ranks=1", "run.save_every=3",
+        nproc=3)  # fmt: skip
+    ref, got = rows(reference), rows(ranks)
     for t in (1, 2, 3):
         assert got[t]["rollout/response_length_mean"] == ref[t]["rollout/response_length_mean"]
         assert got[t]["async/staleness_max"] == min(k, t - 1)
         assert abs(got[t]["actor/pg_loss"] - ref[t]["actor/pg_loss"]) < 1e-6
-    w_ref, w = weights(reference, 3), weights(tmp_path, 3)
+    w_ref, w = weights(reference, 3), weights(ranks, 3)
     gap = max((w_ref[n] - w[n]).abs().max().item() for n in w_ref)
     moved = max((w_ref[n] - load_file(next(tiny_model_dir.glob("model*.safetensors")))[n]).abs().max().item()
                 for n in w_ref)  # fmt: skip
@@ -111,11 +115,12 @@ def test_two_training_ranks_beside_a_rollout_rank_train_on_the_same_samples(one_
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)
 def test_two_rollout_ranks_sample_the_shares_two_synchronous_ranks_do(tiny_model_dir, tmp_path):
     """Step 1 (version 0 on both sides): two rollout ranks split the prompts and seed their shares as two training
     ranks of the synchronous loop do, so the step's samples and loss are theirs."""
-    run(tiny_model_dir, tmp_path / "sync", "train.total_steps=1", nproc=2)
-    run(tiny_model_dir, tmp_path / "ranks", *ASYNC, "train.total_steps=1", "rollout.ranks=2", nproc=3)
+    run(tiny_model_dir, tmp_path / "sync", *NO_EVAL, "train.total_steps=1", nproc=2)
+    run(tiny_model_dir, tmp_path / "ranks", *ASYNC, *NO_EVAL, "train.total_steps=1", "rollout.ranks=2", nproc=3)
     sync, ranks = rows(tmp_path / "sync")[1], rows(tmp_path / "ranks")[1]
     assert ranks["rollout/response_length_mean"] == sync["rollout/response_length_mean"]
     assert abs(ranks["actor/pg_loss"] - sync["actor/pg_loss"]) < 1e-6
@@ -155,34 +160,18 @@ def test_rollout_ranks_without_staleness_or_split_by_tensor_parallelism_are_refu
         validate(load_config("configs/demo.yaml", extra))
 
 
-def test_several_training_ranks_without_rollout_ranks_are_told_to_give_it_some(tiny_model_dir, tmp_path):
-    """k > 0 under torchrun with every rank training: one line, pointing at rollout.ranks."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "dapo.cli",
-           "train", "configs/demo.yaml", *SMALL_OVERRIDES, f"model.path={tiny_model_dir}", f"run.dir={tmp_path}",
-           "rollout.max_staleness=1", "algo.rollout_is_cap=2"]  # fmt: skip
-    out = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
-    assert out.returncode != 0
-    assert "rollout.max_staleness=1 with 2 training ranks: give the rollout ranks of its own, rollout.ranks=1" in (
-        out.stdout + out.stderr
+def test_several_training_ranks_without_rollout_ranks_are_told_to_give_it_some():
+    """k > 0 with every rank of the job training: one line, pointing at rollout.ranks, from the config and the ranks
+    alone, before any engine starts (what a torchrun launch of 2 such ranks stops with on rank 0)."""
+    from dapo.collect.collector import build_collector
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine was asked for before the refusal")
+
+    cfg = load_config("configs/demo.yaml", ["rollout.max_staleness=1", "algo.rollout_is_cap=2"])
+    with pytest.raises(ConfigError) as err:
+        build_collector(cfg, parallel.Dist(rank=0, world_size=2), None, no_engine, no_engine)
+    assert "\n" not in str(err.value)
+    assert "rollout.max_staleness=1 with 2 training ranks: give the rollout ranks of its own, rollout.ranks=1" in str(
+        err.value
     )
-
-
-@pytest.mark.slow
-def test_screening_on_a_rollout_rank_samples_and_trains_as_the_rollout_process_does(tmp_path):
-    """Two-phase screening (n = 2 of G = 4) where a rollout rank generates, on the demo's base model (which answers
-    some problems right, so prompts are both screened out and completed): the same screening counts, samples and
-    final weights, bit for bit, as the trainer with its rollout process."""
-    screen = [*ASYNC, "algo.dynamic_sampling=true", "algo.screen_samples=2", "run.save_every=3"]
-    screen += ["rollout.max_response_tokens=48", "algo.overlong_buffer_tokens=8"]
-    model = ROOT / "assets" / "arith-base"
-    run(model, tmp_path / "process", *screen)
-    run(model, tmp_path / "ranks", *screen, "rollout.ranks=1", nproc=2)
-    ref, got = rows(tmp_path / "process"), rows(tmp_path / "ranks")
-    assert all(ref[t]["sampling/groups_kept"] > 0 and ref[t]["sampling/screened"] > ref[t]["sampling/groups_kept"]
-               for t in (1, 2, 3))  # fmt: skip
-    for t in (1, 2, 3):
-        for key in ("sampling/screened", "sampling/screened_out_tokens", "sampling/samples_generated",
-                    "rollout/response_length_mean", "actor/pg_loss"):  # fmt: skip
-            assert got[t][key] == ref[t][key], (t, key)
-    w_ref, w = weights(tmp_path / "process", 3), weights(tmp_path / "ranks", 3)
-    assert all(torch.equal(w_ref[n], w[n]) for n in w_ref)

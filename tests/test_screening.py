@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from conftest import SMALL_OVERRIDES
 from dapo.algorithm import advantages
 from dapo.collect.dynamic_sampling import DynamicSampling
 from dapo.collect.scoring import Scored
@@ -162,20 +163,39 @@ def test_settings_screening_cannot_honour_are_refused_in_one_line(extra, message
         load_config("configs/demo.yaml", extra)
 
 
+# the settings of the runs below: the demo's base model (about 30% right), screening at n = 2 of G = 4
+SCREENING = [*SMALL_OVERRIDES, "model.path=assets/arith-base", "rollout.max_response_tokens=48"]
+SCREENING += ["algo.overlong_buffer_tokens=8", "algo.dynamic_sampling=true", "algo.screen_samples=2"]
+# generating ahead: the rollout process screens and completes step t + 1's prompts while step t trains
+AHEAD = [*SCREENING, "rollout.max_staleness=1", "rollout.engine_threads=1"]
+AHEAD += ["train.total_steps=4", "run.save_every=1", "run.keep_checkpoints=10"]
+
+
+@pytest.fixture(scope="module")
+def generated_ahead(tmp_path_factory):
+    """A run generating ahead with screening, never interrupted (4 steps): what a killed run must resume onto, and
+    the generated-ahead case of the compositions."""
+    from dapo.training import train
+
+    run_dir = tmp_path_factory.mktemp("generated-ahead")
+    train(load_config("configs/demo.yaml", [*AHEAD, f"run.dir={run_dir}"]))
+    return run_dir
+
+
 def test_a_screening_run_trains_says_what_it_saved_and_resumes_onto_the_same_weights(tmp_path):
-    """The demo's base model (about 30% right): screening at n = 2 of G = 4 with an audit, 4 steps. Prompts are
-    screened out and completed, every step trains, and the run's last line says what screening saved. Stopped after
-    step 2's checkpoint (steps 3 and 4 removed, as a kill mid-step leaves them), the resumed run ends on the
-    uninterrupted run's weights, bit for bit."""
+    """Screening with an audit, 4 steps. Prompts are screened out and completed, every step trains, and the run's
+    last line says what screening saved. Stopped after step 2's checkpoint (a copy of the run with steps 3 and 4
+    removed, as a kill mid-step leaves them), the resumed run ends on the uninterrupted run's weights, bit for
+    bit. (That a fresh run repeats another's steps: tests/test_train.py's resume.)"""
+    import io
     import shutil
 
-    from conftest import SMALL_OVERRIDES
+    from rich.console import Console
+
     from dapo.training import train
     from test_async_rollout import final_weights, rows_of
 
-    args = [*SMALL_OVERRIDES, "model.path=assets/arith-base", "algo.dynamic_sampling=true", "algo.screen_samples=2"]
-    args += ["rollout.max_response_tokens=48", "algo.overlong_buffer_tokens=8", "algo.screen_audit=0.5"]
-    args += ["train.total_steps=4", "run.save_every=1", "run.keep_checkpoints=10"]
+    args = [*SCREENING, "algo.screen_audit=0.5", "train.total_steps=4", "run.save_every=1", "run.keep_checkpoints=10"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     train(load_config("configs/demo.yaml", [*args, f"run.dir={whole}"]))
     out = " ".join(run_summary(rows_of(whole), wall_s=1.0, run_dir=whole))
@@ -184,10 +204,12 @@ def test_a_screening_run_trains_says_what_it_saved_and_resumes_onto_the_same_wei
     assert all(r["sampling/screened"] > r["sampling/groups_kept"] > 0 for r in rows)
     assert sum(r["sampling/screened_out_all_correct"] + r["sampling/screened_out_all_wrong"] for r in rows) > 0
     assert "screening dropped" in out and "completed to audit" in out, out[-600:]
-    train(load_config("configs/demo.yaml", [*args, f"run.dir={cut}"]))
+    shutil.copytree(whole, cut)
     for step in (3, 4):
         shutil.rmtree(next(cut.glob(f"*/checkpoints/step_{step:06d}")))
-    train(load_config("configs/demo.yaml", [*args, f"run.dir={cut}"]))
+    console = io.StringIO()  # a resume that started over would end on the same weights: it must say where from
+    train(load_config("configs/demo.yaml", [*args, f"run.dir={cut}"]), console=Console(file=console, width=1000))
+    assert f"resumed from {cut / 't' / 'checkpoints' / 'step_000002'} (step 2)" in console.getvalue()
     a, b = final_weights(whole), final_weights(cut)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -195,7 +217,7 @@ def test_a_screening_run_trains_says_what_it_saved_and_resumes_onto_the_same_wei
 @pytest.mark.parametrize(
     "preset,extra",
     [
-        ("configs/demo.yaml", ["rollout.max_staleness=1", "rollout.engine_threads=1"]),
+        ("configs/demo.yaml", AHEAD[len(SCREENING) :]),
         ("configs/demo.yaml", ["train.share_prompt_prefix=true"]),
         ("configs/demo.yaml", ["model.lora.rank=4", "train.lr=1e-2"]),
         pytest.param(
@@ -206,33 +228,40 @@ def test_a_screening_run_trains_says_what_it_saved_and_resumes_onto_the_same_wei
     ],
     ids=["generated-ahead", "shared-prompt-prefix", "lora", "python-tool"],
 )
-def test_screening_composes_with_what_touches_a_group(tmp_path, preset, extra):
-    """Two steps each: the step logs its screening beside the other mechanism's own figures, and what it generated
-    is n responses per prompt screened and G - n per prompt completed."""
-    from conftest import SMALL_OVERRIDES
+def test_screening_composes_with_what_touches_a_group(tmp_path, preset, extra, request):
+    """Two steps each (generating ahead: the 4 of the run the killed run below resumes onto): the step logs its
+    screening beside the other mechanism's own figures, and what it generated is n responses per prompt screened
+    and G - n per prompt completed."""
     from dapo.training import train
     from test_async_rollout import rows_of
 
-    args = [*SMALL_OVERRIDES, "model.path=assets/arith-base", "rollout.max_response_tokens=48"]
-    args += ["algo.overlong_buffer_tokens=8", "algo.dynamic_sampling=true", "algo.screen_samples=2"]
-    train(load_config(preset, [*args, *extra, f"run.dir={tmp_path}"]))
-    rows = [r for r in rows_of(tmp_path) if "sampling/screened" in r]
-    assert len(rows) == 2 and all(r["sampling/tokens_trained"] > 0 for r in rows)
+    if "rollout.max_staleness=1" in extra:
+        run_dir, steps = request.getfixturevalue("generated_ahead"), 4
+    else:
+        run_dir, steps = tmp_path, 2
+        train(load_config(preset, [*SCREENING, *extra, f"run.dir={tmp_path}"]))
+    rows = [r for r in rows_of(run_dir) if "sampling/screened" in r]
+    assert len(rows) == steps and all(r["sampling/tokens_trained"] > 0 for r in rows)
     # what was generated: n for each prompt screened, G - n more for each completed (training or audit)
     for r in rows:
         completed = r["sampling/groups_kept"] + r["sampling/screen_audited"]
         assert r["sampling/samples_generated"] == 2 * r["sampling/screened"] + (4 - 2) * completed
     if "rollout.max_staleness=1" in extra:
-        assert rows[1]["async/staleness_max"] == 1
+        assert all(r["async/staleness_max"] == min(1, r["step"] - 1) for r in rows)
     if preset.endswith("demo_tools.yaml"):
         assert sum(r.get("tools/calls_per_response", 0) for r in rows) > 0
 
 
 @pytest.mark.slow
-def test_a_run_generating_ahead_killed_while_its_rollout_process_screens_resumes_onto_the_same_weights(tmp_path):
+def test_a_run_generating_ahead_killed_while_its_rollout_process_screens_resumes_onto_the_same_weights(
+    generated_ahead, tmp_path
+):
     """rollout.max_staleness=1: the rollout process screens and completes step t + 1's prompts while step t trains.
     SIGKILL to both right after step 2's checkpoint (the next collection, its screenings and continuations, in
-    flight), then the same command: the final weights are the uninterrupted run's, bit for bit."""
+    flight), then the same command: the final weights are the uninterrupted run's, bit for bit. Only the killed
+    run is a process of its own; the uninterrupted run and the resume run here (a run generating ahead sets the
+    trainer's threads itself, in a process or not)."""
+    import io
     import os
     import signal
     import subprocess
@@ -240,30 +269,27 @@ def test_a_run_generating_ahead_killed_while_its_rollout_process_screens_resumes
     import time
     from pathlib import Path
 
-    from conftest import SMALL_OVERRIDES
+    from rich.console import Console
+
+    from dapo.training import train
     from test_async_rollout import final_weights, rows_of
 
     root = Path(__file__).resolve().parents[1]
-    args = [*SMALL_OVERRIDES, "model.path=assets/arith-base", "algo.dynamic_sampling=true", "algo.screen_samples=2"]
-    args += ["rollout.max_response_tokens=48", "algo.overlong_buffer_tokens=8", "rollout.max_staleness=1"]
-    args += ["rollout.engine_threads=1", "train.total_steps=4", "run.save_every=1", "run.keep_checkpoints=10"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])}
-
-    def command(run_dir: Path) -> list[str]:
-        return [sys.executable, "-m", "dapo.training", "configs/demo.yaml", *args, f"run.dir={run_dir}"]
-
-    whole, killed = tmp_path / "whole", tmp_path / "killed"
-    subprocess.run(command(whole), cwd=root, env=env, check=True, capture_output=True, timeout=600)
-    proc = subprocess.Popen(command(killed), cwd=root, env=env, start_new_session=True,
+    whole, killed = generated_ahead, tmp_path / "killed"
+    command = [sys.executable, "-m", "dapo.training", "configs/demo.yaml", *AHEAD, f"run.dir={killed}"]
+    proc = subprocess.Popen(command, cwd=root, env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 300  # start-up and two steps take about a minute on 2 loaded cores
     while not list(killed.glob("*/checkpoints/step_000002")) and time.monotonic() < deadline:
         time.sleep(0.02)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     done = sorted(p.name for p in killed.glob("*/checkpoints/step_*"))
     assert done and done[-1] < "step_000004", f"the run finished before the kill: {done}"
-    subprocess.run(command(killed), cwd=root, env=env, check=True, capture_output=True, timeout=600)
+    console = io.StringIO()  # a resume that started over would end on the same weights: it must say where from
+    train(load_config("configs/demo.yaml", [*AHEAD, f"run.dir={killed}"]), console=Console(file=console, width=1000))
+    assert f"resumed from {killed / 't' / 'checkpoints' / done[-1]} (step {int(done[-1][5:])})" in console.getvalue()
     rows = [r for r in rows_of(whole) if "sampling/screened" in r]
     assert len(rows) == 4 and all(r["sampling/screened"] > r["sampling/groups_kept"] > 0 for r in rows)
     assert rows[-1]["async/staleness_max"] == 1

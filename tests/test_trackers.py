@@ -377,36 +377,34 @@ def test_dapo_eval_of_a_run_logs_its_report_into_the_run(tmp_path, tiny_model_di
     assert run.info.status == "FINISHED"
 
 
-@pytest.mark.slow
-def test_only_rank_0_logs_under_torchrun(tmp_path, tiny_model_dir):
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO / "src"),
-        "OMP_NUM_THREADS": "1",
-        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db",
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "dapo.cli",
-        "train",
-        "configs/demo.yaml",
-        f"model.path={tiny_model_dir}",
-        f"run.dir={tmp_path / 'runs'}",
-        *SMALL_OVERRIDES,
-        "run.loggers=console,mlflow",
-    ]
-    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-4000:]
-    run_dir = tmp_path / "runs" / "t"
-    client, run = mlflow_run(run_dir)
-    assert len(client.search_runs([run.info.experiment_id])) == 1  # rank 1 opened none
-    assert_history_equals_metrics(client, run.info.run_id, read_metrics(run_dir))
+def test_only_rank_0_opens_the_trackers(tmp_path, tiny_model_dir, monkeypatch):
+    """The loggers each rank of a 2-rank job sets up (``run_setup.setup_loggers``, as under torchrun): rank 1's writes
+    nothing and opens no tracker; rank 0's the one MLflow run (logging every step once: the SQLite test above)."""
+    import contextlib
+    import types
+
+    from dapo import run_setup
+    from dapo.runtime import parallel
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a file store: no database to create
+    store = f"run.mlflow.tracking_uri={tmp_path / 'store'}"
+    cfg = small_config(tmp_path / "runs", tiny_model_dir, "run.loggers=console,mlflow", store)
+    saver = types.SimpleNamespace(writer=types.SimpleNamespace(wait=lambda: None))  # no checkpoint write to wait on
+    text, opened = io.StringIO(), []
+    for rank in (1, 0):
+        with contextlib.ExitStack() as stack:
+            if rank == 0:
+                cfg.run_dir.mkdir(parents=True)  # the run's start makes it, on rank 0
+            d, console = parallel.Dist(rank=rank, world_size=2), Console(file=text, width=400)
+            logger = run_setup.setup_loggers(cfg, d, stack, console, start_step=0, saver=saver)
+            assert logger.log(1, {"actor/entropy": 0.5})["actor/entropy"] == 0.5
+            opened.append(logger.trackers is not None)
+            if rank == 1:
+                assert list(tmp_path.iterdir()) == [] and text.getvalue() == ""
+    assert opened == [False, True]
+    client, run = mlflow_run(cfg.run_dir)
+    assert len(client.search_runs([run.info.experiment_id])) == 1 and run.info.status == "FINISHED"
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "actor/entropy")] == [0.5]
 
 
 # ---- Weights & Biases, offline -------------------------------------------------------------------------
