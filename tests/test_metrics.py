@@ -36,7 +36,7 @@ def hand_made_batch():
 def test_step_metrics_hand_computed_with_verl_names():
     cstats = CollectStats(rounds=3)
     m = {
-        **sampling_metrics(cstats, buffer_groups=0, gen_rounds_total=3),
+        **sampling_metrics(cstats, held_over=0, gen_rounds_total=3),
         **step_metrics(
             hand_made_batch(),
             cstats,

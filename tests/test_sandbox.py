@@ -62,6 +62,17 @@ def test_time_limit_holds_and_names_itself(sandbox):
     assert LIMITS.wall_s <= r.seconds < LIMITS.wall_s + SLACK_S
 
 
+def test_the_cpu_limit_names_itself_whatever_the_load():
+    """An endless loop meets the CPU-time limit, named as such. The wall-clock limit here is far beyond it: with
+    the corpus's 3 s a loaded machine gives the loop under 2 CPU seconds in 3 wall seconds, and the wall limit
+    would strike first."""
+    r = Sandbox(Limits(wall_s=120.0, cpu_s=2, memory_mb=768, processes=16, file_mb=8, output_chars=512)).run(
+        "while True:\n    pass"
+    )
+    assert r.failed and not r.timed_out  # killed by the kernel's SIGXCPU, not by the wall-clock watch
+    assert r.output == "TimeoutError: the code used more than its 2 s of CPU time"
+
+
 @pytest.mark.parametrize("through", ["prlimit", "preexec"])
 def test_the_limits_reach_the_code_with_or_without_prlimit(sandbox, through):
     """With prlimit the call starts by vfork (the trainer is never forked); without it, the limits are set in a

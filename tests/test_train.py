@@ -236,6 +236,9 @@ def test_paper_preset_without_vllm_fails_in_one_line(tmp_path, tiny_model_dir, c
             "model.dtype=float32",
             "model.device=cpu",
             "data.train_files=[data/aime2024/test.jsonl]",
+            "rollout.max_response_tokens=256",  # the preset's 20,480 would not fit the tiny model's 512 positions
+            "algo.overlong_buffer_tokens=64",
+            "eval.max_response_tokens=256",
         ]
     )
     err = capsys.readouterr().err
