@@ -100,7 +100,9 @@ def sample(
     process = warpers(params)
     stop = StopStringCriteria(tokenizer, list(params.stop)) if params.stop else None
     eos = torch.tensor(sorted(eos_ids), device=input_ids.device)
-    out: list[list[int]] = [[] for _ in range(width)]
+    # each row's tokens by step, -1 after its end: written on the device, read once at the end (a GPU waits for
+    # the host only at the one count per step that decides whether to stop or compact)
+    out = torch.full((width, params.max_new_tokens), -1, dtype=torch.long, device=input_ids.device)
     batch = _Batch(input_ids, attention_mask)
     positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)  # as generate derives them
     logits = model(
@@ -112,15 +114,15 @@ def sample(
         tokens = _draw(scores, batch.rows, width, greedy=params.temperature <= 0)
         if stop is not None:
             batch.ids = torch.cat([batch.ids, tokens[:, None]], dim=-1)
-        for row, token in zip(batch.rows[batch.live].tolist(), tokens[batch.live].tolist()):
-            out[row].append(token)
+        out[batch.rows, step] = torch.where(batch.live, tokens, -1)
         ended = torch.isin(tokens, eos)
         if stop is not None:
             ended |= stop(batch.ids, scores)
         batch.live &= ~ended
-        if step + 1 == params.max_new_tokens or not batch.live.any():
+        ended_rows = int((~batch.live).sum())
+        if step + 1 == params.max_new_tokens or ended_rows == len(batch.live):
             break
-        if (~batch.live).sum() >= COMPACT_SHARE * len(batch.live):
+        if ended_rows >= COMPACT_SHARE * len(batch.live):
             which = batch.live.nonzero().squeeze(1)
             batch.keep(which, cache)
             tokens = tokens[which]
@@ -130,7 +132,7 @@ def sample(
             past_key_values=cache, use_cache=True, logits_to_keep=1,
         ).logits  # fmt: skip
         batch.next_position = batch.next_position + 1
-    return out
+    return [[t for t in row if t >= 0] for row in out.tolist()]
 
 
 def _draw(scores: torch.Tensor, rows: torch.Tensor, width: int, *, greedy: bool) -> torch.Tensor:
