@@ -48,7 +48,9 @@ def decodes_here(model) -> bool:
     layers and ``logits_to_keep`` (else the engine calls ``generate``)."""
     lm = _causal_lm(model)
     config = getattr(lm, "config", None)
-    if config is None or config.is_encoder_decoder or "logits_to_keep" not in inspect.signature(lm.forward).parameters:
+    forward = inspect.signature(lm.forward).parameters
+    # both names, as this loop passes them: a family without past_key_values (GPT-1, XLM) keeps no cache of this kind
+    if config is None or config.is_encoder_decoder or not {"logits_to_keep", "past_key_values"} <= forward.keys():
         return False
     supports = getattr(lm, "_supports_default_dynamic_cache", None)
     if supports is None or not supports():
