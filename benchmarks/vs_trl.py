@@ -25,7 +25,8 @@ Both sides train the shipped assets/arith-base on the same arith train problems 
 text), with G=8, 48 new tokens at most, lr 5e-4 after the same 5-step warmup, 32 prompts and 2
 optimizer updates per step, 64 responses per forward/backward pass, eps 0.2/0.28, token-mean
 loss, truncated responses masked out of the loss, no KL term, reward +1/-1 from the arith grader,
-sampling at temperature 1 with transformers' generate and its KV cache, float32 weights, no
+sampling at temperature 1 with transformers' KV cache (TRL: its generate; ours: the same tokens for a seed, ended
+rows leaving the batch, dapo.rollout.hf_decode), float32 weights, no
 gradient checkpointing, and the same torch thread count.
 
 TRL's settings for that (TRL counts completions, and one of its steps is one optimizer update):

@@ -261,3 +261,49 @@ def test_vllm_log_probs_are_the_trainers(model_type, tmp_path, monkeypatch):
             plain = ResponseLogProbs(policy.model, LogitTransform())
             mb = make_micro_batch(batch, list(range(len(batch))), policy.pad_id, torch.device("cpu"))
             assert gap(token_logprobs(plain, mb, temperature=TEMPERATURE)[0]).max() > ENGINE_GAP_LIMIT["float32"]
+
+
+# ---- HF sampling: the engine's decode loop gives generate's tokens ---------------------------------------------
+
+
+def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
+    return ids, mask
+
+
+def test_every_family_the_decode_loop_takes_samples_generates_tokens():
+    """Every family dapo accepts whose KV cache the engine's own loop drives (rollout/hf_decode.py): the same
+    tokens as transformers' generate for the seed, with rows of several lengths and 38 of the 258 tokens ending a
+    row, so rows leave the batch mid-way. generate runs without the forced last EOS some encoder-decoder families'
+    configs add (a token the policy did not sample)."""
+    from transformers import GenerationConfig
+
+    from dapo.rollout import hf_decode
+    from dapo.rollout.base import SamplingParams
+
+    eos = set(range(2, 40))
+    ids, mask = left_padded([[5, 17, 33, 80, 2, 9], [100, 7, 9], [11, 12], [50, 51, 52, 53]] * 2)
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=10, seed=3)
+    config = GenerationConfig(max_new_tokens=10, do_sample=True, top_k=0, pad_token_id=0, eos_token_id=sorted(eos))
+    checked, differ = [], []
+    for family in FAMILIES:
+        if family in arch_zoo.NOT_BUILT or family in REFUSED:
+            continue
+        lm = arch_zoo.build(family).eval()
+        if not hf_decode.decodes_here(lm):
+            continue
+        torch.manual_seed(3)
+        ours = hf_decode.sample(lm, ids, mask, params, eos_ids=eos)
+        lm.generation_config.forced_eos_token_id = None
+        torch.manual_seed(3)
+        rows = lm.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1] :].tolist()
+        theirs = [row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in rows]
+        checked.append(family)
+        if ours != theirs:
+            differ.append(f"{family}: {ours[:2]} vs generate's {theirs[:2]}")
+    print(f"the decode loop gave generate's tokens on {len(checked) - len(differ)} of {len(checked)} families")
+    assert len(checked) >= 100 and not differ, differ

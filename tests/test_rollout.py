@@ -1,11 +1,15 @@
 """The HF rollout engine on a tiny model: order, seeds, the length flag, weight updates."""
 
+from pathlib import Path
+
 import torch
 
 from dapo.config import RolloutConfig
 from dapo.model.loading import load_model_and_tokenizer
 from dapo.rollout import SamplingParams
 from dapo.rollout.build import engine_on
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def engine_for(model_dir):
@@ -120,3 +124,31 @@ def test_eos_ids_on_the_real_smollm2_tokenizer(tiny_model_dir):
     assert HFRolloutEngine(tiny, smol).eos_ids == {2, 0}
     tiny.generation_config.eos_token_id = None
     assert HFRolloutEngine(tiny, smol).eos_ids == {2} and HFRolloutEngine(tiny, tok).eos_ids == {tok.eos_token_id}
+
+
+def test_ended_rows_leave_the_batch_with_generates_tokens():
+    """Rows that end leave the forward batch (dapo.rollout.hf_decode), and every row still gets the tokens
+    transformers' generate samples for the seed: same draws, warpers and forward inputs, over chunks of prompts of
+    different lengths. A stop string ends its row at the token that completes it, where generate pads the row."""
+    from dapo.rollout.hf import HFRolloutEngine
+
+    model, tok = load_model_and_tokenizer(ROOT / "assets" / "arith-base")  # answers end at different lengths
+    compacting = HFRolloutEngine(model, tok, max_batch_size=10)
+    plain = HFRolloutEngine(model, tok, max_batch_size=10, compacting=False)
+    assert compacting.compacting and not plain.compacting
+    prompts = [tok(p)["input_ids"] for p in ("1+2=", "12*3-4=", "7=", "(5+6)*7-8=")]
+    for params in (
+        SamplingParams(n=6, max_new_tokens=24, seed=0),
+        SamplingParams(n=6, temperature=0.7, top_p=0.9, max_new_tokens=24, seed=1),
+        SamplingParams(n=6, top_k=5, max_new_tokens=24, seed=2),
+        SamplingParams(n=2, temperature=0.0, max_new_tokens=24),
+    ):
+        a, b = compacting.generate(prompts, params), plain.generate(prompts, params)
+        assert a.response_ids == b.response_ids and torch.equal(a.truncated, b.truncated)
+        lengths = [len(r) for r in a.response_ids]
+        assert min(lengths) < 24 and max(lengths) == 24  # rows ended at different steps: the batch shrank
+    params = SamplingParams(n=6, max_new_tokens=24, seed=3, stop=("3",))
+    a, b = compacting.generate(prompts, params), plain.generate(prompts, params)
+    assert all(y[: len(x)] == x for x, y in zip(a.response_ids, b.response_ids))
+    stopped = [r for r in a.response_ids if r[-1] != tok.eos_token_id and len(r) < 24]
+    assert stopped and all(tok.decode(r).endswith("3") and tok.pad_token_id not in r for r in stopped)

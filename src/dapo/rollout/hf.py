@@ -2,7 +2,8 @@
 
 By default it shares the policy's model object, so a weight update costs nothing. Prompts are
 sorted by length and generated in chunks of ``max_batch_size`` rows, so short and long prompts
-are not padded to each other more than needed; each chunk stops when all of its rows finished.
+are not padded to each other more than needed. Rows leave their chunk's batch as they end (dapo.rollout.hf_decode:
+the tokens ``generate`` samples, without decoding the ended rows until the chunk's longest ends).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from transformers import GenerationConfig
 
 from dapo.model import lora
+from dapo.rollout import hf_decode
 from dapo.rollout.base import Generation, SamplingParams, Sleepless, eos_token_ids, split_response
 
 LOGPROB_CHUNK_FLOATS = 1 << 27  # logits held at once when computing log-probs (512 MiB in float32)
@@ -21,13 +23,14 @@ LOGPROB_CHUNK_FLOATS = 1 << 27  # logits held at once when computing log-probs (
 class HFRolloutEngine(Sleepless):
     backend = "hf"
 
-    def __init__(self, model, tokenizer, *, max_batch_size: int = 512, logprobs: bool = False):
+    def __init__(self, model, tokenizer, *, max_batch_size: int = 512, logprobs: bool = False, compacting: bool = True):
         self.model = model
         self.logprobs = logprobs  # report each sampled token's log-prob (an engine apart from the trainer's weights)
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_ids = eos_token_ids(model, tokenizer)
+        self.compacting = compacting and hf_decode.decodes_here(model)  # ended rows leave the batch
 
     @property
     def device(self) -> torch.device:
@@ -48,19 +51,27 @@ class HFRolloutEngine(Sleepless):
             for start in range(0, len(order), self.max_batch_size):
                 chunk = order[start : start + self.max_batch_size]
                 input_ids, attention_mask = self._left_pad([rows[i] for i in chunk], device)
-                out = self.model.generate(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    generation_config=self._generation_config(params),
-                    tokenizer=self.tokenizer if params.stop else None,  # stop strings are matched on text
-                )
-                new_tokens = out[:, input_ids.shape[1] :].tolist()
-                for row, tokens in zip(chunk, new_tokens):
+                for row, tokens in zip(chunk, self._sample(input_ids, attention_mask, params)):
                     responses[row], truncated[row] = split_response(tokens, self.eos_ids, params.max_new_tokens)
         logprobs = self._logprobs(rows, responses, params.temperature) if self.logprobs else None
         self.model.train(was_training)
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
         return Generation(prompt_ids=rows, response_ids=responses, truncated=truncated, texts=texts, logprobs=logprobs)
+
+    def _sample(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams) -> list[list[int]]:
+        """Each row's new tokens: hf_decode's loop, which drops ended rows from the batch, where the model's cache
+        allows it; else ``generate`` (its rows padded after their end, which ``split_response`` cuts)."""
+        if self.compacting:
+            return hf_decode.sample(
+                self.model, input_ids, attention_mask, params, eos_ids=self.eos_ids, tokenizer=self.tokenizer
+            )
+        out = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=self._generation_config(params),
+            tokenizer=self.tokenizer if params.stop else None,  # stop strings are matched on text
+        )
+        return out[:, input_ids.shape[1] :].tolist()
 
     def _logprobs(self, rows: list[list[int]], responses: list[list[int]], temperature: float) -> list[list[float]]:
         """Each response token's log-prob under the sampling distribution (softmax of logits / temperature, before

@@ -1,0 +1,150 @@
+"""Sampling with the KV cache, finished rows dropped from the batch: what transformers ``generate`` samples, for
+fewer forward rows.
+
+``generate`` decodes every row of a batch until its longest row ends, so one response that runs to the length limit
+makes the batch's short ones pay for every step after theirs (on the demo, 2.6 decode slots per generated token in
+such a batch). Here rows leave the batch and their KV cache once they end, and each step's forward computes the rows
+still writing.
+
+The tokens are generate's for the same seed and settings: the same forward inputs (left padding, position ids from
+the attention mask, ``logits_to_keep=1``), the same logits warpers in generate's order, and the same random draws:
+``torch.multinomial`` is called on a batch as wide as the chunk, as ``generate`` calls it with its finished rows
+still in, so every row draws from the stream where it would have (finished rows draw from ones and are ignored).
+A smaller batch can round a matmul differently in the last bit, so a token on the edge of two may rarely differ; the
+distribution sampled from is the same softmax(logits / temperature), top-k, top-p either way.
+
+Models whose cache is not transformers' plain ``DynamicCache`` of attention layers (state-space and hybrid layers,
+encoder-decoders) are left to ``generate`` (``decodes_here``).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache, StopStringCriteria
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from dapo.model import lora
+from dapo.rollout.base import SamplingParams
+
+# compact the batch once this share of its rows has ended: each compaction copies the KV cache, as one step's append
+# does, so dropping a row or two at a time would cost more copying than the forward rows it saves
+COMPACT_SHARE = 0.25
+
+
+def _causal_lm(model):
+    return model.get_base_model() if lora.is_adapted(model) else model
+
+
+def decodes_here(model) -> bool:
+    """Whether this module samples for ``model``: a decoder-only LM with transformers' dynamic KV cache of attention
+    layers and ``logits_to_keep`` (else the engine calls ``generate``)."""
+    lm = _causal_lm(model)
+    config = getattr(lm, "config", None)
+    forward = inspect.signature(lm.forward).parameters
+    # both names, as this loop passes them: a family without past_key_values (GPT-1, XLM) keeps no cache of this kind
+    if config is None or config.is_encoder_decoder or not {"logits_to_keep", "past_key_values"} <= forward.keys():
+        return False
+    supports = getattr(lm, "_supports_default_dynamic_cache", None)
+    if supports is None or not supports():
+        return False
+    cache = DynamicCache(config=config.get_text_config(decoder=True))
+    return all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers)
+
+
+def warpers(params: SamplingParams) -> LogitsProcessorList:
+    """generate's logits warpers for these settings, in its order (temperature, top-k, top-p); none when greedy."""
+    out = LogitsProcessorList()
+    if params.temperature <= 0:
+        return out
+    if params.temperature != 1.0:
+        out.append(TemperatureLogitsWarper(params.temperature))
+    if params.top_k:
+        out.append(TopKLogitsWarper(top_k=params.top_k, min_tokens_to_keep=1))
+    if params.top_p < 1.0:
+        out.append(TopPLogitsWarper(top_p=params.top_p, min_tokens_to_keep=1))
+    return out
+
+
+class _Batch:
+    """The rows still in the forward batch: their chunk indices, attention mask, next positions, whether each is
+    still writing, and (for stop strings) their ids so far."""
+
+    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        self.rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+        self.mask = attention_mask
+        self.next_position = attention_mask.sum(-1)  # left-padded: a row's next position is its token count
+        self.live = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        self.ids = input_ids
+
+    def keep(self, which: torch.Tensor, cache: DynamicCache) -> None:
+        cache.batch_select_indices(which)
+        self.rows, self.mask, self.next_position = self.rows[which], self.mask[which], self.next_position[which]
+        self.live, self.ids = self.live[which], self.ids[which]
+
+
+@torch.no_grad()
+def sample(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams, *, eos_ids, tokenizer=None
+) -> list[list[int]]:
+    """Each row's new tokens (left-padded ``input_ids``), ending with the token that ended it (an EOS, the one that
+    completes a stop string) or at ``params.max_new_tokens``. Draws from torch's global generator."""
+    lm = _causal_lm(model)
+    width = input_ids.shape[0]
+    cache = DynamicCache(config=lm.config.get_text_config(decoder=True))
+    process = warpers(params)
+    stop = StopStringCriteria(tokenizer, list(params.stop)) if params.stop else None
+    eos = torch.tensor(sorted(eos_ids), device=input_ids.device)
+    # each row's tokens by step, -1 after its end: written on the device, read once at the end (a GPU waits for
+    # the host only at the one count per step that decides whether to stop or compact)
+    out = torch.full((width, params.max_new_tokens), -1, dtype=torch.long, device=input_ids.device)
+    batch = _Batch(input_ids, attention_mask)
+    positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)  # as generate derives them
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, past_key_values=cache,
+        use_cache=True, logits_to_keep=1,
+    ).logits  # fmt: skip
+    for step in range(params.max_new_tokens):
+        scores = process(batch.ids, logits[:, -1].to(copy=True, dtype=torch.float32))
+        tokens = _draw(scores, batch.rows, width, greedy=params.temperature <= 0)
+        if stop is not None:
+            batch.ids = torch.cat([batch.ids, tokens[:, None]], dim=-1)
+        out[batch.rows, step] = torch.where(batch.live, tokens, -1)
+        ended = torch.isin(tokens, eos)
+        if stop is not None:
+            ended |= stop(batch.ids, scores)
+        batch.live &= ~ended
+        ended_rows = int((~batch.live).sum())
+        if step + 1 == params.max_new_tokens or ended_rows == len(batch.live):
+            break
+        if ended_rows >= COMPACT_SHARE * len(batch.live):
+            which = batch.live.nonzero().squeeze(1)
+            batch.keep(which, cache)
+            tokens = tokens[which]
+        batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch.rows), 1)], dim=-1)
+        logits = model(
+            input_ids=tokens[:, None], attention_mask=batch.mask, position_ids=batch.next_position[:, None],
+            past_key_values=cache, use_cache=True, logits_to_keep=1,
+        ).logits  # fmt: skip
+        batch.next_position = batch.next_position + 1
+    return [[t for t in row if t >= 0] for row in out.tolist()]
+
+
+def _draw(scores: torch.Tensor, rows: torch.Tensor, width: int, *, greedy: bool) -> torch.Tensor:
+    """The next token of each batch row: the argmax, or one draw from softmax(scores) made as generate makes it,
+    in one ``torch.multinomial`` over all ``width`` rows of the chunk (rows no longer in the batch draw from ones)."""
+    if greedy:
+        return scores.argmax(-1)
+    probs = torch.softmax(scores, dim=-1)
+    if len(rows) == width:
+        return torch.multinomial(probs, num_samples=1).squeeze(1)
+    full = probs.new_ones(width, probs.shape[-1])
+    full[rows] = probs
+    return torch.multinomial(full, num_samples=1).squeeze(1)[rows]
