@@ -2,11 +2,12 @@
 coef x (log p_teacher - log p_student), beside the reward's advantage or alone (teacher.*)."""
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import SMALL_OVERRIDES, make_policy, sampled_batch, small_config
+from conftest import SMALL_OVERRIDES, sampled_batch, small_config
 from dapo.algorithm import advantages
 from dapo.algorithm.batch import RolloutBatch
 from dapo.algorithm.step import teacher_term
@@ -258,7 +259,6 @@ def test_a_teacher_directory_that_cannot_load_is_refused_in_one_line(tiny_model_
     "extra,says",
     [
         (["teacher.coef=1"], "teacher.coef=1: the teacher's term needs a teacher; set teacher.path"),
-        (["teacher.path=x"], "teacher.path=x: with teacher.coef=0 the teacher would load and score nothing"),
         (["teacher.coef=-1"], "teacher.coef=-1.0: must be >= 0; 0 turns the teacher off"),
         (["teacher.reward_advantage=false"], "teacher.reward_advantage=false leaves the teacher's term as the only"),
         (["teacher.dtype=float16"], "teacher.dtype='float16': choose float32 or bfloat16"),
@@ -270,7 +270,7 @@ def test_bad_teacher_settings_are_refused_in_one_line_naming_the_field(extra, sa
     assert str(err.value).startswith(says), str(err.value)
 
 
-def test_the_default_has_no_teacher_and_loads_none(tiny_model_dir, tmp_path):
+def test_teacher_coef_0_loads_no_teacher_whatever_the_path(tiny_model_dir, tmp_path):
     import contextlib
 
     from dapo import training
@@ -279,4 +279,23 @@ def test_the_default_has_no_teacher_and_loads_none(tiny_model_dir, tmp_path):
     assert cfg.teacher.coef == 0 and cfg.teacher.path is None
     with contextlib.ExitStack() as stack:
         assert training.start(cfg, stack).teacher is None
-    make_policy(cfg)  # the student alone loads as before
+    cfg = small_config(tmp_path, tiny_model_dir, "teacher.path=not/there", "run.resume=false", "run.overwrite=true")
+    with contextlib.ExitStack() as stack:  # coef 0 with a path (an ablation's DAPO row): still no teacher
+        assert training.start(cfg, stack).teacher is None
+
+
+def test_the_distillation_rows_of_dapo_ablate_and_the_demo_preset(tmp_path):
+    """`dapo ablate --rows-dir configs/distillation teacher.path=DIR`: DAPO (no teacher), pure distillation and DAPO
+    with the teacher, each on the ablation's base; configs/demo_distill.yaml is the demo with its trained teacher."""
+    from dapo.ablate import ROW_LABELS, find_rows, plan
+
+    rows = find_rows(Path("configs/distillation"))
+    _, runs = plan(Path("configs/ablation/base.yaml"), rows, [0], tmp_path, ["teacher.path=runs/demo/teacher"])
+    by_row = {run.row: run.cfg.teacher for run in runs}
+    assert list(by_row) == ["1_dapo", "2_distill", "3_dapo_teacher"] and all(r in ROW_LABELS for r in by_row)
+    assert by_row["1_dapo"].coef == 0
+    assert by_row["2_distill"].coef == 1 and not by_row["2_distill"].reward_advantage
+    assert by_row["3_dapo_teacher"].coef == 1 and by_row["3_dapo_teacher"].reward_advantage
+    cfg = load_config("configs/demo_distill.yaml")
+    assert (cfg.teacher.path, cfg.teacher.coef, cfg.teacher.reward_advantage) == ("runs/demo/teacher", 1.0, False)
+    assert cfg.model.path == load_config("configs/demo.yaml").model.path

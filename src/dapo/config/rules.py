@@ -329,14 +329,11 @@ RULES = (
     # ---- the teacher (on-policy distillation)
     RuleBetween(
         ("teacher.coef", "teacher.path"),
-        "`teacher.coef` > 0 needs `teacher.path`, and `teacher.path` needs `teacher.coef` > 0",
-        lambda cfg: (cfg.teacher.coef > 0) == (cfg.teacher.path is not None),
+        "`teacher.coef` > 0 needs `teacher.path` (with `teacher.coef=0` no teacher loads, whatever the path)",
+        lambda cfg: cfg.teacher.coef == 0 or cfg.teacher.path is not None,
         lambda cfg: (
             f"teacher.coef={cfg.teacher.coef:g}: the teacher's term needs a teacher; set teacher.path to a model "
             "directory or Hub id with the student's tokenizer, or teacher.coef=0"
-            if cfg.teacher.coef > 0
-            else f"teacher.path={cfg.teacher.path}: with teacher.coef=0 the teacher would load and score nothing; set "
-            "teacher.coef (1 is the usual start) or teacher.path=null"
         ),
     ),
     RuleBetween(

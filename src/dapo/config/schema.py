@@ -255,7 +255,8 @@ class TeacherConfig:
     path: str | None = None
     # a hub teacher's branch, tag or commit (teacher.path a hub id); null: its default branch
     revision: str | None = None
-    # the weight of the teacher's per-token term; 0: off, and the run is DAPO's exactly
+    # the weight of the teacher's per-token term; 0: off (no teacher loads, whatever teacher.path says), and the run
+    # is DAPO's exactly
     coef: float = field(0.0, ge=0, why="0 turns the teacher off")
     # true: the reward's group advantage (eq. 9) plus the teacher's term (DAPO + teacher); false: the teacher's term
     # alone (pure distillation), where no group needs varied rewards, so dynamic sampling's filter is off
