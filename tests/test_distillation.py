@@ -25,20 +25,25 @@ def teacher_dir(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def demo_teacher_dir(tmp_path_factory):
-    """The demo's base model with every weight moved by seeded noise: the demo's tokenizer, another distribution."""
+def perturbed_copy(model_dir, out):
+    """``model_dir``'s model with every weight moved by seeded noise, and its tokenizer: another distribution over
+    the same token ids."""
     from dapo.model.loading import load_model_and_tokenizer
 
-    model, tokenizer = load_model_and_tokenizer("assets/arith-base")
+    model, tokenizer = load_model_and_tokenizer(model_dir)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.02 * torch.randn(p.shape, generator=generator))
-    path = tmp_path_factory.mktemp("demo-teacher")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def demo_teacher_dir(tmp_path_factory):
+    """The demo's base model, perturbed: the demo's tokenizer, another distribution."""
+    return perturbed_copy("assets/arith-base", tmp_path_factory.mktemp("demo-teacher"))
 
 
 def teacher_of(cfg):
@@ -299,3 +304,33 @@ def test_the_distillation_rows_of_dapo_ablate_and_the_demo_preset(tmp_path):
     cfg = load_config("configs/demo_distill.yaml")
     assert (cfg.teacher.path, cfg.teacher.coef, cfg.teacher.reward_advantage) == ("runs/demo/teacher", 1.0, False)
     assert cfg.model.path == load_config("configs/demo.yaml").model.path
+
+
+def test_two_fsdp_ranks_shard_the_teacher_and_score_every_row(tiny_model_dir, teacher_dir, tmp_path):
+    """Under torchrun the teacher is sharded over the trainer's ranks as the policy is; each rank scores its share
+    of the rows and every rank ends with the whole batch's term: the run trains and logs the teacher's figures."""
+    import json
+
+    from test_parallel import torchrun
+
+    args = ["-m", "dapo.cli", "train", "configs/demo.yaml", f"model.path={tiny_model_dir}", *SMALL_OVERRIDES]
+    torchrun(*args, f"teacher.path={teacher_dir}", "teacher.coef=1", f"run.dir={tmp_path}")
+    rows = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert len(rows) == 2 and all(r["teacher/reverse_kl_mean"] != 0 and 0 < r["teacher/adv_share"] < 1 for r in rows)
+
+
+@pytest.mark.sandbox
+def test_a_teacher_composes_with_multi_turn_tool_rollouts(tmp_path):
+    """The tools demo's model, taught by a perturbed copy of itself: responses call the sandboxed tool, and the
+    teacher's figures are logged over the model's own tokens (a tool's output gets no term: the hand-computed test
+    above)."""
+    from dapo.training import train
+    from test_async_rollout import rows_of
+
+    teacher = perturbed_copy("assets/arith-tools-base", tmp_path / "teacher")
+    args = [*SMALL_OVERRIDES, "model.path=assets/arith-tools-base", "rollout.max_response_tokens=64"]
+    args += [f"teacher.path={teacher}", "teacher.coef=1", f"run.dir={tmp_path / 'runs'}"]
+    train(load_config("configs/demo_tools.yaml", args))
+    rows = [r for r in rows_of(tmp_path / "runs") if "sampling/tokens_trained" in r]
+    assert len(rows) == 2 and sum(r.get("tools/calls_per_response", 0) for r in rows) > 0
+    assert all(r["teacher/reverse_kl_mean"] != 0 and 0 < r["teacher/adv_share"] < 1 for r in rows)
