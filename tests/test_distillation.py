@@ -25,6 +25,26 @@ def teacher_dir(tmp_path_factory):
     return path
 
 
+SMOLLM2_TOKENIZER = Path("tests/assets/smollm2-tokenizer")  # SmolLM2-135M-Instruct's tokenizer files
+
+
+@pytest.fixture(scope="module")
+def real_tokenizer_dirs(tmp_path_factory):
+    """Two tiny models (other seeds) with SmolLM2-135M-Instruct's own tokenizer, a byte-level BPE of 49,152
+    tokens: student and teacher."""
+    from transformers import AutoTokenizer
+
+    from dapo.model import tiny
+
+    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2_TOKENIZER)
+    dirs = []
+    for name, seed in (("student", 0), ("teacher", 1)):
+        path = tmp_path_factory.mktemp(f"smol-tokenizer-{name}")
+        tiny.save(tiny.build_model(tokenizer, hidden_size=32, num_layers=2, num_heads=2, seed=seed), tokenizer, path)
+        dirs.append(path)
+    return dirs
+
+
 def perturbed_copy(model_dir, out):
     """``model_dir``'s model with every weight moved by seeded noise, and its tokenizer: another distribution over
     the same token ids."""
@@ -58,16 +78,27 @@ def teacher_of(cfg):
     return student, teacher
 
 
-@pytest.mark.parametrize("layout", [[], ["train.share_prompt_prefix=true"], ["train.max_tokens_per_micro_batch=40"]])
+@pytest.mark.parametrize(
+    "tokenizer,layout",
+    [
+        ("tiny", []),
+        ("tiny", ["train.share_prompt_prefix=true"]),
+        ("tiny", ["train.max_tokens_per_micro_batch=40"]),
+        ("smollm2", ["train.max_tokens_per_micro_batch=40"]),
+    ],
+)
 def test_the_teacher_s_log_probs_are_its_own_full_forward_at_the_sampling_temperature(
-    tiny_model_dir, teacher_dir, tmp_path, layout
+    tiny_model_dir, teacher_dir, request, tmp_path, layout, tokenizer
 ):
     """Sampled rows of the student, scored by the teacher over the student's micro-batch layout (one pass, shared
     prompts, several micro-batches): each token's log-prob is log_softmax(logits / T) of the teacher's own forward
-    over the whole sequence, to float32 precision."""
+    over the whole sequence, to float32 precision; with the character tokenizer and with SmolLM2's real BPE one."""
+    student_dir, teacher = (
+        (tiny_model_dir, teacher_dir) if tokenizer == "tiny" else request.getfixturevalue("real_tokenizer_dirs")
+    )
     cfg = load_config(
         "configs/demo.yaml",
-        [f"model.path={tiny_model_dir}", *SMALL_OVERRIDES, f"teacher.path={teacher_dir}", "teacher.coef=1"]
+        [f"model.path={student_dir}", *SMALL_OVERRIDES, f"teacher.path={teacher}", "teacher.coef=1"]
         + ["rollout.temperature=0.7", *layout],
     )
     student, teacher = teacher_of(cfg)
