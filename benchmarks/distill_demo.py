@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from runs import generation, machine, mean_ci, run_alone, run_together  # noqa: E402
+from runs import Load, Run, generation, machine, mean_ci, run_alone, run_together  # noqa: E402
 
 ARMS = {
     "dapo": [],
@@ -123,6 +123,20 @@ def summarise(runs: dict[str, list], teacher_acc: float | None) -> dict:
     }
 
 
+def seed_runs(seed: int, common: list[str], out: Path) -> list[Run]:
+    """A seed's arms, run together; kept in out/seed<k>.json with their settings, so a rerun with the same settings
+    and more seeds runs only the new ones."""
+    seeding = [f"train.seed={seed}", f"data.seed={seed}", f"rollout.seed={seed}"]
+    specs = [("configs/demo.yaml", common + seeding + extra, out / arm / f"seed{seed}") for arm, extra in ARMS.items()]
+    kept = out / f"seed{seed}.json"
+    settings = [overrides for _, overrides, _ in specs]
+    if kept.is_file() and (saved := json.loads(kept.read_text()))["settings"] == settings:
+        return [Run(r["name"], r["rows"], r["wall_s"], r["cpu_s"], Load(**r["load"])) for r in saved["runs"]]
+    runs = run_together(specs, threads=1)
+    kept.write_text(json.dumps({"settings": settings, "runs": [{**vars(r), "load": vars(r.load)} for r in runs]}))
+    return runs
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--teacher", help="the teacher's model directory (else --make-teacher)")
@@ -147,11 +161,7 @@ def main() -> None:
     common += [f"eval.num_problems={args.eval_problems}", f"teacher.path={teacher}"]
     runs: dict[str, list] = {arm: [] for arm in ARMS}
     for seed in range(1, args.seeds + 1):
-        seeding = [f"train.seed={seed}", f"data.seed={seed}", f"rollout.seed={seed}"]
-        specs = [
-            ("configs/demo.yaml", common + seeding + extra, out / arm / f"seed{seed}") for arm, extra in ARMS.items()
-        ]
-        for arm, run in zip(ARMS, run_together(specs, threads=1)):
+        for arm, run in zip(ARMS, seed_runs(seed, common, out)):
             runs[arm].append(run)
             print(f"seed {seed} {arm}: held-out {curve(run.rows)[-1][2]:.3f}, {run.load.describe()}", flush=True)
     figures = summarise(runs, teacher_acc)
