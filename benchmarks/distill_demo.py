@@ -1,6 +1,6 @@
 """On-policy distillation on the demo: DAPO, pure distillation and DAPO with a teacher, from the demo's base model.
 
-    python benchmarks/distill_demo.py --make-teacher --seeds 2 --json benchmarks/results/distill_demo.json
+    python benchmarks/distill_demo.py --make-teacher --seeds 5 --json benchmarks/results/distillation/demo.json
     python benchmarks/distill_demo.py --teacher runs/demo/teacher --seeds 5 --steps 60   # a teacher you have
 
 The teacher is the demo's own DAPO-trained model (configs/demo.yaml, 60 steps, seed 0, exported with `dapo export`;
