@@ -349,7 +349,8 @@ def test_help_of_a_command_with_settings_shows_the_first_settings_defaults_and_t
         text = " ".join(out.split())
         assert 'docs/reference/config.md ("Configuration reference" in the manual)' in text
         assert text.endswith(
-            "Sections: model, model.lora, data, rollout, reward, algo, train, eval, tools, run, run.wandb, run.mlflow"
+            "Sections: model, model.lora, data, rollout, reward, algo, teacher, train, eval, tools, run, run.wandb, "
+            "run.mlflow"
         )
         assert "schema.py" not in out
     with pytest.raises(SystemExit):

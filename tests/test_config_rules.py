@@ -73,6 +73,14 @@ BREAKS_RULE = {
     ("algo.overlong_buffer_tokens", "rollout.max_response_tokens", "algo.soft_overlong_punishment"): [
         "algo.overlong_buffer_tokens=49"
     ],
+    ("teacher.coef", "teacher.path"): ["teacher.coef=1"],
+    ("teacher.reward_advantage", "teacher.coef"): ["teacher.reward_advantage=false"],
+    ("algo.screen_samples", "teacher.reward_advantage"): [
+        "teacher.path=assets/arith-base",
+        "teacher.coef=1",
+        "teacher.reward_advantage=false",
+        "algo.screen_samples=4",
+    ],
     ("train.prompts_per_step", "train.mini_batch_prompts"): ["train.mini_batch_prompts=5"],
     ("train.share_prompt_prefix", "train.pack_sequences"): [
         "train.share_prompt_prefix=true",
@@ -121,7 +129,7 @@ def test_a_run_generating_ahead_fills_the_importance_cap_unless_given():
 
 
 ALGO_KEYS = ", ".join(sorted(f.name for f in dataclasses.fields(config_module.AlgoConfig)))
-SECTIONS = "algo, data, eval, model, reward, rollout, run, tools, train"
+SECTIONS = "algo, data, eval, model, reward, rollout, run, teacher, tools, train"
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
     dapo ablate                                              # small scale: configs/ablation/base.yaml, all rows
     dapo ablate --seeds 5 --jobs 2 --out runs/ablation
     dapo ablate --base configs/dapo_qwen2.5_32b.yaml model.path=/models/Qwen2.5-32B --jobs 1
+    dapo ablate --rows-dir configs/distillation teacher.path=runs/demo/teacher   # DAPO beside distillation
 
 Rows are the files ``configs/ablation/<k>_<name>.yaml``; each names the previous one as ``base:``
 and switches one technique, and they hold only technique switches, so the same rows apply on top of
@@ -52,6 +53,10 @@ ROW_LABELS = {
     "1_dapo": ("DAPO (clipped token ratio)", 50),
     "2_gspo": ("GSPO (clipped sequence ratio)", None),
     "3_cispo": ("CISPO (clipped, detached token weight)", None),
+    # configs/distillation/: DAPO beside on-policy distillation (dapo ablate --rows-dir configs/distillation
+    # teacher.path=DIR)
+    "2_distill": ("pure on-policy distillation (the teacher's term alone)", None),
+    "3_dapo_teacher": ("DAPO + the teacher's per-token term", None),
 }
 # two-sided 97.5% quantiles of Student's t, by degrees of freedom (for the 95% interval over seeds)
 _T975 = {

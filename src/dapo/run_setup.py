@@ -24,6 +24,7 @@ from dapo.data.prompts import fit_prompts, make_encoder, model_context, prompt_l
 from dapo.data.train_sets import load_train_sets, read_settings
 from dapo.evaluation import held_out_set, load_benchmark
 from dapo.model.policy import BaseReference, Policy, ReferenceModel
+from dapo.model.teacher import TeacherModel
 from dapo.reporting.run_log import RunLogger
 from dapo.reporting.trackers import check_installed, open_trackers, run_status
 from dapo.rewards.reward_fn import grader_name
@@ -64,6 +65,20 @@ def setup_policy(
     if cfg.algo.kl_coef > 0:  # with LoRA the base is the policy with its adapters off: no second copy
         reference = policy.base_reference() if policy.adapted else ReferenceModel(cfg.model, cfg.train, d, **model_kw)
     return policy, reference
+
+
+def setup_teacher(cfg: Config, d: parallel.Dist, device: torch.device, policy: Policy) -> TeacherModel | None:
+    """The frozen teacher when teacher.coef > 0 (None without one), on the trainer's ranks (sharded as the policy
+    is), its log-probs at the sampling temperature over the policy's micro-batch layout; a teacher whose tokenizer
+    is not the policy's is refused."""
+    if cfg.teacher.coef == 0:
+        return None
+    r = cfg.rollout
+    return TeacherModel(
+        cfg.teacher, cfg.model, cfg.train, d,
+        student_tokenizer=policy.tokenizer, device=device, temperature=r.temperature,
+        max_seq_tokens=cfg.data.max_prompt_tokens + r.max_response_tokens,
+    )  # fmt: skip
 
 
 def setup_engine(cfg: Config, d: parallel.Dist, policy: Policy, tool_env) -> tuple[Config, object]:
@@ -182,6 +197,9 @@ def setup_collection(
     on rollout ranks (closed with ``stack``). ``grader``: a caller's reward function's name, else ``auto``
     (``auto_grader``'s) or reward.grader grades."""
     r, a = cfg.rollout, cfg.algo
+    if cfg.teacher.coef > 0 and not cfg.teacher.reward_advantage:
+        # pure distillation: every token's advantage is the teacher's, so a group needs no varied rewards to teach
+        a = dataclasses.replace(a, dynamic_sampling=False)
     scorer_of = functools.partial(
         Scorer,
         grader=grader or auto or cfg.reward.grader,

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from dapo import checkpoint, run_setup
 from dapo.algorithm.batch import RolloutBatch
-from dapo.algorithm.step import assign_advantages, make_loss_fn, old_logprobs
+from dapo.algorithm.step import assign_advantages, make_loss_fn, old_logprobs, teacher_term
 from dapo.checkpoint import preemption
 from dapo.checkpoint.saver import Saver
 from dapo.checkpoint.writer import CheckpointWriter
@@ -38,6 +38,7 @@ from dapo.evaluation import HeldOut
 from dapo.model import lora
 from dapo.model.loading import pick_device
 from dapo.model.policy import BaseReference, Policy, ReferenceModel
+from dapo.model.teacher import TeacherModel
 from dapo.reporting.metrics import sample_records, step_metrics
 from dapo.reporting.notes import NonFiniteError, RunNotes
 from dapo.reporting.run_log import RunLogger
@@ -83,6 +84,7 @@ class Run:
     memory: PhaseMemory
     step: int = 0  # training steps done
     signals: preemption.Signals | None = None  # SIGTERM, SIGUSR1, SIGINT: a checkpoint on the way out
+    teacher: TeacherModel | None = None  # on-policy distillation's frozen teacher (teacher.coef > 0)
 
     def boundary(self, where: str) -> None:
         """Stop here when a rank has had SIGTERM, SIGUSR1 or SIGINT (dapo.checkpoint.preemption)."""
@@ -105,6 +107,7 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
     reward_fn = run_setup.setup_reward_fn(cfg, inputs.reward_fn, train_sets)
     device = d.device if d.sharded else pick_device(cfg.model.device)
     policy, reference = run_setup.setup_policy(cfg, d, device)
+    teacher = run_setup.setup_teacher(cfg, d, device, policy)  # a teacher that cannot load stops the run here
     cfg, capped = run_setup.setup_prompt_limit(cfg, policy)  # cfg: data.max_prompt_tokens within the model's context
     cfg, engine = run_setup.setup_engine(cfg, d, policy, inputs.tool_env)  # cfg: with the backend "auto" chose
     encode, prompts, eval_sets, overlong = run_setup.setup_data(cfg, policy.tokenizer, train_sets, eval_sets)
@@ -133,7 +136,7 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
         cfg, d, policy, reference, engine, collector,
         loss_fn=make_loss_fn(cfg.algo, cfg.rollout.max_response_tokens),
         evaluate=HeldOut(cfg, engine, encode, eval_sets, pool, grader or auto, policy.tokenizer),
-        saver=saver, logger=logger, notes=RunNotes(cfg, logger), memory=memory, step=step,
+        saver=saver, logger=logger, notes=RunNotes(cfg, logger), memory=memory, step=step, teacher=teacher,
     )  # fmt: skip
 
 
@@ -176,6 +179,10 @@ def _update(run: Run, taken: StepBatch, step: int, phase: StepPhases, seconds: d
     engine.sleep()  # a colocated engine frees its memory for the trainer; no-op for hf
     with phase("old_logprob"):
         old = old_logprobs(batch, policy, cfg.algo, reference=run.reference, held_over=taken.held_over)
+    distilled = {}
+    if run.teacher is not None:  # on-policy distillation: the teacher's term in every token's advantage
+        with phase("teacher_logprob"):
+            distilled = teacher_term(batch, run.teacher, cfg.teacher)
     run.boundary("old_logprob")  # the last point a stop abandons the step: past it the update is finished
     # an asynchronous save writes the weights and AdamW state from live memory (for the watchdog a phase of its
     # own: a wait of nothing must not set the limit of the save itself)
@@ -189,15 +196,19 @@ def _update(run: Run, taken: StepBatch, step: int, phase: StepPhases, seconds: d
         engine.wake()
         engine.update_weights(policy.named_weights())
         run.collector.publish(step, policy.named_weights(), held_over=old.held_over)
-    metrics = old.metrics | step_metrics(
-        batch,
-        taken.stats,
-        update,
-        seconds,
-        max_prompt_tokens=cfg.data.max_prompt_tokens,
-        max_response_tokens=cfg.rollout.max_response_tokens,
-        old_logprob_tokens=old.tokens_computed,
-        engine_vs_trainer=cfg.algo.old_logp_source != "engine",
+    metrics = (
+        old.metrics
+        | distilled
+        | step_metrics(
+            batch,
+            taken.stats,
+            update,
+            seconds,
+            max_prompt_tokens=cfg.data.max_prompt_tokens,
+            max_response_tokens=cfg.rollout.max_response_tokens,
+            old_logprob_tokens=old.tokens_computed,
+            engine_vs_trainer=cfg.algo.old_logp_source != "engine",
+        )
     )
     return metrics
 

@@ -4,6 +4,9 @@ penalty, as pure tensor functions (no I/O, no config). Checkable by hand against
   eq. 11      informative_groups   keep 0 < #correct < G                    (Dynamic Sampling, sec. 3.2)
   eq. 13      overlong_penalty     soft overlong punishment                 (sec. 3.4)
 Dr. GRPO is ``group_advantages(..., scale_by_std=False)``.
+Beyond the paper, on-policy distillation (Agarwal et al. 2024, arXiv 2306.13649; Thinking Machines, "On-Policy
+Distillation", 2025): ``teacher_advantages`` gives each sampled token coef x (log p_teacher - log p_student), the
+negative per-token reverse KL, as a reward with discount 0.
 """
 
 from __future__ import annotations
@@ -77,3 +80,25 @@ def overlong_penalty(
     exceed = lengths.float() - expected  # (N,)
     penalty = -exceed / overlong_buffer_tokens * penalty_factor
     return penalty.clamp(min=-penalty_factor, max=0.0)
+
+
+def teacher_advantages(
+    reward_adv: torch.Tensor | None,
+    teacher_logp: torch.Tensor,
+    student_logp: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    coef: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token advantages with the teacher's term: (N,) or None, (N, T) x 3 -> (N, T) advantages, (N, T) term.
+
+    term_t = coef * (log p_teacher(y_t | s_t) - log p_student(y_t | s_t)): the negative reverse-KL estimate at the
+    sampled token, a per-token reward with discount 0 (each token is credited with its own term only). The student's
+    log-prob is that of the weights that sampled (old_logp), so the term is fixed for the step like the reward.
+    ``reward_adv``: eq. 9's advantage, added to every token of its response (DAPO + teacher); None: the term alone
+    (pure distillation). Tokens outside ``response_mask`` (padding, a tool's output) get no term.
+    """
+    term = coef * (teacher_logp - student_logp) * response_mask  # (N, T)
+    if reward_adv is None:
+        return term, term
+    return reward_adv[:, None] + term, term  # (N, T)

@@ -14,7 +14,7 @@ import torch
 
 from dapo.algorithm import advantages, losses, rollout_correction
 from dapo.algorithm.batch import RolloutBatch
-from dapo.config import AlgoConfig
+from dapo.config import AlgoConfig, TeacherConfig
 
 
 def objective_of(algo_cfg: AlgoConfig, max_response_tokens: int) -> losses.Objective:
@@ -91,6 +91,40 @@ def old_logprobs(
         batch.ref_logp = reference.logprobs(batch)  # (N, T)
     metrics = importance_weights(batch, a)  # engine vs trainer; off without a cap
     return OldLogprobs(metrics, tokens, entropy_from_update=a.old_logp_source == "engine", held_over=held_over)
+
+
+def teacher_term(batch: RolloutBatch, teacher, teacher_cfg: TeacherConfig) -> dict:
+    """On-policy distillation, after the old log-probs: the teacher's log-probs of every sampled token (``teacher``
+    gives ``logprobs``, over the same micro-batches as the student's pass), and ``batch.adv`` made per token (N, T):
+    the reward's advantage plus teacher.coef x (log p_teacher - old_logp), or the teacher's term alone
+    (teacher.reward_advantage=false). Only the tokens trained on (``response_mask``: the model's own, not a tool's)
+    get a term and count in the statistics it returns:
+      teacher/reverse_kl_mean           mean of old_logp - teacher_logp over those tokens (the k1 estimate of
+                                        KL(student || teacher), per token)
+      teacher/reverse_kl_response_mean  the same per response (its tokens' mean), averaged over responses
+      teacher/adv_share                 the teacher term's share of the advantage: sum |term| / (sum |term| +
+                                        sum |reward advantage|) over those tokens (1 in pure distillation)
+    """
+    teacher_logp = teacher.logprobs(batch)  # (N, T)
+    T = teacher_logp.shape[1]
+    mask = batch.response_mask(width=T)  # (N, T)
+    student_logp = batch.old_logp[:, :T]  # (N, T): the weights that sampled (held-over rows: theirs)
+    reward_adv = batch.adv if teacher_cfg.reward_advantage else None  # (N,)
+    batch.adv, term = advantages.teacher_advantages(
+        reward_adv, teacher_logp, student_logp, mask, coef=teacher_cfg.coef
+    )  # (N, T) each
+    reverse_kl = (student_logp - teacher_logp) * mask  # (N, T)
+    tokens = mask.sum(dim=1)  # (N,)
+    scored = tokens > 0  # (N,) responses with a token trained on
+    reward_part = (reward_adv[:, None].abs() * mask).sum() if reward_adv is not None else torch.zeros(())
+    term_part = term.abs().sum()
+    return {
+        "teacher/reverse_kl_mean": reverse_kl.sum() / tokens.sum().clamp(min=1),
+        "teacher/reverse_kl_response_mean": (reverse_kl.sum(dim=1)[scored] / tokens[scored]).mean()
+        if scored.any()
+        else torch.zeros(()),
+        "teacher/adv_share": term_part / (term_part + reward_part).clamp(min=1e-12),
+    }
 
 
 def importance_weights(batch: RolloutBatch, algo_cfg: AlgoConfig) -> dict:

@@ -3,8 +3,9 @@
     cfg = load_config("configs/demo.yaml", ["algo.eps_high=0.28", "rollout.backend=hf"])
 
 Unknown keys, wrong types and inconsistent values fail at start with a ConfigError naming the key and the fix.
-``schema``: the tree, each setting's declaration; ``read``: presets and overrides into it; ``rules``: the checks,
-each setting's own and those between settings; ``shipped``: where the shipped presets, models and data are. This
+``schema``: the tree; ``declare``: how a setting is declared (its ``Rule``, ``field``); ``read``: presets and
+overrides into it; ``rules``: the checks, each setting's own and those between settings; ``shipped``: where the
+shipped presets, models and data are. This
 package imports nothing else of dapo: every other stage reads its settings from here.
 """
 
@@ -35,6 +36,7 @@ from dapo.config.schema import (
     RewardConfig,
     RolloutConfig,
     RunConfig,
+    TeacherConfig,
     ToolsConfig,
     TrainConfig,
     WandbConfig,
@@ -57,6 +59,7 @@ __all__ = [
     "RewardConfig",
     "RolloutConfig",
     "RunConfig",
+    "TeacherConfig",
     "ToolsConfig",
     "TrainConfig",
     "WandbConfig",

@@ -326,6 +326,34 @@ RULES = (
             "maximum length"
         ),
     ),
+    # ---- the teacher (on-policy distillation)
+    RuleBetween(
+        ("teacher.coef", "teacher.path"),
+        "`teacher.coef` > 0 needs `teacher.path` (with `teacher.coef=0` no teacher loads, whatever the path)",
+        lambda cfg: cfg.teacher.coef == 0 or cfg.teacher.path is not None,
+        lambda cfg: (
+            f"teacher.coef={cfg.teacher.coef:g}: the teacher's term needs a teacher; set teacher.path to a model "
+            "directory or Hub id with the student's tokenizer, or teacher.coef=0"
+        ),
+    ),
+    RuleBetween(
+        ("teacher.reward_advantage", "teacher.coef"),
+        "`teacher.reward_advantage=false` needs `teacher.coef` > 0",
+        lambda cfg: cfg.teacher.reward_advantage or cfg.teacher.coef > 0,
+        lambda cfg: (
+            "teacher.reward_advantage=false leaves the teacher's term as the only advantage, and teacher.coef=0 turns "
+            "it off, so nothing would be learned; set teacher.coef and teacher.path, or teacher.reward_advantage=true"
+        ),
+    ),
+    RuleBetween(
+        ("algo.screen_samples", "teacher.reward_advantage"),
+        "with `teacher.reward_advantage=false` (pure distillation), `algo.screen_samples=0`",
+        lambda cfg: cfg.teacher.reward_advantage or not cfg.algo.screen_samples,
+        lambda cfg: (
+            f"algo.screen_samples={cfg.algo.screen_samples}: screening drops prompts whose first responses agree, "
+            "and pure distillation (teacher.reward_advantage=false) trains on every group; set algo.screen_samples=0"
+        ),
+    ),
     # ---- batches
     RuleBetween(
         ("train.prompts_per_step", "train.mini_batch_prompts"),

@@ -2,7 +2,8 @@
 
 A setting with a fixed set of values is typed as a ``Literal`` (named below, so the CLI, the code that acts on it
 and the error messages read its choices from one place); ``None`` (YAML null) means unset. What else one setting
-accepts is declared on it with ``field`` (this module's, a ``dataclasses.field`` that also takes a ``Rule``)::
+accepts is declared on it with ``field`` (``dapo.config.declare``'s, a ``dataclasses.field`` that also takes a
+``Rule``)::
 
     eps_low: float = field(0.2, gt=0, lt=1, why="the paper uses 0.2")  # "must be in (0, 1); the paper ..."
     top_k: int | None = field(None, gt=0, null="no top-k")  # "must be > 0, or null (no top-k)"
@@ -13,70 +14,11 @@ The rules between settings are ``dapo.config.rules``'s; reading presets and over
 
 from __future__ import annotations
 
-import dataclasses
-import operator
-import types
-import typing
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-
-@dataclass(frozen=True)
-class Rule:
-    """What one setting accepts beyond its type, and what its error message says."""
-
-    gt: float | None = None  # bounds of a number: > gt, >= ge, < lt, <= le
-    ge: float | None = None
-    lt: float | None = None
-    le: float | None = None
-    unit: str = ""  # said after the bound: "must be > 0 seconds"
-    null: str = ""  # what null (unset) means, for a setting that may be null: "must be > 0, or null (no cap)"
-    why: str = ""  # said after the range: "must be in (0, 1); the paper uses 0.2"
-    check: Callable[[typing.Any], bool] | None = None  # a rule bounds cannot say ...
-    must: str = ""  # ... and what it wants: "run.name='a/b': must be one plain directory name ..."
-
-    def broken(self, key: str, value) -> str | None:
-        """The one-line error for ``value``, or None where it is fine."""
-        if self.check is not None and not self.check(value):
-            return f"{key}={value!r}: {self.must}"
-        if all(OPS[op](value, b) for op, b in self.bounds()):
-            return None
-        return f"{key}={value!r}: must be {self.allowed()}"
-
-    def bounds(self) -> list[tuple[str, float]]:
-        return [
-            (op, b) for op, b in ((">", self.gt), (">=", self.ge), ("<", self.lt), ("<=", self.le)) if b is not None
-        ]
-
-    def allowed(self) -> str:
-        """The bounds as an error says them: "in (0, 1] seconds, or null (no cap); the paper uses 0.2"."""
-        bounds = self.bounds()
-        if len(bounds) == 2:  # an interval: (0, 1]
-            (lo, a), (hi, b) = bounds
-            text = f"in {'(' if lo == '>' else '['}{a:g}, {b:g}{')' if hi == '<' else ']'}"
-        else:
-            text = f"{bounds[0][0]} {bounds[0][1]:g}"
-        unit, null = f" {self.unit}" if self.unit else "", f", or null ({self.null})" if self.null else ""
-        return f"{text}{unit}{null}" + (f"; {self.why}" if self.why else "")
-
-
-OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
-
-
-class ConfigError(ValueError):
-    """A bad config value; the message names the key and the fix."""
-
-
-def resolve_type(tp):
-    """(base type, allows None) for the annotations of the config tree (dapo.config)."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return resolve_type(args[0])[0], True
-    return tp, False
-
+from dapo.config.declare import ConfigError, Rule, field, resolve_type  # noqa: F401  (read from here too)
 
 Dtype = Literal["float32", "bfloat16"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -107,13 +49,6 @@ COLUMN_NAMES = ("prompt", "problem", "question", "ground_truth", "answer", "solu
 # A data-file row's size limit, in characters (data.max_row_chars). The longest row of the data sets in data/ has
 # about 10k; a million keeps any real problem and stops a hostile or broken row before it costs memory and time.
 DEFAULT_MAX_ROW_CHARS = 1_000_000
-
-
-def field(default=dataclasses.MISSING, *, default_factory=dataclasses.MISSING, **rule) -> typing.Any:
-    """A dataclass field with its ``Rule``: ``eps_high: float = field(0.28, gt=0, le=10)``."""
-    metadata = {"rule": Rule(**rule)} if rule else {}
-    return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
-
 
 # the linear layers of a Llama / Qwen2 / Mistral decoder layer: attention and MLP
 LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -313,6 +248,25 @@ class AlgoConfig:
 
 
 @dataclass
+class TeacherConfig:
+    # on-policy distillation (the manual's Distillation page): a frozen teacher scores every sampled token and adds
+    # teacher.coef x (log p_teacher - log p_student) to that token's advantage; a Hugging Face causal-LM directory or
+    # Hub id with the student's tokenizer, loaded as model.path is (the same offline rules); null: no teacher
+    path: str | None = None
+    # a hub teacher's branch, tag or commit (teacher.path a hub id); null: its default branch
+    revision: str | None = None
+    # the weight of the teacher's per-token term; 0: off (no teacher loads, whatever teacher.path says), and the run
+    # is DAPO's exactly
+    coef: float = field(0.0, ge=0, why="0 turns the teacher off")
+    # true: the reward's group advantage (eq. 9) plus the teacher's term (DAPO + teacher); false: the teacher's term
+    # alone (pure distillation), where no group needs varied rewards, so dynamic sampling's filter is off
+    reward_advantage: bool = True
+    # the teacher's weights and forward pass; null: model.dtype. bfloat16 halves its memory (its log-probs then carry
+    # bfloat16's rounding)
+    dtype: Dtype | None = None
+
+
+@dataclass
 class TrainConfig:
     total_steps: int = field(60, ge=0)  # training steps (one rollout batch and its optimizer updates each)
     prompts_per_step: int = field(32, gt=0)  # P: prompts in a training batch (the paper: 512)
@@ -485,6 +439,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)

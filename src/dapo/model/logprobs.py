@@ -245,6 +245,8 @@ class LogProbModel:
     sharded log-prob pass. Loaded from ``model_cfg``: under FSDP each rank loads the weights on CPU and keeps
     only its shard on the device; a subclass readies the model first (``_prepare``)."""
 
+    path_key = "model.path"  # the setting that named the model, as its errors say it
+
     def __init__(
         self,
         model_cfg: ModelConfig,
@@ -278,12 +280,12 @@ class LogProbModel:
             logit_transform(lm)  # found before sharding, on the whole head
         except UnsupportedModel as err:
             raise ConfigError(
-                f"model.path={model_cfg.path}: {err}; its log-probs would not be those the engines "
+                f"{self.path_key}={model_cfg.path}: {err}; its log-probs would not be those the engines "
                 "sample, so it cannot be trained exactly"
             ) from None
         if why := padding_problem(lm):
             raise ConfigError(
-                f"model.path={model_cfg.path}: {why}; the trainer's micro-batches would not give its own "
+                f"{self.path_key}={model_cfg.path}: {why}; the trainer's micro-batches would not give its own "
                 "log-probs, so it cannot be trained exactly"
             )
         self.logprob_pass = self._sharded_logprob_pass(lm)

@@ -46,7 +46,7 @@ class LossFn(Protocol):
 
       logp        (B, T) log-probs of the response tokens under the weights being trained (with gradient)
       old_logp    (B, T) under the weights that sampled them
-      adv         (B,)   advantages
+      adv         (B,)   advantages, or (B, T) per token (a teacher's term added: dapo.algorithm.advantages)
       mask        (B, T) 1 on the tokens trained on
       num_tokens, num_seqs   valid tokens and sequences of the whole mini-batch (every micro-batch, every
                   rank): dividing by these makes the micro-batch losses add up to the mini-batch's
@@ -280,10 +280,11 @@ class Policy(LogProbModel):
         if with_entropy:
             entropy[idx, :width] = ent.float().cpu()  # (B, T)
         on_device = lambda x: None if x is None else x[idx, :width].to(self.device)  # noqa: E731
+        adv = batch.adv[idx] if batch.adv.dim() == 1 else batch.adv[idx, :width]  # (B,), or (B, T) with a teacher
         loss, stats = loss_fn(
             logp,
             on_device(batch.old_logp),
-            batch.adv[idx].to(self.device),
+            adv.to(self.device),
             mask.to(self.device),
             **counts,
             is_weights=on_device(batch.is_weights),

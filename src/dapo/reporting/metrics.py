@@ -28,7 +28,10 @@ def step_metrics(
     prompt_lengths = torch.tensor([len(p) for p in batch.prompt_ids], dtype=torch.float32)  # (N,)
     mask = batch.response_mask()
     samples_trained = len(batch)
-    adv_tokens = batch.adv.repeat_interleave(batch.response_lengths)  # every response token, as verl's data metrics
+    if batch.adv.dim() == 1:
+        adv_tokens = batch.adv.repeat_interleave(batch.response_lengths)  # every response token, as verl's data metrics
+    else:  # per token (a teacher's term): each response's own tokens
+        adv_tokens = batch.adv[torch.arange(batch.adv.shape[1])[None, :] < batch.response_lengths[:, None]]
     m = {
         "reward/score_mean": batch.reward.mean(),
         "reward/score_max": batch.reward.max(),
@@ -47,7 +50,7 @@ def step_metrics(
         "rollout/prompt_length_clip_frac": (prompt_lengths == max_prompt_tokens).float().mean(),  # cut from the left
         "rollout/truncated_frac": batch.truncated.float().mean(),
         "actor/entropy": (batch.entropy[:, : mask.shape[1]] * mask).sum() / mask.sum().clamp(min=1),
-        "actor/adv_abs_mean": batch.adv.abs().mean(),
+        "actor/adv_abs_mean": (batch.adv if batch.adv.dim() == 1 else adv_tokens).abs().mean(),
         "actor/adv_token_mean": adv_tokens.mean(),
         "actor/adv_token_max": adv_tokens.max(),
         "actor/adv_token_min": adv_tokens.min(),

@@ -214,6 +214,8 @@ class RunLogger:
         ("perf/time_step_s", "s", "{:.1f}", "seconds for the step"),
     )
     LEGEND = "columns: " + " | ".join(f"{label} = {meaning}" for _, label, _, meaning in SUMMARY)
+    # a run with a teacher (teacher.coef > 0) also shows how far the student is from it
+    TEACHER_COLUMN = ("teacher/reverse_kl_mean", "rkl", "{:.3f}", "mean per-token reverse KL to the teacher")
 
     def __init__(
         self,
@@ -293,11 +295,13 @@ class RunLogger:
     def step_line(self, step: int, total: int, row: dict) -> None:
         if not self.step_lines:
             return
+        taught = self.TEACHER_COLUMN[0] in row
         if not self._legend_shown:
-            self.console.print(self.LEGEND, style="dim", soft_wrap=True)
+            _, label, _, meaning = self.TEACHER_COLUMN
+            self.console.print(self.LEGEND + (f" | {label} = {meaning}" if taught else ""), style="dim", soft_wrap=True)
             self._legend_shown = True
         parts = [f"step {step}/{total}"]
-        for key, label, fmt, _ in self.SUMMARY:
+        for key, label, fmt, _ in self.SUMMARY + ((self.TEACHER_COLUMN,) if taught else ()):
             if key in row:
                 parts.append(f"{label} {fmt.format(row[key])}")
         self.console.print(" | ".join(parts), soft_wrap=True)
