@@ -24,6 +24,17 @@ def tiny_model_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session")
+def other_tiny_model_dir(tmp_path_factory):
+    """tiny_model_dir's architecture and tokenizer with other weights (seed 1): another revision, a teacher."""
+    from dapo.model import tiny
+
+    path = tmp_path_factory.mktemp("tiny-model-seed1")
+    tokenizer = tiny.build_tokenizer()
+    tiny.save(tiny.build_model(tokenizer, hidden_size=32, num_layers=2, num_heads=2, seed=1), tokenizer, path)
+    return path
+
+
 # a training config that runs a step in about a second on 2 CPU cores (as dotted overrides of the demo)
 SMALL_OVERRIDES = [
     "run.name=t",

@@ -14,15 +14,10 @@ from dapo.algorithm.step import teacher_term
 from dapo.config import ConfigError, TeacherConfig, load_config
 
 
-@pytest.fixture(scope="module")
-def teacher_dir(tmp_path_factory):
+@pytest.fixture(scope="session")
+def teacher_dir(other_tiny_model_dir):
     """A tiny model with the student's tokenizer (tiny_model_dir's) and other weights."""
-    from dapo.model import tiny
-
-    path = tmp_path_factory.mktemp("tiny-teacher")
-    tokenizer = tiny.build_tokenizer()
-    tiny.save(tiny.build_model(tokenizer, hidden_size=32, num_layers=2, num_heads=2, seed=1), tokenizer, path)
-    return path
+    return other_tiny_model_dir
 
 
 SMOLLM2_TOKENIZER = Path("tests/assets/smollm2-tokenizer")  # SmolLM2-135M-Instruct's tokenizer files

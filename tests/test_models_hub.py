@@ -42,14 +42,9 @@ def add_snapshot(cache: Path, repo_id: str, model_dir: Path, commit: str, refs: 
     return snapshot
 
 
-@pytest.fixture(scope="module")
-def other_model_dir(tmp_path_factory):
-    from dapo.model import tiny
-
-    path = tmp_path_factory.mktemp("tiny-model-v2")
-    tokenizer = tiny.build_tokenizer()
-    tiny.save(tiny.build_model(tokenizer, hidden_size=32, num_layers=2, num_heads=2, seed=1), tokenizer, path)
-    return path
+@pytest.fixture(scope="session")
+def other_model_dir(other_tiny_model_dir):
+    return other_tiny_model_dir
 
 
 @pytest.fixture(scope="module")
