@@ -148,14 +148,15 @@ def test_a_repeat_of_the_signal_within_seconds_is_the_same_stop(tiny_model_dir, 
 
 @pytest.mark.parametrize(
     "times,entry",
-    [(1, ["dapo.cli", "train"]), (2, ["dapo.cli", "train"]), (1, ["dapo.training"])],
-    ids=["once", "twice", "module"],
+    [(2, ["dapo.cli", "train"]), (1, ["dapo.training"])],
+    ids=["twice", "module"],
 )
 def test_dapo_train_stops_on_sigterm_in_one_line_with_exit_code_75(tiny_model_dir, tmp_path, times, entry):
-    """From outside, as a scheduler would: SIGTERM once step 1's row is written, wherever step 2 then is. Twice:
-    a second SIGTERM 0.1 s after the first, as when Slurm signals every process of the job and a launcher
-    forwards its own: the same stop, not a second one (which would exit at once without the checkpoint). Module:
-    ``python -m dapo.training``, the entry `dapo ablate` and the benchmarks start runs with."""
+    """From outside, as a scheduler would: SIGTERM once step 1's row is written, wherever step 2 then is. Once,
+    through ``python -m dapo.training``, the entry `dapo ablate` and the benchmarks start runs with. Twice, through
+    `dapo train`: a second SIGTERM 0.1 s after the first, as when Slurm signals every process of the job and a
+    launcher forwards its own: the same stop as the first alone, not a second one (which would exit at once
+    without the checkpoint)."""
     from test_parallel import REPO, env_for_children
 
     cmd = [sys.executable, "-m", *entry, "configs/demo.yaml", *SMALL_OVERRIDES]

@@ -5,6 +5,7 @@ code 75), a node lost mid-run ends the job in one line, and after either the sam
 
 import contextlib
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -210,6 +211,7 @@ for line in sys.stdin:
     print(line.strip(), "done", flush=True)
 cluster.shutdown()
 """
+STEPS = 4  # the run's length: a stop after step 1 or 2 leaves the relaunch a step before the node is lost and one after
 PLACED = re.compile(r"^launch-ray: node (127\.0\.0\.[23]) (\w{8}): rank (\d) \(pid (\d+)\)$", re.M)
 
 
@@ -261,14 +263,15 @@ def errors_of(stderr: str) -> list[str]:
 
 
 def launch_killing_the_second_node(
-    cmd: list[str], env: dict, run: Path, tell
+    cmd: list[str], env: dict, run: Path, tell, last: Path
 ) -> tuple[subprocess.CompletedProcess, float]:
-    """``cmd`` with every process of the second node killed once step 1 is checkpointed and logged (its row comes
-    after the save, past a collective of both ranks). Returns the driver's result and its seconds after the kill."""
+    """``cmd``, resuming from checkpoint ``last``, with every process of the second node killed once the first step
+    after it is logged (its row comes after a collective of both ranks). Returns the driver's result and its
+    seconds after the kill."""
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
-        while (checkpoint.latest_checkpoint(run) is None or not rows_of(run)) and proc.poll() is None:
+        while not any(r["step"] > checkpoint.step_of(last) for r in rows_of(run)) and proc.poll() is None:
             assert time.monotonic() < deadline
             time.sleep(0.1)
         tell("kill")
@@ -355,43 +358,70 @@ def check_refused(refused: subprocess.CompletedProcess, root: Path) -> None:
     ), errors[0]
 
 
-def check_ended_at_once(killed: subprocess.CompletedProcess, seconds: float, run: Path) -> None:
-    """The second node lost after step 1's checkpoint: the job ended within seconds, in one line naming the rank
-    and node lost and the checkpoint to resume from."""
-    errors, last = errors_of(killed.stderr), checkpoint.latest_checkpoint(run)
+def check_ended_at_once(killed: subprocess.CompletedProcess, seconds: float, run: Path, last: Path) -> None:
+    """The second node lost mid-run: the job ended within seconds, in one line naming the rank and node lost and the
+    checkpoint to resume from."""
+    errors = errors_of(killed.stderr)
     lost = next(rank for rank, ip in placed(killed.stdout).items() if ip == "127.0.0.3")
     print(f"{killed.stdout}{errors} ({seconds:.1f} s after the kill)")
     # 3-6 s when measured, on an idle machine and a loaded one: the bound tells "at once" from a timeout's end
     assert killed.returncode == 2 and len(errors) == 1 and seconds < 60, killed.stderr[-4000:]
+    assert f"resumed from {last}" in console_of(killed.stdout).replace("\n", "")
+    assert checkpoint.latest_checkpoint(run) == last
     assert re.fullmatch(
         rf"error: launch-ray: the worker of rank {lost} \(pid \d+ on node 127\.0\.0\.3 \w{{8}}\) died mid-run "
         rf"\(\w+: .*\); the job is stopped; launch it again to resume from {last}",
         errors[0],
     ), errors[0]
-    assert [r["step"] for r in rows_of(run)][-1] < 3  # it stopped mid-run
+    assert [r["step"] for r in rows_of(run)][-1] < STEPS  # it stopped mid-run
+
+
+def console_of(stdout: str) -> str:
+    """The driver's output without the prefix Ray puts before each line of a rank's."""
+    return re.sub(r"(\x1b\[\d+m)?\(TrainWorker pid=\d+\)(\x1b\[0m)? ?", "", stdout)
 
 
 def check_resumed(resumed: subprocess.CompletedProcess, run: Path, last: Path) -> None:
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    console = re.sub(r"(\x1b\[\d+m)?\(TrainWorker pid=\d+\)(\x1b\[0m)? ?", "", resumed.stdout)
+    console = console_of(resumed.stdout)
     print(console[console.index("launch-ray: node") :])
     assert f"resumed from {last}" in console.replace("\n", "")
     assert sorted(placed(resumed.stdout).values()) == ["127.0.0.2", "127.0.0.3"]
-    assert checkpoint.step_of(checkpoint.latest_checkpoint(run)) == 3
+    assert checkpoint.step_of(checkpoint.latest_checkpoint(run)) == STEPS
+
+
+# a reward function of the user's, from a file: right when the response has an even number of characters, scored
+# +-0.5, so that neither the training rewards nor the held-out verdicts can come from the built-in grader
+USER_REWARD = """
+def even_length(response, ground_truth):
+    right = len(response) % 2 == 0
+    return (0.5 if right else -0.5), right
+"""
+
+
+def check_the_users_reward_function(run: Path, stdout: str, spec: str) -> None:
+    """rank 0 imported reward.function, and its grading workers scored every training sample and judged every
+    held-out response with it."""
+    assert f"grader: your reward function (reward.function={spec})" in stdout
+    rows = [r for r in rows_of(run) if "reward/score_mean" in r]
+    assert rows and all(abs(r["reward/score_mean"] - (r["rollout/acc_mean"] - 0.5)) < 1e-9 for r in rows)
+    held_out = [json.loads(line) for line in next((run / "samples").glob("*.arith.responses.jsonl")).open()]
+    assert held_out and all(r["correct"] == (len(r["response"]) % 2 == 0) for r in held_out)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)  # about 5 minutes on a loaded 2-core machine: six launches and a cluster start
+@pytest.mark.timeout(1500)  # about 5 minutes on a loaded 2-core machine: five launches and a cluster start
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="nodes on 127.0.0.2 and .3: all of 127/8 is loopback")
-def test_two_ray_nodes_place_ranks_on_both_refuse_an_unshared_run_dir_and_resume_after_sigterm_or_a_lost_node(
+def test_two_ray_nodes_place_ranks_on_both_refuse_an_unshared_run_dir_and_resume_after_sigterm_and_a_lost_node(
     tiny_model_dir, tmp_path
 ):
     """launch-ray on a cluster of two Ray nodes: a relative run.dir (another directory on each node) is refused at
-    start in one line naming the node; with a shared one the ranks land on both nodes and say so. SIGTERM to the
-    driver reaches the rank on each node (through the small actor the driver starts there): the ranks stop at one
-    checkpoint of their last completed step and the driver exits 75 with rank 0's line. The second node's processes
-    killed after step 1's checkpoint end the job at once, in one line naming node and rank. Each run launched again
-    by the same command (the node back) resumes and ends with the metrics, weights and AdamW state of an
+    start in one line naming the node; with a shared one the ranks land on both nodes and say so, and the ranks grade
+    with the reward function their config names (a file of the user's). SIGTERM to the driver reaches the rank on
+    each node (through the small actor the driver starts there): the ranks stop at one checkpoint of their last
+    completed step and the driver exits 75 with rank 0's line. The same command again resumes; the second node's
+    processes killed after its first step end the job at once, in one line naming node and rank. Launched once more
+    (the node back) it resumes from that checkpoint and ends with the metrics, weights and AdamW state of an
     uninterrupted run, bit for bit."""
     pytest.importorskip("ray")
     sys.path.insert(0, str(REPO / "scripts"))
@@ -400,55 +430,55 @@ def test_two_ray_nodes_place_ranks_on_both_refuse_an_unshared_run_dir_and_resume
 
     home = tmp_path / "home"
     home.mkdir()
+    (tmp_path / "my_rewards.py").write_text(USER_REWARD)
+    spec = f"{tmp_path / 'my_rewards.py'}:even_length"
     ray_tmp = tempfile.mkdtemp(prefix="dray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     env = {**private_ray_env(home, ray_tmp), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.urandom(32).hex()}
     env["COLUMNS"] = "500"  # the driver's stop line unwrapped
-    run, ref, sigterm = (tmp_path / d / "t" for d in ("runs", "ref", "sigterm"))
+    ref, run = (tmp_path / d / "t" for d in ("ref", "runs"))
     t0 = time.perf_counter()
     try:
         with two_nodes(tmp_path, env) as (address, tell):
             laps = {"cluster start": time.perf_counter()}
             flags = ["--address", address, "--nodes", "2", "--cpu-workers-per-node", "1", "--cpus-per-worker", "1"]
             cmd = [sys.executable, "-m", "dapo.cli", "launch-ray", "configs/demo.yaml", f"model.path={tiny_model_dir}"]
-            cmd += [*SMALL_OVERRIDES, "train.total_steps=3"]
-            saving = ["run.save_every=1", *QUICK_WATCHDOG]
-            # a checkpoint at the end only, so that the stop writes its own; a grace no loaded machine runs out of
-            # (the run's default watchdog: the test freezes the ranks)
-            stopping = [f"run.dir={sigterm.parent}", "run.save_every=null", "run.preempt_grace_s=120"]
+            cmd += [*SMALL_OVERRIDES, f"train.total_steps={STEPS}", f"reward.function={spec}",
+                    "algo.soft_overlong_punishment=false", "eval.benchmarks=[arith]"]  # fmt: skip
+            # a checkpoint at the end only, so that the stop writes its own and the lost node's run has that one to
+            # resume from; a grace no loaded machine runs out of (the run's default watchdog: the test freezes the
+            # ranks)
+            stopping = [f"run.dir={run.parent}", "run.save_every=null", "run.preempt_grace_s=120"]
 
             def launch(*overrides) -> subprocess.CompletedProcess:
                 argv = [*cmd, *overrides, *flags]
                 return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
 
-            check_refused(launch(*saving, "run.dir=runs"), tmp_path)  # each node's ranks resolve it in its own dir
+            check_refused(launch("run.save_every=1", *QUICK_WATCHDOG, "run.dir=runs"), tmp_path)  # resolved per node
             laps["refusal"] = time.perf_counter()
 
-            uninterrupted = launch(*saving, f"run.dir={ref.parent}")
+            uninterrupted = launch(f"run.dir={ref.parent}")
             laps["uninterrupted run"] = time.perf_counter()
             assert uninterrupted.returncode == 0, uninterrupted.stderr[-4000:]
             assert sorted(placed(uninterrupted.stdout).values()) == ["127.0.0.2", "127.0.0.3"]
             assert f"launch-ray: run directory {ref}, the same for all 2 ranks\n" in uninterrupted.stdout
+            check_the_users_reward_function(ref, uninterrupted.stdout, spec)
 
-            stopped = launch_with_sigterm([*cmd, *stopping, *flags], env, sigterm, tmp_path)
+            stopped = launch_with_sigterm([*cmd, *stopping, *flags], env, run, tmp_path)
             laps["SIGTERM"] = time.perf_counter()
-            check_stopped_by_sigterm(*stopped, sigterm)
-            last = checkpoint.latest_checkpoint(sigterm)
-            check_resumed(launch(*stopping), sigterm, last)  # the same command again
-            laps["SIGTERM, relaunched"] = time.perf_counter()
-
-            argv = [*cmd, *saving, f"run.dir={run.parent}", *flags]
-            killed, seconds = launch_killing_the_second_node(argv, env, run, tell)
-            laps["killed run"] = time.perf_counter()
-            check_ended_at_once(killed, seconds, run)
-            tell("add")  # the node back: the same command resumes from the last checkpoint
+            check_stopped_by_sigterm(*stopped, run)
             last = checkpoint.latest_checkpoint(run)
-            check_resumed(launch(*saving, f"run.dir={run.parent}"), run, last)
+
+            # the same command again: it resumes, and loses the second node after its first step
+            killed, seconds = launch_killing_the_second_node([*cmd, *stopping, *flags], env, run, tell, last)
+            laps["relaunched, node lost"] = time.perf_counter()
+            check_ended_at_once(killed, seconds, run, last)
+            tell("add")  # the node back: the same command resumes from the last checkpoint
+            check_resumed(launch(*stopping), run, last)
             laps["node back, resumed"] = time.perf_counter()
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     ends = [t0, *laps.values()]
     print(", ".join(f"{k} {b - a:.1f} s" for k, a, b in zip(laps, ends, ends[1:])))
     print(f"two nodes: {time.perf_counter() - t0:.1f} s in all (load average {os.getloadavg()[0]:.1f})")
-    for stopped in (run, sigterm):
-        assert compare(ref, stopped, set()) == []  # every logged value but the clock readings, row by row
-        assert same_shards(ref, stopped)  # the last checkpoint's weights and AdamW state, bit for bit
+    assert compare(ref, run, set()) == []  # every logged value but the clock readings, row by row
+    assert same_shards(ref, run)  # the last checkpoint's weights and AdamW state, bit for bit

@@ -128,11 +128,13 @@ def run_driver(run_dir, model_dir, saves, tag, kill_after):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_model_dir, tmp_path_factory):
-    """The run directory of the hard-exit tests' run, never interrupted."""
+    """The run directory of the hard-exit test's run, never interrupted: in this process (the driver's run without
+    its kill, which changes nothing the run computes)."""
+    from conftest import small_config
+    from dapo.training import train
+
     root = tmp_path_factory.mktemp("uninterrupted")
-    ref = run_driver(root, tiny_model_dir, root / "saves.txt", "ref", 0)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    assert (root / "saves.txt").read_text().split() == ["ref", "1", "ref", "2", "ref", "3"]
+    train(small_config(root, tiny_model_dir, *HARD_EXIT_OVERRIDES))
     assert [p.name for p in checkpoint_files.list_checkpoints(root / "t")] == ["step_000002", "step_000003"]
     return root / "t"
 
@@ -150,29 +152,14 @@ def assert_resumed_as_uninterrupted(resumed, run_dir, ref_dir, k):
 
 
 @pytest.mark.slow
-def test_hard_exit_after_a_checkpoint_then_resume_matches_an_uninterrupted_run(uninterrupted, tiny_model_dir, tmp_path):
-    """A run dies (os._exit) right after checkpoint 1 of 3 is written; a fresh process resumes it
-    from there, without re-running step 1, and ends with the weights of a run never interrupted.
-    Dynamic sampling is on, so the sampler, the held-over groups and the RNG state must all resume."""
-    k, saves = 1, tmp_path / "saves.txt"
-    killed = run_driver(tmp_path / "b", tiny_model_dir, saves, "killed", k)
-    assert killed.returncode == 1, killed.stderr[-3000:]  # the hard exit, not an error or a finished run
-    run_dir = tmp_path / "b" / "t"
-    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_000001"]
-    resumed = run_driver(tmp_path / "b", tiny_model_dir, saves, "resumed", 0)
-    # it resumed from checkpoint k and trained only the steps after it
-    assert saves.read_text().split("\n")[:-1] == ["killed 1"] + [f"resumed {s}" for s in range(k + 1, 4)]
-    steps = [r["step"] for r in read_metrics(run_dir)]
-    assert steps[-2:] == [2, 3] and steps.count(1) <= 1  # step 1 logged at most once, by the killed run
-    assert_resumed_as_uninterrupted(resumed, run_dir, uninterrupted, k)
-
-
-@pytest.mark.slow
 def test_a_crash_mid_write_leaves_the_previous_checkpoint_and_resumes_from_it(uninterrupted, tiny_model_dir, tmp_path):
     """The process dies (os._exit in the writer's thread) while checkpoint 2 is being written in the
     background, its files in the temporary directory but not yet renamed, the training loop already on
     step 3: checkpoint 1 is whole, nothing is named step_000002, and a fresh process resumes from
-    checkpoint 1 to the weights of the uninterrupted run."""
+    checkpoint 1, without re-running step 1 or logging a step twice, to the weights of the uninterrupted run.
+    Dynamic sampling is on, so the sampler, the held-over groups and the RNG state must all resume. (A process
+    that dies right after a whole checkpoint resumes by the same path; the run killed with SIGKILL in
+    tests/test_async_rollout.py dies so.)"""
     saves = tmp_path / "saves.txt"
     killed = run_driver(tmp_path / "b", tiny_model_dir, saves, "killed", "2:mid")
     assert killed.returncode == 1, killed.stderr[-3000:]
@@ -181,7 +168,9 @@ def test_a_crash_mid_write_leaves_the_previous_checkpoint_and_resumes_from_it(un
     assert (ckpts / ".tmp_step_000002" / "trainer_state.pt").exists()  # written all but the rename
     assert saves.read_text().split("\n")[:2] == ["killed 1", "killed 2"]  # the save call had returned
     resumed = run_driver(tmp_path / "b", tiny_model_dir, saves, "resumed", 0)
+    # it resumed from checkpoint 1 and trained only the steps after it, each logged once
     assert saves.read_text().split("\n")[-3:] == ["resumed 2", "resumed 3", ""]
+    assert [r["step"] for r in read_metrics(tmp_path / "b" / "t")] == [1, 2, 3]
     assert not list(ckpts.glob(".tmp_*"))
     assert_resumed_as_uninterrupted(resumed, tmp_path / "b" / "t", uninterrupted, 1)
 
