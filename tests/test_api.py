@@ -88,13 +88,14 @@ def test_the_reward_fns_score_is_the_reward_and_its_flag_the_accuracy(tiny_model
 
 def test_a_hanging_reward_fn_times_out_and_training_goes_on(tiny_model_dir, tmp_path):
     rows = ROWS[:2] + [{"problem": "7+7=", "answer": "hang"}, {"problem": "8+8=", "answer": "hang"}]
-    cfg = small(tmp_path, tiny_model_dir, "reward.timeout_s=0.1", "eval.benchmarks=[]")
+    cfg = small(tmp_path, tiny_model_dir, "reward.timeout_s=0.1", "eval.benchmarks=[]", "train.total_steps=1")
     t0 = time.monotonic()
     result = train(cfg, reward_fn=user_rewards.hang_on_truth, train_data=rows)
-    # the function sleeps 60 s on each of 16 responses; off the CPU, each is stopped by the wall-clock backstop
+    # the function sleeps 60 s on each of 8 responses; off the CPU, each is stopped by the wall-clock backstop
     # (4 x 0.1 s), tried again with twice the limit, then given up on
     assert time.monotonic() - t0 < 55
-    for row in result.history:  # each step: 4 prompts x 4 responses, half of them hang
+    assert len(result.history) == 1
+    for row in result.history:  # 4 prompts x 4 responses, half of them hang
         assert row["reward/timeouts"] == row["reward/grading_retries"] == 8 and row["reward/worker_crashes"] == 0
         # a response given up on holds algo.wrong_reward (-1) in the batch, left out of its group's advantage
         assert row["reward/score_mean"] == 0.0 and row["reward/score_min"] == -1.0 and row["rollout/acc_mean"] == 0.5
