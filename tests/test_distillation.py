@@ -301,6 +301,33 @@ def test_bad_teacher_settings_are_refused_in_one_line_naming_the_field(extra, sa
     assert str(err.value).startswith(says), str(err.value)
 
 
+def test_prompts_are_cut_to_what_a_teacher_with_a_shorter_context_holds(tiny_model_dir, tmp_path):
+    """The teacher scores every trained sequence whole: a teacher holding 64 positions (the student 512) caps the
+    prompts at 64 less a training response, in a line naming teacher.path; a response that fills the teacher's
+    context alone is refused in one line naming both."""
+    from dapo.config import ConfigError
+    from dapo.model import tiny
+    from dapo.run_setup import setup_prompt_limit
+
+    short = tmp_path / "short-teacher"
+    tokenizer = tiny.build_tokenizer()
+    model = tiny.build_model(tokenizer, hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=64, seed=1)
+    tiny.save(model, tokenizer, short)
+    cfg = small_config(tmp_path, tiny_model_dir, "teacher.coef=1", f"teacher.path={short}")
+    student, teacher = teacher_of(cfg)
+    capped, line = setup_prompt_limit(cfg, student, teacher)
+    assert capped.data.max_prompt_tokens == 64 - 16 and setup_prompt_limit(cfg, student)[0].data.max_prompt_tokens > 64
+    assert line == (
+        f"teacher.path={short}: data.max_prompt_tokens={cfg.data.max_prompt_tokens:,} capped at 48: the model holds "
+        "64 tokens, 16 of them for the response (rollout.max_response_tokens)"
+    )
+    long = small_config(tmp_path, tiny_model_dir, "teacher.coef=1", f"teacher.path={short}",
+                        "rollout.max_response_tokens=64", "algo.overlong_buffer_tokens=8")  # fmt: skip
+    with pytest.raises(ConfigError, match=rf"^teacher.path={short}: rollout.max_response_tokens=64: responses that "
+                       "long fill the model's context of 64 tokens"):  # fmt: skip
+        setup_prompt_limit(long, student, teacher)
+
+
 def test_teacher_coef_0_loads_no_teacher_whatever_the_path(tiny_model_dir, tmp_path):
     import contextlib
 

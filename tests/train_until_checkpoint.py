@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 
 def main() -> None:
@@ -27,6 +28,7 @@ def main() -> None:
     from dapo.checkpoint import saver
 
     real_save, real_complete = saver.save_checkpoint, checkpoint_save._complete
+    returned = threading.Event()  # checkpoint K's save call has returned and is logged: the loop has gone on
 
     def save_then_maybe_die(run_dir, step, **kwargs):
         path = real_save(run_dir, step, **kwargs)
@@ -36,12 +38,15 @@ def main() -> None:
             f.write(f"{tag} {step}\n")
             f.flush()
             os.fsync(f.fileno())
+        if step == kill_after:
+            returned.set()
         if step == kill_after and not mid_write:
             os._exit(1)  # as a power cut would: no finally blocks, no atexit, no flushing
         return path
 
     def die_before_the_rename(run_dir, tmp, final, keep):
         if final.name == f"step_{kill_after:06d}":
+            returned.wait(timeout=300)  # however the threads are scheduled, the loop is past the save call
             os._exit(1)
         return real_complete(run_dir, tmp, final, keep)
 

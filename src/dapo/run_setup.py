@@ -117,15 +117,26 @@ def setup_reward_fn(cfg: Config, reward_fn, train_sets: list[DataSet]):
     return grading_function(cfg, reward_fn, probe_truth=probe_truth)
 
 
-def setup_prompt_limit(cfg: Config, policy: Policy) -> tuple[Config, str | None]:
+def setup_prompt_limit(cfg: Config, policy: Policy, teacher: TeacherModel | None = None) -> tuple[Config, str | None]:
     """The config with data.max_prompt_tokens at most the model's context less the longest response the run asks
-    for (training or held-out), and the line saying it was capped (None: it fits)."""
+    for (training or held-out), and at most the teacher's less a training response (it scores every trained
+    sequence whole); the line saying it was capped (None: it fits)."""
     r, e = cfg.rollout, cfg.eval
     budget, key = max(
         (r.max_response_tokens, "rollout.max_response_tokens"), (e.max_response_tokens or 0, "eval.max_response_tokens")
     )
     context = model_context(policy.model.config)
     limit, line = prompt_limit(cfg.data.max_prompt_tokens, context, budget, key)
+    if teacher is not None:
+        try:
+            by_teacher = prompt_limit(
+                cfg.data.max_prompt_tokens, model_context(teacher.model.config), r.max_response_tokens,
+                "rollout.max_response_tokens",
+            )  # fmt: skip
+        except ConfigError as err:
+            raise ConfigError(f"teacher.path={cfg.teacher.path}: {err}") from None
+        if by_teacher[0] < limit:
+            limit, line = by_teacher[0], f"teacher.path={cfg.teacher.path}: {by_teacher[1]}"
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_prompt_tokens=limit)), line
 
 

@@ -108,7 +108,7 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
     device = d.device if d.sharded else pick_device(cfg.model.device)
     policy, reference = run_setup.setup_policy(cfg, d, device)
     teacher = run_setup.setup_teacher(cfg, d, device, policy)  # a teacher that cannot load stops the run here
-    cfg, capped = run_setup.setup_prompt_limit(cfg, policy)  # cfg: data.max_prompt_tokens within the model's context
+    cfg, capped = run_setup.setup_prompt_limit(cfg, policy, teacher)  # cfg: prompts within the models' contexts
     cfg, engine = run_setup.setup_engine(cfg, d, policy, inputs.tool_env)  # cfg: with the backend "auto" chose
     encode, prompts, eval_sets, overlong = run_setup.setup_data(cfg, policy.tokenizer, train_sets, eval_sets)
     pool, grader = run_setup.setup_rewards(cfg, d, stack, reward_fn)
