@@ -90,9 +90,10 @@ format: $(STAMP)
 	$(PY) scripts/reference.py
 	$(PY) scripts/results_page.py
 
-# the suite in TEST_WORKERS pytest processes (one per core of a 2-core machine: one process alone keeps one core
-# busy on average), each test file whole in one of them so its module fixtures are built once
-TEST_WORKERS ?= 2
+# the suite in TEST_WORKERS pytest processes, each test file whole in one of them so its module fixtures are built
+# once; three on a 2-core machine: the tests that launch processes (torchrun, Ray, a killed run) wait on their
+# start-up and rendezvous, and a third worker keeps the cores busy meanwhile (2 workers kept 1.55 of 2 cores busy)
+TEST_WORKERS ?= 3
 test: $(STAMP) $(VLLM_STAMP) lint sandbox docs
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 

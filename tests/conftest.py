@@ -12,6 +12,8 @@ import pytest
 
 from dapo.config import load_config
 
+pytest_plugins = ["cpu_seconds"]  # each test's CPU seconds, and the 15 that took the most (tests/cpu_seconds.py)
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
