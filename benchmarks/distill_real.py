@@ -24,8 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from dapo.reporting.run_log import read_metrics  # noqa: E402
 from distill_demo import ARMS  # noqa: E402
-from runs import generation, machine, run_alone  # noqa: E402
+from runs import Run, generation, machine, run_alone  # noqa: E402
 
 PRESET = "configs/smollm2_135m.yaml"
 KEY = "eval/word/avg@4"
@@ -75,6 +76,26 @@ def summary(run, arm: str) -> dict:
     }
 
 
+def done_runs(out: Path) -> list[tuple[str, str]]:
+    """(run directory name, arm) of the runs under ``out`` that finished, the teacher's first."""
+    names = [("teacher", "teacher (DAPO, seed 0)"), *((arm, arm) for arm in ARMS)]
+    return [(name, arm) for name, arm in names if (out / name / "checkpoints").is_dir()]
+
+
+def from_disk(run_dir: Path) -> Run:
+    """A finished run read back from its directory: its rows; its wall seconds from its steps' and evaluations'
+    times; its load not recorded."""
+    rows = read_metrics(run_dir)
+    wall = sum(r.get("perf/time_step_s", 0.0) for r in rows) + sum(r.get("perf/time_eval_s", 0.0) for r in rows
+                                                                      if r.get("step") == 0)  # fmt: skip
+    return Run(run_dir.name, rows, wall, 0.0, NotRecorded())
+
+
+class NotRecorded:
+    def describe(self) -> str:
+        return "load not recorded (summarised from the run directories; each run had the machine to itself)"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--teacher-steps", type=int, default=12)
@@ -83,8 +104,14 @@ def main() -> None:
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--out", default="runs/distill_real")
     p.add_argument("--json", help="write the results file here")
+    p.add_argument("--from-runs", action="store_true", help="summarise the runs already in --out; train nothing")
     args = p.parse_args()
     out = Path(args.out).resolve()
+    if args.from_runs:
+        results = [summary(from_disk(out / name), arm) for name, arm in done_runs(out)]
+        for r in results[1:]:
+            r["held_out_before"] = results[0]["held_out_before"]  # the same base model
+        return write(args, results)
     seeding = ["train.seed={0}", "data.seed={0}", "rollout.seed={0}"]
 
     teacher_run = run_alone(
@@ -118,6 +145,10 @@ def main() -> None:
         results.append(summary(run, arm))
         results[-1]["held_out_before"] = results[0]["held_out_before"]  # the same base model
         print(json.dumps(results[-1]), flush=True)
+    write(args, results)
+
+
+def write(args, results: list[dict]) -> None:
     if args.json:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
         record = {
