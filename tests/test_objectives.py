@@ -66,6 +66,24 @@ def test_gspo_negative_advantage_is_clipped_at_the_bottom_and_dual_clipped():
     assert value(stats["seq_clipfrac_dual"]) == pytest.approx(0.5)
 
 
+def test_gspo_statistics_read_a_per_token_advantage_by_its_mean_over_the_response():
+    # a teacher's term makes the advantage per token: row 0's first token +0.5 but its mean (0.5 - 1.5) / 2 = -0.5,
+    # so its sequence ratio 0.5 is clipped at the bottom, not the top; row 1 (+1 then its padding) at the top
+    logp, old = _logps([[0.5, 0.5], [1.5, 1.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    adv = torch.tensor([[0.5, -1.5], [1.0, -9.0]])
+    _, stats = objective_loss("gspo", logp, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_agg="token-mean")
+    assert value(stats["seq_clipfrac_low"]) == pytest.approx(0.5)
+    assert value(stats["seq_clipfrac_high"]) == pytest.approx(0.5)
+    # the dual clip counts a sequence with any token under it: row 1's ratio sqrt(50) > 3, its second token's
+    # advantage -1 (its first token's is 0)
+    logp, old = _logps([[1.0, 1.0], [50.0, 1.0]], old_prob=0.01)
+    adv = torch.tensor([[1.0, 1.0], [0.0, -1.0]])
+    _, stats = objective_loss("gspo", logp, old, adv, torch.tensor([[1.0, 1.0], [1.0, 1.0]]), eps_low=0.2,
+                              eps_high=0.28, loss_agg="token-mean", dual_clip=3.0)  # fmt: skip
+    assert value(stats["seq_clipfrac_dual"]) == pytest.approx(0.5)
+
+
 @pytest.mark.parametrize("loss_agg", losses.LOSS_AGG_MODES)
 @pytest.mark.parametrize("dual_clip", [None, 3.0])
 def test_gspo_with_one_token_responses_is_the_token_level_clip(loss_agg, dual_clip):

@@ -204,13 +204,14 @@ def gspo_surrogate(
     with torch.no_grad():
         valid = lengths > 0  # (N,) sequences trained on
         s = seq_log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()  # (N,)
-        seq_adv = adv[:, 0]  # (N,) an outcome advantage is one value per response
+        # (N,) a response's advantage: its outcome advantage, or with a teacher's per-token term its tokens' mean
+        seq_adv = (adv * mask).sum(dim=-1) / lengths.clamp(min=1.0)
         n_seqs = valid.sum().to(logp.dtype)
         seq_mean = lambda x: mean_stat((x * valid).sum() / n_seqs.clamp(min=1), n_seqs)  # noqa: E731
         stats = {
             "seq_clipfrac_high": seq_mean((seq_adv > 0) & (s > 1.0 + o.eps_high)),
             "seq_clipfrac_low": seq_mean((seq_adv < 0) & (s < 1.0 - o.eps_low)),
-            "seq_clipfrac_dual": seq_mean(dual_clipped[:, 0]),
+            "seq_clipfrac_dual": seq_mean((dual_clipped & (mask > 0)).any(dim=-1)),  # any of its tokens
             "seq_ratio_mean": seq_mean(s),
             "seq_ratio_max": max_stat(torch.where(valid, s, torch.zeros_like(s)).max()),
             "seq_ratio_min": min_stat(torch.where(valid, s, torch.full_like(s, float("inf"))).min(), n_seqs),
