@@ -10,7 +10,7 @@ distribution is missing or older.
 
 Parts, each with its own time limit inside the whole budget (20 minutes by default):
   install  the wheels, then one import of everything the run needs; the versions found
-  tests    tests/test_gpu.py and tests/test_gpu_paths.py by item (a-g, i, m, n, t: their docstrings) with
+  tests    tests/test_gpu.py, test_gpu_paths.py, test_gpu_teacher.py by item (a-g, i, m-o, t: docstrings) with
            DAPO_GPU_CHECK=1, and every other test marked gpu (tests/test_parallel.py, tests/test_vllm.py: those need
            2 GPUs or vLLM and say so)
   demo     item h: `dapo demo model.device=cuda`; held-out accuracy must rise by at least 15 points; item k:

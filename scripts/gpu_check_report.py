@@ -11,7 +11,7 @@ from pathlib import Path
 import gpu_check_real
 
 ROOT = Path(__file__).resolve().parents[1]
-GPU_TEST_FILES = ["tests/test_gpu.py", "tests/test_gpu_paths.py"]  # the items' tests
+GPU_TEST_FILES = ["tests/test_gpu.py", "tests/test_gpu_paths.py", "tests/test_gpu_teacher.py"]  # the items' tests
 # item: (what it checks, pytest selection in GPU_TEST_FILES, time limit in seconds)
 ITEMS = {
     "a": (
@@ -44,6 +44,11 @@ ITEMS = {
         "a rollout rank (rollout.ranks=1, torchrun, 2 ranks on the device) vs the rollout process: samples, weights",
         "rollout_rank_on_the_device",
         240,
+    ),
+    "o": (
+        "the teacher pass of on-policy distillation (teacher.path), float32 and bf16, vs its CPU float32 log-probs",
+        "teacher_pass_on_the_device",
+        120,
     ),
     "t": (
         "train.kernels: torch.compile per decoder layer, Liger Kernel, both; float32 and bf16 against the CPU update",
