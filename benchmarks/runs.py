@@ -159,26 +159,74 @@ def _own_cpu_s() -> float:
     return time.process_time() + waited.ru_utime + waited.ru_stime + live
 
 
+def _children() -> set[int]:
+    """The live (or not yet waited) processes whose parent is this one."""
+    me, found = os.getpid(), set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == me:
+                found.add(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def adopt_orphans() -> bool:
+    """Make this process the reaper of its descendants' orphans (Linux's PR_SET_CHILD_SUBREAPER): a process that
+    outlives its parent (a reward pool's forkserver and its workers, once the run that started them exits) then
+    comes back to this one, to be waited for and its CPU seconds counted, instead of to init. True where it took."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # 36: PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):  # not Linux
+        return False
+
+
+def reap_orphans(before: set[int], timeout_s: float = 10.0) -> None:
+    """Wait (up to ``timeout_s``) for this process's children that were not its children at ``before``'s time and
+    that nothing else waits for: orphans it adopted (``adopt_orphans``). Their CPU seconds then count in
+    RUSAGE_CHILDREN; one still running at the deadline counts as a live descendant instead."""
+    deadline = time.monotonic() + timeout_s
+    left = _children() - before
+    while left and time.monotonic() < deadline:
+        for pid in list(left):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:  # waited for elsewhere
+                done = pid
+            if done:
+                left.discard(pid)
+        if left:
+            time.sleep(0.05)
+
+
 class Meter:
     """Wall and CPU seconds of the blocks run under it (``with meter:``, as often as a side is called: they add up)
     and a ``Load`` over all of them: the load average at each block's start and end and every 5 s within it, and
     the CPU seconds other processes spent meanwhile. ``own_jobs``: the cores the blocks keep busy (their torch
-    threads, a pool's workers)."""
+    threads, a pool's workers). ``orphans``: the block runs a subprocess to its end; what that left running (a
+    reward pool's forkserver and workers) is adopted and waited for at the block's end, so its CPU seconds are the
+    block's own, not other processes'."""
 
-    def __init__(self, own_jobs: int = 1):
+    def __init__(self, own_jobs: int = 1, *, orphans: bool = False):
         self.load = Load(own_jobs=own_jobs)
         self.wall_s = 0.0
         self.cpu_s = 0.0  # this process's threads, its children and its live descendants
+        self.orphans = orphans and adopt_orphans()
 
     def __enter__(self) -> Meter:
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._sample, daemon=True)
         self.load.samples.append(os.getloadavg()[0])
         self._monitor.start()
+        self._children_before = _children() if self.orphans else set()
         self._start = (time.perf_counter(), _own_cpu_s(), _busy_cpu_s())
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.orphans:
+            reap_orphans(self._children_before)
         t0, cpu0, busy0 = self._start
         wall, cpu, busy = time.perf_counter() - t0, _own_cpu_s() - cpu0, _busy_cpu_s() - busy0
         self._stop.set()

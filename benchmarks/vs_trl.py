@@ -104,8 +104,8 @@ def launch(side: str, args, *, total: int, eval_every: int, target: float, seed:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
-    meter = Meter(own_jobs=args.threads or os.cpu_count() or 1)
-    with meter:  # the side's process and what it starts: their CPU seconds, and the load meanwhile
+    meter = Meter(own_jobs=args.threads or os.cpu_count() or 1, orphans=True)
+    with meter:  # the side's process and what it starts (its reward pool too): their CPU seconds, and the load
         proc = subprocess.run(cmd, env=env, check=False, capture_output=True, text=True)
     if proc.returncode != 0 and side != "trl-vllm-probe":
         sys.exit(f"{side} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")

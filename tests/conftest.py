@@ -46,6 +46,9 @@ SMALL_OVERRIDES = [
     "train.prompts_per_step=4",
     "train.mini_batch_prompts=2",
     "train.max_tokens_per_micro_batch=256",
+    # the reference's layout, each response with its own copy of the prompt; the demo's shared prompts are tested
+    # in test_prefix.py and test_arch_matrix.py, and on the demo preset wherever a test loads it without these
+    "train.share_prompt_prefix=false",
     "rollout.group_size=4",
     "rollout.max_response_tokens=16",
     "algo.overlong_buffer_tokens=4",
