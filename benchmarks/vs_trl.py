@@ -1,7 +1,7 @@
 """This project against TRL's GRPOTrainer (DAPO loss): seconds per step, time to accuracy.
 
     pip install -e '.[bench]'            # TRL is a benchmark-only extra
-    python benchmarks/vs_trl.py [--runs 3] [--steps 6] [--target 0.6] [--max-steps 60] [--threads 2]
+    python benchmarks/vs_trl.py [--runs 3] [--steps 6] [--target 0.6] [--max-steps 60] [--threads 2] [--write FILE]
     python benchmarks/vs_trl.py --real   # SmolLM2-135M-Instruct (make smollm2), about 45 minutes on 2 cores
 
 --real: the real-model preset (configs/smollm2_135m.yaml) on both sides at equal settings: the
@@ -127,8 +127,8 @@ def seen(res: dict) -> str:
     return f"process {p['cpu_s']:.0f} CPU s, {p['wall_s']:.0f} s wall; {describe(p['load'])}{shared}"
 
 
-def per_step(args, sides: list[str]) -> tuple[dict[str, dict], dict[str, list[dict]]]:
-    """Each side's medians over runs, and the load each of its runs saw."""
+def per_step(args, sides: list[str]) -> tuple[dict[str, dict], dict[str, list[dict]], dict[str, list[dict]]]:
+    """Each side's medians over runs, the load each of its runs saw, and each run's medians."""
     runs: dict[str, list[dict]] = {s: [] for s in sides}
     loads: dict[str, list[dict]] = {s: [] for s in sides}
     for run in range(args.runs):
@@ -144,7 +144,7 @@ def per_step(args, sides: list[str]) -> tuple[dict[str, dict], dict[str, list[di
                 f"{seen(res)})",
                 flush=True,
             )
-    return {s: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for s, rs in runs.items()}, loads
+    return {s: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for s, rs in runs.items()}, loads, runs
 
 
 def to_target(args, sides: list[str]) -> dict[str, dict]:
@@ -235,6 +235,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--skip-steps", action="store_true", help="skip part 1 (s/step)")
     parser.add_argument("--skip-accuracy", action="store_true", help="skip part 2 (time to accuracy)")
+    parser.add_argument("--write", help="write part 1's table to this results file (benchmarks/results/*.json)")
     parser.add_argument("--sides", default=None, help="comma-separated: " + ", ".join(SIDES) + " (all)")
     parser.add_argument("--worker", choices=SIDES + ("trl-vllm-probe",), help=argparse.SUPPRESS)
     parser.add_argument("--trl-vllm", action="store_true", help=argparse.SUPPRESS)
@@ -264,7 +265,7 @@ def report_per_step(args, sides: list[str]) -> str | None:
     """Part 1: the s/step table; returns TRL's wall s/step over ours-equal's as "N.NNx", or why there is no such
     ratio (None without both sides)."""
     print(f"s/step: {args.runs} alternated runs x {args.steps} steps (+{args.warmup} warm-up) per side")
-    med, loads = per_step(args, sides)
+    med, loads, runs = per_step(args, sides)
     print(f"\n{'side':13s} {'CPU s/step':>10s} {'s/step':>7s} {'generate':>9s} {'rest':>6s}  TRL / side (CPU)  (wall)")
     for side in sides:
         m = med[side]
@@ -274,10 +275,69 @@ def report_per_step(args, sides: list[str]) -> str | None:
             f"{side:13s} {m['cpu_s']:10.2f} {m['s']:7.2f} {m['generate']:9.2f} {m['s'] - m['generate']:6.2f}  "
             + (f"{'-':>16s}  {'-':>5s}  {reason}" if reason else ratios)
         )
+    if args.write:
+        write_per_step(args, sides, med, loads, runs)
     if "trl" in med and "ours-equal" in med:
         reason = withheld(loads["trl"] + loads["ours-equal"], "wall ratio")
         return reason or f"{med['trl']['s'] / med['ours-equal']['s']:.2f}x"
     return None
+
+
+SIDE_NAMES = {
+    "ours-equal": "ours at TRL's settings",
+    "ours-default": "ours, the preset as shipped",
+    "trl": "TRL GRPOTrainer (DAPO loss)",
+}
+
+
+def write_per_step(args, sides: list[str], med: dict, loads: dict, runs: dict) -> None:
+    """--write: part 1's table as a results file (scripts/results_page.py renders it): each side's medians and
+    its runs' CPU s/step, TRL's over each side where the loads allow a ratio, and the loads the runs saw."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import measurement
+
+    rows = []
+    for side in sides:
+        m = med[side]
+        rows.append(
+            {
+                "side": SIDE_NAMES[side],
+                "CPU s/step": round(m["cpu_s"], 2),
+                "wall s/step": round(m["s"], 2),
+                "runs (CPU s/step)": [round(r["cpu_s"], 2) for r in runs[side]],
+                "generate s": round(m["generate"], 2),
+                "rest s": round(m["s"] - m["generate"], 2),
+            }
+        )
+    for side in [s for s in sides if s != "trl" and "trl" in med]:
+        t, m = med["trl"], med[side]
+        reason = withheld(loads["trl"] + loads[side], "ratio")
+        ratio = {
+            "CPU s/step": f"{t['cpu_s'] / m['cpu_s']:.2f}x",
+            "wall s/step": f"{t['s'] / m['s']:.2f}x",
+            "runs (CPU s/step)": None,
+            "generate s": f"{t['generate'] / m['generate']:.2f}x",
+            "rest s": f"{(t['s'] - t['generate']) / (m['s'] - m['generate']):.2f}x",
+        }
+        rows.append({"side": f"TRL / {SIDE_NAMES[side]}", **({k: reason for k in ratio} if reason else ratio)})
+    every = [load for side in sides for load in loads[side]]
+    content = {
+        "title": f"{'SmolLM2-135M-Instruct' if args.real else 'The demo model'} against TRL: seconds per step",
+        "group": "Against TRL",
+        "measures": (
+            f"Both sides at equal settings (benchmarks/vs_trl.py's docstring), {args.threads or 'all'} torch "
+            f"thread(s) a side, each run a fresh process, sides alternated; {args.runs} runs a side of {args.steps} "
+            f"timed steps after {args.warmup}, the median over runs of each run's median step."
+        ),
+        **measurement.record("python " + " ".join(sys.argv), "python " + " ".join(sys.argv), {"per step": rows}),
+        "load": (
+            f"each run's load average {min(x['mean'] for x in every):.2f}-{max(x['mean'] for x in every):.2f} "
+            f"for its own {every[0]['own_jobs']} thread(s), {100 * min(x['foreign_frac'] for x in every):.1f}-"
+            f"{100 * max(x['foreign_frac'] for x in every):.1f}% of the CPU to other processes"
+        ),
+        "notes": [],
+    }
+    measurement.write(args.write, content)
 
 
 def report_to_target(args, sides: list[str]) -> None:
