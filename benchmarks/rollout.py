@@ -1,6 +1,6 @@
 """Rollout tokens/s: HFRolloutEngine.generate against one bare model.generate call on the same prompts.
 
-    python benchmarks/rollout.py [--runs 5] [--threads 2]
+    python benchmarks/rollout.py [--runs 5] [--threads 2] [--write FILE]
 
 Workloads: one demo training round (32 arith prompts x G=8, 48 new tokens), one demo evaluation
 chunk (200 held-out prompts x 4) and a round of the hard task (32 x 8, 96 new tokens, prompts of
@@ -16,7 +16,8 @@ summed over the timed runs). Each side's calls are measured for load (benchmarks
 side saw more load than its own torch threads, the overhead is not printed, and a line says why.
 
 What it is for: checking that the engine adds nothing to speak of over the bare call it wraps, after a change to
-rollout/hf.py. No figure of it is on the results page: the ones measured so far shared the machine with other work.
+rollout/hf.py. --write FILE writes the table as a results file (benchmarks/results/rollout/), with the machine and each
+workload's load.
 """
 
 from __future__ import annotations
@@ -78,7 +79,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--model", default=str(ROOT / "assets/arith-base"))
+    parser.add_argument("--write", help="write the table to this results file (benchmarks/results/*.json)")
     args = parser.parse_args()
+    rows, loads = [], []
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model_and_tokenizer(args.model)
     model.train(False)
@@ -129,6 +132,43 @@ def main() -> None:
         )
         if reason:
             print(f"  {reason}", flush=True)
+        loads += [m.load.summary() for m in meters.values()]
+        rows.append(
+            {
+                "workload": name,
+                "tokens": timings["ours"][0],
+                "bare tok/s": round(statistics.median(bare_rates)),
+                "ours tok/s": round(statistics.median(ours_rates)),
+                "overhead (CPU)": reason or overhead,
+                "overhead (wall)": reason or wall_overhead,
+            }
+        )
+    if args.write:
+        write(args, rows, loads)
+
+
+def write(args, rows: list[dict], loads: list[dict]) -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import measurement
+
+    command = "python " + " ".join(sys.argv)
+    content = {
+        "title": "The HF rollout engine against a bare generate call",
+        "group": "A training step on the CPU",
+        "measures": (
+            f"Generated tokens per CPU second of HFRolloutEngine.generate and of one bare model.generate call on the "
+            f"same prompts, sampling settings and seed, {args.threads} torch thread(s), alternated, median of "
+            f"{args.runs} runs; overhead = bare / ours - 1 (below 0: the engine is faster)."
+        ),
+        **measurement.record(command, command, {"workloads": rows}),
+        "load": (
+            f"load average {min(x['mean'] for x in loads):.2f}-{max(x['mean'] for x in loads):.2f} for its own "
+            f"{loads[0]['own_jobs']} thread(s), {100 * max(x['foreign_frac'] for x in loads):.1f}% of the CPU at "
+            "most to other processes"
+        ),
+        "notes": [],
+    }
+    measurement.write(args.write, content)
 
 
 if __name__ == "__main__":
