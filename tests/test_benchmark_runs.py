@@ -65,6 +65,36 @@ def test_a_meter_counts_the_cpu_of_the_processes_a_block_starts_and_adds_blocks_
     assert meter.record()["load"]["own_jobs"] == 1
 
 
+# a process that leaves a grandchild burning 0.6 CPU s after it has exited, as a run leaves its reward pool's
+# forkserver and workers; the meter's process is the one that measures (the subreaper setting stays with it)
+ORPHANING = """
+import subprocess, sys
+sys.path.insert(0, sys.argv[1])
+from runs import Meter
+burn = "import time\\nt = time.process_time()\\nwhile time.process_time() - t < 0.6: pass"
+leave = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {burn!r}])"
+meter = Meter(own_jobs=1, orphans=sys.argv[2] == "adopt")
+with meter:
+    subprocess.run([sys.executable, "-c", leave], check=True)
+print(meter.cpu_s)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_CHILD_SUBREAPER is Linux's")
+def test_a_meter_that_adopts_orphans_counts_the_cpu_of_processes_its_run_left_running():
+    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks")
+
+    def cpu_s(mode: str) -> float:
+        out = subprocess.run([sys.executable, "-c", ORPHANING, benchmarks, mode], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return float(out.stdout.split()[-1])
+
+    adopted, lost = cpu_s("adopt"), cpu_s("leave")
+    assert adopted >= 0.6 + 0.02  # the grandchild's 0.6 s, and the child's start-up
+    assert lost < 0.6  # without adoption the grandchild goes to init, and its seconds with it
+    assert adopted - lost >= 0.5
+
+
 def test_machine_reads_this_machines_cpuinfo():
     cpu = machine()
     assert set(cpu) == {"cpu", "amx", "avx512", "cores", "usable_cores"}
