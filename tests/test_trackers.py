@@ -10,6 +10,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -434,11 +435,25 @@ def wandb_records(path: Path) -> list:
     return out
 
 
+def finished_wandb_records(path: Path, timeout_s: float = 120.0) -> list:
+    """``wandb_records`` once the file holds the run's exit record: wandb's service process writes the file after
+    ``finish()`` returns, and on a busy machine its last blocks can come seconds later."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            records = wandb_records(path)
+        except Exception:  # noqa: BLE001 - a chunk half written: read again
+            records = []
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
 def wandb_logged(run_dir: Path, run_id: str) -> tuple[dict, dict[int, dict], set[str]]:
     """(config, {step: history row}, files) of every offline run directory of ``run_id``."""
     config, history, files = {}, {}, set()
     for path in sorted(run_dir.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")):
-        for r in wandb_records(path):
+        for r in finished_wandb_records(path):
             kind = r.WhichOneof("record_type")
             if kind == "run":
                 config |= {i.key: json.loads(i.value_json) for i in r.run.config.update}
