@@ -137,9 +137,9 @@ def _busy_cpu_s() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def _own_cpu_s() -> float:
-    """CPU seconds of this process (every thread), of the children it waited for, and of its live descendants with
-    what they waited for (/proc/<pid>/stat: utime, stime, cutime, cstime)."""
+def _process_tree() -> tuple[dict[int, list[int]], dict[int, float]]:
+    """Every process's children, and the CPU seconds each spent with what it waited for (/proc/<pid>/stat: utime,
+    stime, cutime, cstime)."""
     children: dict[int, list[int]] = {}
     spent: dict[int, float] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -150,6 +150,13 @@ def _own_cpu_s() -> float:
         pid = int(stat.parent.name)
         children.setdefault(int(fields[1]), []).append(pid)
         spent[pid] = sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    return children, spent
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process (every thread), of the children it waited for, and of its live descendants with
+    what they waited for."""
+    children, spent = _process_tree()
     live, todo = 0.0, list(children.get(os.getpid(), []))
     while todo:
         pid = todo.pop()
@@ -161,14 +168,7 @@ def _own_cpu_s() -> float:
 
 def _children() -> set[int]:
     """The live (or not yet waited) processes whose parent is this one."""
-    me, found = os.getpid(), set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == me:
-                found.add(int(stat.parent.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
+    return set(_process_tree()[0].get(os.getpid(), []))
 
 
 def adopt_orphans() -> bool:
