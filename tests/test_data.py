@@ -300,9 +300,9 @@ def test_a_huge_prompt_is_cut_before_it_is_tokenised(tiny_model_dir):
         def __getattr__(self, name):
             return getattr(tokenizer, name)
 
-        def __call__(self, text, **kwargs):
-            seen.append(len(text))
-            return tokenizer(text, **kwargs)
+        def __call__(self, texts, **kwargs):
+            seen.extend(map(len, texts))
+            return tokenizer(texts, **kwargs)
 
     longest = max(map(len, tokenizer.get_vocab()))
     encode = make_encoder(Recording(), max_prompt_tokens=64)
@@ -313,6 +313,25 @@ def test_a_huge_prompt_is_cut_before_it_is_tokenised(tiny_model_dir):
     moderate = Example("1", "12+7*3=? " * 2_000, "33", "s")
     full = tokenizer(render_prompt(moderate, tokenizer), add_special_tokens=not tokenizer.chat_template)["input_ids"]
     assert encode(moderate) == full[-64:]
+
+
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+def test_prompts_encoded_together_are_the_ids_of_each_encoded_alone(tiny_model_dir, which):
+    """fit_prompts tokenises a data set in one batch call: the same ids, and the same cut, as one call per prompt,
+    on a tokenizer without a chat template and on SmolLM2-135M-Instruct's with its own."""
+    from transformers import AutoTokenizer
+
+    from dapo.data.prompts import fit_prompts, make_encoder
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir if which == "tiny" else "tests/assets/smollm2-tokenizer")
+    examples = [Example(str(i), f"What is {i} + {i * 7}? " * (1 + i % 9), str(8 * i), "s") for i in range(40)]
+    alone = make_encoder(tokenizer, max_prompt_tokens=48)
+    want = [(alone(ex), alone.cut(ex)) for ex in examples]
+    together = make_encoder(tokenizer, max_prompt_tokens=48)
+    kept, line = fit_prompts("data", examples, together, "truncate")
+    assert len(together.cache) == 40 and [(together(ex), together.cut(ex)) for ex in examples] == want
+    over = sum(cut for _, cut in want)
+    assert 0 < over < 40 and line.startswith(f"data: {over} of 40 prompts are longer than 48 tokens")
 
 
 # --- render_prompt ---------------------------------------------------------------------------

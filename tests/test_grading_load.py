@@ -78,3 +78,43 @@ def test_verdicts_are_the_same_in_process_and_in_the_pool_idle_and_busy(tmp_path
 
 
 MATH500_COINCIDENCES = [22, 23]
+
+
+def test_a_pool_told_it_grades_no_math_warms_up_off_the_clock_before_a_first_math_answer():
+    """A run whose rows go to no `math` grader starts its pool without math-verify's ~2 CPU seconds of warm-up
+    (RewardPool(warm_math=False)); should a math answer come all the same, its worker warms up first, on no answer's
+    clock: right under a limit far below the warm-up's cost, not timed out. In a fresh process, whose fork server
+    has warmed nothing."""
+    script = r"""
+import json
+from dapo.rewards import RewardPool
+with RewardPool(num_workers=1, timeout_s=0.3, warm_math=False) as pool:
+    arith = pool.score(["12 + 7 = 19. Answer: 19"], ["19"], ["arith"]).grades[0]
+    math = pool.score([r"so $\boxed{\left( 3, \frac{\pi}{2} \right)}$"], [r"(3,\pi/2)"], ["math"])
+print(json.dumps([arith.acc, math.grades[0].acc, math.grades[0].ungraded, math.num_retried]))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == [True, True, False, 0]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "warm"),
+    [
+        ([], False),  # the demo: the built-in task and its held-out split, graded by arith
+        (["eval.benchmarks=[math500]"], True),  # MATH-500's rows go to math
+        (["reward.grader=math"], True),
+        (["reward.function={tmp}/mine.py:exact"], True),  # a reward function may grade math itself
+    ],
+)
+def test_a_runs_pool_warms_math_verify_up_only_where_its_rows_may_be_graded_by_math(tmp_path, overrides, warm):
+    from dapo.config import load_config
+    from dapo.rewards.setup import grading_function, grading_pool
+    from dapo.run_setup import auto_grader, graders_of, setup_eval_sets, setup_train_sets
+
+    (tmp_path / "mine.py").write_text("def exact(response, truth):\n    return float(truth in response)\n")
+    cfg = load_config("configs/demo.yaml", ["eval.num_problems=4", *(o.format(tmp=tmp_path) for o in overrides)])
+    train_sets, eval_sets = setup_train_sets(cfg, None), setup_eval_sets(cfg, None)
+    graders = graders_of(cfg, train_sets, eval_sets, auto_grader(cfg, train_sets, eval_sets))
+    with grading_pool(cfg, grading_function(cfg), graders=graders) as pool:
+        assert pool.warm_math is warm, graders

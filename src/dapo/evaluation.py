@@ -334,6 +334,7 @@ def evaluate_model(model_dir, benches: list, cfg, *, reward_fn=None, progress=No
     from dapo.model.loading import load_model_and_tokenizer, pick_device
     from dapo.rewards.reward_fn import grader_name
     from dapo.rewards.setup import grading_function, grading_pool
+    from dapo.rewards.sources import graders_of
     from dapo.rollout import build
     from dapo.runtime.threads import fit_torch_threads
 
@@ -363,7 +364,7 @@ def evaluate_model(model_dir, benches: list, cfg, *, reward_fn=None, progress=No
     engine = build.evaluation_engine(cfg, model, tokenizer, max_model_len=limit + budget)
     render = functools.partial(render_prompt, tokenizer=tokenizer)
     results = []
-    with grading_pool(cfg, reward_fn) as pool:
+    with grading_pool(cfg, reward_fn, graders=graders_of(sets, grader)) as pool:
         for (bench, examples), setting, line in zip(kept, settings, lines):
             result = evaluate(
                 engine,

@@ -30,6 +30,7 @@ from dapo.reporting.trackers import check_installed, open_trackers, run_status
 from dapo.rewards.reward_fn import grader_name
 from dapo.rewards.setup import grading_function, grading_pool
 from dapo.rewards.sources import DataSet, auto_graders, grading_line, row_graders
+from dapo.rewards.sources import graders_of as graders_of_sets
 from dapo.rollout import SamplingParams, build
 from dapo.runtime import parallel, threads, watchdog
 from dapo.runtime.libraries import setup_library_logging
@@ -171,6 +172,12 @@ def data_lines(cfg: Config, train_sets: list[DataSet], eval_sets: list, reward_f
     return [grading_line(data, grader=cfg.reward.grader, custom=custom, chosen=chosen) for data in sets]
 
 
+def graders_of(cfg: Config, train_sets: list[DataSet], eval_sets: list, auto: str | dict[str, str]) -> set[str]:
+    """The graders the run's training and held-out rows go to (``auto``: ``auto_grader``'s)."""
+    held_out = [held_out_set(bench, examples, cfg.data.template) for bench, examples in eval_sets]
+    return graders_of_sets([*train_sets, *held_out], auto)
+
+
 def auto_grader(cfg: Config, train_sets: list[DataSet], eval_sets: list) -> str | dict[str, str]:
     """reward.grader, or for auto the graders the run's rows chose for the data sources whose names say none
     (``dapo.rewards.sources.auto_graders``): what the grading pool is told."""
@@ -188,14 +195,17 @@ def setup_eval_sets(cfg: Config, eval_sets: list | None) -> list:
     return [load_benchmark(b, **read_as) for b in cfg.eval.benchmarks]
 
 
-def setup_rewards(cfg: Config, d: parallel.Dist, stack: contextlib.ExitStack, reward_fn) -> tuple[object, str | None]:
+def setup_rewards(
+    cfg: Config, d: parallel.Dist, stack: contextlib.ExitStack, reward_fn, graders: set[str]
+) -> tuple[object, str | None]:
     """The grading workers, and the grader of every row: for ``reward_fn`` (``setup_reward_fn``'s, run in the
-    workers) its name, REWARD_FN or REWARD_FUNCTION; None for reward.grader. Under FSDP only rank 0 has workers:
-    it grades every rank's samples, once, and every rank receives the same grades."""
+    workers) its name, REWARD_FN or REWARD_FUNCTION; None for reward.grader. ``graders``: those the rows go to
+    (``graders_of``). Under FSDP only rank 0 has workers: it grades every rank's samples, once, and every rank
+    receives the same grades."""
     grader = grader_name(reward_fn) if reward_fn is not None else None
     if not d.is_main:
         return parallel.OnMain(None, d), grader
-    pool = stack.enter_context(grading_pool(cfg, reward_fn))
+    pool = stack.enter_context(grading_pool(cfg, reward_fn, graders=graders))
     return (parallel.OnMain(pool, d) if d.sharded else pool), grader
 
 

@@ -111,8 +111,9 @@ def _build(cfg: Config, stack: contextlib.ExitStack, d: parallel.Dist, console, 
     cfg, capped = run_setup.setup_prompt_limit(cfg, policy, teacher)  # cfg: prompts within the models' contexts
     cfg, engine = run_setup.setup_engine(cfg, d, policy, inputs.tool_env)  # cfg: with the backend "auto" chose
     encode, prompts, eval_sets, overlong = run_setup.setup_data(cfg, policy.tokenizer, train_sets, eval_sets)
-    pool, grader = run_setup.setup_rewards(cfg, d, stack, reward_fn)
     auto = run_setup.auto_grader(cfg, train_sets, eval_sets)  # reward.grader=auto, with what the rows chose
+    graders = run_setup.graders_of(cfg, train_sets, eval_sets, auto)
+    pool, grader = run_setup.setup_rewards(cfg, d, stack, reward_fn, graders)
     collector = run_setup.setup_collection(
         cfg, d, stack, engine, prompts, encode, pool, grader, tokenizer=policy.tokenizer, device=device,
         tool_env=inputs.tool_env, auto=auto,

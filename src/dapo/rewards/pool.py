@@ -53,6 +53,7 @@ _WALL_FACTOR = 4.0  # the wall-clock backstop, in multiples of the CPU limit: a 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _MAX_STARTUP_FAILURES = 3  # workers in a row that die before ready: the pool gives up
 _MAX_ATTEMPTS = 3  # deaths between items before the next item is blamed for them
+_WARMING = -2.0  # a worker's item index while it warms math-verify up: on no item's clock, judged as start-up is
 
 # True in a grading worker: code that must not run there (a main script re-run to find a reward function) checks it.
 IN_WORKER = False
@@ -89,8 +90,8 @@ def _limit_memory(extra_mb: int | None) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (current + (extra_mb << 20),) * 2)
 
 
-def _worker_main(conn, progress, memory_limit_mb, extra_graders, reward_fns, main) -> None:
-    """Grade chunks until the pipe closes; progress = [index in progress, its start time]."""
+def _worker_main(conn, progress, memory_limit_mb, warm_math, extra_graders, reward_fns, main) -> None:
+    """Grade chunks until the pipe closes; progress = [index in progress, its start time, its CPU seconds then]."""
     global IN_WORKER
     IN_WORKER = True
     if sys.platform.startswith("linux"):  # SIGKILL when the parent exits, even mid-grade (PR_SET_PDEATHSIG)
@@ -104,7 +105,8 @@ def _worker_main(conn, progress, memory_limit_mb, extra_graders, reward_fns, mai
     _limit_memory(memory_limit_mb)  # after the caller's module has loaded: the cap is on what grading adds
     fns = {**RAW_GRADERS, **{name: resolve_grader(path) for name, path in extra_graders.items()}, **user_fns}
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # it logs every timeout with the text
-    math_equiv.warm_up()  # once, on no item's clock (done already where the fork server preloaded it)
+    if warm_math:  # once, on no item's clock (done already where the fork server preloaded it)
+        math_equiv.warm_up()
     RAW_GRADERS["dapo"]("Answer: 1", "1")
     conn.send(("ready", os.getpid()))
     while True:
@@ -114,6 +116,8 @@ def _worker_main(conn, progress, memory_limit_mb, extra_graders, reward_fns, mai
             return
         out, last_flush = [], time.monotonic()
         for i, response, truth, name, factor in task:
+            if name == "math":
+                _warm_math_up(progress)
             progress[2] = time.process_time()  # start times first, index last: the parent reads index twice
             progress[1] = time.monotonic()
             progress[0] = i
@@ -136,13 +140,25 @@ def _worker_main(conn, progress, memory_limit_mb, extra_graders, reward_fns, mai
             conn.send(out)
 
 
-def _context():
+def _warm_math_up(progress) -> None:
+    """math-verify's one-time costs in a worker of a pool that was told it would grade no math (``warm_math``),
+    before the first math answer's clock starts: the parent judges a worker at _WARMING as it judges start-up."""
+    if math_equiv.warm_up.cache_info().currsize:
+        return
+    progress[1] = time.monotonic()
+    progress[0] = _WARMING
+    math_equiv.warm_up()
+
+
+def _context(warm_math: bool):
     """forkserver, else spawn; never fork (the trainer has torch threads)."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    # replacements start in ms, not seconds, with the math grader's one-time costs paid once, in the server
-    ctx.set_forkserver_preload(["dapo.rewards.pool", "dapo.rewards.warmed"])
+    # replacements start in ms, not seconds, with the math grader's one-time costs paid once, in the server (only
+    # where math is graded: ~2 CPU seconds, which a run of the other graders would pay at every start for nothing).
+    # One server serves the process: the preload of the first pool to start it holds for the pools after it.
+    ctx.set_forkserver_preload(["dapo.rewards.pool", *(["dapo.rewards.warmed"] if warm_math else [])])
     return ctx
 
 
@@ -193,6 +209,8 @@ class _Worker:
         if not self.remaining:
             return False
         index, start, cpu_start = self.progress[0], self.progress[1], self.progress[2]
+        if index == _WARMING:
+            return now > start + _STARTUP_TIMEOUT_S
         cpu = self.cpu_seconds()
         if self.progress[0] != index:  # read between items: judged at the next look
             return False
@@ -226,10 +244,14 @@ class RewardPool:
         timeout_s: float = 5.0,
         *,
         memory_limit_mb: int | None = 2048,
+        warm_math: bool = True,
         extra_graders: Mapping[str, str] | None = None,
         reward_fns: Mapping[str, Callable] | None = None,
     ):
         """memory_limit_mb: address space a worker may add after start-up (None: unlimited).
+
+        warm_math: pay math-verify's one-time costs (~2 CPU seconds) when the pool starts, before any answer's
+        clock; False for a pool that grades no `math` answer, whose workers then pay them only before a first one.
 
         extra_graders: name -> "package.module:function" (response, ground_truth) -> (score, acc, pred),
         imported by the workers (on sys.path when the pool starts).
@@ -243,12 +265,12 @@ class RewardPool:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if not (timeout_s > 0 and math.isfinite(timeout_s)):  # inf would let one answer hold a worker forever
             raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s}")
-        self.num_workers, self.timeout_s = num_workers, float(timeout_s)
+        self.num_workers, self.timeout_s, self.warm_math = num_workers, float(timeout_s), warm_math
         self.extra_graders = check_extra_graders(extra_graders)
         self._reward_fns, main = pickle_reward_fns(reward_fns, {*RAW_GRADERS, *self.extra_graders})
-        self._worker_args = (memory_limit_mb, self.extra_graders, self._reward_fns, main)
+        self._worker_args = (memory_limit_mb, warm_math, self.extra_graders, self._reward_fns, main)
         self._warned: set[str] = set()  # reward functions whose exception was shown once
-        self._ctx = _context()
+        self._ctx = _context(warm_math)
         self._lock = threading.Lock()
         self._workers: list[_Worker] = [_Worker(self._ctx, self._worker_args) for _ in range(num_workers)]
         self._startup_failures = 0

@@ -3,6 +3,8 @@ reward.function names, or reward.grader's graders) and the pool of worker proces
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from dapo.config import ConfigError
 from dapo.rewards.pool import RewardPool
 from dapo.rewards.reward_fn import grader_name, reward_function
@@ -25,8 +27,12 @@ def one_reward_function(cfg, reward_fn) -> None:
         )
 
 
-def grading_pool(cfg, reward_fn=None) -> RewardPool:
+def grading_pool(cfg, reward_fn=None, *, graders: Iterable[str] | None = None) -> RewardPool:
     """The grading workers reward.* asks for; ``reward_fn`` (``grading_function``'s) grades there, as REWARD_FN (a
-    caller's) or REWARD_FUNCTION (reward.function's)."""
+    caller's) or REWARD_FUNCTION (reward.function's). ``graders``: the graders the rows go to, where known; the
+    workers warm math-verify up as they start unless they are known to need it for none (a reward function may)."""
     reward_fns = None if reward_fn is None else {grader_name(reward_fn): reward_fn}
-    return RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s, reward_fns=reward_fns)
+    warm_math = reward_fn is not None or graders is None or "math" in set(graders)
+    return RewardPool(
+        num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s, reward_fns=reward_fns, warm_math=warm_math
+    )

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from dapo.data.layouts import AFTER_HASHES, AS_WRITTEN, BOXED
-from dapo.rewards.graders import grader_for, known_grader
+from dapo.rewards.graders import grader_for, graders_for, known_grader
 
 _SHOWN_SOURCES = 6  # a file whose rows name more data sources lists these many, then how many more
 _CHANGE = "set reward.grader to change it"
@@ -79,6 +79,11 @@ def auto_graders(sets: Sequence[DataSet]) -> dict[str, str]:
     """The graders the rows chose (``row_graders``), by data source: what the grading pool is given for
     reward.grader=auto (``dapo.rewards.graders_for``)."""
     return {source: grader for source, (grader, _) in row_graders(sets).items()}
+
+
+def graders_of(sets: Sequence[DataSet], grader: str | Mapping[str, str]) -> set[str]:
+    """The graders the rows of ``sets`` go to under ``grader`` (reward.grader, or ``auto_graders``' choices)."""
+    return {name for data in sets for name in graders_for([ex.data_source for ex in data.examples], grader)}
 
 
 def grading_line(
