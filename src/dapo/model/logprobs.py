@@ -276,6 +276,15 @@ class LogProbModel:
             raise ConfigError(
                 f"train.share_prompt_prefix=true: {model_cfg.path} has {why}; set train.share_prompt_prefix=false"
             )
+        # the probes of the model's forward run its layers eagerly (train.kernels=[compile] compiles them for the
+        # training passes' shapes and modes, not for two tiny probes in eval mode)
+        with torch.compiler.set_stance("force_eager"):
+            self._check_forward(lm, model_cfg)
+        self.logprob_pass = self._sharded_logprob_pass(lm)
+
+    def _check_forward(self, lm, model_cfg) -> None:
+        """A ConfigError where the model's forward would not give the log-probs its engines sample: logits past the
+        LM head and a scale or cap, or padding that reaches the real tokens."""
         try:
             logit_transform(lm)  # found before sharding, on the whole head
         except UnsupportedModel as err:
@@ -288,7 +297,6 @@ class LogProbModel:
                 f"{self.path_key}={model_cfg.path}: {why}; the trainer's micro-batches would not give its own "
                 "log-probs, so it cannot be trained exactly"
             )
-        self.logprob_pass = self._sharded_logprob_pass(lm)
 
     def _prepare(self, lm):
         """The loaded model, made ready for its use (trained or frozen) before its log-prob pass is built."""

@@ -46,14 +46,16 @@ class HFRolloutEngine(Sleepless):
         self.model.train(False)
         device = self.device
         fork_devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=fork_devices):
+        # layers compiled for the trainer (train.kernels=[compile]) decode eagerly: with a KV cache, torch would
+        # compile a graph per layer and per cache state until its recompile limit, then run them eagerly all the same
+        with torch.random.fork_rng(devices=fork_devices), torch.compiler.set_stance("force_eager"):
             torch.manual_seed(params.seed)
             for start in range(0, len(order), self.max_batch_size):
                 chunk = order[start : start + self.max_batch_size]
                 input_ids, attention_mask = self._left_pad([rows[i] for i in chunk], device)
                 for row, tokens in zip(chunk, self._sample(input_ids, attention_mask, params)):
                     responses[row], truncated[row] = split_response(tokens, self.eos_ids, params.max_new_tokens)
-        logprobs = self._logprobs(rows, responses, params.temperature) if self.logprobs else None
+            logprobs = self._logprobs(rows, responses, params.temperature) if self.logprobs else None
         self.model.train(was_training)
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
         return Generation(prompt_ids=rows, response_ids=responses, truncated=truncated, texts=texts, logprobs=logprobs)
