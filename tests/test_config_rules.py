@@ -28,6 +28,7 @@ def test_a_removed_setting_says_it_was_removed_and_what_to_use(key, tmp_path):
 # a config that breaks each rule between settings (and no earlier one), by the rule's settings
 BREAKS_RULE = {
     ("algo.held_over_logp_source", "rollout.backend"): ["algo.held_over_logp_source=engine"],
+    ("tools.timeout_s", "tools.cpu_s", "tools.python"): ["tools.python=true", "tools.timeout_s=4"],
     ("tools.filter_void_turns", "tools.python"): ["tools.filter_void_turns=true"],
     ("algo.screen_samples", "rollout.group_size", "algo.dynamic_sampling"): ["algo.screen_samples=8"],
     ("algo.screen_audit", "algo.screen_samples"): ["algo.screen_audit=0.1"],

@@ -140,6 +140,16 @@ RULES = (
             "rollout.backend=vllm or algo.held_over_logp_source=recompute"
         ),
     ),
+    RuleBetween(  # the CPU limit is the verdict a busy machine does not change; the wall clock only a backstop
+        ("tools.timeout_s", "tools.cpu_s", "tools.python"),
+        "`tools.timeout_s` is at least `tools.cpu_s` where `tools.python=true`",
+        lambda cfg: not cfg.tools.python or cfg.tools.timeout_s >= cfg.tools.cpu_s,
+        lambda cfg: (
+            f"tools.timeout_s={cfg.tools.timeout_s:g} is below tools.cpu_s={cfg.tools.cpu_s}: the wall clock would end "
+            "calls that are within their CPU time whenever the machine is busy; set tools.timeout_s to a few times "
+            "tools.cpu_s, or lower tools.cpu_s"
+        ),
+    ),
     RuleBetween(
         ("tools.filter_void_turns", "tools.python"),
         "`tools.filter_void_turns=true` needs `tools.python=true`",

@@ -343,8 +343,11 @@ class ToolsConfig:
     # nothing else of the host, a private /tmp); none, a bare process with the same limits (trusted setups only: it
     # can read and write what the trainer can). `dapo tool-run FILE` checks that this machine can sandbox
     sandbox: ToolSandbox = "bwrap"
-    timeout_s: float = field(5.0, gt=0, le=600, unit="seconds")  # wall clock per call; the sandbox is killed past it
-    cpu_s: int = field(5, ge=1, unit="seconds")  # CPU time per call
+    # CPU seconds per call: the limit a busy machine does not change (RLIMIT_CPU: the code is ended past it)
+    cpu_s: int = field(5, ge=1, unit="seconds")
+    # wall-clock seconds per call, a backstop for code that waits off the CPU (sleeps, reads): 4 x cpu_s, so a call
+    # within its CPU time passes on a machine busy enough to give it a quarter of a core; the sandbox is killed past it
+    timeout_s: float = field(20.0, gt=0, le=600, unit="seconds")
     memory_mb: int = field(1024, ge=64, unit="MiB")  # address space per call
     processes: int = field(16, ge=1)  # processes and threads per call (fork bombs end here)
     file_mb: int = field(16, ge=1, unit="MiB")  # largest file a call may write, and the size of its /tmp

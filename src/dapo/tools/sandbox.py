@@ -43,8 +43,8 @@ class SandboxUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class Limits:
-    wall_s: float = 5.0  # wall-clock seconds per call; the sandbox is killed past it
-    cpu_s: int = 5  # CPU seconds (RLIMIT_CPU)
+    wall_s: float = 20.0  # wall-clock seconds per call, a backstop for code off the CPU; the sandbox is killed past it
+    cpu_s: int = 5  # CPU seconds (RLIMIT_CPU): the limit a busy machine does not change
     memory_mb: int = 1024  # address space (RLIMIT_AS)
     processes: int = 16  # processes and threads of the call (RLIMIT_NPROC)
     file_mb: int = 16  # largest file the code may write (RLIMIT_FSIZE), and the size of its /tmp
