@@ -104,7 +104,7 @@ print(json.dumps([arith.acc, math.grades[0].acc, math.grades[0].ungraded, math.n
         ([], False),  # the demo: the built-in task and its held-out split, graded by arith
         (["eval.benchmarks=[math500]"], True),  # MATH-500's rows go to math
         (["reward.grader=math"], True),
-        (["reward.function={tmp}/mine.py:exact"], True),  # a reward function may grade math itself
+        (["reward.function={tmp}/mine.py:exact"], False),  # a reward function grades every row
     ],
 )
 def test_a_runs_pool_warms_math_verify_up_only_where_its_rows_may_be_graded_by_math(tmp_path, overrides, warm):

@@ -157,7 +157,8 @@ def _context(warm_math: bool):
     ctx = mp.get_context("forkserver")
     # replacements start in ms, not seconds, with the math grader's one-time costs paid once, in the server (only
     # where math is graded: ~2 CPU seconds, which a run of the other graders would pay at every start for nothing).
-    # One server serves the process: the preload of the first pool to start it holds for the pools after it.
+    # One server serves the process: the preload of the first pool to start it holds for the pools after it (a later
+    # pool that grades math, after one that did not, warms each worker as it starts: on no answer's clock, but slower).
     ctx.set_forkserver_preload(["dapo.rewards.pool", *(["dapo.rewards.warmed"] if warm_math else [])])
     return ctx
 

@@ -30,9 +30,10 @@ def one_reward_function(cfg, reward_fn) -> None:
 def grading_pool(cfg, reward_fn=None, *, graders: Iterable[str] | None = None) -> RewardPool:
     """The grading workers reward.* asks for; ``reward_fn`` (``grading_function``'s) grades there, as REWARD_FN (a
     caller's) or REWARD_FUNCTION (reward.function's). ``graders``: the graders the rows go to, where known; the
-    workers warm math-verify up as they start unless they are known to need it for none (a reward function may)."""
+    workers warm math-verify up as they start unless no row goes to the math grader (a reward function grades every
+    row: its own one-time costs are its module's imports, paid before the workers are ready)."""
     reward_fns = None if reward_fn is None else {grader_name(reward_fn): reward_fn}
-    warm_math = reward_fn is not None or graders is None or "math" in set(graders)
+    warm_math = reward_fn is None and (graders is None or "math" in set(graders))
     return RewardPool(
         num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s, reward_fns=reward_fns, warm_math=warm_math
     )
