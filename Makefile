@@ -92,10 +92,12 @@ format: $(STAMP)
 
 # the suite in TEST_WORKERS pytest processes, each test file whole in one of them so its module fixtures are built
 # once; three on a 2-core machine: the tests that launch processes (torchrun, Ray, a killed run) wait on their
-# start-up and rendezvous, and a third worker keeps the cores busy meanwhile (2 workers kept 1.55 of 2 cores busy)
+# start-up and rendezvous, and a third worker keeps the cores busy meanwhile (2 workers kept 1.55 of 2 cores busy);
+# files in the order tests/conftest.py gives them, the longest first (xdist's own reorder puts files of many short
+# tests first, and the few long launches last)
 TEST_WORKERS ?= 3
 test: $(STAMP) $(VLLM_STAMP) lint sandbox docs
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 # the documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link or anchor, a page missing from
 # the nav or a nav entry with no page fails the build
