@@ -154,10 +154,12 @@ _SANDBOX_SKIPPED: set[str] = set()
 # The files whose tests take the most wall seconds (`make test` idle and on the emulated slower machine of
 # scripts/slow_machine_test.sh, 2026-11-29), longest first:
 # pytest-xdist (--dist loadfile --no-loadscope-reorder, as `make test` runs it) hands each worker whole files in
-# collection order, so these go first and no long file starts last and keeps one worker busy after the others are done
+# collection order, so these go first and no long file starts last and keeps one worker busy after the others are done.
+# The Ray file waits more than it computes, on a cluster of many processes that slows down many times over beside the
+# launches that take the most CPU (its two-node test: 166 s after them, 985 s beside them, emulated): it follows them
 LONGEST_FILES = (
-    "test_ray.py", "test_kernels.py", "test_rollout_ranks.py", "test_preemption.py", "test_arch_matrix.py",
-    "test_parallel.py", "test_vllm.py", "test_api.py", "test_async_rollout.py", "test_elastic.py", "test_ablate.py",
+    "test_kernels.py", "test_rollout_ranks.py", "test_preemption.py", "test_arch_matrix.py", "test_parallel.py",
+    "test_vllm.py", "test_ray.py", "test_api.py", "test_async_rollout.py", "test_elastic.py", "test_ablate.py",
     "test_reliability.py", "test_vllm_real.py", "test_screening.py", "test_trackers.py",
 )  # fmt: skip
 
