@@ -32,7 +32,9 @@ from test_reliability import QUICK_WATCHDOG, rows_of  # noqa: E402
 def private_ray_env(home, ray_tmp: str) -> dict:
     """The environment of a job on a private local Ray cluster: its own HOME and temp dir, no usage reports, and
     no RAY_AUTH_* of the caller's (launch-ray starts the cluster with a token of its own)."""
-    env = env_for_children(HOME=str(home), RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0")
+    # RAY_worker_niceness=0: Ray starts its workers (the ranks) at niceness 15, which on a machine busy with other
+    # tests gives them a few percent of a core and stretches the two-node test many times over
+    env = env_for_children(HOME=str(home), RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0", RAY_worker_niceness="0")
     return {k: v for k, v in env.items() if not k.startswith("RAY_AUTH")}
 
 
