@@ -41,34 +41,23 @@ def private_ray_env(home, ray_tmp: str) -> dict:
 # ---- launch-ray's refusals before any cluster starts -------------------------------------------------
 # Here, not in test_cli.py: Ray finds a cluster by the processes running on the machine, so a test that expects no
 # cluster must not run beside the tests below that start one (each file runs whole in one pytest worker)
-def _cli_env(tmp_path, ray_tmp):
-    """launch-ray's environment in the two tests below: no RAY_AUTH_* of the caller's, a HOME and Ray temp dir of the
-    test's own."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "DAPO_VERBOSE"}
-    return {
-        **env,
-        "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-        "HOME": str(tmp_path),
-        "RAY_TMPDIR": ray_tmp,
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "OMP_NUM_THREADS": "1",
-    }
+def launch_ray_refused(tmp_path, *args: str, timeout: float, **env: str) -> subprocess.CompletedProcess:
+    """`dapo launch-ray configs/demo.yaml ARGS` with a private Ray environment (``private_ray_env``, no DAPO_VERBOSE)
+    and a temp dir of its own, removed after."""
+    ray_tmp = tempfile.mkdtemp(prefix="dray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    environ = {k: v for k, v in private_ray_env(tmp_path, ray_tmp).items() if k != "DAPO_VERBOSE"}
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "dapo.cli", "launch-ray", "configs/demo.yaml", *args],
+            cwd=REPO, env={**environ, **env}, capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def test_launch_ray_without_a_cluster_says_how_to_start_one(tmp_path):
     pytest.importorskip("ray")
-    ray_tmp = tempfile.mkdtemp(prefix="dray", dir="/tmp")
-    try:
-        out = subprocess.run(
-            [sys.executable, "-m", "dapo.cli", "launch-ray", "configs/demo.yaml", "--cpu-workers-per-node", "1"],
-            cwd=REPO,
-            env={**_cli_env(tmp_path, ray_tmp), "RAY_ADDRESS": ""},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    finally:
-        subprocess.run(["rm", "-rf", ray_tmp])
+    out = launch_ray_refused(tmp_path, "--cpu-workers-per-node", "1", timeout=120, RAY_ADDRESS="")
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-2000:]
     assert "no Ray cluster is running" in out.stderr and "ray start --head" in out.stderr
     assert "--address local" in out.stderr
@@ -77,33 +66,8 @@ def test_launch_ray_without_a_cluster_says_how_to_start_one(tmp_path):
 def test_launch_ray_local_refuses_a_placement_the_machine_cannot_hold(tmp_path):
     """Checked against the private cluster's resources before any worker starts (Ray would wait forever)."""
     pytest.importorskip("ray")
-    ray_tmp = tempfile.mkdtemp(prefix="dray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    try:
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "dapo.cli",
-                "launch-ray",
-                "configs/demo.yaml",
-                f"run.dir={tmp_path / 'runs'}",
-                "--address",
-                "local",
-                "--num-cpus",
-                "2",
-                "--cpu-workers-per-node",
-                "2",
-                "--cpus-per-worker",
-                "4",
-            ],
-            cwd=REPO,
-            env=_cli_env(tmp_path, ray_tmp),
-            capture_output=True,
-            text=True,
-            timeout=200,
-        )
-    finally:
-        subprocess.run(["rm", "-rf", ray_tmp])
+    placement = ["--address", "local", "--num-cpus", "2", "--cpu-workers-per-node", "2", "--cpus-per-worker", "4"]
+    out = launch_ray_refused(tmp_path, f"run.dir={tmp_path / 'runs'}", *placement, timeout=200)
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-3000:]
     assert "needs 2 worker(s) x 4 CPUs = 8 CPUs, the Ray cluster has 2" in out.stderr
     assert "--cpus-per-worker (to 1 or less)" in out.stderr
