@@ -132,7 +132,7 @@ parallel.shutdown(d)
 @pytest.mark.parametrize("launcher_socket", [False, True])
 def test_rank_0_store_listens_on_the_master_address_only(launcher_socket):
     """torch's own store listens on every interface; here it binds MASTER_ADDR, on a socket the
-    launcher bound and handed over (as cluster.py does, so no other process can take the port
+    launcher bound and handed over (as dapo.cluster does, so no other process can take the port
     between choosing and listening), or on MASTER_PORT itself."""
     import json
     import socket

@@ -26,7 +26,7 @@ launcher's forwarding, slower than the ranks' agreement) is its first, not a sec
 
 Launchers: torchrun forwards SIGTERM and SIGINT (SIGUSR1 only when named in ``--signals-to-handle``) to each
 rank's process group and kills the ranks ``--shutdown-timeout`` (30) s later; ``dapo launch-ray``'s driver sends
-the signal on to every rank's process, on every node (cluster.py).
+the signal on to every rank's process, on every node (dapo.cluster.watch).
 """
 
 from __future__ import annotations

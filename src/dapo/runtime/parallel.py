@@ -2,7 +2,7 @@
 sharded checkpoints' files are ``dapo.checkpoint.shards``'s).
 
 One process per device. ``init`` reads the launcher's environment (torchrun, or the Ray workers in
-``cluster.py``: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); with WORLD_SIZE unset or 1
+``dapo.cluster``: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); with WORLD_SIZE unset or 1
 nothing is initialised and every helper here is the identity, so the single-process path is the
 plain PyTorch one.
 
@@ -145,7 +145,7 @@ def _rendezvous_store(env, rank: int, world_size: int, timeout: timedelta):
     host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
     if rank != 0:  # every rank passes its store (a store on rank 0 alone and env:// elsewhere never meet)
         return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
-    fd = env.get("DAPO_STORE_FD")  # bound by the launcher (cluster.py) and kept open: no race for the port
+    fd = env.get("DAPO_STORE_FD")  # bound by the launcher (dapo.cluster) and kept open: no race for the port
     if fd is None:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         fd = socket.create_server((host, port), family=family).detach()  # the store owns it from here

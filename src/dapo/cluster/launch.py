@@ -1,39 +1,14 @@
-"""Ray placement for training across machines: one worker process per GPU (or per CPU slot), each
-running the same ``train()`` as one rank of an FSDP job.
-
-    dapo launch-ray configs/dapo_qwen2.5_32b.yaml model.path=/models/Qwen2.5-32B --nodes 16 --gpus-per-node 8
-
-The driver connects to a running Ray cluster (``ray start`` on every node), reserves one bundle
-per rank in a placement group ({"GPU": 1, "CPU": k}, packed node by node), starts one actor per
-bundle and tells each its RANK, WORLD_SIZE, LOCAL_RANK and the address of rank 0, which then
-becomes the torch.distributed rendezvous (nccl on GPUs, gloo on CPU). Every rank samples a share
-of the prompts with its own engine on its own GPU and rank 0 grades (see training.py); Ray only
-places and starts the processes. Before any rank trains, the driver prints which node holds which
-ranks and checks that every rank sees rank 0's run directory (one filesystem for the checkpoint's
-shards), stopping in one line naming the node that does not.
-
-SIGTERM, SIGUSR1 or SIGINT to the driver (a scheduler preempting the job, Ctrl-C) is sent on to every rank's
-process, on whichever node it runs, by a small actor pinned to that node: the ranks stop together as a run does on
-a signal (``dapo.checkpoint.preemption``), writing one checkpoint, and the driver exits with rank 0's line and
-exit code 75.
-
-Whoever can reach a Ray cluster's ports without its token runs code on every node, so the driver
-joins only a cluster that refuses requests without a token (``--insecure`` to override), and a
-cluster it starts itself (``--address local``) uses a token that lives in this run's environment
-only. See docs/security.md.
-"""
+"""The driver of ``dapo launch-ray``: the placement, the cluster it joins or starts, the ranks it starts and the
+checks before they train (see the package's docstring)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
-import signal
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dapo.cluster.watch import Forwarder, wait_for_ranks
 from dapo.config import ConfigError
 
 
@@ -62,6 +37,9 @@ def _worker_class():
 
         def address(self) -> tuple[str, str, int]:
             return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(), os.getpid()
+
+        def niceness(self) -> int:
+            return os.nice(0)
 
         def see_run_dir(self, run_dir: str, marker: str, text: str | None = None) -> tuple[str, str | None]:
             """This rank's view of the run directory: its absolute path here (a relative run.dir resolves against
@@ -178,6 +156,9 @@ def launch(
     ``insecure`` joins (or starts) a cluster without token authentication."""
     if address == "local":
         token_for_this_run(insecure=insecure)  # before Ray is imported: it reads RAY_AUTH_MODE once, then
+        # Ray starts its workers (the ranks) at niceness 15 unless told otherwise: beside other busy processes such
+        # a rank gets a few percent of a core (a two-rank test run went from 3 to past 18 minutes)
+        os.environ.setdefault("RAY_worker_niceness", "0")
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -201,6 +182,8 @@ def launch(
         actors, where = start_ranks(pg, p)
         for line in placement_lines(where):
             print(line, flush=True)
+        if warning := niceness_warning(ray.get([a.niceness.remote() for a in actors])):
+            print(warning, flush=True)
         run_dir = check_shared_run_dir(actors, where, cfg.run_dir)
         print(f"launch-ray: run directory {run_dir}, the same for all {len(actors)} ranks", flush=True)
         master_addr = where[0][0]
@@ -262,6 +245,20 @@ def placement_lines(where: list[tuple[str, str, int]]) -> list[str]:
     return [f"launch-ray: {node_name(ip, node)}: {', '.join(held)}" for (ip, node), held in ranks.items()]
 
 
+def niceness_warning(nices: list[int]) -> str | None:
+    """The start-up line when ranks run at a lower priority than the driver's processes (``nices``: each rank's
+    niceness), None when none does. A cluster's Ray starts its workers at niceness 15 unless its environment says
+    otherwise, and such a rank, beside other busy processes on its machine, gets a small share of the CPU."""
+    low = [n for n in nices if n > 0]
+    if not low:
+        return None
+    return (
+        f"launch-ray: warning: {len(low)} of {len(nices)} ranks run at niceness {max(low)} (Ray's default for its "
+        "workers is 15): beside other work on their machines they get a small share of the CPU; start each node's "
+        "Ray with RAY_worker_niceness=0 in its environment (RAY_worker_niceness=0 ray start ...)"
+    )
+
+
 def check_shared_run_dir(actors: list, where: list[tuple[str, str, int]], run_dir) -> Path:
     """Rank 0's run directory as an absolute path (a relative run.dir is resolved on rank 0's node, not where the
     driver runs). Stops in one line, before any rank trains, unless every rank sees it: each rank writes
@@ -317,171 +314,3 @@ def join_cluster(address: str, ray_init: dict | None) -> None:
             "export RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH=<the cluster's token file> first "
             "(docs/security.md)"
         ) from None
-
-
-def _signaller_class():
-    import ray
-
-    @ray.remote(num_cpus=0)
-    class Signaller:
-        """On a node that holds ranks: sends a signal to their processes (one already gone is passed over)."""
-
-        def send(self, pids: list[int], signum: int) -> None:
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signum)
-
-    return Signaller
-
-
-class Forwarder:
-    """The driver's SIGTERM, SIGUSR1 and SIGINT, sent on to every rank's process by a small actor on each node
-    that holds ranks (pinned there, no CPU asked), started with the ranks so that the signal is on its way in
-    milliseconds: a driver can signal no process on another machine, and the rank's own actor cannot take the
-    call (an actor that answers calls beside its training would train off the main thread, where Python runs no
-    signal handler). Each signal the driver gets is forwarded once (a second one, as for a single run, ends the
-    ranks at once)."""
-
-    MARGIN_S = 15.0  # past run.preempt_grace_s the ranks exit by themselves; this much later the driver stops
-
-    def __init__(self, ranks: list[tuple[str, int]], grace_s: float):
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        self.grace_s = grace_s
-        self.nodes: dict[str, list[int]] = {}  # node id: the pids of its ranks
-        for node, pid in ranks:
-            self.nodes.setdefault(node, []).append(pid)
-        signaller = _signaller_class()
-        self.signallers = {
-            node: signaller.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
-            for node in self.nodes
-        }
-        self.pending: list[int] = []
-        self.signum: int | None = None
-        self.t0: float | None = None
-        self.sent: list = []  # the calls' references, kept until the job ends
-
-    @property
-    def name(self) -> str:
-        return signal.Signals(self.signum).name if self.signum else "a signal"
-
-    @contextlib.contextmanager
-    def installed(self):
-        from dapo.checkpoint.preemption import SIGNALS
-
-        if threading.current_thread() is not threading.main_thread():
-            yield self  # signals reach the main thread only: a caller's thread leaves them to the main one
-            return
-        old = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
-        try:
-            yield self
-        finally:
-            for sig, handler in old.items():
-                signal.signal(sig, handler)
-
-    def _handle(self, signum, frame) -> None:
-        self.pending.append(signum)  # forwarded from the wait loop: no Ray call inside a signal handler
-        if self.signum is None:
-            self.signum, self.t0 = signum, time.monotonic()
-
-    def forward(self) -> None:
-        while self.pending:
-            signum = self.pending.pop(0)
-            for node, pids in self.nodes.items():
-                self.sent.append(self.signallers[node].send.remote(pids, signum))
-
-    def close(self) -> None:
-        import ray
-
-        for actor in self.signallers.values():
-            ray.kill(actor)
-
-    def overdue(self) -> bool:
-        return self.t0 is not None and time.monotonic() - self.t0 > self.grace_s + self.MARGIN_S
-
-    def stopped(self, why: str, run_dir):
-        """The driver's line when the ranks did not all stop with theirs."""
-        from dapo.checkpoint import latest_checkpoint
-        from dapo.checkpoint.preemption import EXIT_CODE, Stopped
-
-        last = latest_checkpoint(run_dir)
-        return Stopped(
-            f"stopped by {self.name}: {why}; launch it again to resume from "
-            + (str(last) if last else "the start (no checkpoint yet)")
-            + f" (exit code {EXIT_CODE})"
-        )
-
-
-class WorkerLostError(RuntimeError):
-    """A rank's Ray worker process died mid-run; the message names it and where the run resumes."""
-
-
-# after one rank fails, how long the others are given to show that a worker died first (a rank whose peer
-# died fails in its next collective, which can be before Ray has reported the death)
-LOST_WORKER_GRACE_S = 30.0
-
-
-POLL_S = 0.2  # how often the driver looks for a signal to forward while it waits for the ranks
-
-
-def wait_for_ranks(runs: list, workers: list[str], run_dir, actors: list, forward: Forwarder | None = None) -> list:
-    """Every rank's result. When a rank's worker process dies (killed, out of memory, its node lost) the job
-    stops at once with one line naming it, instead of the other ranks waiting in their collectives; the
-    other ranks are then ended too, so that a new launch starts clean and resumes. A signal to the driver is
-    forwarded to every rank (``forward``); the ranks that stop for it raise ``preemption.Stopped``, and rank 0's
-    line is the driver's."""
-    import ray
-    from ray.exceptions import RayActorError
-
-    from dapo.checkpoint import latest_checkpoint
-    from dapo.checkpoint.preemption import Stopped
-
-    pending, failed, stops = list(runs), None, {}
-    while pending:
-        if forward is not None:
-            forward.forward()
-        wait = (POLL_S if forward is not None else None) if failed is None else LOST_WORKER_GRACE_S
-        done, pending = ray.wait(pending, num_returns=1, timeout=wait)
-        if not done:
-            if failed is None:  # only polling
-                if forward is not None and forward.overdue():
-                    for actor in actors:
-                        ray.kill(actor)
-                    raise forward.stopped(
-                        f"the ranks did not stop within run.preempt_grace_s={forward.grace_s:g} s and "
-                        f"{forward.MARGIN_S:g} s more; they were ended without a new checkpoint",
-                        run_dir,
-                    )
-                continue
-            break  # the grace ran out: no worker was lost, the first failure stands
-        try:
-            ray.get(done[0])
-        except RayActorError as err:  # the actor's process is gone
-            for actor in actors:
-                ray.kill(actor)
-            if forward is not None and forward.signum is not None:  # it ended itself: past the grace, a 2nd signal
-                raise forward.stopped(
-                    f"the worker of {workers[runs.index(done[0])]} exited before a checkpoint was written (past "
-                    f"run.preempt_grace_s={forward.grace_s:g} s, at a second signal, or still starting)",
-                    run_dir,
-                ) from None
-            last = latest_checkpoint(run_dir)
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-            why = first.split(". ")[0][:200]  # Ray's first sentence; the rest says what it may or may not have done
-            raise WorkerLostError(
-                f"launch-ray: the worker of {workers[runs.index(done[0])]} died mid-run ({type(err).__name__}: {why}); "
-                "the job is stopped; launch it again to resume from "
-                + (str(last) if last else "the start (no checkpoint yet)")
-            ) from None
-        except Exception as err:  # a rank's own error: wait a little for a lost worker that caused it
-            cause = getattr(err, "cause", err)  # ray.get raises a rank's exception wrapped in a RayTaskError
-            if isinstance(cause, Stopped):
-                stops[runs.index(done[0])] = cause
-            failed = failed or err
-    if failed is not None:
-        for actor in actors:
-            ray.kill(actor)
-        if stops and isinstance(getattr(failed, "cause", failed), Stopped):
-            raise Stopped(str(stops[min(stops)])) from None  # rank 0's line (every rank's is the same)
-        raise failed
-    return ray.get(runs)
