@@ -277,16 +277,17 @@ def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_every_family_the_decode_loop_takes_samples_generates_tokens():
     """Every family dapo accepts whose KV cache the engine's own loop drives (rollout/hf_decode.py): the same
-    tokens as transformers' generate for the seed, with rows of several lengths and 38 of the 258 tokens ending a
-    row, so rows leave the batch mid-way. generate runs without the forced last EOS some encoder-decoder families'
-    configs add (a token the policy did not sample)."""
+    tokens as transformers' generate for the seed, with rows of several lengths, each prompt's prefill shared by its
+    two rows, and 38 of the 258 tokens ending a row, so rows leave the batch mid-way. generate runs without the
+    forced last EOS some encoder-decoder families' configs add (a token the policy did not sample)."""
     from transformers import GenerationConfig
 
     from dapo.rollout import hf_decode
     from dapo.rollout.base import SamplingParams
 
     eos = set(range(2, 40))
-    ids, mask = left_padded([[5, 17, 33, 80, 2, 9], [100, 7, 9], [11, 12], [50, 51, 52, 53]] * 2)
+    # each prompt twice side by side, as the engine lays out a prompt's samples: their prefill is computed once
+    ids, mask = left_padded([p for p in ([5, 17, 33, 80, 2, 9], [100, 7, 9], [11, 12], [50, 51, 52, 53]) for _ in "ab"])
     params = SamplingParams(n=1, temperature=1.0, max_new_tokens=10, seed=3)
     config = GenerationConfig(max_new_tokens=10, do_sample=True, top_k=0, pad_token_id=0, eos_token_id=sorted(eos))
     checked, differ = [], []

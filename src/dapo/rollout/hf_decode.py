@@ -13,8 +13,11 @@ still in, so every row draws from the stream where it would have (finished rows 
 A smaller batch can round a matmul differently in the last bit, so a token on the edge of two may rarely differ; the
 distribution sampled from is the same softmax(logits / temperature), top-k, top-p either way.
 
+The prompts' forward computes each prompt once for the rows that sample it (the engine lays out a prompt's G rows side
+by side) and copies its cache and last logits to them.
+
 Models whose cache is not transformers' plain ``DynamicCache`` of attention layers (state-space and hybrid layers,
-encoder-decoders) are left to ``generate`` (``decodes_here``).
+encoder-decoders, state kept in the modules) are left to ``generate`` (``decodes_here``).
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ def decodes_here(model) -> bool:
         return False
     supports = getattr(lm, "_supports_default_dynamic_cache", None)
     if supports is None or not supports():
+        return False
+    # a family that keeps state in its modules beside the cache (RecurrentGemma's recurrent blocks, reset to zeros
+    # when the batch changes size) would lose it when rows leave the batch or share a prefill
+    if any(hasattr(module, "_setup_cache") for module in lm.modules()):
         return False
     cache = DynamicCache(config=config.get_text_config(decoder=True))
     return all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers)
@@ -106,11 +113,7 @@ def sample(
     # the host only at the one count per step that decides whether to stop or compact)
     out = torch.full((width, params.max_new_tokens), -1, dtype=torch.long, device=input_ids.device)
     batch = _Batch(input_ids, attention_mask)
-    positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)  # as generate derives them
-    logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, past_key_values=cache,
-        use_cache=True, logits_to_keep=1,
-    ).logits  # fmt: skip
+    logits = _prefill(model, input_ids, attention_mask, cache)
     for step in range(params.max_new_tokens):
         scores = process(batch.ids, logits[:, -1].to(copy=True, dtype=torch.float32))
         tokens = _draw(scores, batch.rows, width, greedy=params.temperature <= 0)
@@ -135,6 +138,26 @@ def sample(
         ).logits  # fmt: skip
         batch.next_position = batch.next_position + 1
     return [[t for t in row if t >= 0] for row in out.tolist()]
+
+
+def _prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+    """The prompts' forward, filling ``cache``; the last position's logits of every row. Rows that repeat the row
+    before them (a prompt's G samples, which the engine lays out side by side) are computed once, and their cache
+    and logits copied: on the demo the prompts are a quarter of the positions generation computes."""
+    same = (input_ids[1:] == input_ids[:-1]).all(-1) & (attention_mask[1:] == attention_mask[:-1]).all(-1)
+    firsts = torch.cat([same.new_ones(1), ~same]).nonzero().squeeze(1)  # each run of equal rows' first row
+    ids, mask = input_ids[firsts], attention_mask[firsts]
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # as generate derives them
+    logits = model(
+        input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+        logits_to_keep=1,
+    ).logits  # fmt: skip
+    if len(firsts) == len(input_ids):
+        return logits
+    copies = torch.diff(torch.cat([firsts, firsts.new_tensor([len(input_ids)])]))
+    each_row = torch.repeat_interleave(torch.arange(len(firsts), device=firsts.device), copies)
+    cache.batch_select_indices(each_row)
+    return logits[each_row]
 
 
 def _draw(scores: torch.Tensor, rows: torch.Tensor, width: int, *, greedy: bool) -> torch.Tensor:
