@@ -50,6 +50,11 @@ ITEMS = {
         "teacher_pass_on_the_device",
         120,
     ),
+    "u": (
+        "the HF engine's decode loop (shared prefill, ended rows leaving the batch) vs generate: the same tokens",
+        "decode_loop_samples",
+        120,
+    ),
     "t": (
         "train.kernels: torch.compile per decoder layer, Liger Kernel, both; float32 and bf16 against the CPU update",
         "faster_kernels",

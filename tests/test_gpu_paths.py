@@ -9,6 +9,8 @@ the update itself, are tests/test_gpu.py's, whose docstring says how the devices
   g  perf/peak_cuda_<phase>_gb against torch.cuda.max_memory_allocated
   m  the rollout process of rollout.max_staleness on the device: the in-process engine's tokens and log-probs
   n  a rollout rank under torchrun on the device against the rollout process
+  u  the HF engine's decode loop on the device (a prompt's prefill shared by its rows, ended rows leaving the batch)
+     against transformers' generate: the same tokens for the seed
 """
 
 import subprocess
@@ -442,6 +444,29 @@ def load_weights(model_dir):
 
 
 @pytest.mark.parametrize("device", HEAVY_DEVICES)  # the CPU side: tests/test_async_rollout.py
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_decode_loop_samples_generates_tokens_on_the_device(device, dtype):
+    """Item u: on the demo's base model (answers end at different lengths, so rows leave the batch), 4 prompts of 6
+    rows each, the engine's own loop (rollout/hf_decode.py) and transformers' generate draw the same tokens for the
+    seed. A smaller forward batch may round the last bit differently; a draw falls on such an edge about once in
+    millions of tokens."""
+    from dapo.model.loading import load_model_and_tokenizer
+    from dapo.rollout.base import SamplingParams
+    from dapo.rollout.hf import HFRolloutEngine
+
+    model, tok = load_model_and_tokenizer(REPO / "assets" / "arith-base", dtype=dtype, device=device)
+    loop, plain = HFRolloutEngine(model, tok), HFRolloutEngine(model, tok, compacting=False)
+    assert loop.compacting and not plain.compacting
+    prompts = [tok.encode(p) for p in ("1+2=", "12*3-4=", "7=", "(5+6)*7-8=")]
+    params = SamplingParams(n=6, temperature=1.0, max_new_tokens=24, seed=0)
+    a, b = loop.generate(prompts, params), plain.generate(prompts, params)
+    lengths = [len(r) for r in a.response_ids]
+    same = sum(x == y for x, y in zip(a.response_ids, b.response_ids))
+    report("u", device=device, dtype=dtype, rows=len(lengths), same_rows=same, lengths=[min(lengths), max(lengths)])
+    assert a.response_ids == b.response_ids and torch.equal(a.truncated, b.truncated)
+    assert min(lengths) < max(lengths)  # rows ended at different steps: the batch shrank
+
+
 def test_the_rollout_process_samples_on_the_device_what_the_engine_in_process_does(tiny_model_dir, device):
     """Item m: with the same weights (version 1, pushed) and seed, the rollout process gives the in-process engine's
     tokens, and log-probs within 1e-5 (the same kernels in another process; the model's own forward)."""
