@@ -443,7 +443,7 @@ def load_weights(model_dir):
     return load_file(str(Path(model_dir) / "model.safetensors"))
 
 
-@pytest.mark.parametrize("device", HEAVY_DEVICES)  # the CPU side: tests/test_async_rollout.py
+@pytest.mark.parametrize("device", HEAVY_DEVICES)  # the CPU side: tests/test_rollout.py, test_arch_matrix.py
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_decode_loop_samples_generates_tokens_on_the_device(device, dtype):
     """Item u: on the demo's base model (answers end at different lengths, so rows leave the batch), 4 prompts of 6
@@ -467,12 +467,14 @@ def test_the_decode_loop_samples_generates_tokens_on_the_device(device, dtype):
     assert min(lengths) < max(lengths)  # rows ended at different steps: the batch shrank
 
 
+@pytest.mark.parametrize("device", HEAVY_DEVICES)  # the CPU side: tests/test_async_rollout.py
 def test_the_rollout_process_samples_on_the_device_what_the_engine_in_process_does(tiny_model_dir, device):
     """Item m: with the same weights (version 1, pushed) and seed, the rollout process gives the in-process engine's
     tokens, and log-probs within 1e-5 (the same kernels in another process; the model's own forward)."""
     from dapo.config import load_config
     from dapo.model.loading import load_model_and_tokenizer
     from dapo.rollout.base import SamplingParams
+    from dapo.rollout.build import engine_of_its_own
     from dapo.rollout.hf import HFRolloutEngine
     from dapo.rollout.remote import RemoteEngine
 
@@ -485,7 +487,7 @@ def test_the_rollout_process_samples_on_the_device_what_the_engine_in_process_do
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=16, seed=3)
     prompts = [tok.encode("12+30="), tok.encode("7*8=")]
     here = HFRolloutEngine(model, tok, logprobs=True).generate(prompts, params)
-    remote = RemoteEngine(cfg.rollout, cfg.model, tok, max_model_len=64, threads=1, device=device)
+    remote = RemoteEngine(engine_of_its_own, cfg.rollout, cfg.model, tok, max_model_len=64, threads=1, device=device)
     try:
         remote.update_weights(model.named_parameters(), version=1)
         remote.use_version(1)
