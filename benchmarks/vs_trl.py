@@ -266,14 +266,17 @@ def report_per_step(args, sides: list[str]) -> str | None:
     ratio (None without both sides)."""
     print(f"s/step: {args.runs} alternated runs x {args.steps} steps (+{args.warmup} warm-up) per side")
     med, loads, runs = per_step(args, sides)
-    print(f"\n{'side':13s} {'CPU s/step':>10s} {'s/step':>7s} {'generate':>9s} {'rest':>6s}  TRL / side (CPU)  (wall)")
+    print(
+        f"\n{'side':13s} {'CPU s/step':>10s} {'s/step':>7s} {'generate':>9s} {'rest':>6s} {'gen ms/token':>12s}  "
+        "TRL / side (CPU)  (wall)"
+    )
     for side in sides:
         m = med[side]
         reason = withheld(loads["trl"] + loads[side], "ratio") if "trl" in med else None
         ratios = f"{med['trl']['cpu_s'] / m['cpu_s']:15.2f}x  {med['trl']['s'] / m['s']:5.2f}x" if "trl" in med else ""
         print(
-            f"{side:13s} {m['cpu_s']:10.2f} {m['s']:7.2f} {m['generate']:9.2f} {m['s'] - m['generate']:6.2f}  "
-            + (f"{'-':>16s}  {'-':>5s}  {reason}" if reason else ratios)
+            f"{side:13s} {m['cpu_s']:10.2f} {m['s']:7.2f} {m['generate']:9.2f} {m['s'] - m['generate']:6.2f} "
+            f"{ms_per_token(m):12.3f}  " + (f"{'-':>16s}  {'-':>5s}  {reason}" if reason else ratios)
         )
     if args.write:
         write_per_step(args, sides, med, loads, runs)
@@ -281,6 +284,12 @@ def report_per_step(args, sides: list[str]) -> str | None:
         reason = withheld(loads["trl"] + loads["ours-equal"], "wall ratio")
         return reason or f"{med['trl']['s'] / med['ours-equal']['s']:.2f}x"
     return None
+
+
+def ms_per_token(m: dict) -> float:
+    """Generation's wall milliseconds per generated token (the sides' policies diverge as they train, so their
+    responses' lengths, and the seconds a step's generation takes, differ)."""
+    return 1000 * m["generate"] / max(m.get("gen_tokens", 0), 1)
 
 
 SIDE_NAMES = {
@@ -307,6 +316,7 @@ def write_per_step(args, sides: list[str], med: dict, loads: dict, runs: dict) -
                 "runs (CPU s/step)": [round(r["cpu_s"], 2) for r in runs[side]],
                 "generate s": round(m["generate"], 2),
                 "rest s": round(m["s"] - m["generate"], 2),
+                "generate ms/token": round(ms_per_token(m), 3),
             }
         )
     for side in [s for s in sides if s != "trl" and "trl" in med]:
@@ -318,6 +328,7 @@ def write_per_step(args, sides: list[str], med: dict, loads: dict, runs: dict) -
             "runs (CPU s/step)": None,
             "generate s": f"{t['generate'] / m['generate']:.2f}x",
             "rest s": f"{(t['s'] - t['generate']) / (m['s'] - m['generate']):.2f}x",
+            "generate ms/token": f"{ms_per_token(t) / ms_per_token(m):.2f}x",
         }
         rows.append({"side": f"TRL / {SIDE_NAMES[side]}", **({k: reason for k in ratio} if reason else ratio)})
     every = [load for side in sides for load in loads[side]]

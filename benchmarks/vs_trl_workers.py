@@ -154,6 +154,7 @@ def our_result(st: Setting, rows: list[dict], base: list[dict], cpu_marks: list,
                 "s": seconds,
                 "cpu_s": cpu_s,
                 "generate": r["perf/time_generate_s"],
+                "gen_tokens": r.get("sampling/tokens_generated", 0.0),
                 "old_logprob": r.get("perf/time_old_logprob_s", 0.0),
                 "update": r.get("perf/time_update_s", 0.0),
                 "gen_rounds": r["sampling/gen_rounds"],
@@ -269,12 +270,14 @@ def trl_timer(args, st: Setting, held_out: HeldOut, timings: dict, steps: list, 
             seconds, cpu_s = time.perf_counter() - clock["last"], time.process_time() - clock["last_cpu"]
             clock["train"] += seconds
             clock["train_cpu"] += cpu_s
-            steps.append({"s": seconds, "cpu_s": cpu_s, "generate": timings["generate"]})
+            steps.append(
+                {"s": seconds, "cpu_s": cpu_s, "generate": timings["generate"], "gen_tokens": timings["tokens"]}
+            )
             print(
                 f"trl step {state.global_step // st.updates}: {seconds:.1f} s (generate {timings['generate']:.1f} s)",
                 flush=True,
             )
-            timings["generate"] = 0.0
+            timings["generate"], timings["tokens"] = 0.0, 0
             step = state.global_step // st.updates
             if args.eval_every and step % args.eval_every == 0:
                 acc = held_out()
@@ -332,13 +335,15 @@ def trl_config(args, st: Setting, output_dir: str):
 
 
 def time_trl_generation(trainer, timings: dict) -> None:
-    """Add the time of TRL's generation calls to timings["generate"]."""
+    """Add the time of TRL's generation calls to timings["generate"] and the tokens they generated to
+    timings["tokens"]."""
     generate_turn = trainer._generate_single_turn
 
     def timed_generate(*a, **kw):  # measures only; TRL's own generation runs unchanged
         t0 = time.perf_counter()
         out = generate_turn(*a, **kw)
         timings["generate"] += time.perf_counter() - t0
+        timings["tokens"] += sum(len(c) for c in out[0])  # completion ids, each up to and including its EOS
         return out
 
     trainer._generate_single_turn = timed_generate
@@ -360,7 +365,7 @@ def run_trl(args) -> dict:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         return [1.0 if grade(c, t, st.grader).acc else -1.0 for c, t in zip(texts, ground_truth)]
 
-    timings = {"generate": 0.0}
+    timings = {"generate": 0.0, "tokens": 0}
     steps, evals = [], []
     held_out = HeldOut(st, model, tokenizer)
     with tempfile.TemporaryDirectory() as tmp:
