@@ -246,7 +246,7 @@ def placement_lines(where: list[tuple[str, str, int]]) -> list[str]:
 
 
 def niceness_warning(nices: list[int]) -> str | None:
-    """The start-up line when ranks run at a lower priority than the driver's processes (``nices``: each rank's
+    """The start-up line when ranks run below normal priority, at a niceness above 0 (``nices``: each rank's
     niceness), None when none does. A cluster's Ray starts its workers at niceness 15 unless its environment says
     otherwise, and such a rank, beside other busy processes on its machine, gets a small share of the CPU."""
     low = [n for n in nices if n > 0]
