@@ -101,6 +101,7 @@ def launch(side: str, args, *, total: int, eval_every: int, target: float, seed:
     ]
     cmd += ["--real"] if args.real else []
     cmd += ["--trl-vllm"] if args.trl_vllm else []
+    cmd += ["--lr", str(args.lr)] if args.lr is not None else []
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
@@ -233,6 +234,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=None, help="steps between evaluations (5)")
     parser.add_argument("--seeds", type=int, default=None, help="training seeds per side in the accuracy race (1)")
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="learning rate of both sides (the setting's own); 0 keeps both at the base model, so their "
+        "generation samples one distribution and its time compares the engines",
+    )
     parser.add_argument("--skip-steps", action="store_true", help="skip part 1 (s/step)")
     parser.add_argument("--skip-accuracy", action="store_true", help="skip part 2 (time to accuracy)")
     parser.add_argument("--write", help="write part 1's table to this results file (benchmarks/results/*.json)")

@@ -32,7 +32,7 @@ REAL_PRESET = ROOT / "configs/smollm2_135m.yaml"
 class Setting:
     """What both sides share: the demo's (default) or the real model's (--real)."""
 
-    def __init__(self, real: bool):
+    def __init__(self, real: bool, lr: float | None = None):
         self.real = real
         if real:
             self.model, self.preset = REAL_MODEL, REAL_PRESET
@@ -51,6 +51,8 @@ class Setting:
             )
             self.micro, self.temperature, self.grader, self.bench = MICRO, 1.0, "arith", "arith"
             self.eval_problems, self.eval_n, self.eval_seed = EVAL_PROBLEMS, EVAL_N, EVAL_SEED
+        if lr is not None:  # --lr: 0 keeps both policies the base model, so the sides sample one distribution
+            self.lr = lr
 
     @property
     def eval_key(self) -> str:
@@ -170,7 +172,7 @@ def run_ours(args, overrides: list[str]) -> dict:
     from dapo.reporting.run_log import read_metrics
     from dapo.training import train
 
-    st = Setting(args.real)
+    st = Setting(args.real, args.lr)
     cpu = time_our_steps(args, st)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(st.preset, our_overrides(args, st, tmp, overrides))
@@ -356,7 +358,7 @@ def run_trl(args) -> dict:
 
     from dapo.rewards import grade
 
-    st = Setting(args.real)
+    st = Setting(args.real, args.lr)
     tokenizer = AutoTokenizer.from_pretrained(st.model, trust_remote_code=False)
     model = AutoModelForCausalLM.from_pretrained(st.model, dtype=torch.float32, trust_remote_code=False)
     dataset = trl_dataset(st)

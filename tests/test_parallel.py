@@ -1,5 +1,6 @@
 """FSDP on CPU for real: 2 gloo ranks under torchrun against 1 process, sharded checkpoints and
-their export, exact resume, the weights pushed to rank 0's rollout engine (Ray: tests/test_ray.py).
+their export, the weights pushed to rank 0's rollout engine (Ray: tests/test_ray.py; a torchrun run resumed from its
+shards, bit for bit: tests/test_preemption.py).
 
 The 2-rank parts run this file as a torchrun worker (``python -m torch.distributed.run ... this
 file``), the way a user launches training.
@@ -7,7 +8,6 @@ file``), the way a user launches training.
 
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -19,7 +19,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import SMALL_OVERRIDES, loss_fn_of, make_policy, small_config  # noqa: E402
 from dapo import checkpoint, cli  # noqa: E402
-from dapo.checkpoint import files as checkpoint_files
 from dapo.checkpoint import weights as checkpoint_weights
 from dapo.rollout import SamplingParams  # noqa: E402
 from dapo.runtime import parallel
@@ -400,47 +399,7 @@ def test_sharded_checkpoint_exports_to_a_model_directory(two_rank_update, tmp_pa
     assert (tmp_path / "hf" / "tokenizer_config.json").exists()
 
 
-# ---- the training loop under torchrun ------------------------------------------------------------
-@pytest.mark.slow
-def test_torchrun_training_resumes_exactly_from_shards(tiny_model_dir, tmp_path):
-    """2 steps in one go vs 1 step + a resume from step 1's shards: identical weights. With a sharded reference
-    model (KL loss), gradient checkpointing and overlong filtering on."""
-    args = [
-        "-m",
-        "dapo.cli",
-        "train",
-        "configs/demo.yaml",
-        f"model.path={tiny_model_dir}",
-        *SMALL_OVERRIDES,
-        "eval.benchmarks=[]",  # the held-out evaluation after the last step: not what this compares
-        "run.save_every=1",
-        "run.keep_checkpoints=2",
-        "algo.kl_coef=0.01",
-        "model.gradient_checkpointing=true",
-        "algo.overlong_filtering=true",
-    ]
-    torchrun(*args, f"run.dir={tmp_path / 'full'}")
-    full = tmp_path / "full" / "t"
-    assert [p.name for p in checkpoint_files.list_checkpoints(full)] == ["step_000001", "step_000002"]
-    metrics = [line for line in (full / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    assert len(metrics) == 2  # rank 0 alone writes the run's files
-    assert all('"actor/kl_loss"' in m for m in metrics)
-    resumed = tmp_path / "resumed" / "t"
-    shutil.copytree(full / "checkpoints" / "step_000001", resumed / "checkpoints" / "step_000001")
-    out = torchrun(*args, f"run.dir={tmp_path / 'resumed'}")
-    assert "resumed from" in out.stdout
-    a = checkpoint_weights.export_hf(full / "checkpoints" / "step_000002", tmp_path / "a")
-    b = checkpoint_weights.export_hf(resumed / "checkpoints" / "step_000002", tmp_path / "b")
-    from safetensors.torch import load_file
-
-    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
-    w0 = load_file(Path(tiny_model_dir) / "model.safetensors")
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        assert torch.equal(wa[k], wb[k]), k
-    assert any(not torch.equal(wa[k], w0[k]) for k in wa)  # training moved the weights
-
-
+# ---- resuming under torchrun ---------------------------------------------------------------------
 def test_ranks_resuming_refuse_a_crafted_checkpoint_index(two_rank_update):
     """Resume is automatic: a step directory whose shards/.metadata pickles os.system stops both ranks with the
     reason, before anything in it runs (the CLI prints it as its one error line: tests/test_checkpoint.py)."""

@@ -254,7 +254,10 @@ def _torchrun(model_dir, root, mode="ranks"):
 
 
 # ---- a signal to the launcher -------------------------------------------------------------------------
-LAUNCHED = ["train.total_steps=4", "run.save_every=null"]
+# with a sharded reference model (the KL term), gradient checkpointing and overlong filtering, so the bit-identical
+# resume below covers the state those add to a sharded run's step
+LAUNCHED = ["train.total_steps=4", "run.save_every=null", "algo.kl_coef=0.01", "model.gradient_checkpointing=true",
+            "algo.overlong_filtering=true"]  # fmt: skip
 
 
 def resume_worker(model_dir: str, root: str) -> None:
@@ -282,7 +285,8 @@ def test_sigterm_to_torchrun_stops_both_ranks_at_one_checkpoint_and_the_resume_i
     """SIGTERM to the torchrun launcher, not a rank (Kubernetes signals the container's first process): torchrun
     sends it on to each rank's process group and waits for them (``--shutdown-timeout``, 30 s) before it kills
     them; the ranks write one checkpoint of their last completed step within that. torchrun itself then exits
-    with 1 (its SignalException), not the ranks' 75. Started again, the run ends as an uninterrupted one."""
+    with 1 (its SignalException), not the ranks' 75. Started again from that step's shards, the run ends as an
+    uninterrupted one, its sharded reference model (KL), gradient checkpointing and overlong filtering on."""
     from test_parallel import REPO, env_for_children
 
     run = tmp_path / "stopped" / "t"
@@ -308,6 +312,8 @@ def test_sigterm_to_torchrun_stops_both_ranks_at_one_checkpoint_and_the_resume_i
     assert "exit code 75" in lines[0] and "Unable to shutdown process" not in err  # no rank was killed
     _torchrun(tiny_model_dir, tmp_path, "resume")
     assert checkpoint.step_of(checkpoint.latest_checkpoint(run)) == 4
+    metrics = [line for line in (tmp_path / "ref" / "t" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert len(metrics) == 4 and all('"actor/kl_loss"' in m for m in metrics)  # rank 0 alone writes the run's files
     assert same_shards(tmp_path / "ref" / "t", run), "the resumed run's weights differ"
 
 
