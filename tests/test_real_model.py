@@ -13,8 +13,6 @@ import io
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -257,29 +255,23 @@ def test_import_gguf_round_trips_logits_and_tokenizer(tmp_path):
     )
 
 
-def test_import_model_cli_errors_in_one_line(tmp_path):
-    def run(*args):
-        return subprocess.run(
-            [sys.executable, "-m", "dapo.cli", "import-model", *map(str, args)],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-        )
+def test_import_model_cli_errors_in_one_line(tmp_path, capsys):
+    """`dapo import-model`'s refusals, through the command's own entry point (the console script's process, one line
+    and exit code 2 for any command's error: tests/test_cli.py)."""
+    from dapo import cli
 
-    missing = run(tmp_path / "nope.gguf", tmp_path / "out")
-    assert (
-        missing.returncode == 2
-        and missing.stderr.strip().startswith("error:")
-        and "no such GGUF file" in missing.stderr
-    )
-    assert len(missing.stderr.strip().splitlines()) == 1
+    def run(*args) -> tuple[int, str]:
+        code = cli.main(["import-model", *map(str, args)])
+        return code, capsys.readouterr().err
+
+    code, err = run(tmp_path / "nope.gguf", tmp_path / "out")
+    assert code == 2 and err.strip().startswith("error:") and "no such GGUF file" in err
+    assert len(err.strip().splitlines()) == 1
     (tmp_path / "x.gguf").write_bytes(b"GGUF")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
-    busy = run(tmp_path / "x.gguf", tmp_path / "full")
-    assert (
-        busy.returncode == 2 and "not empty" in busy.stderr and (tmp_path / "full" / "keep.txt").read_text() == "mine"
-    )
+    code, err = run(tmp_path / "x.gguf", tmp_path / "full")
+    assert code == 2 and "not empty" in err and (tmp_path / "full" / "keep.txt").read_text() == "mine"
 
 
 @pytest.mark.skipif(
