@@ -238,8 +238,8 @@ def parse_args() -> argparse.Namespace:
         "--lr",
         type=float,
         default=None,
-        help="learning rate of both sides (the setting's own); 0 keeps both at the base model, so their "
-        "generation samples one distribution and its time compares the engines",
+        help="learning rate of both sides (the setting's own); 1e-12 keeps both at the base model (updates below "
+        "float32's rounding), so their generation samples one distribution and its time compares the engines",
     )
     parser.add_argument("--skip-steps", action="store_true", help="skip part 1 (s/step)")
     parser.add_argument("--skip-accuracy", action="store_true", help="skip part 2 (time to accuracy)")
@@ -341,12 +341,14 @@ def write_per_step(args, sides: list[str], med: dict, loads: dict, runs: dict) -
         rows.append({"side": f"TRL / {SIDE_NAMES[side]}", **({k: reason for k in ratio} if reason else ratio)})
     every = [load for side in sides for load in loads[side]]
     content = {
-        "title": f"{'SmolLM2-135M-Instruct' if args.real else 'The demo model'} against TRL: seconds per step",
+        "title": f"{'SmolLM2-135M-Instruct' if args.real else 'The demo model'} against TRL: seconds per step"
+        + (f" at learning rate {args.lr:g} (both sides at the base model)" if args.lr is not None else ""),
         "group": "Against TRL",
         "measures": (
             f"Both sides at equal settings (benchmarks/vs_trl.py's docstring), {args.threads or 'all'} torch "
             f"thread(s) a side, each run a fresh process, sides alternated; {args.runs} runs a side of {args.steps} "
             f"timed steps after {args.warmup}, the median over runs of each run's median step."
+            + (f" Learning rate {args.lr:g} on both sides." if args.lr is not None else "")
         ),
         **measurement.record("python " + " ".join(sys.argv), "python " + " ".join(sys.argv), {"per step": rows}),
         "load": (

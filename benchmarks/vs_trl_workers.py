@@ -51,7 +51,7 @@ class Setting:
             )
             self.micro, self.temperature, self.grader, self.bench = MICRO, 1.0, "arith", "arith"
             self.eval_problems, self.eval_n, self.eval_seed = EVAL_PROBLEMS, EVAL_N, EVAL_SEED
-        if lr is not None:  # --lr: 0 keeps both policies the base model, so the sides sample one distribution
+        if lr is not None:  # --lr 1e-12: both policies stay the base model, so the sides sample one distribution
             self.lr = lr
 
     @property

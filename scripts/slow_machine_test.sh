@@ -9,6 +9,6 @@ python3 -c 'while True: pass' &
 spinner=$!
 trap 'kill $spinner' EXIT
 export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
-/usr/bin/time -f "wall %e s, CPU %U s user + %S s system" .venv/bin/python -m pytest -q -n "${TEST_WORKERS:-3}" \
+/usr/bin/time -f "wall %e s, CPU %U s user + %S s system" .venv/bin/python -m pytest -q -n "${TEST_WORKERS:-4}" \
     --dist loadfile --no-loadscope-reorder --durations=30 -p no:cacheprovider > "$log" 2>&1 || true
 tail -n 45 "$log"
