@@ -3,8 +3,8 @@
 import os
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    # `make test` runs the suite in one worker per core: one torch thread each, for the tests and the processes
-    # they start, so two workers do not fight over the cores each would otherwise take both of
+    # `make test` runs the suite in more workers than cores (TEST_WORKERS): one torch thread each, for the tests and
+    # the processes they start, so the workers do not fight over the cores each would otherwise take all of
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, "1")
 
