@@ -251,6 +251,7 @@ def _torchrun(model_dir, root, mode="ranks"):
         timeout=400,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    return out
 
 
 # ---- a signal to the launcher -------------------------------------------------------------------------
@@ -310,7 +311,9 @@ def test_sigterm_to_torchrun_stops_both_ranks_at_one_checkpoint_and_the_resume_i
     step = int(LINE.fullmatch(lines[0]).group(2))
     assert 1 <= step < 4 and [checkpoint.step_of(p) for p in checkpoint_files.list_checkpoints(run)] == [step]
     assert "exit code 75" in lines[0] and "Unable to shutdown process" not in err  # no rank was killed
-    _torchrun(tiny_model_dir, tmp_path, "resume")
+    resumed = _torchrun(tiny_model_dir, tmp_path, "resume")
+    # a run that started over would end on the same weights: the resume must say it resumed from the stop's step
+    assert f"resumed from {run / 'checkpoints' / f'step_{step:06d}'}" in resumed.stdout, resumed.stdout[-3000:]
     assert checkpoint.step_of(checkpoint.latest_checkpoint(run)) == 4
     metrics = [line for line in (tmp_path / "ref" / "t" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert len(metrics) == 4 and all('"actor/kl_loss"' in m for m in metrics)  # rank 0 alone writes the run's files
