@@ -96,9 +96,12 @@ format: $(STAMP)
 # on the emulated slower machine, 3 workers had 1.35 of the suite's cores busy and 4 had 1.41);
 # files in the order tests/conftest.py gives them, the longest first (xdist's own reorder puts files of many short
 # tests first, and the few long launches last)
+# Python's bytecode cache is on for the suite, also where the environment turns it off (PYTHONDONTWRITEBYTECODE):
+# else each worker's collection compiles the sources and rewrites the tests' asserts again (about 4 CPU seconds a
+# worker), and each process the tests start compiles dapo's sources again
 TEST_WORKERS ?= 4
 test: $(STAMP) $(VLLM_STAMP) lint sandbox docs
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 # the documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link or anchor, a page missing from
 # the nav or a nav entry with no page fails the build
