@@ -359,17 +359,32 @@ def test_the_distillation_rows_of_dapo_ablate_and_the_demo_preset(tmp_path):
     assert cfg.model.path == load_config("configs/demo.yaml").model.path
 
 
-def test_two_fsdp_ranks_shard_the_teacher_and_score_every_row(tiny_model_dir, teacher_dir, tmp_path):
+@pytest.mark.slow
+def test_two_fsdp_ranks_shard_the_teacher_score_every_row_and_grade_with_the_configs_function(
+    tiny_model_dir, teacher_dir, tmp_path
+):
     """Under torchrun the teacher is sharded over the trainer's ranks as the policy is; each rank scores its share
-    of the rows and every rank ends with the whole batch's term: the run trains and logs the teacher's figures."""
+    of the rows and every rank ends with the whole batch's term: the run trains and logs the teacher's figures. The
+    same launch grades with reward.function, a file of the user's (every response right, score 0.25): the ranks'
+    grading workers and the held-out evaluation at the end use the function from their config."""
     import json
 
     from test_parallel import torchrun
+    from test_reward_function import REWARDS
 
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
     args = ["-m", "dapo.cli", "train", "configs/demo.yaml", f"model.path={tiny_model_dir}", *SMALL_OVERRIDES]
-    torchrun(*args, f"teacher.path={teacher_dir}", "teacher.coef=1", f"run.dir={tmp_path}")
+    args += [f"teacher.path={teacher_dir}", "teacher.coef=1", f"reward.function={tmp_path / 'my_rewards.py'}:quarter"]
+    torchrun(*args, f"run.dir={tmp_path}")
     rows = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    assert len(rows) == 2 and all(r["teacher/reverse_kl_mean"] != 0 and 0 < r["teacher/adv_share"] < 1 for r in rows)
+    train_rows = [r for r in rows if "teacher/reverse_kl_mean" in r]
+    # the teacher's term beside the reward's (whose scores differ within a group by the overlong penalty alone)
+    assert len(train_rows) == 2 and all(r["teacher/reverse_kl_mean"] != 0 and 0 < r["teacher/adv_share"] < 1
+                                        for r in train_rows)  # fmt: skip
+    for r in train_rows:  # each response the function's 0.25 and right, plus its overlong penalty
+        assert r["rollout/acc_mean"] == 1.0 and r["reward/score_max"] == 0.25
+        assert r["reward/score_mean"] == pytest.approx(0.25 + r["reward/overlong_penalty_mean"], abs=1e-6)
+    assert rows[-1]["eval/arith/avg@2"] == 1.0
 
 
 @pytest.mark.sandbox

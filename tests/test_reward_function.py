@@ -1,5 +1,6 @@
 """reward.function=MODULE:FUNCTION: a user's reward function named on the command line grades every response in
-the grading workers (dapo train, dapo eval, torchrun); a bad one stops the run at start in one line, exit code 2."""
+the grading workers (dapo train, dapo eval; under torchrun: tests/test_distillation.py's two-rank launch); a bad one
+stops the run at start in one line, exit code 2."""
 
 import json
 import sys
@@ -171,20 +172,6 @@ def test_the_python_apis_reward_fn_and_reward_function_are_not_both_given(tiny_m
         f"reward.function={rewards_file}:quarter and a reward_fn are both given; grade with one: leave reward_fn "
         "out to use reward.function, or set cfg.reward.function = None to use reward_fn"
     )
-
-
-@pytest.mark.slow
-def test_torchrun_ranks_grade_with_the_function_from_their_config(tiny_model_dir, tmp_path, rewards_file):
-    from test_parallel import torchrun
-
-    spec = f"{rewards_file}:quarter"
-    torchrun(
-        "-m", "dapo.cli", "train", "configs/demo.yaml", f"model.path={tiny_model_dir}", f"run.dir={tmp_path}",
-        *SMALL_OVERRIDES, "train.total_steps=1", "algo.soft_overlong_punishment=false", f"reward.function={spec}",
-    )  # fmt: skip
-    (row,) = rows_of(tmp_path / "t")
-    assert row["rollout/acc_mean"] == 1.0 and row["reward/score_mean"] == 0.25
-    assert row["eval/arith/avg@2"] == 1.0
 
 
 def test_a_reward_function_file_imports_the_modules_beside_it(tmp_path, monkeypatch):
