@@ -1,6 +1,6 @@
 """LoRA adapters (model.lora) with peft on tiny models: only the adapters train and are saved, the
 rollout engines sample from the merged model, resume is exact, export reproduces the trainer's
-logits. FSDP on 2 ranks and vLLM with LoRA: tests/test_lora_scale.py.
+logits. FSDP on 2 ranks with LoRA: tests/test_parallel.py; vLLM with LoRA: tests/test_lora_scale.py.
 """
 
 import json

@@ -1,6 +1,7 @@
-"""FSDP on CPU for real: 2 gloo ranks under torchrun against 1 process, sharded checkpoints and
-their export, the weights pushed to rank 0's rollout engine (Ray: tests/test_ray.py; a torchrun run resumed from its
-shards, bit for bit: tests/test_preemption.py).
+"""FSDP on CPU for real: 2 gloo ranks under torchrun against 1 process, full-parameter and with LoRA adapters,
+sharded checkpoints and their export, the weights pushed to every rank's rollout engine (Ray: tests/test_ray.py; a
+torchrun run resumed from its shards, bit for bit: tests/test_preemption.py; the rows' partition and the rendezvous
+store: tests/test_rank_setup.py).
 
 The 2-rank parts run this file as a torchrun worker (``python -m torch.distributed.run ... this
 file``), the way a user launches training.
@@ -19,7 +20,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import SMALL_OVERRIDES, loss_fn_of, make_policy, small_config  # noqa: E402
 from dapo import checkpoint, cli  # noqa: E402
+from dapo.checkpoint import shards as checkpoint_shards
 from dapo.checkpoint import weights as checkpoint_weights
+from dapo.checkpoint.weights import export_hf, is_lora  # noqa: E402
+from dapo.model import lora  # noqa: E402
 from dapo.rollout import SamplingParams  # noqa: E402
 from dapo.runtime import parallel
 
@@ -53,116 +57,6 @@ def torchrun(*args, timeout=300, cwd=REPO, check=True) -> subprocess.CompletedPr
     return out
 
 
-# ---- pure helpers --------------------------------------------------------------------------------
-def test_balanced_partition_by_tokens():
-    costs = [10, 1, 7, 3, 3, 4]
-    parts = parallel.balanced_partition(costs, 2)
-    assert sorted(i for p in parts for i in p) == list(range(6))  # every row exactly once
-    assert sorted(sum(costs[i] for i in p) for p in parts) == [14, 14]  # 10+4 | 7+3+3+1
-    assert parallel.balanced_partition([5], 2) == [[0], []]
-    alone = parallel.Dist()
-    assert parallel.rank_share([4, 5, 6], [1, 1, 1], alone) == [4, 5, 6]
-    assert parallel.same_count([[1], [2]], alone) == [[1], [2]]
-    assert float(parallel.all_reduce(torch.tensor(3.0), alone)) == 3.0
-
-
-def test_tensor_parallel_size_must_divide_the_ranks(tmp_path, tiny_model_dir):
-    from conftest import training_engine
-    from dapo.config import ConfigError
-
-    cfg = small_config(tmp_path, tiny_model_dir, "rollout.backend=vllm", "rollout.tensor_parallel_size=2")
-    with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size=2 does not divide the 3 trainer ranks"):
-        training_engine(cfg, None, parallel.Dist(rank=0, world_size=3))  # checked before vLLM or any model loads
-
-
-def test_sharded_rollout_gives_each_tensor_parallel_group_one_share(monkeypatch):
-    """4 ranks, engines of 2: ranks 0-1 pass prompts 0-1 with seed 2*3+0, ranks 2-3 prompts 2-3 with
-    seed 2*3+1; only an engine's first rank sends its samples, so the gather has one copy per engine."""
-    from dapo.rollout import Generation, ShardedRollout
-
-    calls, sent = [], []
-
-    class Echo:  # one response per prompt: [prompt token, seed]
-        def generate(self, prompt_ids, params):
-            calls.append((prompt_ids, params.seed))
-            return Generation(
-                prompt_ids=prompt_ids,
-                response_ids=[p + [params.seed] for p in prompt_ids],
-                truncated=torch.zeros(len(prompt_ids), dtype=torch.bool),
-                texts=[""] * len(prompt_ids),
-            )
-
-    class Sent(Exception):
-        pass
-
-    def record(obj, d):
-        sent.append(obj)
-        raise Sent
-
-    prompts = [[0], [1], [2], [3]]
-    monkeypatch.setattr(parallel, "all_gather_object", record)
-    for rank in range(4):
-        with pytest.raises(Sent):
-            ShardedRollout(Echo(), parallel.Dist(rank=rank, world_size=4), 2).generate(prompts, SamplingParams(seed=3))
-    assert calls == [([[0], [1]], 6), ([[0], [1]], 6), ([[2], [3]], 7), ([[2], [3]], 7)]
-    assert [g.response_ids if g else None for g in sent] == [[[0, 6], [1, 6]], None, [[2, 7], [3, 7]], None]
-    monkeypatch.setattr(parallel, "all_gather_object", lambda obj, d: sent)
-    gen = ShardedRollout(Echo(), parallel.Dist(rank=3, world_size=4), 2).generate(prompts, SamplingParams(seed=3))
-    assert gen.response_ids == [[0, 6], [1, 6], [2, 7], [3, 7]] and gen.prompt_ids == prompts
-
-
-# ---- the rendezvous store -------------------------------------------------------------------------
-STORE_WORKER = """
-import json, os, torch
-from dapo.runtime import parallel
-d = parallel.init("cpu")
-total = parallel.all_reduce(torch.tensor(float(d.rank + 1)), d)
-port, listening = int(os.environ["MASTER_PORT"]), []
-for table in ("/proc/net/tcp", "/proc/net/tcp6"):  # local address (hex), state 0A = LISTEN
-    for row in open(table).read().splitlines()[1:]:
-        local, state = row.split()[1], row.split()[3]
-        if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
-            listening.append(local.rsplit(":", 1)[0])
-print(json.dumps({"rank": d.rank, "total": float(total), "listening": listening}))
-parallel.shutdown(d)
-"""
-
-
-@pytest.mark.parametrize("launcher_socket", [False, True])
-def test_rank_0_store_listens_on_the_master_address_only(launcher_socket):
-    """torch's own store listens on every interface; here it binds MASTER_ADDR, on a socket the
-    launcher bound and handed over (as dapo.cluster does, so no other process can take the port
-    between choosing and listening), or on MASTER_PORT itself."""
-    import json
-    import socket
-
-    sock = socket.create_server(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    env = env_for_children(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
-    if not launcher_socket:
-        sock.close()  # rank 0 binds MASTER_PORT itself
-    rank0_extra = {"DAPO_STORE_FD": str(sock.fileno())} if launcher_socket else {}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", STORE_WORKER],
-            env={**env, "RANK": str(rank), **(rank0_extra if rank == 0 else {})},
-            pass_fds=(sock.fileno(),) if launcher_socket and rank == 0 else (),
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    outs = [p.communicate(timeout=120) for p in procs]
-    if launcher_socket:
-        sock.close()
-    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
-    rank0, rank1 = (json.loads(out.strip().splitlines()[-1]) for out, _ in outs)
-    assert rank0["total"] == rank1["total"] == 3.0
-    assert rank0["listening"] == ["0100007F"]  # 127.0.0.1, not 0.0.0.0 or ::
-
-
 # ---- 2 ranks vs 1 --------------------------------------------------------------------------------
 # bf16: FSDP's mixed precision with fp32 masters; uneven: rank 0 runs one row per micro-batch, so
 # rank 1 has fewer micro-batches and must run empty passes to join rank 0's collectives
@@ -179,11 +73,13 @@ VARIANTS = {
 def equivalence_worker(model_dir: str, batch_file: str, out_dir: str) -> None:
     """Run under torchrun: per variant, log-probs and one SGD update (lr 1, so the change is minus
     the gradient) on the batch the test sampled; then push the weights to every rank's engine,
-    save shards, and sample with the sharded engine; last, the automatic resume of the run whose checkpoint the
+    save shards, and sample with the sharded engine; then the same with LoRA adapters (``lora_update``); last, the
+    automatic resume of the run whose checkpoint the
     test crafted (``crafted_resume``)."""
     d = parallel.init("cpu")
     for name, (overrides, uneven) in VARIANTS.items():
         one_update(d, model_dir, batch_file, Path(out_dir) / f"{name}.pt", Path(out_dir) / name, overrides, uneven)
+    lora_update(d, model_dir, Path(out_dir) / "lora_batch.pt", Path(out_dir) / "lora")
     crafted_resume(d, model_dir, Path(out_dir))
     parallel.shutdown(d)
 
@@ -290,6 +186,7 @@ def two_rank_update(tiny_model_dir, tmp_path_factory):
         "delta": {k: v - before[k] for k, v in policy.named_weights()},
     }
     craft_checkpoint(tmp / "crafted", tmp / "pwned")
+    lora_reference(tiny_model_dir, tmp)
     t0 = time.perf_counter()
     torchrun(__file__, "equivalence", tiny_model_dir, tmp / "batch.pt", tmp)
     runs = {name: torch.load(tmp / f"{name}.pt", weights_only=False) for name in VARIANTS}
@@ -408,6 +305,139 @@ def test_ranks_resuming_refuse_a_crafted_checkpoint_index(two_rank_update):
     assert not (tmp / "pwned").exists()
     assert all("names posix.system, which is not checkpoint metadata" in line for line in refusals), refusals
     assert all("\n" not in line for line in refusals)
+
+
+# ---- LoRA: 2 ranks vs 1 --------------------------------------------------------------------------
+def lora_update(d, model_dir: str, batch_file: Path, out_dir: Path) -> None:
+    """Under torchrun, with LoRA adapters: log-probs, one SGD update (lr 1: the change is minus the gradient), the
+    reference with the adapters off, the merged push into every rank's engine, a sharded checkpoint and its reload."""
+    from conftest import training_engine
+    from test_lora import LORA, ONE_UPDATE
+
+    cfg = small_config(
+        out_dir / "run", model_dir, *LORA, *ONE_UPDATE, "train.micro_batch_size=2", "model.gradient_checkpointing=true"
+    )
+    policy = make_policy(cfg, "cpu", d)
+    policy.optimizer = torch.optim.SGD([p for p in policy.model.parameters() if p.requires_grad], lr=1.0)
+    engine = training_engine(cfg, policy, d)
+    batch = torch.load(batch_file, weights_only=False)
+    old_logp, _ = policy.compute_logprobs(batch)
+    before = {k: v.clone() for k, v in parallel.full_tensors(policy.model.named_parameters())}
+    stats = policy.update(batch, loss_fn_of(cfg))
+    after = {k: v.clone() for k, v in parallel.full_tensors(policy.model.named_parameters())}
+    ref_logp = policy.base_reference().logprobs(batch)
+    merged = {k: v.clone() for k, v in policy.named_weights()}
+    engine.update_weights(policy.named_weights())
+    engine_weights = dict(engine.engine.model.named_parameters())  # this rank's full copy, a plain HF model
+    engine_sums = parallel.all_gather_object({k: checksum(engine_weights[k]) for k in merged}, d)
+    step = checkpoint.save_checkpoint(
+        out_dir / "run",
+        1,
+        model=policy.model,
+        tokenizer=policy.tokenizer,
+        trainer_state={"policy": policy.trainer_state()},
+        config_yaml="",
+        keep=1,
+        shards=policy.sharded_state(),
+        dist=d,
+    )
+    reloaded = make_policy(cfg, "cpu", d)
+    reloaded.optimizer = torch.optim.SGD([p for p in reloaded.model.parameters() if p.requires_grad], lr=1.0)
+    checkpoint_weights.load_policy_weights(reloaded, step)
+    reloaded_weights = {k: v.clone() for k, v in parallel.full_tensors(reloaded.model.named_parameters())}
+    if d.is_main:
+        torch.save(
+            {
+                "old_logp": old_logp,
+                "ref_logp": ref_logp,
+                "stats": {k: float(v) for k, v in stats.items()},
+                "delta": {k: after[k] - before[k] for k in after},
+                "after": after,
+                "merged": merged,
+                "engine_sums": engine_sums,
+                "merged_sums": {k: checksum(v) for k, v in merged.items()},
+                "reloaded": reloaded_weights,
+            },
+            out_dir / "two.pt",
+        )
+
+
+def lora_reference(model_dir, tmp: Path) -> None:
+    """The single process's LoRA update, before the launch: its batch (lora_batch.pt, which the ranks train on) and
+    its log-probs, losses, update and merged weights (lora_single.pt)."""
+    from test_lora import LORA, ONE_UPDATE, sampled
+
+    cfg = small_config(tmp / "lora_single", model_dir, *LORA, *ONE_UPDATE, "train.micro_batch_size=2")
+    torch.manual_seed(0)
+    policy = make_policy(cfg)
+    policy.optimizer = torch.optim.SGD([p for p in policy.model.parameters() if p.requires_grad], lr=1.0)
+    batch = sampled(policy)
+    torch.save(batch, tmp / "lora_batch.pt")
+    before = {k: v.detach().clone() for k, v in policy.model.named_parameters()}
+    stats = {k: float(v) for k, v in policy.update(batch, loss_fn_of(cfg)).items()}
+    single = {
+        "old_logp": batch.old_logp,
+        "stats": stats,
+        "merged": dict(policy.named_weights()),
+        "delta": {k: v.detach() - before[k] for k, v in policy.model.named_parameters()},
+    }
+    torch.save(single, tmp / "lora_single.pt")
+
+
+@pytest.fixture(scope="module")
+def two_rank_lora(two_rank_update):
+    """The LoRA update of one process and of the two ranks (in the equivalence launch), and the ranks' folder."""
+    tmp = two_rank_update[2]
+    load = lambda path: torch.load(path, weights_only=False)  # noqa: E731
+    return load(tmp / "lora_single.pt"), load(tmp / "lora" / "two.pt"), tmp / "lora"
+
+
+def test_two_ranks_with_lora_give_the_update_of_one(two_rank_lora):
+    single, two, _ = two_rank_lora
+    assert set(two["delta"]) == set(single["delta"])
+    adapters = [k for k in single["delta"] if ".lora_" in k]
+    scale = max(single["delta"][k].abs().max().item() for k in adapters)
+    diff = max((two["delta"][k] - single["delta"][k]).abs().max().item() for k in adapters)
+    print(f"\nLoRA, 1 vs 2 ranks: max |d update| {diff:.2e} of max |update| {scale:.3f}")
+    assert scale > 1e-3 and diff < 1e-6
+    assert all(
+        torch.equal(two["delta"][k], torch.zeros_like(two["delta"][k])) for k in single["delta"] if k not in adapters
+    )
+    assert two["stats"]["pg_loss"] == pytest.approx(single["stats"]["pg_loss"], abs=1e-6)
+    assert two["stats"]["grad_norm"] == pytest.approx(single["stats"]["grad_norm"], rel=1e-5)
+    assert (two["old_logp"] - single["old_logp"]).abs().max() < 1e-5
+    # the sharded reference (adapters off) is the base, which the adapters were before the update (B = 0)
+    assert (two["ref_logp"] - single["old_logp"]).abs().max() < 1e-5
+    assert max((two["merged"][k] - v).abs().max().item() for k, v in single["merged"].items()) < 1e-6
+
+
+def test_every_ranks_engine_gets_the_merged_weights(two_rank_lora):
+    _, two, _ = two_rank_lora
+    assert two["engine_sums"] == [two["merged_sums"]] * 2
+    q = "model.layers.0.self_attn.q_proj"
+    assert not torch.equal(two["merged"][f"{q}.weight"], two["after"][f"base_model.model.{q}.base_layer.weight"])
+
+
+def test_sharded_lora_checkpoints_hold_the_adapters_reload_and_export(two_rank_lora, tiny_model_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    single, two, tmp = two_rank_lora
+    step = tmp / "run" / "checkpoints" / "step_000001"
+    assert checkpoint_weights.is_sharded(step) and is_lora(step) and not (step / "adapter" / lora.WEIGHTS_FILE).exists()
+    assert all(torch.equal(two["reloaded"][k], v) for k, v in two["after"].items())  # adapters from the shards
+    index = checkpoint_shards._safe_dcp_loaders(step / "shards")[0].read_metadata()
+    saved = sorted(k.removeprefix("model.") for k in index.state_dict_metadata if k.startswith("model."))
+    assert saved == sorted(k for k in two["after"] if ".lora_" in k)  # the adapters alone (not even the tied head)
+
+    merged = AutoModelForCausalLM.from_pretrained(export_hf(step, tmp / "merged"))
+    got = dict(merged.named_parameters())
+    assert max((got[k] - v).abs().max().item() for k, v in two["merged"].items()) < 1e-6
+    adapter = export_hf(step, tmp / "adapter", adapter=True)
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), adapter)
+    ours = {f"base_model.model.{k}" if not k.startswith("base_model.") else k: v for k, v in two["after"].items()}
+    loaded = dict(peft_model.named_parameters())
+    assert all(torch.equal(loaded[k], ours[k]) for k in ours if ".lora_" in k)
 
 
 # ---- GPUs (skipped without two CUDA devices; CI has none) -----------------------------------------
