@@ -113,6 +113,21 @@ def craft_checkpoint(run_root: Path, marker: Path) -> None:
     (step / "shards" / ".metadata").write_bytes(pickle.dumps(RunsCommand(f"touch {marker}")))
 
 
+def save_step_1(policy, run_dir: Path, d) -> Path:
+    """Step 1's checkpoint of ``policy`` in ``run_dir``, sharded over the ranks."""
+    return checkpoint.save_checkpoint(
+        run_dir,
+        1,
+        model=policy.model,
+        tokenizer=policy.tokenizer,
+        trainer_state={"policy": policy.trainer_state()},
+        config_yaml="",
+        keep=1,
+        shards=policy.sharded_state(),
+        dist=d,
+    )
+
+
 def one_update(d, model_dir, batch_file, out_file, run_dir, overrides, uneven) -> None:
     from conftest import training_engine
 
@@ -130,17 +145,7 @@ def one_update(d, model_dir, batch_file, out_file, run_dir, overrides, uneven) -
     stats = policy.update(batch, loss_fn_of(cfg))
     after = {k: v.clone() for k, v in policy.named_weights()}
     engine.update_weights(policy.named_weights())
-    checkpoint.save_checkpoint(
-        Path(run_dir),
-        1,
-        model=policy.model,
-        tokenizer=policy.tokenizer,
-        trainer_state={"policy": policy.trainer_state()},
-        config_yaml="",
-        keep=1,
-        shards=policy.sharded_state(),
-        dist=d,
-    )
+    save_step_1(policy, Path(run_dir), d)
     engine_weights = dict(engine.engine.model.named_parameters())  # this rank's full copy
     engine_sums = parallel.all_gather_object({k: checksum(engine_weights[k]) for k in after}, d)
     # each rank samples a share of the prompts; every rank gets all of them, in prompt order
@@ -330,17 +335,7 @@ def lora_update(d, model_dir: str, batch_file: Path, out_dir: Path) -> None:
     engine.update_weights(policy.named_weights())
     engine_weights = dict(engine.engine.model.named_parameters())  # this rank's full copy, a plain HF model
     engine_sums = parallel.all_gather_object({k: checksum(engine_weights[k]) for k in merged}, d)
-    step = checkpoint.save_checkpoint(
-        out_dir / "run",
-        1,
-        model=policy.model,
-        tokenizer=policy.tokenizer,
-        trainer_state={"policy": policy.trainer_state()},
-        config_yaml="",
-        keep=1,
-        shards=policy.sharded_state(),
-        dist=d,
-    )
+    step = save_step_1(policy, out_dir / "run", d)
     reloaded = make_policy(cfg, "cpu", d)
     reloaded.optimizer = torch.optim.SGD([p for p in reloaded.model.parameters() if p.requires_grad], lr=1.0)
     checkpoint_weights.load_policy_weights(reloaded, step)
