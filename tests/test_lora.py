@@ -286,23 +286,33 @@ def run_driver(run_dir, model_dir, saves, tag, kill_after):
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
+def train_here(run_dir, model_dir) -> None:
+    """The LoRA run as the driver trains it (its settings, one torch thread, as its process has), in this process."""
+    from dapo.training import train
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the driver's OMP_NUM_THREADS=1: sums in the same order
+    try:
+        train(small_config(run_dir, model_dir, *RESUME_OVERRIDES))
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def lora_runs(tiny_model_dir, tmp_path_factory):
-    """A LoRA run of 3 steps never interrupted, and one killed (os._exit) after checkpoint 1 and resumed."""
+    """A LoRA run of 3 steps never interrupted, here, and one killed (os._exit) after checkpoint 1 in a process of its
+    own (which the test resumes)."""
     root = tmp_path_factory.mktemp("lora-runs")
-    ref = run_driver(root / "a", tiny_model_dir, root / "saves_a.txt", "ref", 0)
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    train_here(root / "a", tiny_model_dir)
     killed = run_driver(root / "b", tiny_model_dir, root / "saves_b.txt", "killed", 1)
     assert killed.returncode == 1, killed.stderr[-3000:]  # the hard exit
-    resumed = run_driver(root / "b", tiny_model_dir, root / "saves_b.txt", "resumed", 0)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    return root / "a" / "t", root / "b" / "t", resumed
+    return root / "a" / "t", root / "b"
 
 
 def test_a_lora_checkpoint_holds_the_adapters_not_the_base(lora_runs, tiny_model_dir, capsys):
     from safetensors.torch import load_file
 
-    full, _, _ = lora_runs
+    full, _ = lora_runs
     step = full / "checkpoints" / "step_000003"
     assert not (step / "model").exists()
     files = {p.name for p in (step / "adapter").iterdir()}
@@ -324,14 +334,18 @@ def test_a_lora_checkpoint_holds_the_adapters_not_the_base(lora_runs, tiny_model
     assert err == f"error: {step} holds LoRA adapters; run `dapo export {step} OUT_DIR` and evaluate --model OUT_DIR\n"
 
 
-def test_a_killed_lora_run_resumes_to_the_adapters_of_an_uninterrupted_one(lora_runs):
+def test_a_killed_lora_run_resumes_to_the_adapters_of_an_uninterrupted_one(lora_runs, tiny_model_dir, capsys):
     from safetensors.torch import load_file
 
-    full, resumed_dir, resumed = lora_runs
-    assert "resumed from" in resumed.stdout and "step_000001 (step 1)" in resumed.stdout
+    full, killed = lora_runs
+    capsys.readouterr()
+    train_here(killed, tiny_model_dir)  # the resume, in this process
+    said = capsys.readouterr().out
+    resumed_dir = killed / "t"
+    assert "resumed from" in said and "step_000001 (step 1)" in said
     assert (
         "LoRA rank 4 (alpha 8) on down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj: 5,888 trained "
-        "parameters, " in resumed.stdout
+        "parameters, " in " ".join(said.split())
     )
     a = {r["step"]: r for r in read_metrics(full)}
     b = {r["step"]: r for r in read_metrics(resumed_dir)}
