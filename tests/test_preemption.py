@@ -305,7 +305,9 @@ def test_sigterm_to_torchrun_stops_both_ranks_at_one_checkpoint_and_the_resume_i
     lines = [x for x in err.splitlines() if x.startswith("stopped by")]
     forwarded = re.findall(r"Sending process (\d+) closing signal SIGTERM", err)
     print(f"\ntorchrun exit {proc.returncode} {seconds:.1f} s after SIGTERM; forwarded to {forwarded}: {lines}")
-    assert proc.returncode == 1 and "SignalException" in err, err[-3000:]  # torchrun's own exit, documented
+    # torchrun's own exit, documented: 1, its SignalException re-raised; at times its interpreter then aborts on the
+    # way out ("terminate called without an active exception", a thread of its own still running): -6
+    assert proc.returncode in (1, -signal.SIGABRT) and "SignalException" in err, err[-3000:]
     assert len(set(forwarded)) == 2, err[-3000:]  # to both ranks
     assert len(lines) == 1 and LINE.fullmatch(lines[0]), err[-3000:]  # rank 0's line only
     step = int(LINE.fullmatch(lines[0]).group(2))
