@@ -68,6 +68,21 @@ def small_config(run_dir, model_dir, *extra):
     return load_config("configs/demo.yaml", [f"model.path={model_dir}", f"run.dir={run_dir}", *SMALL_OVERRIDES, *extra])
 
 
+def train_in_one_thread(cfg) -> None:
+    """Train ``cfg`` in this process with one torch thread, as a launched run with OMP_NUM_THREADS=1 trains: its sums
+    in the same order, so the two runs compare bit for bit."""
+    import torch
+
+    from dapo.training import train
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def make_policy(cfg, device="cpu", dist=None):
     """The policy a training run with ``cfg`` trains, on ``device``."""
     import torch

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import SMALL_OVERRIDES, loss_fn_of, make_policy, small_config  # noqa: E402
+from conftest import SMALL_OVERRIDES, loss_fn_of, make_policy, small_config, train_in_one_thread  # noqa: E402
 from dapo import checkpoint, cli  # noqa: E402
 from dapo.config import ConfigError, load_config  # noqa: E402
 from dapo.model.loading import load_model_and_tokenizer  # noqa: E402
@@ -288,14 +288,7 @@ def run_driver(run_dir, model_dir, saves, tag, kill_after):
 
 def train_here(run_dir, model_dir) -> None:
     """The LoRA run as the driver trains it (its settings, one torch thread, as its process has), in this process."""
-    from dapo.training import train
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the driver's OMP_NUM_THREADS=1: sums in the same order
-    try:
-        train(small_config(run_dir, model_dir, *RESUME_OVERRIDES))
-    finally:
-        torch.set_num_threads(threads)
+    train_in_one_thread(small_config(run_dir, model_dir, *RESUME_OVERRIDES))
 
 
 @pytest.fixture(scope="module")

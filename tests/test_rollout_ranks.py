@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import SMALL_OVERRIDES
+from conftest import SMALL_OVERRIDES, train_in_one_thread
 from dapo.checkpoint import weights as checkpoint_weights
 from dapo.config import ConfigError, load_config, validate
 from dapo.runtime import parallel
@@ -60,15 +60,8 @@ def weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
 def one_process(model_dir, run_dir: Path, *extra) -> Path:
     """The reference: one trainer with its rollout process, on the same schedule and seeds, trained from this
     process (the launches' settings: one torch thread, configs/demo.yaml with the same overrides)."""
-    from dapo.training import train
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the launches' OMP_NUM_THREADS=1: sums in the same order
-    try:
-        train(load_config("configs/demo.yaml", [*SMALL_OVERRIDES, f"model.path={model_dir}", f"run.dir={run_dir}",
-                                                *ASYNC, *NO_EVAL, *extra]))  # fmt: skip
-    finally:
-        torch.set_num_threads(threads)
+    train_in_one_thread(load_config("configs/demo.yaml", [*SMALL_OVERRIDES, f"model.path={model_dir}",
+                                                          f"run.dir={run_dir}", *ASYNC, *NO_EVAL, *extra]))  # fmt: skip
     return run_dir
 
 
