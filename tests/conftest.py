@@ -8,9 +8,40 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, "1")
 
+import importlib.abc
+import importlib.util
+import sys
+
 import pytest
 
 from dapo.config import load_config
+
+
+class _InspectModelsInProcess(importlib.abc.MetaPathFinder):
+    """vLLM inspects each model architecture the first time it meets it in a Python process of its own, so as not
+    to initialise CUDA in the caller (about 10 CPU seconds each: Python, torch and vLLM imported again); it keeps the
+    result in VLLM_CACHE_ROOT for later runs. Where there is no CUDA to initialise, the suite's processes inspect in
+    their own process: the same inspection, cached the same way, without the new process."""
+
+    MODULE = "vllm.model_executor.models.registry"
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run_module = spec.loader.exec_module
+
+        def exec_module(module):
+            run_module(module)
+            module._run_in_subprocess = lambda inspect: inspect()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if not os.path.exists("/dev/nvidiactl"):
+    sys.meta_path.insert(0, _InspectModelsInProcess())
 
 pytest_plugins = ["cpu_seconds"]  # each test's CPU seconds, and the 15 that took the most (tests/cpu_seconds.py)
 
