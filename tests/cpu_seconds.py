@@ -2,12 +2,15 @@
 started and waited for (a launch's ranks, a killed run), and the 15 that took the most at the end of the run. Wall
 seconds (--durations) say where a worker waited; CPU seconds say what a slower or busier machine pays for."""
 
+import os
 import resource
+import time
 
 import pytest
 
 _SHOWN = 15
 _START = pytest.StashKey[float]()
+_WALL_START = pytest.StashKey[float]()
 
 
 def _cpu_seconds() -> float:
@@ -17,7 +20,7 @@ def _cpu_seconds() -> float:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    item.stash[_START] = _cpu_seconds()
+    item.stash[_START], item.stash[_WALL_START] = _cpu_seconds(), time.time()
     yield
 
 
@@ -25,7 +28,13 @@ def pytest_runtest_protocol(item, nextitem):
 def pytest_runtest_makereport(item, call):
     outcome = yield
     if call.when == "teardown":  # setup, call and teardown together: the fixtures a test builds are its cost
-        outcome.get_result().user_properties.append(("cpu_s", _cpu_seconds() - item.stash[_START]))
+        report = outcome.get_result()
+        report.user_properties.append(("cpu_s", _cpu_seconds() - item.stash[_START]))
+        # when and in which worker it ran (a --junitxml file then shows how the workers' time was spent)
+        report.user_properties += [
+            ("started", item.stash[_WALL_START]),
+            ("worker", os.environ.get("PYTEST_XDIST_WORKER", "")),
+        ]
 
 
 def pytest_terminal_summary(terminalreporter):
