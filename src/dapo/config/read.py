@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
 import os
 import typing
 import warnings
@@ -49,11 +50,18 @@ def _as_yaml(value):
         return [_as_yaml(v) for v in value]
     if not isinstance(value, _Plain):
         return value
+    return _plain_scalar(str(value))
+
+
+@functools.lru_cache(maxsize=4096)
+def _plain_scalar(text: str):
+    """Plain YAML's reading of one scalar's text (a list or mapping stays text); cached: a config reads the same few
+    spellings (true, 1, null) dozens of times, and the suite loads configs by the thousand."""
     try:
-        read = yaml.safe_load(value)
+        read = yaml.safe_load(text)
     except yaml.YAMLError:
-        return str(value)
-    return str(value) if isinstance(read, (list, dict)) else read
+        return text
+    return text if isinstance(read, (list, dict)) else read
 
 
 def _number(value) -> int | float | None:
