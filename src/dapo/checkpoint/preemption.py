@@ -42,7 +42,7 @@ import torch
 
 from dapo.checkpoint import files as checkpoint_files
 from dapo.runtime import parallel, watchdog
-from dapo.runtime.starting import EXIT_CODE, SIGNALS
+from dapo.runtime.starting import EXIT_CODE, SIGNALS, Stopped
 
 REPEAT_S = 5.0  # a second signal this soon after the first is the same stop delivered twice
 # True where the process ends with the run (`dapo train`, a Ray rank): once the training loop is over (stopped or
@@ -61,17 +61,6 @@ class Stop(BaseException):
     def __init__(self, abandoned: str | None):
         super().__init__(abandoned)
         self.abandoned = abandoned  # the phase left unfinished, None: between steps
-
-
-class Stopped(Exception):
-    """The run stopped for a signal, its checkpoint written: the message is the line to print (by rank 0 only:
-    ``main``; every rank has the same line)."""
-
-    exit_code = EXIT_CODE
-
-    def __init__(self, line: str, main: bool = True):
-        super().__init__(line)
-        self.main = main
 
 
 class Signals:

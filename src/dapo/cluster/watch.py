@@ -58,7 +58,7 @@ class Forwarder:
 
     @contextlib.contextmanager
     def installed(self):
-        from dapo.checkpoint.preemption import SIGNALS
+        from dapo.runtime.starting import SIGNALS
 
         if threading.current_thread() is not threading.main_thread():
             yield self  # signals reach the main thread only: a caller's thread leaves them to the main one
@@ -92,15 +92,19 @@ class Forwarder:
 
     def stopped(self, why: str, run_dir):
         """The driver's line when the ranks did not all stop with theirs."""
-        from dapo.checkpoint import latest_checkpoint
-        from dapo.checkpoint.preemption import EXIT_CODE, Stopped
+        from dapo.runtime.starting import EXIT_CODE, Stopped
 
-        last = latest_checkpoint(run_dir)
-        return Stopped(
-            f"stopped by {self.name}: {why}; launch it again to resume from "
-            + (str(last) if last else "the start (no checkpoint yet)")
-            + f" (exit code {EXIT_CODE})"
-        )
+        return Stopped(f"stopped by {self.name}: {why}; launch it again to resume from {resume_point(run_dir)} "
+                       f"(exit code {EXIT_CODE})")  # fmt: skip
+
+
+def resume_point(run_dir) -> str:
+    """Where a new launch resumes: the run's last checkpoint, or the start. Imported here, on the way out: the
+    checkpoint package loads torch, which the driver otherwise never needs."""
+    from dapo.checkpoint import latest_checkpoint
+
+    last = latest_checkpoint(run_dir)
+    return str(last) if last else "the start (no checkpoint yet)"
 
 
 class WorkerLostError(RuntimeError):
@@ -124,8 +128,7 @@ def wait_for_ranks(runs: list, workers: list[str], run_dir, actors: list, forwar
     import ray
     from ray.exceptions import RayActorError
 
-    from dapo.checkpoint import latest_checkpoint
-    from dapo.checkpoint.preemption import Stopped
+    from dapo.runtime.starting import Stopped
 
     pending, failed, stops = list(runs), None, {}
     while pending:
@@ -156,13 +159,11 @@ def wait_for_ranks(runs: list, workers: list[str], run_dir, actors: list, forwar
                     f"run.preempt_grace_s={forward.grace_s:g} s, at a second signal, or still starting)",
                     run_dir,
                 ) from None
-            last = latest_checkpoint(run_dir)
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
             why = first.split(". ")[0][:200]  # Ray's first sentence; the rest says what it may or may not have done
             raise WorkerLostError(
                 f"launch-ray: the worker of {workers[runs.index(done[0])]} died mid-run ({type(err).__name__}: {why}); "
-                "the job is stopped; launch it again to resume from "
-                + (str(last) if last else "the start (no checkpoint yet)")
+                f"the job is stopped; launch it again to resume from {resume_point(run_dir)}"
             ) from None
         except Exception as err:  # a rank's own error: wait a little for a lost worker that caused it
             cause = getattr(err, "cause", err)  # ray.get raises a rank's exception wrapped in a RayTaskError

@@ -1,7 +1,8 @@
 """A run stopped while it is still starting (imports, the model's load, the engines' start): before the training
 loop installs its own handlers (``dapo.checkpoint.preemption``), SIGTERM, SIGUSR1 or SIGINT end the process with the
 same exit code as a stop mid-training, and one line, so that a scheduler that preempts a job in its first minutes
-requeues it like any other. Light on purpose: it is in place before torch and transformers are imported."""
+requeues it like any other. Light on purpose: it is in place before torch and transformers are imported, and
+``dapo launch-ray``'s driver, which imports neither, takes the exit code, the signals and ``Stopped`` from here."""
 
 from __future__ import annotations
 
@@ -11,6 +12,17 @@ import threading
 
 EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): a temporary failure, start the job again
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+class Stopped(Exception):
+    """The run stopped for a signal, its checkpoint written (``dapo.checkpoint.preemption``): the message is the
+    line to print (by rank 0 only: ``main``; every rank has the same line)."""
+
+    exit_code = EXIT_CODE
+
+    def __init__(self, line: str, main: bool = True):
+        super().__init__(line)
+        self.main = main
 
 
 class StoppedStarting(BaseException):
