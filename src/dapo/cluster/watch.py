@@ -94,8 +94,10 @@ class Forwarder:
         """The driver's line when the ranks did not all stop with theirs."""
         from dapo.runtime.starting import EXIT_CODE, Stopped
 
-        return Stopped(f"stopped by {self.name}: {why}; launch it again to resume from {resume_point(run_dir)} "
-                       f"(exit code {EXIT_CODE})")  # fmt: skip
+        resume = resume_point(run_dir)
+        return Stopped(
+            f"stopped by {self.name}: {why}; launch it again to resume from {resume} (exit code {EXIT_CODE})"
+        )
 
 
 def resume_point(run_dir) -> str:
