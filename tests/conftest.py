@@ -261,3 +261,30 @@ def objective_loss(name, logp, old_logp, adv, mask, **settings):
 
     batch = {k: settings.pop(k) for k in ("num_tokens", "num_seqs", "is_weights", "ref_logp") if k in settings}
     return losses.actor_loss(logp, old_logp, adv, mask, losses.Objective(name, **settings), **batch)
+
+
+# ---- on-policy distillation: teachers with the student's tokenizer (tests/test_distillation*.py)
+@pytest.fixture(scope="session")
+def teacher_dir(other_tiny_model_dir):
+    """A tiny model with the student's tokenizer (tiny_model_dir's) and other weights."""
+    return other_tiny_model_dir
+
+
+SMOLLM2_TOKENIZER = "tests/assets/smollm2-tokenizer"  # SmolLM2-135M-Instruct's tokenizer files
+
+
+@pytest.fixture(scope="session")
+def real_tokenizer_dirs(tmp_path_factory):
+    """Two tiny models (other seeds) with SmolLM2-135M-Instruct's own tokenizer, a byte-level BPE of 49,152
+    tokens: student and teacher."""
+    from transformers import AutoTokenizer
+
+    from dapo.model import tiny
+
+    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2_TOKENIZER)
+    dirs = []
+    for name, seed in (("student", 0), ("teacher", 1)):
+        path = tmp_path_factory.mktemp(f"smol-tokenizer-{name}")
+        tiny.save(tiny.build_model(tokenizer, hidden_size=32, num_layers=2, num_heads=2, seed=seed), tokenizer, path)
+        dirs.append(path)
+    return dirs

@@ -190,6 +190,8 @@ def test_a_choice_setting_refuses_other_values_and_lists_its_choices(key, tp):
         )
         if key == "algo.rollout_is_mode" and choice != "token_truncate":  # a sequence mode needs the cap it uses
             extra = ["rollout.backend=vllm", "algo.rollout_is_cap=2"]
+        if key == "teacher.signal" and choice == "full":  # a teacher to run
+            extra = ["teacher.path=assets/arith-base", "teacher.coef=1"]
         assert getattr(getattr(load_config(None, [f"{key}={choice}", *extra]), section), name) == choice
 
 

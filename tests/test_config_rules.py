@@ -76,6 +76,7 @@ BREAKS_RULE = {
     ],
     ("teacher.coef", "teacher.path"): ["teacher.coef=1"],
     ("teacher.reward_advantage", "teacher.coef"): ["teacher.reward_advantage=false"],
+    ("teacher.signal", "teacher.coef"): ["teacher.signal=full"],
     ("algo.screen_samples", "teacher.reward_advantage"): [
         "teacher.path=assets/arith-base",
         "teacher.coef=1",

@@ -14,32 +14,6 @@ from dapo.algorithm.step import teacher_term
 from dapo.config import ConfigError, TeacherConfig, load_config
 
 
-@pytest.fixture(scope="session")
-def teacher_dir(other_tiny_model_dir):
-    """A tiny model with the student's tokenizer (tiny_model_dir's) and other weights."""
-    return other_tiny_model_dir
-
-
-SMOLLM2_TOKENIZER = Path("tests/assets/smollm2-tokenizer")  # SmolLM2-135M-Instruct's tokenizer files
-
-
-@pytest.fixture(scope="module")
-def real_tokenizer_dirs(tmp_path_factory):
-    """Two tiny models (other seeds) with SmolLM2-135M-Instruct's own tokenizer, a byte-level BPE of 49,152
-    tokens: student and teacher."""
-    from transformers import AutoTokenizer
-
-    from dapo.model import tiny
-
-    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2_TOKENIZER)
-    dirs = []
-    for name, seed in (("student", 0), ("teacher", 1)):
-        path = tmp_path_factory.mktemp(f"smol-tokenizer-{name}")
-        tiny.save(tiny.build_model(tokenizer, hidden_size=32, num_layers=2, num_heads=2, seed=seed), tokenizer, path)
-        dirs.append(path)
-    return dirs
-
-
 def perturbed_copy(model_dir, out):
     """``model_dir``'s model with every weight moved by seeded noise, and its tokenizer: another distribution over
     the same token ids."""
@@ -363,8 +337,10 @@ def test_the_distillation_rows_of_dapo_ablate_and_the_demo_preset(tmp_path):
 def test_two_fsdp_ranks_shard_the_teacher_score_every_row_and_grade_with_the_configs_function(
     tiny_model_dir, teacher_dir, tmp_path
 ):
-    """Under torchrun the teacher is sharded over the trainer's ranks as the policy is; each rank scores its share
-    of the rows and every rank ends with the whole batch's term: the run trains and logs the teacher's figures. The
+    """Under torchrun the teacher is sharded over the trainer's ranks as the policy is, and runs inside the update
+    (teacher.signal=full: each micro-batch's forward gathers its layers on both ranks, a rank without rows joining
+    with an empty pass): the run trains and logs the teacher's KL. (The sampled signal's teacher pass is the old
+    log-probs' sharded pass, tests/test_parallel.py, on the teacher's weights.) The
     same launch grades with reward.function, a file of the user's (every response right, score 0.25): the ranks'
     grading workers and the held-out evaluation at the end use the function from their config."""
     import json
@@ -374,13 +350,14 @@ def test_two_fsdp_ranks_shard_the_teacher_score_every_row_and_grade_with_the_con
 
     (tmp_path / "my_rewards.py").write_text(REWARDS)
     args = ["-m", "dapo.cli", "train", "configs/demo.yaml", f"model.path={tiny_model_dir}", *SMALL_OVERRIDES]
-    args += [f"teacher.path={teacher_dir}", "teacher.coef=1", f"reward.function={tmp_path / 'my_rewards.py'}:quarter"]
+    args += [f"teacher.path={teacher_dir}", "teacher.coef=1", "teacher.signal=full"]
+    args += [f"reward.function={tmp_path / 'my_rewards.py'}:quarter"]
     torchrun(*args, f"run.dir={tmp_path}")
     rows = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train_rows = [r for r in rows if "teacher/reverse_kl_mean" in r]
-    # the teacher's term beside the reward's (whose scores differ within a group by the overlong penalty alone)
-    assert len(train_rows) == 2 and all(r["teacher/reverse_kl_mean"] != 0 and 0 < r["teacher/adv_share"] < 1
-                                        for r in train_rows)  # fmt: skip
+    # the teacher's KL beside the reward's advantage (whose scores differ within a group by the overlong penalty)
+    assert len(train_rows) == 2
+    assert all(r["teacher/reverse_kl_mean"] > 0 and "teacher/adv_share" not in r for r in train_rows)
     for r in train_rows:  # each response the function's 0.25 and right, plus its overlong penalty
         assert r["rollout/acc_mean"] == 1.0 and r["reward/score_max"] == 0.25
         assert r["reward/score_mean"] == pytest.approx(0.25 + r["reward/overlong_penalty_mean"], abs=1e-6)

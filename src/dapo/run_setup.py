@@ -75,11 +75,18 @@ def setup_teacher(cfg: Config, d: parallel.Dist, device: torch.device, policy: P
     if cfg.teacher.coef == 0:
         return None
     r = cfg.rollout
-    return TeacherModel(
+    teacher = TeacherModel(
         cfg.teacher, cfg.model, cfg.train, d,
         student_tokenizer=policy.tokenizer, device=device, temperature=r.temperature,
         max_seq_tokens=cfg.data.max_prompt_tokens + r.max_response_tokens,
     )  # fmt: skip
+    if cfg.teacher.signal == "full" and teacher.packed != policy.packed:  # it runs on the student's micro-batches
+        raise ConfigError(
+            f"teacher.signal=full: teacher.path={cfg.teacher.path} {'packs' if teacher.packed else 'cannot pack'} "
+            f"sequences (its attention kernels) and model.path={cfg.model.path} "
+            f"{'does' if policy.packed else 'does not'}; set train.pack_sequences=false, or teacher.signal=sampled"
+        )
+    return teacher
 
 
 def setup_engine(cfg: Config, d: parallel.Dist, policy: Policy, tool_env) -> tuple[Config, object]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from dapo import checkpoint, run_setup
 from dapo.algorithm.batch import RolloutBatch
-from dapo.algorithm.step import assign_advantages, make_loss_fn, old_logprobs, teacher_term
+from dapo.algorithm.step import assign_advantages, make_loss_fn, old_logprobs, teacher_in_loss, teacher_term
 from dapo.checkpoint import preemption
 from dapo.checkpoint.saver import Saver
 from dapo.checkpoint.writer import CheckpointWriter
@@ -180,17 +180,25 @@ def _update(run: Run, taken: StepBatch, step: int, phase: StepPhases, seconds: d
     engine.sleep()  # a colocated engine frees its memory for the trainer; no-op for hf
     with phase("old_logprob"):
         old = old_logprobs(batch, policy, cfg.algo, reference=run.reference, held_over=taken.held_over)
-    distilled = {}
-    if run.teacher is not None:  # on-policy distillation: the teacher's term in every token's advantage
+    distilled, full_teacher = {}, run.teacher if cfg.teacher.signal == "full" else None
+    if run.teacher is not None and full_teacher is None:  # on-policy distillation: a term in every token's advantage
         with phase("teacher_logprob"):
             distilled = teacher_term(batch, run.teacher, cfg.teacher)
+    elif full_teacher is not None:
+        teacher_in_loss(batch, cfg.teacher)
     run.boundary("old_logprob")  # the last point a stop abandons the step: past it the update is finished
     # an asynchronous save writes the weights and AdamW state from live memory (for the watchdog a phase of its
     # own: a wait of nothing must not set the limit of the save itself)
     with phase("checkpoint", watchdog="checkpoint_wait"):
         run.saver.writer.wait()
     with phase("update"):
-        update = policy.update(batch, run.loss_fn, with_entropy=old.entropy_from_update)
+        update = policy.update(
+            batch,
+            run.loss_fn,
+            with_entropy=old.entropy_from_update,
+            teacher=full_teacher,
+            teacher_coef=cfg.teacher.coef,
+        )
     updates, skipped = policy.last_updates
     run.notes.updated(step, updates=updates, skipped=skipped, in_a_row=policy.nonfinite_in_a_row)
     with phase("weight_sync"):

@@ -127,6 +127,13 @@ def teacher_term(batch: RolloutBatch, teacher, teacher_cfg: TeacherConfig) -> di
     }
 
 
+def teacher_in_loss(batch: RolloutBatch, teacher_cfg: TeacherConfig) -> None:
+    """teacher.signal=full: the teacher's exact KL goes into the loss (``Policy.update``), not into the advantage,
+    which stays the reward's (DAPO + teacher) or is 0 on every row (pure distillation: the KL is all there is)."""
+    if not teacher_cfg.reward_advantage:
+        batch.adv = torch.zeros_like(batch.adv)
+
+
 def importance_weights(batch: RolloutBatch, algo_cfg: AlgoConfig) -> dict:
     """Importance weights on the engine's log-probs (``rollout_correction``; the AlgoConfig's rollout_is_cap,
     _mode and _m2): sets ``batch.is_weights`` and returns their statistics; nothing without a cap (the reference)."""

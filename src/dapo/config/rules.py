@@ -356,6 +356,15 @@ RULES = (
         ),
     ),
     RuleBetween(
+        ("teacher.signal", "teacher.coef"),
+        "`teacher.signal=full` needs `teacher.coef` > 0",
+        lambda cfg: cfg.teacher.signal == "sampled" or cfg.teacher.coef > 0,
+        lambda cfg: (
+            "teacher.signal=full: teacher.coef=0 turns the teacher off, so its KL would never be computed; set "
+            "teacher.coef and teacher.path, or leave teacher.signal=sampled"
+        ),
+    ),
+    RuleBetween(
         ("algo.screen_samples", "teacher.reward_advantage"),
         "with `teacher.reward_advantage=false` (pure distillation), `algo.screen_samples=0`",
         lambda cfg: cfg.teacher.reward_advantage or not cfg.algo.screen_samples,

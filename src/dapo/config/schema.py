@@ -33,6 +33,7 @@ RolloutIsMode = Literal["token_truncate", "token_mask", "token_m2", "sequence_tr
 FilterMetric = Literal["acc", "reward"]
 OnMaxGenRounds = Literal["train", "fail"]
 OldLogpSource = Literal["recompute", "engine"]
+TeacherSignal = Literal["sampled", "full"]
 PackSequences = Literal["auto", "true", "false"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 Logger = Literal["console", "tensorboard", "wandb", "mlflow"]
@@ -261,6 +262,11 @@ class TeacherConfig:
     # true: the reward's group advantage (eq. 9) plus the teacher's term (DAPO + teacher); false: the teacher's term
     # alone (pure distillation), where no group needs varied rewards, so dynamic sampling's filter is off
     reward_advantage: bool = True
+    # sampled: the term above, on each sampled token's advantage (the student's sampled token only); full: the exact
+    # KL(student || teacher) over the whole vocabulary at each response position, added to the loss (its token mean
+    # over the mini-batch, x teacher.coef) with no term in the advantage; the teacher then runs in the update, on each
+    # micro-batch, holding 4 bytes x vocabulary per response token of the micro-batch
+    signal: TeacherSignal = "sampled"
     # the teacher's weights and forward pass; null: model.dtype. bfloat16 halves its memory (its log-probs then carry
     # bfloat16's rounding)
     dtype: Dtype | None = None

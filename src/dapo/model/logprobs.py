@@ -132,6 +132,50 @@ class HeadLogProbs(torch.autograd.Function):
         return grad_h, grad_weight, None, None, None, None, None
 
 
+class HeadReverseKL(torch.autograd.Function):
+    """KL(student || teacher) over the whole vocabulary at each row, the student's distribution being the LM head
+    over ``h`` (at the sampling temperature, after ``transform``) and the teacher's given as (n, V) log-probs;
+    ``chunk`` rows at a time, keeping no logits for backward (each chunk's are recomputed there, as in
+    ``HeadLogProbs``). The gradient with respect to the student's logits z of row i is
+    p_i * (log p_i - log q_i - KL_i) / temperature; the teacher's log-probs get none."""
+
+    @staticmethod
+    def forward(ctx, h, weight, teacher_logp, temperature: float, chunk: int, transform: LogitTransform):
+        kl = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        for t0 in range(0, h.shape[0], chunk):
+            rows = slice(t0, t0 + chunk)
+            logp = _chunk_logits(h[rows], weight, temperature, transform).log_softmax(-1)  # (c, V)
+            kl[rows] = (logp.exp() * (logp - teacher_logp[rows])).sum(-1)
+        ctx.save_for_backward(h, weight, teacher_logp, kl)
+        ctx.temperature, ctx.chunk, ctx.transform = temperature, chunk, transform
+        return kl
+
+    @staticmethod
+    def backward(ctx, grad_kl):
+        h, weight, teacher_logp, kl = ctx.saved_tensors
+        need_h, need_weight = ctx.needs_input_grad[:2]
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        transform = ctx.transform
+        for t0 in range(0, h.shape[0], ctx.chunk):
+            rows = slice(t0, t0 + ctx.chunk)
+            tanh = []
+            logp = _chunk_logits(h[rows], weight, ctx.temperature, transform, tanh).log_softmax(-1)  # (c, V)
+            # d KL / d logits, times the chain factor from the head's output to the tempered logits
+            g = grad_kl[rows, None] * (transform.scale / ctx.temperature)
+            coef = logp.exp() * (logp - teacher_logp[rows] - kl[rows, None]) * g
+            if tanh:  # a soft cap's derivative, as in HeadLogProbs
+                coef = coef * (1 - tanh[0].square())
+            coef = coef.to(weight.dtype)
+            if need_h:
+                grad_h[rows] = coef @ weight
+            if need_weight:
+                grad_weight.addmm_(coef.t().float(), h[rows].float())
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_h, grad_weight, None, None, None, None
+
+
 class ResponseLogProbs(nn.Module):
     """The log-prob pass over response tokens as one module (the decoder and the LM head of ``lm``, and
     what ``lm``'s own forward does to the head's output, ``transform``).
@@ -150,8 +194,19 @@ class ResponseLogProbs(nn.Module):
         self.fused_head = plain if fused_head is None else fused_head and plain
 
     def forward(
-        self, mb: MicroBatch, *, temperature: float, with_entropy: bool = False, chunk_tokens: int | None = None
+        self,
+        mb: MicroBatch,
+        *,
+        temperature: float,
+        with_entropy: bool = False,
+        chunk_tokens: int | None = None,
+        full_logp: bool = False,
+        teacher_logp: torch.Tensor | None = None,
     ):
+        """(B, T) log-probs of the sampled tokens and (B, T) entropies (None without ``with_entropy``). With
+        ``full_logp``: instead, the (n, V) log-probs of every vocabulary entry at the n response positions, in
+        ``mb.token_index`` order (no gradient). With ``teacher_logp`` (those of a teacher, over the same
+        micro-batch): also the (B, T) reverse KL from this model's distribution to the teacher's at each position."""
         if mb.shared is None:
             hidden = self.decoder(
                 input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids
@@ -160,6 +215,41 @@ class ResponseLogProbs(nn.Module):
             hidden = prompt_then_responses(self.decoder, mb.shared)  # (prompt and response positions, H)
         h = hidden[mb.token_index]  # (n, H)
         chunk_tokens = chunk_tokens or head_chunk_rows(self.head.weight.shape[0], h.device)
+        if full_logp:
+            return self._full_logp(h, temperature, chunk_tokens)
+        if teacher_logp is not None:
+            logp, ent = self._sampled_logp(mb, h, temperature, with_entropy, chunk_tokens)
+            return logp, ent, self._scatter(mb, self._reverse_kl(h, teacher_logp, temperature, chunk_tokens))
+        return self._sampled_logp(mb, h, temperature, with_entropy, chunk_tokens)
+
+    @torch.no_grad()
+    def _full_logp(self, h: torch.Tensor, temperature: float, chunk_tokens: int) -> torch.Tensor:
+        chunks = [
+            _chunk_logits(h[t0 : t0 + chunk_tokens], self.head.weight, temperature, self.transform).log_softmax(-1)
+            if self.fused_head
+            else (self.transform(self.head(h[t0 : t0 + chunk_tokens]).float()) / temperature).log_softmax(-1)
+            for t0 in range(0, h.shape[0], chunk_tokens)
+        ]
+        return torch.cat(chunks) if chunks else h.new_zeros(0, self.head.weight.shape[0], dtype=torch.float32)
+
+    def _reverse_kl(self, h: torch.Tensor, teacher_logp: torch.Tensor, temperature: float, chunk_tokens: int):
+        """(n,) KL(this model || teacher) at each response position, with its gradient."""
+        if self.fused_head:
+            return HeadReverseKL.apply(h, self.head.weight, teacher_logp, temperature, chunk_tokens, self.transform)
+
+        def chunk_kl(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+            logp = (self.transform(self.head(x).float()) / temperature).log_softmax(-1)
+            return (logp.exp() * (logp - q)).sum(-1)
+
+        parts = [
+            torch.utils.checkpoint.checkpoint(
+                chunk_kl, h[t0 : t0 + chunk_tokens], teacher_logp[t0 : t0 + chunk_tokens], use_reentrant=False
+            )
+            for t0 in range(0, h.shape[0], chunk_tokens)
+        ]
+        return torch.cat(parts) if parts else h.new_zeros(0, dtype=torch.float32)
+
+    def _sampled_logp(self, mb: MicroBatch, h: torch.Tensor, temperature: float, with_entropy: bool, chunk_tokens: int):
         if self.fused_head:
             flat, ent = HeadLogProbs.apply(
                 h, self.head.weight, mb.targets, temperature, chunk_tokens, with_entropy, self.transform
@@ -218,7 +308,7 @@ def _entropy(logits: torch.Tensor, log_z: torch.Tensor) -> torch.Tensor:
 
 
 def token_logprobs(
-    model, mb: MicroBatch, *, temperature: float, with_entropy: bool = False, chunk_tokens: int | None = None
+    model, mb: MicroBatch, *, temperature: float, with_entropy: bool = False, chunk_tokens: int | None = None, **kw
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each response token, at the sampling temperature: (B, T), and entropy (B, T).
 
@@ -230,7 +320,7 @@ def token_logprobs(
     one under FSDP).
     """
     logprob_pass = model if isinstance(model, ResponseLogProbs) else ResponseLogProbs(model)
-    return logprob_pass(mb, temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens)
+    return logprob_pass(mb, temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens, **kw)
 
 
 def uses_varlen_attention(model) -> bool:

@@ -16,7 +16,8 @@ from torch import nn
 from dapo.algorithm.batch import RolloutBatch
 from dapo.config import ConfigError
 from dapo.model import kernels, lora
-from dapo.model.logprobs import LogProbModel
+from dapo.model.logprobs import LogProbModel, token_logprobs
+from dapo.model.micro_batch import MicroBatch
 from dapo.runtime import parallel
 from dapo.runtime.files import CheckpointError
 
@@ -71,6 +72,13 @@ class LossFn(Protocol):
         is_weights: torch.Tensor | None,
         ref_logp: torch.Tensor | None,
     ) -> tuple[torch.Tensor, dict[str, Stat]]: ...
+
+
+class FullTeacher(Protocol):
+    """teacher.signal=full's teacher (``dapo.model.teacher.TeacherModel``): the (n, V) log-probs of every vocabulary
+    entry at the n response positions of one of the student's micro-batches, without gradient."""
+
+    def full_logprobs(self, mb: MicroBatch) -> torch.Tensor: ...
 
 
 class StatTotals:
@@ -209,7 +217,15 @@ class Policy(LogProbModel):
             torch._foreach_copy_(params, self.master)  # round to the compute dtype, in a few kernels
 
     # ---- the update -----------------------------------------------------------------------
-    def update(self, batch: RolloutBatch, loss_fn: LossFn, *, with_entropy: bool = False) -> dict[str, torch.Tensor]:
+    def update(
+        self,
+        batch: RolloutBatch,
+        loss_fn: LossFn,
+        *,
+        with_entropy: bool = False,
+        teacher: FullTeacher | None = None,
+        teacher_coef: float = 0.0,
+    ) -> dict[str, torch.Tensor]:
         """Several optimizer updates over one rollout batch (mini-batches of whole groups,
         ``mini_batch_rows``), each minimising ``loss_fn`` summed over its micro-batches.
 
@@ -217,7 +233,9 @@ class Policy(LogProbModel):
         micro-batches (or over ranks) leaves the gradient unchanged. Returns its statistics and the
         gradient norm over the updates (``over_updates``), the learning rate and the skipped updates.
         ``with_entropy``: each row's entropy from the first forward over it goes into ``batch.entropy``
-        (algo.old_logp_source=engine runs no log-prob pass that would give it).
+        (algo.old_logp_source=engine runs no log-prob pass that would give it). ``teacher``: teacher.signal=full's,
+        whose exact KL(student || teacher) at each trained token is added to the loss, ``teacher_coef`` x its token
+        mean over the mini-batch (the statistic ``teacher/reverse_kl_mean``).
         """
         self.model.train()
         entropy = torch.zeros(len(batch), batch.max_response_len) if with_entropy else None  # this rank's rows
@@ -225,7 +243,10 @@ class Policy(LogProbModel):
         for epoch in range(self.train_cfg.ppo_epochs):
             for rows in self.mini_batch_rows(batch):
                 rows = self._rank_rows(batch, rows)
-                per_update.append(self._mini_batch_update(batch, rows, loss_fn, entropy if epoch == 0 else None))
+                kl_term = (teacher, teacher_coef) if teacher is not None else None
+                per_update.append(
+                    self._mini_batch_update(batch, rows, loss_fn, entropy if epoch == 0 else None, kl_term)
+                )
         if entropy is not None:  # every row was filled by exactly one rank
             batch.entropy = parallel.all_reduce(entropy, self.dist)
         out = over_updates(per_update)
@@ -237,7 +258,7 @@ class Policy(LogProbModel):
         return out
 
     def _mini_batch_update(
-        self, batch: RolloutBatch, rows: list[int], loss_fn: LossFn, entropy: torch.Tensor | None
+        self, batch: RolloutBatch, rows: list[int], loss_fn: LossFn, entropy: torch.Tensor | None, kl_term=None
     ) -> dict[str, tuple[torch.Tensor, str]]:
         """One optimizer update over this rank's ``rows``: the loss's statistics and the gradient norm."""
         width = max((len(batch.response_ids[i]) for i in rows), default=0)
@@ -249,7 +270,7 @@ class Policy(LogProbModel):
         }
         totals = StatTotals()
         for micro in parallel.same_count(self.micro_batches(batch, rows), self.dist):
-            totals.add(self._micro_batch_backward(batch, micro, loss_fn, counts, entropy))
+            totals.add(self._micro_batch_backward(batch, micro, loss_fn, counts, entropy, kl_term))
         stats = totals.reduce(self.dist)
         grad_norm = parallel.clip_grad_norm(self.master or self.model.parameters(), self.train_cfg.grad_clip)
         # the loss summed over every rank: an inf whose gradient is 0 skips too, and every rank skips together
@@ -265,7 +286,13 @@ class Policy(LogProbModel):
         return {**stats, "grad_norm": (grad_norm.detach().float().cpu(), "mean")}
 
     def _micro_batch_backward(
-        self, batch: RolloutBatch, micro: list[int] | None, loss_fn: LossFn, counts: dict, entropy: torch.Tensor | None
+        self,
+        batch: RolloutBatch,
+        micro: list[int] | None,
+        loss_fn: LossFn,
+        counts: dict,
+        entropy: torch.Tensor | None,
+        kl_term: tuple[FullTeacher, float] | None = None,
     ) -> dict[str, Stat]:
         """Forward and backward over one micro-batch (None: a pass only to join the ranks' collectives);
         returns the loss's statistics and the loss itself, as "loss"."""
@@ -276,7 +303,18 @@ class Policy(LogProbModel):
         if mask.sum() == 0 and not self.dist.sharded:  # every row filtered out (overlong filtering)
             return {}
         with_entropy = entropy is not None and micro is not None
-        logp, ent = self.micro_batch_logprobs(batch, rows, with_entropy=with_entropy)
+        if kl_term is None:
+            logp, ent = self.micro_batch_logprobs(batch, rows, with_entropy=with_entropy)
+        else:  # the teacher over the same micro-batch, then the student's log-probs and its KL to the teacher
+            mb = self._make_micro_batch(batch, rows)
+            teacher_logp = kl_term[0].full_logprobs(mb)  # (n, V)
+            logp, ent, kl = token_logprobs(
+                self.logprob_pass,
+                mb,
+                temperature=self.temperature,
+                with_entropy=with_entropy,
+                teacher_logp=teacher_logp,
+            )
         if with_entropy:
             entropy[idx, :width] = ent.float().cpu()  # (B, T)
         on_device = lambda x: None if x is None else x[idx, :width].to(self.device)  # noqa: E731
@@ -290,6 +328,11 @@ class Policy(LogProbModel):
             is_weights=on_device(batch.is_weights),
             ref_logp=on_device(batch.ref_logp),
         )
+        if kl_term is not None:  # its token mean over the mini-batch, as token-mean's policy loss
+            on_tokens = kl * mask.to(self.device)
+            loss = loss + kl_term[1] * on_tokens.sum() / counts["num_tokens"]
+            tokens = mask.sum().to(self.device)
+            stats["teacher/reverse_kl_mean"] = (on_tokens.sum().detach() / tokens.clamp(min=1), tokens.float(), "mean")
         loss.backward()
         return {**stats, "loss": (loss.detach(), loss.new_ones(()), "sum")}
 

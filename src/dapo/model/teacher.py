@@ -16,6 +16,7 @@ import torch
 from dapo.algorithm.batch import RolloutBatch
 from dapo.config import ConfigError, LoraConfig
 from dapo.model.logprobs import LogProbModel
+from dapo.model.micro_batch import MicroBatch
 from dapo.runtime import parallel
 
 if TYPE_CHECKING:
@@ -75,6 +76,12 @@ class TeacherModel(LogProbModel):
     def logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """(N, T) log-probs of the sampled tokens under the teacher, at the sampling temperature."""
         return self.compute_logprobs(batch)[0]
+
+    @torch.no_grad()
+    def full_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        """(n, V) log-probs of every vocabulary entry at the n response positions of the student's micro-batch
+        ``mb`` (its ``token_index`` order), at the sampling temperature: teacher.signal=full's target."""
+        return self.logprob_pass(mb, temperature=self.temperature, full_logp=True)
 
 
 def load_error_line(path: str, err: Exception) -> str:

@@ -78,7 +78,7 @@ def step_metrics(
         diff = (rollout_logp - batch.old_logp).abs()[written]
         m["rollout/logprob_abs_diff_mean"], m["rollout/logprob_abs_diff_max"] = diff.mean(), diff.max()
         m.update(behaviour_drift(batch.old_logp[written], rollout_logp[written]))
-    m.update({f"actor/{k}": v for k, v in update.items()})
+    m.update({k if "/" in k else f"actor/{k}": v for k, v in update.items()})  # a teacher's KL keeps its own name
     return m
 
 
