@@ -9,6 +9,9 @@ model (assets/arith-base). Arms, each configs/demo.yaml with the same seeds (see
   dapo          DAPO as the demo runs it (no teacher)
   distill       pure distillation: teacher.coef=1, teacher.reward_advantage=false (no group dropped)
   dapo_teacher  DAPO plus the teacher's term: teacher.coef=1
+  distill_full, dapo_teacher_full   the same with teacher.signal=full (the exact KL over the vocabulary, in the
+                loss) and four passes over each batch from the first step (train.ppo_epochs=4, train.warmup_steps=0)
+--arms picks them (default: the first three; dapo is always run, its final accuracy being the target).
 A seed's arms run together, one core each, in processes of their own (benchmarks/runs.py records the load they saw).
 Per arm: held-out accuracy at equal steps (the last evaluation) and at equal generated tokens (each curve read at
 the fewest tokens any run generated), generated tokens per trained token, the steps and generated tokens until a
@@ -31,10 +34,13 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from runs import Load, Run, generation, machine, mean_ci, run_alone, run_together  # noqa: E402
 
+FOUR_PASSES = ["train.ppo_epochs=4", "train.warmup_steps=0"]
 ARMS = {
     "dapo": [],
     "distill": ["teacher.coef=1", "teacher.reward_advantage=false"],
     "dapo_teacher": ["teacher.coef=1"],
+    "distill_full": ["teacher.coef=1", "teacher.reward_advantage=false", "teacher.signal=full", *FOUR_PASSES],
+    "dapo_teacher_full": ["teacher.coef=1", "teacher.signal=full", *FOUR_PASSES],
 }
 KEY = "eval/arith/avg@4"  # the demo's held-out accuracy (200 problems x 4 samples unless --eval-problems)
 
@@ -83,6 +89,7 @@ def summarise(runs: dict[str, list], teacher_acc: float | None) -> dict:
     curves = {arm: [curve(r.rows) for r in rs] for arm, rs in runs.items()}
     target = statistics.fmean(points[-1][2] for points in curves["dapo"])  # DAPO's final held-out accuracy
     budget = min(points[-1][1] for pts in curves.values() for points in pts)  # the fewest tokens any run generated
+    third = statistics.fmean(points[-1][1] for points in curves["dapo"]) / 3  # a third of DAPO's generated tokens
     per_seed, arms = [], []
     for arm, rs in runs.items():
         seeds = []
@@ -96,6 +103,7 @@ def summarise(runs: dict[str, list], teacher_acc: float | None) -> dict:
                 "seed": run.name,
                 "final_acc": points[-1][2],
                 "acc_at_equal_tokens": at_tokens(points, budget),
+                "acc_at_a_third_of_dapo_tokens": at_tokens(points, third),
                 "tokens_generated": gen["tokens"],
                 "tokens_per_trained_token": round(gen["tokens_per_trained"], 3),
                 "steps_to_dapo_final": reach_step,
@@ -109,7 +117,11 @@ def summarise(runs: dict[str, list], teacher_acc: float | None) -> dict:
         per_seed += seeds
         arms.append(
             {"arm": arm, "seeds": len(seeds)}
-            | {k: ci([s[k] for s in seeds]) for k in ("final_acc", "acc_at_equal_tokens", "tokens_per_trained_token")}
+            | {
+                k: ci([s[k] for s in seeds])
+                for k in ("final_acc", "acc_at_equal_tokens", "acc_at_a_third_of_dapo_tokens")
+            }
+            | {"tokens_per_trained_token": ci([s["tokens_per_trained_token"] for s in seeds])}
             | {k: ci([s[k] for s in seeds]) for k in ("steps_to_dapo_final", "tokens_to_dapo_final")}
             | {"reached": sum(s["steps_to_dapo_final"] is not None for s in seeds)}
             | {"teacher_share_of_step_s": ci([s["teacher_share_of_step_s"] for s in seeds])}
@@ -118,16 +130,17 @@ def summarise(runs: dict[str, list], teacher_acc: float | None) -> dict:
         "teacher_held_out_acc": teacher_acc,
         "dapo_final_acc": round(target, 4),
         "equal_token_budget": budget,
+        "a_third_of_dapo_tokens": round(third),
         "arms": arms,
         "every_seed": per_seed,
     }
 
 
-def seed_runs(seed: int, common: list[str], out: Path) -> list[Run]:
+def seed_runs(seed: int, common: list[str], out: Path, arms: list[str]) -> list[Run]:
     """A seed's arms, run together; kept in out/seed<k>.json with their settings, so a rerun with the same settings
     and more seeds runs only the new ones."""
     seeding = [f"train.seed={seed}", f"data.seed={seed}", f"rollout.seed={seed}"]
-    specs = [("configs/demo.yaml", common + seeding + extra, out / arm / f"seed{seed}") for arm, extra in ARMS.items()]
+    specs = [("configs/demo.yaml", common + seeding + ARMS[arm], out / arm / f"seed{seed}") for arm in arms]
     kept = out / f"seed{seed}.json"
     settings = [overrides for _, overrides, _ in specs]
     if kept.is_file() and (saved := json.loads(kept.read_text()))["settings"] == settings:
@@ -148,6 +161,7 @@ def main() -> None:
     p.add_argument("--eval-problems", type=int, default=100)
     p.add_argument("--out", default="runs/distill_demo")
     p.add_argument("--json", help="write the results file here")
+    p.add_argument("--arms", default="dapo,distill,dapo_teacher", help=f"a comma-separated list of {', '.join(ARMS)}")
     args = p.parse_args()
     out = Path(args.out).resolve()
     teacher_acc = args.teacher_acc
@@ -159,9 +173,12 @@ def main() -> None:
         sys.exit("give --teacher DIR or --make-teacher")
     common = [f"train.total_steps={args.steps}", f"eval.every_steps={args.eval_every}", "eval.before_train=false"]
     common += [f"eval.num_problems={args.eval_problems}", f"teacher.path={teacher}"]
-    runs: dict[str, list] = {arm: [] for arm in ARMS}
+    arms = ["dapo", *(a for a in args.arms.split(",") if a != "dapo")]
+    if unknown := set(arms) - set(ARMS):
+        sys.exit(f"--arms: {', '.join(sorted(unknown))} unknown; choose from {', '.join(ARMS)}")
+    runs: dict[str, list] = {arm: [] for arm in arms}
     for seed in range(1, args.seeds + 1):
-        for arm, run in zip(ARMS, seed_runs(seed, common, out)):
+        for arm, run in zip(arms, seed_runs(seed, common, out, arms)):
             runs[arm].append(run)
             print(f"seed {seed} {arm}: held-out {curve(run.rows)[-1][2]:.3f}, {run.load.describe()}", flush=True)
     figures = summarise(runs, teacher_acc)
@@ -169,7 +186,8 @@ def main() -> None:
     if args.json:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
         result = {
-            "title": "On-policy distillation on the demo: DAPO, pure distillation and DAPO with a teacher",
+            "title": "On-policy distillation on the demo: DAPO, pure distillation and DAPO with a teacher"
+            + (", the teacher's full signal" if any(a.endswith("_full") for a in arms) else ""),
             "group": "The demo and the Python API example",
             "measures": (
                 f"The demo's base model taught by the demo's own DAPO-trained model (held-out {teacher_acc}), "
@@ -184,8 +202,8 @@ def main() -> None:
             "load": "; ".join(sorted({s["load"] for s in figures["every_seed"]})),
             "figures": figures,
             "notes": [
-                "Each seed's three arms ran together, one core each, on 2 cores that other jobs shared: wall and step "
-                "seconds are of that load, held-out figures and token counts are not.",
+                f"Each seed's {len(arms)} arms ran together in processes of one thread each, on 2 cores that other "
+                "jobs shared: wall and step seconds are of that load, held-out figures and token counts are not.",
             ],
         }
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

@@ -317,17 +317,23 @@ def test_teacher_coef_0_loads_no_teacher_whatever_the_path(tiny_model_dir, tmp_p
 
 
 def test_the_distillation_rows_of_dapo_ablate_and_the_demo_preset(tmp_path):
-    """`dapo ablate --rows-dir configs/distillation teacher.path=DIR`: DAPO (no teacher), pure distillation and DAPO
-    with the teacher, each on the ablation's base; configs/demo_distill.yaml is the demo with its trained teacher."""
+    """`dapo ablate --rows-dir configs/distillation teacher.path=DIR`: DAPO (no teacher), pure distillation, DAPO
+    with the teacher and pure distillation on the teacher's full KL, each on the ablation's base;
+    configs/demo_distill.yaml is the demo with its trained teacher."""
     from dapo.ablate import ROW_LABELS, find_rows, plan
 
     rows = find_rows(Path("configs/distillation"))
     _, runs = plan(Path("configs/ablation/base.yaml"), rows, [0], tmp_path, ["teacher.path=runs/demo/teacher"])
     by_row = {run.row: run.cfg.teacher for run in runs}
-    assert list(by_row) == ["1_dapo", "2_distill", "3_dapo_teacher"] and all(r in ROW_LABELS for r in by_row)
+    assert list(by_row) == ["1_dapo", "2_distill", "3_dapo_teacher", "4_distill_full"]
+    assert all(r in ROW_LABELS for r in by_row)
     assert by_row["1_dapo"].coef == 0
     assert by_row["2_distill"].coef == 1 and not by_row["2_distill"].reward_advantage
     assert by_row["3_dapo_teacher"].coef == 1 and by_row["3_dapo_teacher"].reward_advantage
+    full = by_row["4_distill_full"]
+    assert (full.coef, full.reward_advantage, full.signal) == (1, False, "full") and by_row[
+        "2_distill"
+    ].signal == "sampled"
     cfg = load_config("configs/demo_distill.yaml")
     assert (cfg.teacher.path, cfg.teacher.coef, cfg.teacher.reward_advantage) == ("runs/demo/teacher", 1.0, False)
     assert cfg.model.path == load_config("configs/demo.yaml").model.path

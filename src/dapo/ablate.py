@@ -57,6 +57,7 @@ ROW_LABELS = {
     # teacher.path=DIR)
     "2_distill": ("pure on-policy distillation (the teacher's term alone)", None),
     "3_dapo_teacher": ("DAPO + the teacher's per-token term", None),
+    "4_distill_full": ("pure on-policy distillation, the teacher's full KL in the loss", None),
 }
 # two-sided 97.5% quantiles of Student's t, by degrees of freedom (for the 95% interval over seeds)
 _T975 = {
