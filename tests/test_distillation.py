@@ -336,6 +336,7 @@ def test_the_distillation_rows_of_dapo_ablate_and_the_demo_preset(tmp_path):
     ].signal == "sampled"
     cfg = load_config("configs/demo_distill.yaml")
     assert (cfg.teacher.path, cfg.teacher.coef, cfg.teacher.reward_advantage) == ("runs/demo/teacher", 1.0, False)
+    assert (cfg.teacher.signal, cfg.train.ppo_epochs, cfg.train.warmup_steps) == ("full", 4, 0)
     assert cfg.model.path == load_config("configs/demo.yaml").model.path
 
 
