@@ -203,14 +203,18 @@ def test_a_run_with_a_teacher_resumes_onto_the_uninterrupted_run_s_weights(demo_
     assert 0 < last["teacher/adv_share"] < 1
 
 
+FULL = "teacher.signal=full"
+
+
 @pytest.mark.parametrize(
     "extra",
     [
         ["model.lora.rank=4", "train.lr=1e-2"],
         ["rollout.max_staleness=1", "rollout.engine_threads=1"],
         ["train.share_prompt_prefix=true", "teacher.dtype=bfloat16"],
+        ["model.lora.rank=4", "train.lr=1e-2", "train.share_prompt_prefix=true", "teacher.dtype=bfloat16", FULL],
     ],
-    ids=["lora", "generated-ahead", "shared-prompt-prefix-bf16-teacher"],
+    ids=["lora", "generated-ahead", "shared-prompt-prefix-bf16-teacher", "full-lora-shared-prompt-prefix-bf16-teacher"],
 )
 def test_a_teacher_composes_with_what_touches_the_trained_batch(demo_teacher_dir, tmp_path, extra):
     """Two steps each, the teacher's figures logged beside the other mechanism's, finite, on every trained step."""
@@ -223,7 +227,10 @@ def test_a_teacher_composes_with_what_touches_the_trained_batch(demo_teacher_dir
     assert len(rows) == 2
     for r in rows:
         assert r["teacher/reverse_kl_mean"] == pytest.approx(r["teacher/reverse_kl_mean"])  # finite, not nan
-        assert 0 < r["teacher/adv_share"] <= 1 and r["perf/time_teacher_logprob_s"] > 0
+        if FULL in extra:  # the exact KL, from the update
+            assert r["teacher/reverse_kl_mean"] > 0 and "teacher/adv_share" not in r
+        else:
+            assert 0 < r["teacher/adv_share"] <= 1 and r["perf/time_teacher_logprob_s"] > 0
 
 
 def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(tiny_model_dir, tmp_path, capsys):
