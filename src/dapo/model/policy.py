@@ -240,10 +240,10 @@ class Policy(LogProbModel):
         self.model.train()
         entropy = torch.zeros(len(batch), batch.max_response_len) if with_entropy else None  # this rank's rows
         per_update, skipped_before = [], self.skipped_updates
+        kl_term = (teacher, teacher_coef) if teacher is not None else None
         for epoch in range(self.train_cfg.ppo_epochs):
             for rows in self.mini_batch_rows(batch):
                 rows = self._rank_rows(batch, rows)
-                kl_term = (teacher, teacher_coef) if teacher is not None else None
                 per_update.append(
                     self._mini_batch_update(batch, rows, loss_fn, entropy if epoch == 0 else None, kl_term)
                 )
@@ -258,7 +258,12 @@ class Policy(LogProbModel):
         return out
 
     def _mini_batch_update(
-        self, batch: RolloutBatch, rows: list[int], loss_fn: LossFn, entropy: torch.Tensor | None, kl_term=None
+        self,
+        batch: RolloutBatch,
+        rows: list[int],
+        loss_fn: LossFn,
+        entropy: torch.Tensor | None,
+        kl_term: tuple[FullTeacher, float] | None = None,
     ) -> dict[str, tuple[torch.Tensor, str]]:
         """One optimizer update over this rank's ``rows``: the loss's statistics and the gradient norm."""
         width = max((len(batch.response_ids[i]) for i in rows), default=0)
