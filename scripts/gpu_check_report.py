@@ -46,7 +46,8 @@ ITEMS = {
         240,
     ),
     "o": (
-        "the teacher pass of on-policy distillation (teacher.path), float32 and bf16, vs its CPU float32 log-probs",
+        "the teacher pass of on-policy distillation (teacher.path), float32 and bf16, vs its CPU float32 log-probs; "
+        "teacher.signal=full's KL head vs full logits",
         "teacher_pass_on_the_device",
         120,
     ),
