@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import SMALL_OVERRIDES, loss_fn_of, make_policy, small_config  # noqa: E402
 from dapo import checkpoint, cli  # noqa: E402
+from dapo.algorithm.step import first_update_rows  # noqa: E402
 from dapo.checkpoint import shards as checkpoint_shards
 from dapo.checkpoint import weights as checkpoint_weights
 from dapo.checkpoint.weights import export_hf, is_lora  # noqa: E402
@@ -67,6 +68,8 @@ VARIANTS = {
     "uneven": ([], True),
     "shared": (["train.share_prompt_prefix=true"], False),
     "shared_uneven": (["train.share_prompt_prefix=true", "train.micro_batch_size=null"], True),
+    # the update's forward gives every row's old log-probs (one update: the pass computes none), each rank its own
+    "from_update_uneven": (["algo.old_logp_from_update=true"], True),
 }
 
 
@@ -140,10 +143,16 @@ def one_update(d, model_dir, batch_file, out_file, run_dir, overrides, uneven) -
     batch = torch.load(batch_file, weights_only=False)
     share = policy._rank_rows(batch, list(range(len(batch))))  # the batch is one mini-batch here
     counts = parallel.all_gather_object(len(policy.micro_batches(batch, share)), d)  # micro-batches per rank
-    old_logp, entropy = policy.compute_logprobs(batch, with_entropy=True)
+    from_update = first_update_rows(batch, policy) if cfg.algo.old_logp_from_update else []
+    old_logp, entropy = policy.compute_logprobs(batch, with_entropy=True, skip=from_update)
+    if from_update:  # as the step does: the pass's rows (here none: one update), and the update fills the others
+        assert not old_logp.any()
+        batch.old_logp, batch.entropy = old_logp, entropy
     before = {k: v.clone() for k, v in policy.named_weights()}
-    stats = policy.update(batch, loss_fn_of(cfg))
+    stats = policy.update(batch, loss_fn_of(cfg), old_logp_rows=from_update)
     after = {k: v.clone() for k, v in policy.named_weights()}
+    if from_update:
+        old_logp, entropy = batch.old_logp, batch.entropy
     engine.update_weights(policy.named_weights())
     save_step_1(policy, Path(run_dir), d)
     engine_weights = dict(engine.engine.model.named_parameters())  # this rank's full copy
@@ -236,6 +245,18 @@ def test_bfloat16_compute_keeps_float32_master_weights(two_rank_update, tiny_mod
     assert 0 < grad_diff < 0.02 * scale  # bf16 keeps ~3 significant digits; fp32 compute would give ~1e-8
     assert bf16["stats"]["pg_loss"] == pytest.approx(single["stats"]["pg_loss"], abs=1e-4)
     assert bf16["engine_sums"] == [bf16["trainer_sums"]] * 2
+
+
+def test_two_ranks_taking_old_log_probs_from_the_update_give_those_of_the_pass_and_its_update(two_rank_update):
+    """algo.old_logp_from_update on 2 ranks, one running more micro-batches: each rank's update forward gives its
+    rows' old log-probs and entropy, and every rank ends with all of them, those of one process's pass."""
+    single, runs, _, _ = two_rank_update
+    two = runs["from_update_uneven"]
+    grad_diff = max((two["delta"][k] - single["delta"][k]).abs().max().item() for k in single["delta"])
+    assert two["counts"][0] > two["counts"][1] and grad_diff < 1e-6
+    assert two["stats"]["pg_loss"] == pytest.approx(single["stats"]["pg_loss"], abs=1e-6)
+    assert (two["old_logp"] - single["old_logp"]).abs().max().item() < 1e-5 and single["old_logp"].abs().max() > 0.1
+    assert (two["entropy"] - single["entropy"]).abs().max().item() < 1e-5
 
 
 def test_ranks_with_fewer_micro_batches_join_with_empty_passes(two_rank_update):

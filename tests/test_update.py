@@ -96,14 +96,14 @@ def test_a_held_over_groups_first_update_ratio_is_against_the_policy_that_sample
     assert max((ratio[k] - 1).abs().max().item() for k, i in enumerate(rows) if i >= 4) > 1e-2
 
 
-def traced_update(cfg, *, old_logp: str, engine_logp_from=None):
+def traced_update(cfg, *, old_logp: str, engine_logp_from=None, from_update: bool = False):
     """One step's old-log-prob pass and update (dapo.algorithm.step.old_logprobs, Policy.update) with
     ``algo.old_logp_source`` on three groups, one per mini-batch, under SGD: returns the batch as the update left it,
     the phase's result, each loss call's (old_logp, logp, loss) and each optimizer step's gradients and
     the weights after the update."""
     from types import SimpleNamespace
 
-    from dapo.algorithm.step import old_logprobs
+    from dapo.algorithm.step import old_logprobs, takes_old_logp_from_update
     from dapo.config import load_config
 
     torch.manual_seed(0)
@@ -114,8 +114,10 @@ def traced_update(cfg, *, old_logp: str, engine_logp_from=None):
     batch.old_logp = batch.entropy = None
     if engine_logp_from is not None:  # what vLLM in float32 reports: the trainer's own numbers
         batch.rollout_logp = [engine_logp_from[i, : len(r)].tolist() for i, r in enumerate(batch.response_ids)]
-    run_cfg = load_config(None, [f"algo.old_logp_source={old_logp}", "rollout.backend=vllm"])
-    phase = old_logprobs(batch, policy, run_cfg.algo)
+    run_cfg = load_config(
+        None, [f"algo.old_logp_source={old_logp}", "rollout.backend=vllm", f"algo.old_logp_from_update={from_update}"]
+    )
+    phase = old_logprobs(batch, policy, run_cfg.algo, from_update=takes_old_logp_from_update(run_cfg))
     before_update = batch.old_logp.clone()
     real_loss, calls, grads = loss_fn_of(cfg), [], []
 
@@ -127,7 +129,7 @@ def traced_update(cfg, *, old_logp: str, engine_logp_from=None):
     policy.optimizer.register_step_pre_hook(
         lambda *_: grads.append([p.grad.clone() for p in policy.model.parameters()])
     )
-    policy.update(batch, spy, with_entropy=phase.entropy_from_update)
+    policy.update(batch, spy, with_entropy=phase.entropy_from_update, old_logp_rows=phase.from_update)
     weights = torch.cat([p.detach().flatten() for p in policy.model.parameters()])
     return SimpleNamespace(
         batch=batch,
@@ -161,6 +163,59 @@ def test_engine_old_logp_is_the_engines_and_runs_no_pass(tiny_model_dir, tmp_pat
     m = step_metrics(engine.batch, CollectStats(), {}, times, old_logprob_tokens=0, engine_vs_trainer=False)
     assert not any(k.startswith("rollout/logprob_abs_diff") for k in m) and "perf/old_logprob_tokens_per_s" not in m
     assert m["actor/entropy"] > 0.1
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_old_logp_from_update_skips_the_first_updates_rows_and_trains_as_the_pass(tiny_model_dir, tmp_path, epochs):
+    """algo.old_logp_from_update: the pass leaves out the first update's rows, whose forward gives their old
+    log-probs (ratio exactly 1) and entropy before its optimizer step; the later updates (and a second epoch's
+    first) take the pass's, and the weights, old log-probs and entropy end as with the pass over every row."""
+    cfg = small_config(
+        tmp_path, tiny_model_dir, "train.prompts_per_step=3", "train.mini_batch_prompts=1", f"train.ppo_epochs={epochs}"
+    )
+    rec = traced_update(cfg, old_logp="recompute")
+    ours = traced_update(cfg, old_logp="recompute", from_update=True)
+    lengths = rec.batch.response_lengths
+    assert ours.phase.from_update == [0, 1, 2, 3]  # group 1, one update
+    assert ours.phase.tokens_computed == int(lengths[4:].sum()) and rec.phase.tokens_computed == int(lengths.sum())
+    assert not ours.before_update[:4].any()  # the pass skipped them
+    assert torch.equal(ours.before_update[4:], rec.reference_old[4:])
+    old, logp, _ = ours.calls[0]
+    assert torch.equal(old, logp)  # the first update's own forward: ratio exactly 1
+    assert torch.allclose(rec.calls[0][0], logp, atol=1e-5)  # where the pass's differs by float rounding
+    assert torch.allclose(ours.batch.old_logp, rec.reference_old, atol=1e-5)
+    assert torch.allclose(ours.batch.entropy, rec.reference_entropy, atol=1e-5)
+    assert ours.batch.entropy[:4].abs().max() > 0.1
+    assert (ours.weights - rec.weights).abs().max() < 1e-6 and rec.grads[0][0].abs().max() > 1e-3
+    assert len(ours.calls) == 3 * epochs
+    for (old, _, loss), (old_rec, _, loss_rec) in zip(ours.calls[1:], rec.calls[1:]):
+        assert torch.allclose(old, old_rec, atol=1e-5) and loss.item() == pytest.approx(loss_rec.item(), abs=1e-6)
+    if epochs == 2:  # the second epoch's first update: the old log-probs the first one wrote, not its own forward
+        old, logp, _ = ours.calls[3]
+        assert torch.equal(old, ours.batch.old_logp[:4, : old.shape[1]]) and (old - logp).abs().max() > 1e-3
+
+
+def test_old_logp_from_update_leaves_held_over_rows_and_rows_with_nothing_trained_to_the_pass(tiny_model_dir, tmp_path):
+    from dapo.algorithm.step import first_update_rows
+
+    cfg = small_config(tmp_path, tiny_model_dir, "train.prompts_per_step=4", "train.mini_batch_prompts=2")
+    policy = make_policy(cfg)
+    batch = sampled_batch(policy)
+    assert first_update_rows(batch, policy) == list(range(8))
+    batch.held_over_old_logp = [[-1.0] * len(r) if i == 2 else None for i, r in enumerate(batch.response_ids)]
+    batch.trainable = torch.tensor([i != 5 for i in range(len(batch))])  # e.g. a response overlong filtering drops
+    assert first_update_rows(batch, policy) == [0, 1, 3, 4, 6, 7]
+
+
+def test_old_logp_from_update_applies_only_where_the_pass_can_leave_rows_out():
+    from dapo.algorithm.step import takes_old_logp_from_update
+    from dapo.config import load_config
+
+    on, teacher = ["algo.old_logp_from_update=true"], ["teacher.path=assets/arith-base", "teacher.coef=0.5"]
+    assert takes_old_logp_from_update(load_config(None, on)) and not takes_old_logp_from_update(load_config(None, []))
+    assert takes_old_logp_from_update(load_config(None, [*on, *teacher, "teacher.signal=full"]))
+    for needs_the_pass in (["rollout.backend=vllm", "algo.rollout_is_cap=2"], teacher, ["model.keep_dropout=true"]):
+        assert not takes_old_logp_from_update(load_config(None, [*on, *needs_the_pass]))
 
 
 def test_old_logp_sources_fail_in_one_line_where_they_cannot_be_exact(tiny_model_dir, tmp_path):

@@ -28,7 +28,14 @@ from dataclasses import dataclass
 
 from dapo import checkpoint, run_setup
 from dapo.algorithm.batch import RolloutBatch
-from dapo.algorithm.step import assign_advantages, make_loss_fn, old_logprobs, teacher_in_loss, teacher_term
+from dapo.algorithm.step import (
+    assign_advantages,
+    make_loss_fn,
+    old_logprobs,
+    takes_old_logp_from_update,
+    teacher_in_loss,
+    teacher_term,
+)
 from dapo.checkpoint import preemption
 from dapo.checkpoint.saver import Saver
 from dapo.checkpoint.writer import CheckpointWriter
@@ -179,7 +186,14 @@ def _update(run: Run, taken: StepBatch, step: int, phase: StepPhases, seconds: d
     assign_advantages(batch, cfg.algo, cfg.rollout.group_size, filter_void_turns=cfg.tools.filter_void_turns)
     engine.sleep()  # a colocated engine frees its memory for the trainer; no-op for hf
     with phase("old_logprob"):
-        old = old_logprobs(batch, policy, cfg.algo, reference=run.reference, held_over=taken.held_over)
+        old = old_logprobs(
+            batch,
+            policy,
+            cfg.algo,
+            reference=run.reference,
+            held_over=taken.held_over,
+            from_update=takes_old_logp_from_update(cfg),
+        )
     distilled, full_teacher = {}, run.teacher if cfg.teacher.signal == "full" else None
     if run.teacher is not None and full_teacher is None:  # on-policy distillation: a term in every token's advantage
         with phase("teacher_logprob"):
@@ -198,6 +212,7 @@ def _update(run: Run, taken: StepBatch, step: int, phase: StepPhases, seconds: d
             with_entropy=old.entropy_from_update,
             teacher=full_teacher,
             teacher_coef=cfg.teacher.coef,
+            old_logp_rows=old.from_update,
         )
     updates, skipped = policy.last_updates
     run.notes.updated(step, updates=updates, skipped=skipped, in_a_row=policy.nonfinite_in_a_row)

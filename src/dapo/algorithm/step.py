@@ -60,10 +60,17 @@ class OldLogprobs:
     tokens_computed: int
     entropy_from_update: bool = False
     held_over: list[RolloutBatch] = dataclasses.field(default_factory=list)  # with their old log-probs
+    from_update: list[int] = dataclasses.field(default_factory=list)  # rows whose old log-probs the update gives
 
 
 def old_logprobs(
-    batch: RolloutBatch, policy, algo_cfg: AlgoConfig, *, reference=None, held_over: Sequence[RolloutBatch] = ()
+    batch: RolloutBatch,
+    policy,
+    algo_cfg: AlgoConfig,
+    *,
+    reference=None,
+    held_over: Sequence[RolloutBatch] = (),
+    from_update: bool = False,
 ) -> OldLogprobs:
     """old_logp (and entropy) under the weights that sampled, the reference's log-probs for a KL term, and the
     importance weights when they are on. ``policy`` and ``reference`` give ``compute_logprobs`` / ``logprobs``;
@@ -71,7 +78,8 @@ def old_logprobs(
     while the policy still holds the weights that sampled them, and all come back in ``OldLogprobs.held_over``.
 
     algo.old_logp_source: ``recompute`` runs the log-prob pass over every row; ``engine`` takes vLLM's
-    log-probs and runs no pass (entropy from the update's forwards).
+    log-probs and runs no pass (entropy from the update's forwards). ``from_update`` (``takes_old_logp_from_update``):
+    the pass leaves out the first update's rows (``OldLogprobs.from_update``), whose old log-probs its forward gives.
     """
     a = algo_cfg
     held_over = with_old_logp(held_over, policy.compute_logprobs, source=a.held_over_logp_source)
@@ -83,14 +91,37 @@ def old_logprobs(
         T = batch.max_response_len
         batch.old_logp = batch.old_logp_with_held_over(batch.padded_logp(batch.rollout_logp, T))  # (N, T)
         tokens = 0
+        skipped = []
     else:
-        old_logp, batch.entropy = policy.compute_logprobs(batch, with_entropy=True)  # (N, T)
+        skipped = first_update_rows(batch, policy) if from_update else []
+        old_logp, batch.entropy = policy.compute_logprobs(batch, with_entropy=True, skip=skipped)  # (N, T)
         batch.old_logp = batch.old_logp_with_held_over(old_logp)  # held-over groups: the weights that sampled them
-        tokens = int(batch.response_lengths.sum())
+        tokens = int(batch.response_lengths.sum() - batch.response_lengths[skipped].sum())
     if reference is not None:
         batch.ref_logp = reference.logprobs(batch)  # (N, T)
     metrics = importance_weights(batch, a)  # engine vs trainer; off without a cap
-    return OldLogprobs(metrics, tokens, entropy_from_update=a.old_logp_source == "engine", held_over=held_over)
+    return OldLogprobs(
+        metrics, tokens, entropy_from_update=a.old_logp_source == "engine", held_over=held_over, from_update=skipped
+    )
+
+
+def takes_old_logp_from_update(cfg) -> bool:
+    """Whether algo.old_logp_from_update applies to a run with the config ``cfg``: not where every old log-prob is
+    needed before the update starts (importance weights on the engine's log-probs, a sampled teacher term in the
+    advantage) or where the update's forward would differ from the pass's (dropout kept in training passes)."""
+    sampled_teacher = cfg.teacher.coef > 0 and cfg.teacher.signal == "sampled"
+    a = cfg.algo
+    return a.old_logp_from_update and a.rollout_is_cap is None and not sampled_teacher and not cfg.model.keep_dropout
+
+
+def first_update_rows(batch: RolloutBatch, policy) -> list[int]:
+    """The rows of the first optimizer update whose old log-probs its own forward can give: not held over from an
+    earlier step (their old policy is the weights that sampled them) and with a token trained on (a micro-batch with
+    none runs no forward)."""
+    first = policy.mini_batch_rows(batch)[0]
+    trained = batch.response_mask(torch.tensor(first)).sum(-1) > 0  # (n,)
+    held = batch.held_over_old_logp  # one entry per row, or none when no row is held over
+    return [i for i, t in zip(first, trained.tolist()) if t and not (held and held[i] is not None)]
 
 
 def teacher_term(batch: RolloutBatch, teacher, teacher_cfg: TeacherConfig) -> dict:

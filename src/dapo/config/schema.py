@@ -235,6 +235,13 @@ class AlgoConfig:
     # where a step's old log-probs come from: recompute (a forward pass over the batch before the update, the
     # reference) or engine (vLLM's sampling log-probs, no pass; float32 only). Named algo.old_logp before
     old_logp_source: OldLogpSource = "recompute"
+    # true: the first optimizer update's old log-probs are its own forward's (detached), and the pass before the
+    # update computes only the later updates' rows (on the demo, half the pass). The same weights give the same
+    # log-probs, so the ratio is 1 as the pass's would be, to float rounding. It does nothing where every old
+    # log-prob is needed before the update (algo.rollout_is_cap, teacher.signal=sampled with teacher.coef > 0),
+    # where the update's forward is not the pass's (model.keep_dropout), or with algo.old_logp_source=engine (no
+    # pass); false: a pass over every row, as the reference
+    old_logp_from_update: bool = False
     # C: each token's loss x min(pi_old / pi_rollout, C), the correction for the gap between the engine that sampled
     # (its own log-probs) and the trainer; null: off (the reference). Left out with rollout.max_staleness > 0 it is
     # 2, as the run's config.yaml shows. With rollout.backend=vllm, turn it on (2 is a usual start) when the logged

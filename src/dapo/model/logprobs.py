@@ -21,6 +21,8 @@ from dapo.model.prefix import prompt_then_responses, unsupported
 from dapo.runtime import parallel
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from dapo.config import ModelConfig, TrainConfig
 
 
@@ -457,8 +459,8 @@ class LogProbModel:
         return token_logprobs(self.logprob_pass, mb, temperature=self.temperature, with_entropy=with_entropy)
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: RolloutBatch, *, with_entropy: bool = False):
-        """(N, T) log-probs of the sampled tokens (and entropy) under this model."""
+    def compute_logprobs(self, batch: RolloutBatch, *, with_entropy: bool = False, skip: Sequence[int] = ()):
+        """(N, T) log-probs of the sampled tokens (and entropy) under this model; 0 on the rows in ``skip``."""
         was_training = self.model.training
         self.model.train(False)
         T = batch.max_response_len
@@ -467,6 +469,9 @@ class LogProbModel:
         rows = list(range(len(batch)))
         if self.dist.sharded:  # the rows this rank trains on; the others' come with the all-reduce below
             rows = [i for update_rows in self.mini_batch_rows(batch) for i in self._rank_rows(batch, update_rows)]
+        if skip:
+            skipped = set(skip)
+            rows = [i for i in rows if i not in skipped]
         for micro in parallel.same_count(self.micro_batches(batch, rows), self.dist):
             # None: a pass only to join the collectives
             lp, ent = self.micro_batch_logprobs(batch, micro or [0], with_entropy=with_entropy)

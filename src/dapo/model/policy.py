@@ -8,6 +8,7 @@ decides anything about the algorithm: the loss arrives as a function (``LossFn``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -76,6 +77,17 @@ class FullTeacher(Protocol):
     entry at the n response positions of one of the student's micro-batches, without gradient."""
 
     def full_logprobs(self, mb: MicroBatch) -> torch.Tensor: ...
+
+
+def _old_logp_from_forward(
+    batch: RolloutBatch, idx: torch.Tensor, at: torch.Tensor, logp: torch.Tensor, ent: torch.Tensor
+) -> None:
+    """The old log-probs and entropy of a micro-batch's rows ``idx[at]`` from the update's forward before its
+    optimizer step (``logp``, ``ent``: (B, T) over ``idx``): the weights the log-prob pass would have used, so the
+    ratio is exactly 1 where the pass's would be 1 to float rounding."""
+    width = logp.shape[1]
+    batch.old_logp[idx[at], :width] = logp.detach()[at.to(logp.device)].float().cpu()
+    batch.entropy[idx[at], :width] = ent.detach()[at.to(ent.device)].float().cpu()
 
 
 class ReferenceModel(LogProbModel):
@@ -177,6 +189,7 @@ class Policy(LogProbModel):
         with_entropy: bool = False,
         teacher: FullTeacher | None = None,
         teacher_coef: float = 0.0,
+        old_logp_rows: Sequence[int] = (),
     ) -> dict[str, torch.Tensor]:
         """Several optimizer updates over one rollout batch (mini-batches of whole groups,
         ``mini_batch_rows``), each minimising ``loss_fn`` summed over its micro-batches.
@@ -187,20 +200,29 @@ class Policy(LogProbModel):
         ``with_entropy``: each row's entropy from the first forward over it goes into ``batch.entropy``
         (algo.old_logp_source=engine runs no log-prob pass that would give it). ``teacher``: teacher.signal=full's,
         whose exact KL(student || teacher) at each trained token is added to the loss, ``teacher_coef`` x its token
-        mean over the mini-batch (the statistic ``teacher/reverse_kl_mean``).
+        mean over the mini-batch (the statistic ``teacher/reverse_kl_mean``). ``old_logp_rows``: rows of the first
+        update (algo.old_logp_from_update) whose old log-probs and entropy its own forward gives, written into
+        ``batch.old_logp`` and ``batch.entropy`` (the log-prob pass skipped them).
         """
         self.model.train()
         entropy = torch.zeros(len(batch), batch.max_response_len) if with_entropy else None  # this rank's rows
         per_update, skipped_before = [], self.skipped_updates
         kl_term = (teacher, teacher_coef) if teacher is not None else None
         for epoch in range(self.train_cfg.ppo_epochs):
-            for rows in self.mini_batch_rows(batch):
+            for k, rows in enumerate(self.mini_batch_rows(batch)):
                 rows = self._rank_rows(batch, rows)
+                from_forward = frozenset(old_logp_rows) if epoch == k == 0 else frozenset()  # no step taken yet
                 per_update.append(
-                    self._mini_batch_update(batch, rows, loss_fn, entropy if epoch == 0 else None, kl_term)
+                    self._mini_batch_update(
+                        batch, rows, loss_fn, entropy if epoch == 0 else None, kl_term, from_forward
+                    )
                 )
         if entropy is not None:  # every row was filled by exactly one rank
             batch.entropy = parallel.all_reduce(entropy, self.dist)
+        if old_logp_rows and self.dist.sharded:  # each rank wrote its own share of them
+            at = torch.tensor(sorted(old_logp_rows))
+            batch.old_logp[at] = parallel.all_reduce(batch.old_logp[at], self.dist)
+            batch.entropy[at] = parallel.all_reduce(batch.entropy[at], self.dist)
         out = over_updates(per_update)
         out["lr"] = torch.tensor(self.optimizer.param_groups[0]["lr"])  # the rate these updates took, not the next
         self.scheduler.step()
@@ -216,6 +238,7 @@ class Policy(LogProbModel):
         loss_fn: LossFn,
         entropy: torch.Tensor | None,
         kl_term: tuple[FullTeacher, float] | None = None,
+        from_forward: frozenset[int] = frozenset(),
     ) -> dict[str, tuple[torch.Tensor, str]]:
         """One optimizer update over this rank's ``rows``: the loss's statistics and the gradient norm."""
         width = max((len(batch.response_ids[i]) for i in rows), default=0)
@@ -227,7 +250,7 @@ class Policy(LogProbModel):
         }
         totals = StatTotals()
         for micro in parallel.same_count(self.micro_batches(batch, rows), self.dist):
-            totals.add(self._micro_batch_backward(batch, micro, loss_fn, counts, entropy, kl_term))
+            totals.add(self._micro_batch_backward(batch, micro, loss_fn, counts, entropy, kl_term, from_forward))
         stats = totals.reduce(self.dist)
         grad_norm = parallel.clip_grad_norm(self.master or self.model.parameters(), self.train_cfg.grad_clip)
         # the loss summed over every rank: an inf whose gradient is 0 skips too, and every rank skips together
@@ -250,16 +273,19 @@ class Policy(LogProbModel):
         counts: dict,
         entropy: torch.Tensor | None,
         kl_term: tuple[FullTeacher, float] | None = None,
+        from_forward: frozenset[int] = frozenset(),
     ) -> dict[str, Stat]:
         """Forward and backward over one micro-batch (None: a pass only to join the ranks' collectives);
-        returns the loss's statistics and the loss itself, as "loss"."""
+        returns the loss's statistics and the loss itself, as "loss". The rows in ``from_forward`` take this
+        forward's log-probs as their old ones (``update``'s ``old_logp_rows``)."""
         rows = micro or [0]
         idx = torch.tensor(rows)
         width = max(len(batch.response_ids[i]) for i in rows)
         mask = batch.response_mask(idx, width=width) * (micro is not None)  # (B, T)
         if mask.sum() == 0 and not self.dist.sharded:  # every row filtered out (overlong filtering)
             return {}
-        with_entropy = entropy is not None and micro is not None
+        own_old = [k for k, i in enumerate(rows) if i in from_forward] if micro is not None else []
+        with_entropy = micro is not None and (entropy is not None or bool(own_old))
         if kl_term is None:
             logp, ent = self.micro_batch_logprobs(batch, rows, with_entropy=with_entropy)
         else:  # the teacher over the same micro-batch, then the student's log-probs and its KL to the teacher
@@ -272,8 +298,10 @@ class Policy(LogProbModel):
                 with_entropy=with_entropy,
                 teacher_logp=teacher_logp,
             )
-        if with_entropy:
+        if entropy is not None and micro is not None:
             entropy[idx, :width] = ent.float().cpu()  # (B, T)
+        if own_old:
+            _old_logp_from_forward(batch, idx, torch.tensor(own_old), logp, ent)
         on_device = lambda x: None if x is None else x[idx, :width].to(self.device)  # noqa: E731
         adv = batch.adv[idx] if batch.adv.dim() == 1 else batch.adv[idx, :width]  # (B,), or (B, T) with a teacher
         loss, stats = loss_fn(
