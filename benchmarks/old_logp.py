@@ -1,6 +1,7 @@
-"""What `algo.old_logp_source` saves on a real-model step: recompute (the reference) against engine.
+"""What the old log-probs' settings save on a real-model step: a pass over every row (recompute, the reference)
+against `algo.old_logp_from_update` (the first update's rows from its own forward) and `algo.old_logp_source=engine`.
 
-    python benchmarks/old_logp.py [--runs 3] [--steps 2]      # make smollm2 first; about 17 minutes on 2 idle cores
+    python benchmarks/old_logp.py [--runs 3] [--steps 2]      # make smollm2 first; about 25 minutes on 2 idle cores
 
 Each run is `python -m dapo.training configs/smollm2_135m.yaml` in its own process (the same point
 as benchmarks/scaling.py: 8 prompts x G=8, <= 96 tokens, 2 optimizer updates, dynamic sampling off,
@@ -23,7 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runs import describe, withheld  # noqa: E402
 from scaling import BASE, MODEL, run_point  # noqa: E402
 
-SETTINGS = ("recompute", "engine")  # first_update was removed (RESULTS.md, "Old log-probs")
+# each setting's overrides of the preset (which turns algo.old_logp_from_update on)
+SETTINGS = {
+    "recompute": ("algo.old_logp_source=recompute", "algo.old_logp_from_update=false"),
+    "from_update": ("algo.old_logp_source=recompute", "algo.old_logp_from_update=true"),
+    "engine": ("algo.old_logp_source=engine", "algo.old_logp_from_update=false"),
+}
 
 
 def main() -> None:
@@ -36,8 +42,8 @@ def main() -> None:
     res: dict[str, list[dict]] = {s: [] for s in SETTINGS}
     loads: list[dict] = []  # every run's: a saving compares them all
     for run in range(args.runs):
-        for setting in SETTINGS if run % 2 == 0 else SETTINGS[::-1]:
-            out = run_point(BASE, args.steps, extra=(f"algo.old_logp_source={setting}",))
+        for setting in list(SETTINGS) if run % 2 == 0 else list(SETTINGS)[::-1]:
+            out = run_point(BASE, args.steps, extra=SETTINGS[setting])
             r = out["row"]
             res[setting].append(
                 {

