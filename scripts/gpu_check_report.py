@@ -56,6 +56,11 @@ ITEMS = {
         "decode_loop_samples",
         120,
     ),
+    "v": (
+        "algo.old_logp_from_update: the first update's old log-probs from its forward vs a pass over every row",
+        "old_logp_from_update_on_the_device",
+        120,
+    ),
     "t": (
         "train.kernels: torch.compile per decoder layer, Liger Kernel, both; float32 and bf16 against the CPU update",
         "faster_kernels",

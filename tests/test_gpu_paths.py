@@ -11,6 +11,7 @@ the update itself, are tests/test_gpu.py's, whose docstring says how the devices
   n  a rollout rank under torchrun on the device against the rollout process
   u  the HF engine's decode loop on the device (a prompt's prefill shared by its rows, ended rows leaving the batch)
      against transformers' generate: the same tokens for the seed
+  v  algo.old_logp_from_update: the first update's old log-probs from its own forward against a pass over every row
 """
 
 import subprocess
@@ -517,3 +518,44 @@ def test_a_rollout_rank_on_the_device_trains_as_the_rollout_process_does(tiny_mo
     report("n", device=device, same_samples=same, weight_gap=gap, bound=1e-5)
     assert same and [got[t]["async/staleness_max"] for t in (1, 2, 3)] == [0, 1, 1]
     assert gap <= 1e-5
+
+
+# ---- v: the first update's old log-probs from its own forward ------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_old_logp_from_update_on_the_device_gives_the_passs_old_log_probs(tiny_model_dir, tmp_path, device, dtype):
+    """algo.old_logp_from_update on the device: the pass leaves out the first update's rows, whose forward writes
+    their old log-probs and entropy before its optimizer step (that update's ratio exactly 1), and every old log-prob,
+    entropy and update statistic matches a pass over every row (float32: 1e-5; bf16: the passes round differently,
+    a few of its epsilons)."""
+    from conftest import sampled_batch
+    from dapo.algorithm.step import first_update_rows
+
+    cfg = small_config(
+        tmp_path, tiny_model_dir, "train.prompts_per_step=3", "train.mini_batch_prompts=1", f"model.dtype={dtype}"
+    )
+    out = {}
+    for from_update in (False, True):
+        torch.manual_seed(0)
+        policy = make_policy(cfg, device)
+        batch = sampled_batch(policy)  # the same samples both times: the same weights and seed
+        rows = first_update_rows(batch, policy) if from_update else []
+        batch.old_logp, batch.entropy = policy.compute_logprobs(batch, with_entropy=True, skip=rows)
+        assert not batch.old_logp[rows].any()
+        real, ratios = loss_fn_of(cfg), []
+
+        def spy(logp, old, *args, real=real, ratios=ratios, **kwargs):
+            ratios.append((logp.detach().float() - old).exp())
+            return real(logp, old, *args, **kwargs)
+
+        stats = policy.update(batch, spy, old_logp_rows=rows)
+        out[from_update] = (batch.old_logp, batch.entropy, stats, ratios, rows)
+    (old_pass, ent_pass, stats_pass, _, _), (old, ent, stats, ratios, rows) = out[False], out[True]
+    assert rows == [0, 1, 2, 3] and len(ratios) == 3
+    assert torch.equal(ratios[0], torch.ones_like(ratios[0]))  # the first update's own forward
+    tol = 1e-5 if dtype == "float32" else 16 * BF16_EPS
+    logp_diff, ent_diff = (old - old_pass).abs().max().item(), (ent - ent_pass).abs().max().item()
+    report(f"v old_logp_from_update {device} {dtype}", logp_max_abs_diff=logp_diff, entropy_max_abs_diff=ent_diff)
+    assert old_pass[:4].abs().max() > 0.1 and logp_diff < tol and ent_diff < tol
+    for name in ("pg_loss", "grad_norm"):
+        assert stats[name].item() == pytest.approx(stats_pass[name].item(), rel=tol, abs=tol), name
