@@ -6,7 +6,6 @@ step reports, and a run killed with SIGKILL and resumed ends on the weights of a
 """
 
 import io
-import json
 import os
 import re
 import shutil
@@ -24,6 +23,7 @@ from safetensors.torch import load_file
 from conftest import SMALL_OVERRIDES
 from dapo.collect.ahead import AheadThread
 from dapo.config import ConfigError, dump_yaml, load_config
+from dapo.reporting.run_log import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -179,8 +179,7 @@ def overrides(model_dir, run_dir, k, steps, *extra) -> list[str]:
 
 
 def rows_of(run_dir: Path) -> list[dict]:
-    path = next(run_dir.glob("*/metrics.jsonl"))
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_metrics(next(run_dir.glob("*/metrics.jsonl")))
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -373,6 +373,24 @@ def test_a_warning_keeps_its_line_whole_when_the_console_is_not_a_terminal(tmp_p
     assert text + "\n" in sink.getvalue() and len(text) > 40
 
 
+def test_a_row_cut_off_mid_write_is_left_out_when_read_and_dropped_on_resume(tmp_path):
+    """A reader polling a running run, or a run killed while writing a row, meets a last line with no newline: it is
+    not a row yet. Reading leaves it out (it raised before), and resuming drops it with the rows past the checkpoint."""
+    import json
+
+    from dapo.reporting.run_log import RunLogger, read_metrics
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": 0, "eval/arith/avg@1": 0.25}, {"step": 1, "x": 1.5}, {"step": 2, "x": 2.5}]
+    full = "".join(json.dumps(r) + "\n" for r in rows)
+    (run / "metrics.jsonl").write_text(full + '{"step": 3, "x": 0.74999')
+    assert read_metrics(run) == rows
+    RunLogger(run, total_steps=4, start_step=1, tensorboard=False, progress=False)
+    assert (run / "metrics.jsonl").read_text() == "".join(json.dumps(r) + "\n" for r in rows[:2])
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl", "samples"]  # no temporary file left
+
+
 def test_the_generation_line_gives_no_ratio_when_nothing_was_trained():
     from dapo.reporting.run_log import _generation_line
 

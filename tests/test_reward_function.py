@@ -14,6 +14,7 @@ from conftest import SMALL_OVERRIDES  # noqa: E402
 from dapo import api, cli  # noqa: E402
 from dapo.config import ConfigError, load_config  # noqa: E402
 from dapo.evaluation import load_benchmark  # noqa: E402
+from dapo.reporting.run_log import read_metrics  # noqa: E402
 
 REWARDS = '''
 def quarter(response: str, ground_truth: str) -> tuple[float, bool]:
@@ -51,7 +52,7 @@ def rewards_file(tmp_path) -> Path:
 
 
 def rows_of(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return read_metrics(run)
 
 
 def test_dapo_train_grades_with_the_function_a_file_names(tiny_model_dir, tmp_path, rewards_file, capsys):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import re
 import warnings
 from pathlib import Path
@@ -75,7 +76,13 @@ def read_metrics(run_dir: Path) -> list[dict]:
     """The rows of a run's metrics.jsonl (given the run directory or the file); [] before the first."""
     path = Path(run_dir)
     path = path if path.suffix == ".jsonl" else path / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return [json.loads(line) for line in complete_lines(path.read_text())] if path.exists() else []
+
+
+def complete_lines(text: str) -> list[str]:
+    """The non-blank lines of a metrics file that end in a newline. Each row is written as one line with its newline,
+    so a last line without one is a row still being written (read while the run logs) or cut off by a kill."""
+    return [line for line in text.split("\n")[:-1] if line.strip()]
 
 
 def held_out_keys(rows: dict | list[dict]) -> list[str]:
@@ -267,15 +274,15 @@ class RunLogger:
 
     def _truncate_after(self, step: int) -> None:
         """On resume, drop lines logged after the checkpoint we continue from (all of them when
-        starting from scratch, or a restarted run would log its step-0 evaluation twice)."""
+        starting from scratch, or a restarted run would log its step-0 evaluation twice), and a row a kill cut off.
+        The file is replaced whole, so that a reader polling it never sees it half written."""
         if not self.metrics_path.exists():
             return
-        keep = [
-            line
-            for line in self.metrics_path.read_text().splitlines()
-            if step > 0 and line.strip() and json.loads(line).get("step", 0) <= step
-        ]
-        self.metrics_path.write_text("".join(line + "\n" for line in keep))
+        lines = complete_lines(self.metrics_path.read_text())
+        keep = [line for line in lines if step > 0 and json.loads(line).get("step", 0) <= step]
+        partial = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
+        partial.write_text("".join(line + "\n" for line in keep))
+        os.replace(partial, self.metrics_path)
 
     def log(self, step: int, metrics: dict) -> dict:
         row = {"step": step, **{k: _float(v) for k, v in sorted(with_verl_names(metrics).items())}}
