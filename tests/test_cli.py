@@ -374,8 +374,9 @@ def test_a_warning_keeps_its_line_whole_when_the_console_is_not_a_terminal(tmp_p
 
 
 def test_a_row_cut_off_mid_write_is_left_out_when_read_and_dropped_on_resume(tmp_path):
-    """A reader polling a running run, or a run killed while writing a row, meets a last line with no newline: it is
-    not a row yet. Reading leaves it out (it raised before), and resuming drops it with the rows past the checkpoint."""
+    """A reader polling a running run, or a run killed while writing a row, meets a last line cut short: not a row
+    yet. Reading leaves it out (it raised before), and resuming drops it with the rows past the checkpoint. A whole
+    row without its newline (a file written by hand) is read."""
     import json
 
     from dapo.reporting.run_log import RunLogger, read_metrics
@@ -389,6 +390,8 @@ def test_a_row_cut_off_mid_write_is_left_out_when_read_and_dropped_on_resume(tmp
     RunLogger(run, total_steps=4, start_step=1, tensorboard=False, progress=False)
     assert (run / "metrics.jsonl").read_text() == "".join(json.dumps(r) + "\n" for r in rows[:2])
     assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl", "samples"]  # no temporary file left
+    (run / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n" + json.dumps(rows[1]))  # by hand, no last newline
+    assert read_metrics(run) == rows[:2]
 
 
 def test_the_generation_line_gives_no_ratio_when_nothing_was_trained():

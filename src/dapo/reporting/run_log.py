@@ -80,9 +80,15 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def complete_lines(text: str) -> list[str]:
-    """The non-blank lines of a metrics file that end in a newline. Each row is written as one line with its newline,
-    so a last line without one is a row still being written (read while the run logs) or cut off by a kill."""
-    return [line for line in text.split("\n")[:-1] if line.strip()]
+    """The non-blank lines of a metrics file, less a last line cut short: a row still being written (read while the
+    run logs) or cut off by a kill. A cut row is never valid JSON (its closing brace is its last character), and a
+    whole one without its newline (a file written by hand) is kept."""
+    *lines, last = text.split("\n")
+    if last.strip():
+        with contextlib.suppress(json.JSONDecodeError):
+            json.loads(last)
+            lines.append(last)
+    return [line for line in lines if line.strip()]
 
 
 def held_out_keys(rows: dict | list[dict]) -> list[str]:
